@@ -1,0 +1,86 @@
+"""Attention over the paged KV cache, behind one interface with swappable backends.
+
+`attend` is called by every layer with the queries and an `AttentionMetadata` pytree that says
+where each query sits; the backend decides how the pages are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import AttentionBackend
+from jaxserve.kv_cache import KVCache
+
+_MASKED = -1e30  # Finite, so a fully masked row (an idle slot) gives zeros, never NaN.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+  positions: jax.Array  # [B, T] absolute position of each query token.
+  slot_mapping: jax.Array  # [B, T] flat cache slot (page * Z + offset) each token's K/V goes to.
+  block_tables: jax.Array  # [B, W] pages of each sequence.
+  kv_lens: jax.Array  # [B] valid KV positions of each sequence once this step's K/V is written.
+  q_lens: jax.Array  # [B] real (unpadded) query tokens of each sequence.
+
+  @property
+  def last_index(self):
+    """[B] index in T of each sequence's last real query token."""
+    return jnp.maximum(self.q_lens - 1, 0)
+
+
+def attend(q, cache: KVCache, layer, meta: AttentionMetadata, backend: AttentionBackend):
+  """q [B, T, N, H] -> [B, T, N, H]."""
+  if backend is AttentionBackend.PALLAS:
+    return _attend_pallas(q, cache, layer, meta)
+  return attend_reference(q, cache, layer, meta)
+
+
+def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata):
+  """Gathers each sequence's pages and runs a masked softmax: simple, and fast on CPU."""
+  B, T, N, H = q.shape
+  k, v = cache.gather(layer, meta.block_tables)  # [B, S, K, H] each
+  S, K = k.shape[1], k.shape[2]
+  q = q.reshape(B, T, K, N // K, H)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (H ** -0.5)
+  kv_pos = jnp.arange(S)
+  mask = (kv_pos[None, None, :] <= meta.positions[:, :, None]) & (kv_pos < meta.kv_lens[:, None, None])
+  scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+  return out.reshape(B, T, N, H)
+
+
+def _attend_pallas(q, cache: KVCache, layer, meta: AttentionMetadata):
+  import kernels_pallas  # The kernels import Pallas; the reference path does not need it.
+
+  B, T, N, H = q.shape
+  k_pages, v_pages = cache.k[layer], cache.v[layer]  # [P, Z, K, H]
+  if T == 1:  # Decode: one query per slot.
+    out = kernels_pallas.paged_decode_attention(q[:, 0], k_pages, v_pages, meta.block_tables, meta.kv_lens)
+    return out[:, None]
+  # Prefill: B sequences packed back to back as one ragged batch.
+  cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(meta.q_lens)]).astype(jnp.int32)
+  packed = _pack(q, meta.q_lens, cu_q_lens)  # [B * T, N, H]
+  out = kernels_pallas.ragged_prefill_attention(packed, k_pages, v_pages, meta.block_tables,
+                                                cu_q_lens, meta.kv_lens)
+  return _unpack(out, cu_q_lens, T)
+
+
+def _pack(q, q_lens, cu_q_lens):
+  B, T = q.shape[:2]
+  t = jnp.arange(B * T)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  idx = t - cu_q_lens[seq]
+  valid = t < cu_q_lens[-1]
+  return jnp.where(valid[:, None, None], q[seq, jnp.minimum(idx, T - 1)], 0)
+
+
+def _unpack(out, cu_q_lens, T):
+  B = cu_q_lens.shape[0] - 1
+  rows = jnp.minimum(cu_q_lens[:-1, None] + jnp.arange(T)[None, :], out.shape[0] - 1)  # [B, T]
+  return out[rows]

@@ -1,0 +1,264 @@
+"""The three configs of jaxserve: the model, the engine and one request's sampling.
+
+Each is a frozen dataclass, validated once in `__post_init__`, and handed whole to its one owner:
+`ModelConfig` to the model, `EngineConfig` to the engine, `SamplingParams` to a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Mapping, Sequence
+
+
+class KVLayout(enum.Enum):
+  """How the KV cache is laid out in device memory."""
+
+  # [layers, blocks, block_size, kv_heads, head_dim], K and V in separate arrays.
+  PAGED_TOKEN_MAJOR = "paged_token_major"
+
+
+class AttentionBackend(enum.Enum):
+  REFERENCE = "reference"  # Plain jnp: gather pages, masked softmax. The fast path on CPU.
+  PALLAS = "pallas"  # The kernels of kernels_pallas/ (interpret mode on CPU).
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 style frequency-dependent RoPE scaling."""
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2)."""
+
+  vocab_size: int
+  dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  hidden_dim: int
+  norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  max_seq_len: int = 2048
+  tie_embeddings: bool = True
+  qkv_bias: bool = False
+  name: str = "model"
+
+  def __post_init__(self):
+    for field in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "hidden_dim", "max_seq_len"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(self, field)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                       f"num_kv_heads ({self.num_kv_heads})")
+
+  @property
+  def num_params(self) -> int:
+    d, h = self.dim, self.head_dim
+    attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+    if self.qkv_bias:
+      attn += (self.num_heads + 2 * self.num_kv_heads) * h
+    layer = attn + 3 * d * self.hidden_dim + 2 * d
+    embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * layer + embed + d
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+    d = dict(d)
+    if d.get("rope_scaling"):
+      d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return cls(**d)
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
+    """Builds a config from a Hugging Face `config.json` dict."""
+    arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+      raise ValueError(f"unsupported architecture {arch!r}: jaxserve runs Llama-family models")
+    num_heads = hf["num_attention_heads"]
+    scaling = hf.get("rope_scaling") or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+      scaling = RopeScaling(scaling["factor"], scaling["low_freq_factor"],
+                            scaling["high_freq_factor"],
+                            scaling["original_max_position_embeddings"])
+    elif scaling:
+      raise ValueError(f"unsupported rope_scaling {scaling!r}")
+    return cls(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads", num_heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        hidden_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope_theta=hf.get("rope_theta", 10000.0),
+        rope_scaling=scaling,
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        qkv_bias=arch == "Qwen2ForCausalLM" or hf.get("attention_bias", False),
+        name=name,
+    )
+
+  @classmethod
+  def from_gguf(cls, meta: Mapping[str, Any], has_output: bool, name: str = "model") -> ModelConfig:
+    """Builds a config from GGUF metadata (`meta` maps key -> python value)."""
+    arch = meta["general.architecture"]
+    if arch not in ("llama", "mistral", "qwen2"):
+      raise ValueError(f"unsupported GGUF architecture {arch!r}: jaxserve runs Llama-family models")
+    p = arch + "."
+    num_heads = meta[p + "attention.head_count"]
+    dim = meta[p + "embedding_length"]
+    scaling = None
+    if meta.get(p + "rope.scaling.type") == "llama3" or (p + "rope.scaling.low_freq_factor") in meta:
+      scaling = RopeScaling(meta[p + "rope.scaling.factor"], meta[p + "rope.scaling.low_freq_factor"],
+                            meta[p + "rope.scaling.high_freq_factor"],
+                            meta[p + "rope.scaling.original_context_length"])
+    vocab = meta.get(p + "vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    return cls(
+        vocab_size=vocab,
+        dim=dim,
+        num_layers=meta[p + "block_count"],
+        num_heads=num_heads,
+        num_kv_heads=meta.get(p + "attention.head_count_kv", num_heads),
+        head_dim=meta.get(p + "attention.key_length", dim // num_heads),
+        hidden_dim=meta[p + "feed_forward_length"],
+        norm_eps=meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta.get(p + "rope.freq_base", 10000.0),
+        rope_scaling=scaling,
+        max_seq_len=meta.get(p + "context_length", 2048),
+        tie_embeddings=not has_output,
+        qkv_bias=arch == "qwen2",
+        name=name,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """The shapes the engine compiles for and the memory it holds.
+
+  Every value here sets a shape (or picks code), so every one of them is compiled at warm-up;
+  nothing a request carries is.
+  """
+
+  num_slots: int = 8  # Decode batch: every decode step runs all slots.
+  block_size: int = 16  # Tokens per KV page.
+  num_blocks: int = 512  # Pages in the pool, including the reserved scratch page 0.
+  max_model_len: int = 2048  # Longest sequence (prompt + output) a slot can hold.
+  prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)  # Padded prefill chunk lengths.
+  dtype: str = "float32"  # Parameters, activations and KV cache.
+  kv_layout: KVLayout = KVLayout.PAGED_TOKEN_MAJOR
+  attention_backend: AttentionBackend | None = None  # None: picked from the platform.
+  compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None turns it off.
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"EngineConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
+    for field in ("num_slots", "block_size", "num_blocks", "max_model_len"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"EngineConfig.{field} must be positive, got {getattr(self, field)}")
+    if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)):
+      raise ValueError(f"EngineConfig.prefill_buckets must be increasing, got {self.prefill_buckets}")
+    if self.num_blocks < 2:
+      raise ValueError("EngineConfig.num_blocks must be >= 2 (page 0 is the scratch page)")
+
+  @property
+  def max_blocks_per_seq(self) -> int:
+    return math.ceil(self.max_model_len / self.block_size)
+
+  @property
+  def decode_block_buckets(self) -> tuple[int, ...]:
+    """Block-table widths decode is compiled for: attention reads only as many pages as the
+    longest running sequence needs, rounded up to a power of two."""
+    widths, w = [], 1
+    while w < self.max_blocks_per_seq:
+      widths.append(w)
+      w *= 2
+    return tuple(widths) + (self.max_blocks_per_seq,)
+
+
+class QueuePolicy(enum.Enum):
+  FCFS = "fcfs"  # First come, first served.
+  PRIORITY = "priority"  # Lower number first; FCFS within a priority.
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """How the host packs requests into the engine's slots. None of it is a device shape."""
+
+  policy: QueuePolicy = QueuePolicy.FCFS
+  max_num_batched_tokens: int = 512  # Prefill token budget per step (chunked prefill).
+  reserve_blocks: int = 0  # Free blocks an admission must leave behind, headroom for decode.
+  enable_prefix_caching: bool = True
+  static_batching: bool = False  # For comparison: admit a group, wait for its longest member.
+  max_queue_len: int = 10_000  # Waiting requests beyond this are refused.
+
+  def __post_init__(self):
+    if self.max_num_batched_tokens <= 0:
+      raise ValueError("SchedulerConfig.max_num_batched_tokens must be positive, got "
+                       f"{self.max_num_batched_tokens}")
+    if self.reserve_blocks < 0:
+      raise ValueError(f"SchedulerConfig.reserve_blocks must be >= 0, got {self.reserve_blocks}")
+    if self.max_queue_len <= 0:
+      raise ValueError(f"SchedulerConfig.max_queue_len must be positive, got {self.max_queue_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request picks its tokens and when it stops. Every field is a value, never a shape."""
+
+  temperature: float = 1.0  # 0 means greedy.
+  top_k: int = 0  # 0 means off.
+  top_p: float = 1.0
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0  # Hugging Face style, over prompt and output tokens.
+  presence_penalty: float = 0.0  # OpenAI style, over output tokens.
+  frequency_penalty: float = 0.0
+  seed: int | None = None
+  max_tokens: int = 16
+  stop: Sequence[str] = ()
+  stop_token_ids: Sequence[int] = ()
+  ignore_eos: bool = False
+  logprobs: int = 0  # How many top logprobs to report per token (0: only the chosen token's).
+
+  def __post_init__(self):
+    def check(ok: bool, field: str, rule: str):
+      if not ok:
+        raise ValueError(f"SamplingParams.{field} {rule}, got {getattr(self, field)!r}")
+
+    finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
+    check(finite(self.temperature) and self.temperature >= 0, "temperature", "must be finite and >= 0")
+    check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an int >= 0")
+    check(finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+    check(finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+    check(finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+          "must be finite and > 0")
+    check(finite(self.presence_penalty) and abs(self.presence_penalty) <= 2, "presence_penalty",
+          "must be in [-2, 2]")
+    check(finite(self.frequency_penalty) and abs(self.frequency_penalty) <= 2, "frequency_penalty",
+          "must be in [-2, 2]")
+    check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
+          "must be None or an int in [0, 2**63)")
+    check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1")
+    check(not isinstance(self.stop, str), "stop", "must be a list of strings, not one string")
+    check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
+    check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+    object.__setattr__(self, "stop", tuple(self.stop))
+    object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0

@@ -1,0 +1,139 @@
+"""The device side of jaxserve: parameters, the KV cache, the decode state, and compiled steps.
+
+It implements `plan.Engine`: the runner calls `prefill` for each chunk of a plan and `decode` for
+the decode slots, and gets tokens back as futures (async device-to-host copies). Every shape the
+engine compiles for comes from `EngineConfig` and is compiled by `warmup()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
+from jaxserve.decode import DecodeState, decode_step
+from jaxserve.kv_cache import SCRATCH_PAGE, KVCache
+from jaxserve.model import Transformer
+from jaxserve.plan import PrefillChunk
+from jaxserve.prefill import prefill_step
+from jaxserve.sample import Sampled, SamplingRow
+
+
+def enable_compilation_cache(path: str | None) -> None:
+  """JAX's persistent cache: a second start loads compiled buckets instead of compiling."""
+  if path is None:
+    return
+  path = os.path.expanduser(path)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def default_backend() -> AttentionBackend:
+  """Plain jnp on CPU (Pallas there is interpret mode only); the kernels on TPU and GPU."""
+  return AttentionBackend.REFERENCE if jax.default_backend() == "cpu" else AttentionBackend.PALLAS
+
+
+class TokenFuture:
+  """Sampled tokens on their way to the host: the copy starts now, `result()` waits for it."""
+
+  def __init__(self, sampled: Sampled):
+    self._sampled = sampled
+    sampled.tokens.copy_to_host_async()
+
+  def result(self) -> np.ndarray:
+    return np.asarray(self._sampled.tokens)
+
+  def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen [B], top ids [B, 20], top logprobs [B, 20])."""
+    s = self._sampled
+    return np.asarray(s.logprobs), np.asarray(s.top_ids), np.asarray(s.top_logprobs)
+
+
+class Engine:
+  def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = ()):
+    self.model_config: ModelConfig = model.cfg
+    self.config = config
+    self.num_slots = config.num_slots
+    self.block_size = config.block_size
+    self.num_blocks = config.num_blocks
+    self.max_model_len = min(config.max_model_len, model.cfg.max_seq_len)
+    self.max_prefill_len = config.prefill_buckets[-1]
+    self.backend = config.attention_backend or default_backend()
+    enable_compilation_cache(config.compilation_cache_dir)
+
+    graphdef, self.params = nnx.split(model)
+    self.cache = KVCache.create(model.cfg, config)
+    self.state = DecodeState.create(config.num_slots, model.cfg.vocab_size)
+    self.stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)  # [E]
+    # The cache and decode state are donated: each step updates them in place.
+    self._prefill = jax.jit(functools.partial(prefill_step, graphdef, backend=self.backend), donate_argnums=(1, 2))
+    self._decode = jax.jit(functools.partial(decode_step, graphdef, backend=self.backend), donate_argnums=(1, 2))
+    self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,))
+    logging.info("Engine: %d slots, %d blocks of %d tokens (KV cache %.1f MiB), backend %s",
+                 self.num_slots, self.num_blocks, self.block_size, self.cache.num_bytes / 2**20,
+                 self.backend.value)
+
+  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
+    n = len(chunk.token_ids)
+    if not 0 < n <= self.max_prefill_len:
+      raise ValueError(f"prefill chunk of {n} tokens: must be 1..{self.max_prefill_len}")
+    bucket = next(b for b in self.config.prefill_buckets if b >= n)
+    tokens = np.zeros(bucket, np.int32)
+    tokens[:n] = chunk.token_ids
+    if chunk.is_last:
+      row = SamplingRow.from_params(chunk.sampling, chunk.seed, chunk.prompt_token_ids,
+                                    chunk.output_token_ids, self.model_config.vocab_size)
+      self.state = self._set_sampling(self.state, np.int32(chunk.slot), row.as_state())
+    self.cache, self.state, sampled = self._prefill(
+        self.params, self.cache, self.state, tokens, np.int32(chunk.start_pos), np.int32(n),
+        self._block_table_row(chunk.block_table), np.int32(chunk.slot), np.bool_(chunk.is_last),
+        self.stop_ids)
+    return TokenFuture(sampled) if chunk.is_last else None
+
+  def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> TokenFuture:
+    active = np.zeros(self.num_slots, bool)
+    active[list(slots)] = True
+    self.cache, self.state, sampled = self._decode(
+        self.params, self.cache, self.state, self._decode_tables(block_tables), active, self.stop_ids)
+    return TokenFuture(sampled)
+
+  def free(self, slot: int) -> None:
+    """Nothing to do on the device: a slot decodes only when the plan lists it."""
+
+  def warmup(self) -> None:
+    """Compiles every prefill bucket and decode width. Writes only to the scratch page."""
+    for bucket in self.config.prefill_buckets:
+      self.cache, self.state, _ = self._prefill(
+          self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),
+          np.int32(bucket), self._block_table_row([]), np.int32(0), np.bool_(False), self.stop_ids)
+    for width in self.config.decode_block_buckets:
+      tables = np.full((self.num_slots, width), SCRATCH_PAGE, np.int32)
+      self.cache, self.state, out = self._decode(
+          self.params, self.cache, self.state, tables, np.zeros(self.num_slots, bool), self.stop_ids)
+    out.tokens.block_until_ready()
+
+  def _block_table_row(self, pages: Sequence[int]) -> np.ndarray:
+    row = np.full(self.config.max_blocks_per_seq, SCRATCH_PAGE, np.int32)
+    row[:len(pages)] = pages
+    return row
+
+  def _decode_tables(self, block_tables: np.ndarray) -> np.ndarray:
+    """Pads the tables to the narrowest compiled width that holds them."""
+    width = next(w for w in self.config.decode_block_buckets if w >= block_tables.shape[1])
+    tables = np.full((self.num_slots, width), SCRATCH_PAGE, np.int32)
+    tables[:block_tables.shape[0], :block_tables.shape[1]] = block_tables
+    return tables
+
+
+def _set_sampling(state: DecodeState, slot, row) -> DecodeState:
+  sampling = state.sampling.set_row(slot, jax.tree.map(lambda x: x[None], row))
+  return DecodeState(state.tokens, state.positions, sampling)

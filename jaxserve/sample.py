@@ -1,0 +1,147 @@
+"""On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
+
+Penalties, then greedy or temperature sampling with top-k / top-p / min-p filtering. The sort
+that filtering needs runs only when some row asks for it (a `lax.cond`, not a Python branch).
+Randomness comes from (seed, position), so a seeded request samples the same tokens whatever else
+shares its batch, and again after a preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import SamplingParams
+
+NUM_TOP_LOGPROBS = 20  # The most logprobs a request may ask for (SamplingParams.logprobs).
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingState:
+  """One row per decode slot."""
+
+  temperature: jax.Array  # [S] float32; 0 = greedy
+  top_k: jax.Array  # [S] int32; 0 = off
+  top_p: jax.Array  # [S] float32
+  min_p: jax.Array  # [S] float32
+  repetition_penalty: jax.Array  # [S] float32
+  presence_penalty: jax.Array  # [S] float32
+  frequency_penalty: jax.Array  # [S] float32
+  seed: jax.Array  # [S, 2] uint32: a 64-bit seed as two words
+  ignore_eos: jax.Array  # [S] bool
+  want_logprobs: jax.Array  # [S] bool
+  prompt_mask: jax.Array  # [S, V] bool: token ids in the prompt (repetition penalty)
+  output_counts: jax.Array  # [S, V] int32: times each token was generated (all penalties)
+
+  @classmethod
+  def create(cls, num_slots: int, vocab_size: int) -> SamplingState:
+    rows = SamplingRow.from_params(SamplingParams(), seed=0, prompt_ids=(), output_ids=(), vocab_size=vocab_size)
+    return jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x)[None], num_slots, axis=0), rows.as_state())
+
+  def row(self, slot) -> SamplingState:
+    """The one-row state of `slot`, [1, ...] on every leaf."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1), self)
+
+  def set_row(self, slot, row: SamplingState) -> SamplingState:
+    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, 0), self, row)
+
+  def count(self, tokens, active) -> SamplingState:
+    """Adds one generated `tokens` [S] to each active slot's counts."""
+    counts = self.output_counts.at[jnp.arange(tokens.shape[0]), tokens].add(active.astype(jnp.int32))
+    return dataclasses.replace(self, output_counts=counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+  """One request's sampling settings as host numpy values, ready to become a state row."""
+
+  values: dict
+
+  @classmethod
+  def from_params(cls, p: SamplingParams, seed: int, prompt_ids, output_ids, vocab_size: int) -> SamplingRow:
+    prompt_mask = np.zeros(vocab_size, bool)
+    prompt_mask[np.asarray(prompt_ids, np.int64)] = True
+    counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab_size).astype(np.int32)
+    return cls(dict(
+        temperature=np.float32(p.temperature), top_k=np.int32(min(p.top_k, vocab_size)),
+        top_p=np.float32(p.top_p), min_p=np.float32(p.min_p),
+        repetition_penalty=np.float32(p.repetition_penalty),
+        presence_penalty=np.float32(p.presence_penalty), frequency_penalty=np.float32(p.frequency_penalty),
+        seed=np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32),
+        ignore_eos=np.bool_(p.ignore_eos), want_logprobs=np.bool_(p.logprobs > 0),
+        prompt_mask=prompt_mask, output_counts=counts[:vocab_size]))
+
+  def as_state(self) -> SamplingState:
+    return SamplingState(**self.values)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+  tokens: jax.Array  # [B] int32
+  logprobs: jax.Array  # [B] float32: log-probability of each chosen token under the model
+  top_ids: jax.Array  # [B, NUM_TOP_LOGPROBS] int32 (zeros unless some row asked)
+  top_logprobs: jax.Array  # [B, NUM_TOP_LOGPROBS] float32
+
+
+def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
+  """logits [B, V] float32, one state row per b, positions [B], stop_ids [E] -> Sampled."""
+  raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+  logits = _penalize(logits, st)
+  # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn.
+  eos = jnp.zeros(logits.shape[-1], bool).at[stop_ids].set(True)  # [V]
+  logits = jnp.where(st.ignore_eos[:, None] & eos[None, :], -jnp.inf, logits)
+
+  greedy = st.temperature == 0  # [B]
+  scaled = logits / jnp.where(greedy, 1.0, st.temperature)[:, None]
+  needs_filter = (st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0)
+  scaled = jax.lax.cond(jnp.any(needs_filter & ~greedy), _filter, lambda x, _: x, scaled, st)
+  keys = jax.vmap(_key)(st.seed, positions)
+  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)  # [B, V]
+  tokens = jnp.where(greedy, jnp.argmax(logits, -1), jnp.argmax(scaled + gumbel, -1)).astype(jnp.int32)
+
+  chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+  top_lp, top_ids = jax.lax.cond(
+      jnp.any(st.want_logprobs),
+      lambda lp: tuple(jax.lax.top_k(lp, NUM_TOP_LOGPROBS)),
+      lambda lp: (jnp.zeros((lp.shape[0], NUM_TOP_LOGPROBS), lp.dtype),
+                  jnp.zeros((lp.shape[0], NUM_TOP_LOGPROBS), jnp.int32)),
+      raw_logprobs)
+  return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+
+
+def _key(seed, position):
+  key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+  return jax.random.fold_in(key, position)
+
+
+def _penalize(logits, st: SamplingState):
+  """Repetition penalty (Hugging Face: over prompt and output), presence and frequency (OpenAI)."""
+  counts = st.output_counts.astype(jnp.float32)  # [B, V]
+  seen = st.prompt_mask | (st.output_counts > 0)
+  rep = st.repetition_penalty[:, None]
+  logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+  logits = logits - st.presence_penalty[:, None] * (counts > 0) - st.frequency_penalty[:, None] * counts
+  return logits
+
+
+def _filter(logits, st: SamplingState):
+  """Masks to -inf what top-k, then top-p, then min-p remove. logits [B, V] (temperature-scaled)."""
+  V = logits.shape[-1]
+  desc = -jnp.sort(-logits, axis=-1)  # [B, V] largest first
+  rank = jnp.arange(V)[None, :]
+  k = jnp.where(st.top_k > 0, st.top_k, V)[:, None]  # [B, 1]
+  desc = jnp.where(rank < k, desc, -jnp.inf)
+  probs = jax.nn.softmax(desc, axis=-1)
+  # top-p keeps the smallest prefix whose mass reaches p: token i stays if the mass before it < p.
+  keep = ((jnp.cumsum(probs, axis=-1) - probs) < st.top_p[:, None]) | (st.top_p[:, None] >= 1)
+  num_keep = jnp.maximum(jnp.sum(keep & (rank < k), axis=-1), 1)  # [B]
+  threshold = jnp.take_along_axis(desc, num_keep[:, None] - 1, axis=-1)  # [B, 1]
+  # min-p: keep tokens whose probability is at least min_p times the top one's.
+  threshold = jnp.maximum(threshold, desc[:, :1] + jnp.log(st.min_p)[:, None])
+  needs_filter = ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))[:, None]
+  return jnp.where(needs_filter & (logits < threshold), -jnp.inf, logits)

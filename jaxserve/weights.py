@@ -1,0 +1,122 @@
+"""Weights from GGUF files and Hugging Face directories, mapped onto our parameter pytree.
+
+Both readers return (ModelConfig, params) where params is a nested dict of float32 numpy arrays
+shaped like `nnx.to_pure_dict` of a `Transformer` (layer weights stacked on a leading [L] axis).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+
+def read_gguf_metadata(reader) -> dict:
+  """Every GGUF key -> a python value (strings, numbers, lists)."""
+  return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def load_gguf(path) -> tuple[ModelConfig, dict]:
+  """Reads and dequantizes a Llama-family GGUF file."""
+  import gguf
+
+  reader = gguf.GGUFReader(str(path))
+  meta = read_gguf_metadata(reader)
+  tensors = {t.name: t for t in reader.tensors}
+  name = pathlib.Path(path).stem
+  cfg = ModelConfig.from_gguf(meta, has_output="output.weight" in tensors, name=name)
+
+  def get(name: str) -> np.ndarray:
+    t = tensors[name]
+    # Dequantized to [out_features, in_features], the Hugging Face (torch) layout.
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
+        tuple(reversed([int(d) for d in t.shape])))
+
+  # llama.cpp's converter permutes Q/K rows of Llama models for its interleaved RoPE; Qwen2
+  # is converted unpermuted (it uses NeoX-style RoPE, like us).
+  permuted = meta["general.architecture"] in ("llama", "mistral")
+  q_rows = lambda w: _unpermute(w, cfg.num_heads) if permuted else w
+  k_rows = lambda w: _unpermute(w, cfg.num_kv_heads) if permuted else w
+  layers = [{
+      "attn_norm": get(f"blk.{i}.attn_norm.weight"),
+      "q": q_rows(get(f"blk.{i}.attn_q.weight")),
+      "k": k_rows(get(f"blk.{i}.attn_k.weight")),
+      "v": get(f"blk.{i}.attn_v.weight"),
+      "o": get(f"blk.{i}.attn_output.weight"),
+      "mlp_norm": get(f"blk.{i}.ffn_norm.weight"),
+      "gate": get(f"blk.{i}.ffn_gate.weight"),
+      "up": get(f"blk.{i}.ffn_up.weight"),
+      "down": get(f"blk.{i}.ffn_down.weight"),
+      **({"bq": q_rows(get(f"blk.{i}.attn_q.bias")), "bk": k_rows(get(f"blk.{i}.attn_k.bias")),
+          "bv": get(f"blk.{i}.attn_v.bias")} if cfg.qkv_bias else {}),
+  } for i in range(cfg.num_layers)]
+  head = get("output.weight") if "output.weight" in tensors else None
+  return cfg, to_params(cfg, get("token_embd.weight"), layers, get("output_norm.weight"), head)
+
+
+def load_hf_dir(path) -> tuple[ModelConfig, dict]:
+  """Reads `config.json` + `*.safetensors` of a Hugging Face model directory."""
+  from safetensors import safe_open
+
+  path = pathlib.Path(path)
+  cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+  files = sorted(path.glob("*.safetensors"))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors in {path}")
+  raw = {}
+  for f in files:
+    with safe_open(f, framework="flax") as sf:  # flax: reads bfloat16, which numpy cannot.
+      raw.update({k: np.asarray(sf.get_tensor(k), np.float32) for k in sf.keys()})
+  p = "model.layers.{}."
+  layers = [{
+      "attn_norm": raw[p.format(i) + "input_layernorm.weight"],
+      "q": raw[p.format(i) + "self_attn.q_proj.weight"],
+      "k": raw[p.format(i) + "self_attn.k_proj.weight"],
+      "v": raw[p.format(i) + "self_attn.v_proj.weight"],
+      "o": raw[p.format(i) + "self_attn.o_proj.weight"],
+      "mlp_norm": raw[p.format(i) + "post_attention_layernorm.weight"],
+      "gate": raw[p.format(i) + "mlp.gate_proj.weight"],
+      "up": raw[p.format(i) + "mlp.up_proj.weight"],
+      "down": raw[p.format(i) + "mlp.down_proj.weight"],
+      **({"bq": raw[p.format(i) + "self_attn.q_proj.bias"], "bk": raw[p.format(i) + "self_attn.k_proj.bias"],
+          "bv": raw[p.format(i) + "self_attn.v_proj.bias"]} if cfg.qkv_bias else {}),
+  } for i in range(cfg.num_layers)]
+  head = None if cfg.tie_embeddings else raw["lm_head.weight"]
+  return cfg, to_params(cfg, raw["model.embed_tokens.weight"], layers, raw["model.norm.weight"], head)
+
+
+def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) -> dict:
+  """Torch-layout ([out, in]) matrices -> our einsum layout, layers stacked on [L]."""
+  D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  stack = lambda key, f: np.stack([f(layer[key]) for layer in layers])
+  params = {
+      "embed": embed,  # [V, D]
+      "layers": {
+          "attn_norm": stack("attn_norm", lambda w: w),  # [L, D]
+          "wq": stack("q", lambda w: w.T.reshape(D, N, H)),  # [L, D, N, H]
+          "wk": stack("k", lambda w: w.T.reshape(D, K, H)),  # [L, D, K, H]
+          "wv": stack("v", lambda w: w.T.reshape(D, K, H)),
+          "wo": stack("o", lambda w: w.T.reshape(N, H, D)),  # [L, N, H, D]
+          "mlp_norm": stack("mlp_norm", lambda w: w),
+          "w_gate": stack("gate", lambda w: w.T),  # [L, D, F]
+          "w_up": stack("up", lambda w: w.T),
+          "w_down": stack("down", lambda w: w.T),  # [L, F, D]
+      },
+      "final_norm": final_norm,
+  }
+  if cfg.qkv_bias:
+    params["layers"].update(bq=stack("bq", lambda b: b.reshape(N, H)),
+                            bk=stack("bk", lambda b: b.reshape(K, H)),
+                            bv=stack("bv", lambda b: b.reshape(K, H)))
+  if lm_head is not None:
+    params["lm_head"] = lm_head.T  # [D, V]
+  return params
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+  """Undoes llama.cpp's Q/K row order: per head, rows (pairs, 2) -> (2, pairs), rotate-half."""
+  rows = w.shape[0]
+  return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

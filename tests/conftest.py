@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random models for fast tests, the real default model for a few."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+
+import jax
+import pytest
+from jax._src import dispatch
+from flax import nnx
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model import Transformer
+
+TINY = ModelConfig(vocab_size=128, dim=64, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+                   hidden_dim=96, max_seq_len=256, rope_theta=10000.0, name="tiny")
+TINY_ENGINE = EngineConfig(num_slots=4, block_size=8, num_blocks=48, max_model_len=128,
+                           prefill_buckets=(16, 32), compilation_cache_dir=None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Transformer:
+  return Transformer(TINY, rngs=nnx.Rngs(0))
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts jit traces and backend compilations while the block runs: {'trace': n, 'compile': m}."""
+  counts = {"trace": 0, "compile": 0}
+  names = {dispatch.JAXPR_TRACE_EVENT: "trace", dispatch.BACKEND_COMPILE_EVENT: "compile"}
+
+  def listener(event, duration, **_):
+    if event in names:
+      counts[names[event]] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield counts
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+  """The real default model (SmolLM2-135M-Instruct), pulled and converted on first use."""
+  from jaxserve import checkpoint
+  return checkpoint.load_model(None)
+
+
+def dense_logits(model: Transformer, ids, page_size: int = 16):
+  """[len(ids), V] logits of one full forward over `ids` on a fresh cache: the no-reuse reference."""
+  import jax.numpy as jnp
+  from jaxserve.attention import AttentionMetadata
+  from jaxserve.kv_cache import KVCache
+
+  n = len(ids)
+  pages = -(-n // page_size)
+  engine = EngineConfig(num_slots=1, block_size=page_size, num_blocks=pages + 1,
+                        max_model_len=pages * page_size, prefill_buckets=(page_size,))
+  meta = AttentionMetadata(positions=jnp.arange(n)[None], slot_mapping=(page_size + jnp.arange(n))[None],
+                           block_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
+                           q_lens=jnp.array([n]))
+  logits, _ = model(jnp.array([ids]), KVCache.create(model.cfg, engine), meta, last_only=False)
+  return logits[0]

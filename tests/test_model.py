@@ -1,0 +1,96 @@
+"""The model and the engine's cached prefill/decode against a full forward with no cache reuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import TINY, TINY_ENGINE, dense_logits
+from jaxserve.config import ModelConfig, SamplingParams
+from jaxserve.engine import Engine
+from jaxserve.model import Transformer
+from jaxserve.plan import PrefillChunk
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def chunk(slot, ids, start, table, last, prompt=()):
+  return PrefillChunk("r", slot, ids, start, table, last, GREEDY, 0, prompt, ())
+
+
+def log_softmax(x):
+  return np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+
+
+def test_chunked_prefill_and_decode_match_dense_forward(tiny_model):
+  """Two sequences in two slots, one prefilled in two chunks: each token and its logprob equal
+  those of a full forward over the sequence so far."""
+  engine = Engine(tiny_model, TINY_ENGINE)
+  rng = np.random.default_rng(0)
+  a, b = list(rng.integers(2, 128, 21)), list(rng.integers(2, 128, 9))
+  tables = np.zeros((4, 8), np.int32)
+  tables[0, :4], tables[2, :3] = [5, 9, 2, 7], [11, 3, 4]
+  engine.prefill(chunk(0, a[:13], 0, tables[0, :2], False))
+  out_a = engine.prefill(chunk(0, a[13:], 13, tables[0, :3], True, a))
+  out_b = engine.prefill(chunk(2, b, 0, tables[2, :2], True, b))
+  seqs = {0: a + [int(out_a.result()[0])], 2: b + [int(out_b.result()[0])]}
+  firsts = {0: out_a, 2: out_b}
+  for slot, fut in firsts.items():
+    ref = log_softmax(dense_logits(tiny_model, seqs[slot][:-1])[-1])
+    assert seqs[slot][-1] == ref.argmax()
+    np.testing.assert_allclose(fut.logprobs()[0][0], ref.max(), atol=1e-4)
+  for _ in range(6):
+    out = engine.decode([0, 2], tables[:, :4])
+    tokens, logprobs = out.result(), out.logprobs()[0]
+    for slot in (0, 2):
+      ref = log_softmax(dense_logits(tiny_model, seqs[slot])[-1])
+      assert tokens[slot] == ref.argmax()
+      np.testing.assert_allclose(logprobs[slot], ref.max(), atol=1e-4)
+      seqs[slot].append(int(tokens[slot]))
+
+
+def test_prefill_on_cached_prefix_matches_full_prefill(tiny_model):
+  """A second sequence that shares the first's first page only prefills the rest."""
+  engine = Engine(tiny_model, TINY_ENGINE)
+  ids = list(np.random.default_rng(1).integers(2, 128, 20))
+  engine.prefill(chunk(0, ids, 0, [1, 2, 3], True, ids))
+  other = ids[:8] + list(np.random.default_rng(2).integers(2, 128, 7))
+  out = engine.prefill(chunk(1, other[8:], 8, [1, 4], True, other))  # Page 1 holds ids[:8].
+  ref = log_softmax(dense_logits(tiny_model, other)[-1])
+  assert out.result()[0] == ref.argmax()
+  np.testing.assert_allclose(out.logprobs()[0][0], ref.max(), atol=1e-4)
+
+
+def test_parameters_carry_logical_axis_names(tiny_model):
+  specs = nnx.get_partition_spec(nnx.state(tiny_model))
+  assert tuple(specs["layers"]["wq"].get_value()) == ("layers", "embed", "heads", "head_dim")
+  assert tuple(specs["layers"]["wk"].get_value()) == ("layers", "embed", "kv_heads", "head_dim")
+  assert tuple(specs["layers"]["w_down"].get_value()) == ("layers", "mlp", "embed")
+  assert tuple(specs["embed"].get_value()) == ("vocab", "embed")
+
+
+def test_layers_run_under_one_scan_whatever_the_depth():
+  """The traced program has the same size for 2 and 8 layers: compile time does not grow with depth."""
+
+  def num_eqns(num_layers):
+    model = Transformer(dataclasses.replace(TINY, num_layers=num_layers), rngs=nnx.Rngs(0))
+    return len(jax.make_jaxpr(lambda ids: dense_logits(model, ids))(list(range(5))).eqns)
+
+  assert num_eqns(2) == num_eqns(8)
+
+
+def test_bfloat16_model_tracks_float32(tiny_model):
+  from jaxserve.checkpoint import build_model
+
+  params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(tiny_model)))
+  bf16 = build_model(TINY, params, "bfloat16")
+  assert bf16.layers.wq[...].dtype == jnp.bfloat16
+  ids = list(range(3, 30))
+  f32, b16 = dense_logits(tiny_model, ids), dense_logits(bf16, ids)
+  assert b16.dtype == jnp.float32  # Logits always come out in float32.
+  assert float(jnp.max(jnp.abs(f32 - b16))) < 0.1 * float(jnp.max(jnp.abs(f32)))
