@@ -84,8 +84,8 @@ class SamplingRow:
 class Sampled:
   tokens: jax.Array  # [B] int32
   logprobs: jax.Array  # [B] float32: log-probability of each chosen token under the model
-  top_ids: jax.Array  # [B, NUM_TOP_LOGPROBS] int32 (zeros unless some row asked)
-  top_logprobs: jax.Array  # [B, NUM_TOP_LOGPROBS] float32
+  top_ids: jax.Array  # [B, min(NUM_TOP_LOGPROBS, V)] int32 (zeros unless some row asked)
+  top_logprobs: jax.Array  # [B, min(NUM_TOP_LOGPROBS, V)] float32
 
 
 def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
@@ -105,11 +105,11 @@ def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
   tokens = jnp.where(greedy, jnp.argmax(logits, -1), jnp.argmax(scaled + gumbel, -1)).astype(jnp.int32)
 
   chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+  n = min(NUM_TOP_LOGPROBS, logits.shape[-1])
   top_lp, top_ids = jax.lax.cond(
       jnp.any(st.want_logprobs),
-      lambda lp: tuple(jax.lax.top_k(lp, NUM_TOP_LOGPROBS)),
-      lambda lp: (jnp.zeros((lp.shape[0], NUM_TOP_LOGPROBS), lp.dtype),
-                  jnp.zeros((lp.shape[0], NUM_TOP_LOGPROBS), jnp.int32)),
+      lambda lp: tuple(jax.lax.top_k(lp, n)),
+      lambda lp: (jnp.zeros((lp.shape[0], n), lp.dtype), jnp.zeros((lp.shape[0], n), jnp.int32)),
       raw_logprobs)
   return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
 

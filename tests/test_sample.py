@@ -1,0 +1,110 @@
+"""On-device sampling, checked against numbers worked out by hand on tiny vocabularies."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import SamplingParams
+from jaxserve.sample import SamplingRow
+from jaxserve.sample import sample as _sample
+
+STOP = jnp.array([0], jnp.int32)
+sample = jax.jit(_sample)
+
+
+def state(params_list, vocab, prompts=None, outputs=None, seeds=None):
+  n = len(params_list)
+  seeds, prompts, outputs = seeds or [7] * n, prompts or [()] * n, outputs or [()] * n
+  rows = [SamplingRow.from_params(p, seeds[i], prompts[i], outputs[i], vocab).as_state()
+          for i, p in enumerate(params_list)]
+  return jax.tree.map(lambda *xs: np.stack(xs), *rows)
+
+
+def draw(logits, params, n=1, **kw):
+  """Samples `n` times (positions 0..n-1) from the same logits; returns [n] tokens."""
+  logits = jnp.asarray(logits, jnp.float32)[None].repeat(n, 0)
+  st = state([params] * n, logits.shape[-1], **{k: v * n for k, v in kw.items()})
+  return np.asarray(sample(logits, st, jnp.arange(n), STOP).tokens)
+
+
+def test_greedy_is_argmax():
+  assert draw([0.1, 2.0, 1.0, -1.0], SamplingParams(temperature=0))[0] == 1
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+  # Token 1: 2.0 / 4 = 0.5 < token 2's 1.0, so greedy now picks 2.
+  assert draw([0.0, 2.0, 1.0, -1.0], SamplingParams(temperature=0, repetition_penalty=4.0),
+              prompts=[(1,)])[0] == 2
+  # Token 3 seen: -1.0 * 4 = -4; token 0 (unseen) 0.0 wins over -4 among tokens {0, 3}.
+  assert draw([0.0, -9, -9, -1.0], SamplingParams(temperature=0, repetition_penalty=4.0),
+              prompts=[(3,)])[0] == 0
+
+
+def test_presence_and_frequency_penalties_count_output_tokens():
+  # Token 1 generated 3 times: 2.0 - 0.5 (presence) - 3 * 0.25 (frequency) = 0.75 < 1.0.
+  p = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
+  assert draw([0.0, 2.0, 1.0, 0.0], p, outputs=[(1, 1, 1)])[0] == 2
+  # Generated twice: 2.0 - 0.5 - 0.5 = 1.0, not below token 2's 1.0... argmax takes the first.
+  assert draw([0.0, 2.0, 1.0, 0.0], p, outputs=[(1, 1)])[0] == 1
+
+
+def test_top_k_top_p_min_p_keep_exactly_the_expected_tokens():
+  # probs: softmax(log [0.5, 0.25, 0.15, 0.1]) = [0.5, 0.25, 0.15, 0.1].
+  logits = np.log([0.5, 0.25, 0.15, 0.1])
+  seen = lambda p: set(draw(logits, p, n=400).tolist())
+  assert seen(SamplingParams(top_k=2)) == {0, 1}
+  assert seen(SamplingParams(top_p=0.7)) == {0, 1}  # Mass before token 1 is 0.5 < 0.7; before 2, 0.75.
+  assert seen(SamplingParams(top_p=0.8)) == {0, 1, 2}
+  assert seen(SamplingParams(min_p=0.35)) == {0, 1}  # 0.15 < 0.35 * 0.5 = 0.175 < 0.25.
+  assert seen(SamplingParams(top_k=3, top_p=0.6)) == {0, 1}  # top-p over the renormalised top 3.
+  assert seen(SamplingParams()) == {0, 1, 2, 3}
+
+
+def test_temperature_sampling_follows_the_softmax():
+  probs = np.array([0.5, 0.25, 0.15, 0.1])
+  n = 4000
+  for t in (1.0, 0.5):
+    tokens = draw(np.log(probs), SamplingParams(temperature=t), n=n)
+    expected = probs ** (1 / t) / np.sum(probs ** (1 / t))
+    freq = np.bincount(tokens, minlength=4) / n
+    # Binomial standard error at n=4000 is below 0.008; 4 sigma.
+    np.testing.assert_allclose(freq, expected, atol=0.032)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)), jnp.float32)
+  p = SamplingParams(temperature=1.0)
+  alone = sample(logits[1:2], state([p], 50, seeds=[42]), jnp.array([5]), STOP).tokens
+  batched = sample(logits, state([p] * 3, 50, seeds=[1, 42, 3]), jnp.array([9, 5, 2]), STOP).tokens
+  assert int(alone[0]) == int(batched[1])
+  others = [int(sample(logits[1:2], state([p], 50, seeds=[s]), jnp.array([5]), STOP).tokens[0])
+            for s in range(20)]
+  assert len(set(others)) > 1  # The seed matters.
+
+
+def test_ignore_eos_never_draws_a_stop_id():
+  logits = [5.0, 1.0, 0.0]  # Token 0 (the stop id here) dominates.
+  assert set(draw(logits, SamplingParams(ignore_eos=True), n=200).tolist()) <= {1, 2}
+  assert draw(logits, SamplingParams(temperature=0, ignore_eos=True))[0] == 1
+
+
+def test_logprobs_are_those_of_the_raw_model_distribution():
+  logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]]))
+  st = state([SamplingParams(temperature=0, logprobs=2, repetition_penalty=3.0)], 4, prompts=[(0,)])
+  out = sample(logits, st, jnp.array([0]), STOP)
+  # Penalty moves greedy to token 1 (0.5 -> log(0.5)*3 is more negative than log(0.25)).
+  assert int(out.tokens[0]) == 1
+  np.testing.assert_allclose(out.logprobs[0], np.log(0.25), rtol=1e-5)
+  np.testing.assert_array_equal(out.top_ids[0, :2], [0, 1])
+  np.testing.assert_allclose(out.top_logprobs[0, :2], np.log([0.5, 0.25]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")),
+                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+                                         ("min_p", 2.0), ("max_tokens", 0), ("stop", "x")])
+def test_bad_sampling_params_name_the_field(field, value):
+  with pytest.raises(ValueError, match=field):
+    SamplingParams(**{field: value})
