@@ -59,15 +59,15 @@ def _attend_pallas(q, cache: KVCache, layer, meta: AttentionMetadata):
   import kernels_pallas  # The kernels import Pallas; the reference path does not need it.
 
   B, T, N, H = q.shape
-  k_pages, v_pages = cache.k[layer], cache.v[layer]  # [P, Z, K, H]
-  if T == 1:  # Decode: one query per slot.
-    out = kernels_pallas.paged_decode_attention(q[:, 0], k_pages, v_pages, meta.block_tables, meta.kv_lens)
+  if T == 1:  # Decode: one query per slot. The kernels read the layer's pages in place.
+    out = kernels_pallas.paged_decode_attention(q[:, 0], cache.k, cache.v, meta.block_tables, meta.kv_lens,
+                                                layer=layer)
     return out[:, None]
   # Prefill: B sequences packed back to back as one ragged batch.
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(meta.q_lens)]).astype(jnp.int32)
   packed = _pack(q, meta.q_lens, cu_q_lens)  # [B * T, N, H]
-  out = kernels_pallas.ragged_prefill_attention(packed, k_pages, v_pages, meta.block_tables,
-                                                cu_q_lens, meta.kv_lens)
+  out = kernels_pallas.ragged_prefill_attention(packed, cache.k, cache.v, meta.block_tables,
+                                                cu_q_lens, meta.kv_lens, layer=layer)
   return _unpack(out, cu_q_lens, T)
 
 

@@ -100,9 +100,10 @@ def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
   scaled = logits / jnp.where(greedy, 1.0, st.temperature)[:, None]
   needs_filter = (st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0)
   scaled = jax.lax.cond(jnp.any(needs_filter & ~greedy), _filter, lambda x, _: x, scaled, st)
-  keys = jax.vmap(_key)(st.seed, positions)
-  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)  # [B, V]
-  tokens = jnp.where(greedy, jnp.argmax(logits, -1), jnp.argmax(scaled + gumbel, -1)).astype(jnp.int32)
+  # Random draws cost as much as a small matmul on CPU: skip them when every row is greedy.
+  drawn = jax.lax.cond(jnp.all(greedy), lambda *_: jnp.zeros_like(positions), _draw, scaled, st.seed,
+                       positions)
+  tokens = jnp.where(greedy, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
 
   chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
   n = min(NUM_TOP_LOGPROBS, logits.shape[-1])
@@ -114,9 +115,14 @@ def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
   return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
 
 
-def _key(seed, position):
-  key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
-  return jax.random.fold_in(key, position)
+def _draw(scaled, seeds, positions):
+  """Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits). [B, V] -> [B]."""
+
+  def one(row, seed, position):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), position)
+    return jnp.argmax(row + jax.random.gumbel(key, row.shape)).astype(positions.dtype)
+
+  return jax.vmap(one)(scaled, seeds, positions)
 
 
 def _penalize(logits, st: SamplingState):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 
 import jax
+import jax.numpy as jnp
 
 from kernels_pallas import gpu_decode
 from kernels_pallas import gpu_prefill
@@ -51,33 +52,61 @@ def resolve(platform: str | Platform | None, interpret: bool | None) -> tuple[Pl
   return platform, (platform is Platform.CPU) if interpret is None else bool(interpret)
 
 
+def select_layer(k_pages, v_pages, block_tables, layer):
+  """Lets the kernels read one layer of a whole [L, P, B, K, D] cache without copying it out.
+
+  `cache.k[layer]` with a traced layer (a scan over layers) is a dynamic slice; a custom call
+  cannot fuse it, so XLA materialises the layer's every page as a copy first: a whole-layer
+  copy per layer per step. Merging the two leading axes instead is a free reshape, and the
+  layer's pages become pages layer * P + p of one [L * P, B, K, D] pool.
+  """
+  if layer is None:
+    return k_pages, v_pages, block_tables
+  if k_pages.ndim != 5:
+    raise ValueError(f"k_pages must be [layers, num_pages, page_size, num_kv_heads, head_dim] "
+                     f"when layer is given, got shape {k_pages.shape}")
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages must have k_pages' shape {k_pages.shape}, got {v_pages.shape}")
+  if jnp.ndim(layer) != 0:
+    raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
+  num_layers, num_pages = k_pages.shape[:2]
+  merged = (num_layers * num_pages, *k_pages.shape[2:])
+  offset = (jnp.asarray(layer, jnp.int32) * num_pages).astype(block_tables.dtype)
+  return k_pages.reshape(merged), v_pages.reshape(merged), block_tables + offset
+
+
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
-                           platform=None, interpret=None):
+                           platform=None, interpret=None, layer=None):
   """Attention of one new token per sequence over its pages.
 
   q [S, num_heads, head_dim]; block_tables [S, W] int32; lengths [S] int32: the number of valid
   KV positions of each sequence, the new token included (its K/V already written). Positions
   >= lengths are masked; a length of 0 gives 0. sm_scale defaults to 1 / sqrt(head_dim).
-  Returns [S, num_heads, head_dim] in q.dtype.
+  layer: None, or an int32 scalar with k_pages, v_pages the whole [L, P, B, K, D] cache (see
+  select_layer). Returns [S, num_heads, head_dim] in q.dtype.
   """
   platform, interpret = resolve(platform, interpret)
+  k_pages, v_pages, block_tables = select_layer(k_pages, v_pages, block_tables, layer)
   return _DECODE[platform](q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
                            interpret=interpret)
 
 
 def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *,
-                             sm_scale=None, platform=None, interpret=None):
+                             sm_scale=None, platform=None, interpret=None, layer=None):
   """Causal attention of packed new tokens of several sequences over their pages.
 
   q [T, num_heads, head_dim]: the new tokens of num_seqs sequences back to back, then padding;
   cu_q_lens [num_seqs + 1] int32, cumulative query lengths from 0; kv_lens [num_seqs] int32: each
   sequence's KV length, its new tokens included (already written into the pages). Query i of
   sequence s sits at position kv_lens[s] - q_len[s] + i and attends to positions <= its own.
-  block_tables [num_seqs, W]. Padding rows (past cu_q_lens[-1]) give 0. Returns [T, H, D].
+  block_tables [num_seqs, W]. Padding rows (past cu_q_lens[-1]) give 0. layer: as for decode.
+  Returns [T, num_heads, head_dim] in q.dtype.
   """
   platform, interpret = resolve(platform, interpret)
+  k_pages, v_pages, block_tables = select_layer(k_pages, v_pages, block_tables, layer)
   return _PREFILL[platform](q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,
                             sm_scale=sm_scale, interpret=interpret)
 
 
-__all__ = ["Platform", "paged_decode_attention", "ragged_prefill_attention"]
+__all__ = ["Platform", "paged_decode_attention", "ragged_prefill_attention", "resolve",
+           "select_layer"]

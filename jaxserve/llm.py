@@ -1,0 +1,51 @@
+"""The offline API, in the style users know from vLLM:
+
+  llm = jaxserve.LLM()                      # the default model
+  outs = llm.generate(["Hi!"], jaxserve.SamplingParams(temperature=0, max_tokens=32))
+  outs[0].text, outs[0].token_ids, outs[0].finish_reason
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+from jaxserve import checkpoint
+from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
+from jaxserve.engine import Engine
+from jaxserve.request import Completion
+from jaxserve.runner import Runner
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LLM:
+  def __init__(self, model: str | None = None, *, engine_config: EngineConfig = EngineConfig(),
+               scheduler_config: SchedulerConfig = SchedulerConfig(), warmup: bool = True):
+    """`model`: None (the default model), a packaged model's name, or a path (GGUF file,
+    Hugging Face directory, or jaxserve checkpoint)."""
+    self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype)
+    self.engine = Engine(self.model, engine_config, stop_ids=self.tokenizer.stop_ids)
+    if warmup:
+      self.engine.warmup()
+    self.runner = Runner(self.engine, self.tokenizer, scheduler_config)
+
+  def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    """Token ids of a prompt: ids pass through; text gets the chat template when `chat`."""
+    if not isinstance(prompt, str):
+      return list(prompt)
+    if chat:
+      text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+      return self.tokenizer.encode(text, add_bos=False)
+    return self.tokenizer.encode(prompt)
+
+  def generate(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               chat: bool = False) -> list[Completion]:
+    """One Completion per prompt, in input order (.text, .token_ids, .finish_reason)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+      prompts = [prompts]
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+      sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+    if len(sampling_params) != len(prompts):
+      raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+    return self.runner.generate([(self.encode(p, chat), s) for p, s in zip(prompts, sampling_params)])

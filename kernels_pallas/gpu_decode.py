@@ -1,0 +1,145 @@
+"""Paged decode attention for GPU (Pallas Triton lowering): flash-decoding with split-K.
+
+Grid: (sequence, KV head, split). A decode batch has too few (sequence, KV head) pairs to fill a
+GPU's SMs, so each sequence's pages are also cut into `num_splits` ranges; every program keeps an
+online softmax over its range for the G query heads of its KV head, and the wrapper merges the
+splits' (max, sum, output) triples. Pages are gathered by row index straight from the token-major
+cache viewed as [P * B, K, D], so a KV head's rows are strided loads that need no copy.
+Triton needs power-of-two tensor sizes and matmul sides >= 16: G is padded to Gp >= 16 and the
+page size and head_dim must be powers of two. Shape letters as in common.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import common
+
+
+def check_triton_sizes(page_size: int, head_dim: int):
+  if page_size != common.next_pow2(page_size):
+    raise ValueError(f"k_pages page_size must be a power of two on GPU, got {page_size}")
+  if head_dim != common.next_pow2(head_dim) or head_dim < 16:
+    raise ValueError(f"q head_dim must be a power of two >= 16 on GPU, got {head_dim}")
+
+
+def chunk_pages(pages_per_chunk: int | None, page_size: int) -> int:
+  """Pages per loop step: a power of two, and >= 16 positions (Triton's smallest dot side)."""
+  per_chunk = common.next_pow2(pages_per_chunk or common.pages_per_chunk(page_size))
+  return max(per_chunk, -(-16 // page_size))
+
+
+def gather_chunk(tables_ref, seq, first_page, num_pages, k_ref, v_ref, head, *, page_size,
+                 per_chunk):
+  """K and V [Q * B, D] of pages [first_page, first_page + Q) of `seq` for one KV head; pages
+  past the sequence's last re-read that page (real, finite data; the caller masks them)."""
+  index = jnp.minimum(first_page + jnp.arange(per_chunk), num_pages - 1)  # [Q]
+  pages = tables_ref[seq, index]  # [Q]
+  rows = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(-1)  # [Q * B]
+  return k_ref[rows, head, :], v_ref[rows, head, :]
+
+
+def _decode_kernel(
+    tables_ref,  # [S, Wp] int32
+    lengths_ref,  # [S] int32
+    q_ref,  # [Gp, D] query heads of this KV head
+    k_ref,  # [P * B, K, D]
+    v_ref,  # [P * B, K, D]
+    o_ref,  # [Gp, D] f32, this split's unnormalised output
+    m_ref,  # [Gp] f32, this split's running max
+    l_ref,  # [Gp] f32, this split's running sum
+    *,
+    sm_scale: float,
+    page_size: int,
+    per_chunk: int,
+    pages_per_split: int,
+):
+  seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  length = lengths_ref[seq]
+  num_pages = pl.cdiv(length, page_size)
+  first = split * pages_per_split
+  last = jnp.minimum(first + pages_per_split, num_pages)
+  end_pos = jnp.minimum(length, last * page_size)  # Positions of this split end here.
+  chunk_len = per_chunk * page_size
+  q = q_ref[...]  # [Gp, D]
+  rows = q.shape[0]
+
+  def body(chunk, carry):
+    first_page = first + chunk * per_chunk
+    k, v = gather_chunk(tables_ref, seq, first_page, num_pages, k_ref, v_ref, head,
+                        page_size=page_size, per_chunk=per_chunk)  # [L, D] each
+    kv_pos = first_page * page_size + jnp.arange(chunk_len)  # [L]
+    mask = jnp.broadcast_to((kv_pos < end_pos)[None, :], (rows, chunk_len))  # [Gp, L]
+    logits = common.qk_logits(q, k.astype(q.dtype), sm_scale)  # [Gp, L]
+    return common.softmax_step(carry, logits, mask, v.astype(q.dtype))
+
+  num_chunks = pl.cdiv(jnp.maximum(last - first, 0), per_chunk)
+  m, l, acc = jax.lax.fori_loop(0, num_chunks, body, common.init_softmax(rows, q.shape[1]))
+  o_ref[...] = acc
+  m_ref[...] = m.reshape(rows)
+  l_ref[...] = l.reshape(rows)
+
+
+def merge_splits(o, m, l):
+  """[X, ..., Gp, D], [X, ..., Gp] x2 partial results of X splits -> normalised [..., Gp, D]."""
+  m_all = jnp.max(m, axis=0)  # [..., Gp]
+  weight = jnp.exp(m - m_all)  # [X, ..., Gp]
+  l_all = jnp.sum(l * weight, axis=0)  # [..., Gp]
+  o_all = jnp.sum(o * weight[..., None], axis=0)  # [..., Gp, D]
+  return o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+
+
+def _default_splits(num_seqs: int, num_kv_heads: int, num_chunks: int) -> int:
+  """Enough programs to cover a large GPU's SMs (~132 on H100/H200) about twice over."""
+  return max(1, min(num_chunks, 256 // max(1, num_seqs * num_kv_heads)))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_chunk", "num_splits",
+                                             "num_warps", "interpret"))
+def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
+                           pages_per_chunk=None, num_splits=None, num_warps=4, interpret=False):
+  """q [S, H, D] attends to positions [0, lengths[s]) of its pages; returns [S, H, D].
+
+  k_pages, v_pages [P, B, K, D]; block_tables [S, W] int32; lengths [S] int32.
+  """
+  dims = common.check_decode_args(q, k_pages, v_pages, block_tables, lengths)
+  check_triton_sizes(dims.page_size, dims.head_dim)
+  num_seqs, _, head_dim = q.shape
+  per_chunk = chunk_pages(pages_per_chunk, dims.page_size)
+  num_chunks = -(-dims.pages_per_seq // per_chunk)
+  splits = num_splits or _default_splits(num_seqs, dims.num_kv_heads, num_chunks)
+  pages_per_split = -(-num_chunks // splits) * per_chunk
+  tables = jnp.pad(block_tables, ((0, 0), (0, splits * pages_per_split - dims.pages_per_seq)))
+  rows = max(16, common.next_pow2(dims.group))
+  dtype = common.compute_dtype(q.dtype, k_pages.dtype)
+  q_SKGD = q.reshape(num_seqs, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
+  q_SKGD = jnp.pad(q_SKGD, ((0, 0), (0, 0), (0, rows - dims.group), (0, 0)))
+  flat = (dims.num_pages * dims.page_size, dims.num_kv_heads, head_dim)
+  kernel = functools.partial(_decode_kernel, sm_scale=common.default_scale(sm_scale, head_dim),
+                             page_size=dims.page_size, per_chunk=per_chunk,
+                             pages_per_split=pages_per_split)
+  whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  partial_shape = (splits, num_seqs, dims.num_kv_heads, rows)
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=(num_seqs, dims.num_kv_heads, splits),
+      in_specs=[whole(tables.shape), whole(lengths.shape),
+                pl.BlockSpec((None, None, rows, head_dim), lambda s, h, x: (s, h, 0, 0)),
+                whole(flat), whole(flat)],
+      out_specs=[pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, x: (x, s, h, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda s, h, x: (x, s, h, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda s, h, x: (x, s, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+                 jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+      interpret=interpret,
+      name="paged_decode_attention_gpu",
+  )(tables, lengths, q_SKGD, k_pages.reshape(flat), v_pages.reshape(flat))
+  out = merge_splits(o, m, l)[:, :, :dims.group]  # [S, K, G, D]
+  return out.reshape(q.shape).astype(q.dtype)

@@ -1,0 +1,129 @@
+"""What the two TPU kernels share: lane windows for the KV heads, and the page DMAs.
+
+The kernels see each page as one [B, K * D] slab ([P, B, K, D] reshaped, a free view), so one DMA
+moves a whole page and the VMEM block's last two dims are the array's own (TPU tiling rule:
+(8, 128)-divisible or full). Picking KV head h out of the K * D lanes would need an unaligned lane
+slice when D is not a multiple of 128 (head_dim 64), which Mosaic may reject. So each head reads a
+128-aligned lane *window* [lo, hi) that covers its D lanes, and Q is laid out in the same window
+with zeros on the neighbours' lanes: the window's extra lanes then add exactly 0 to QK^T, and the
+output's extra lanes (other heads' PV) are dropped by the wrapper. For D a multiple of 128 the
+window is the head itself; for D = 64 it costs 2x MXU work on a memory-bound kernel.
+Shape letters as in common.py; C = K * D lanes of a page row, E the widest window.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+LANES = 128
+
+
+def head_windows(num_kv_heads: int, head_dim: int) -> tuple[tuple[int, int], ...]:
+  """For each KV head, the 128-aligned lane range [lo, hi) of a page row that covers it."""
+  width = num_kv_heads * head_dim
+  windows = []
+  for h in range(num_kv_heads):
+    lo = (h * head_dim) // LANES * LANES
+    hi = min(width, -(-(h + 1) * head_dim // LANES) * LANES)
+    windows.append((lo, hi))
+  return tuple(windows)
+
+
+def window_width(windows) -> int:
+  return max(hi - lo for lo, hi in windows)
+
+
+def pack_heads(q_XKGD: jax.Array, windows) -> jax.Array:
+  """[X, K, G, D] -> [X, K, G, E]: head h's D values at lane h * D - lo of its window, zeros
+  elsewhere."""
+  d = q_XKGD.shape[-1]
+  e = window_width(windows)
+  heads = []
+  for h, (lo, _) in enumerate(windows):
+    offset = h * d - lo
+    heads.append(jnp.pad(q_XKGD[:, h], ((0, 0), (0, 0), (offset, e - offset - d))))  # [X, G, E]
+  return jnp.stack(heads, axis=1)
+
+
+def unpack_heads(o_XKGE: jax.Array, windows, head_dim: int) -> jax.Array:
+  """Inverse of pack_heads: [X, K, G, E] -> [X, K, G, D]."""
+  heads = []
+  for h, (lo, _) in enumerate(windows):
+    offset = h * head_dim - lo
+    heads.append(o_XKGE[:, h, :, offset:offset + head_dim])  # [X, G, D]
+  return jnp.stack(heads, axis=1)
+
+
+def sublanes(dtype) -> int:
+  """Rows of one native VMEM tile: 8 for 32-bit, 16 for bf16 (two rows packed per sublane)."""
+  return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def chunk_copies(tables_ref, table_start, num_pages, chunk, slot, hbm_refs, buf_refs, sem_ref):
+  """The DMAs of K and V pages [chunk * Q, (chunk + 1) * Q) of one sequence into buffer `slot`.
+
+  tables_ref: the flat block tables in SMEM, the sequence's row starting at table_start.
+  hbm_refs: (K, V) [P, B, C] in HBM; buf_refs: (K, V) [2, Q, B, C] VMEM; sem_ref: DMA [2, 2].
+  Pages past the sequence's last one re-read that last page: its data is real (finite), and the
+  positions are masked, so the chunk never multiplies garbage (0 * nan) into the output.
+  """
+  per_chunk = buf_refs[0].shape[1]
+  copies = []
+  for i in range(per_chunk):
+    index = jnp.minimum(chunk * per_chunk + i, num_pages - 1)
+    page = tables_ref[table_start + index]
+    for kv, (hbm_ref, buf_ref) in enumerate(zip(hbm_refs, buf_refs)):
+      copies.append(pltpu.make_async_copy(hbm_ref.at[page], buf_ref.at[slot, i],
+                                          sem_ref.at[kv, slot]))
+  return copies
+
+
+def start_all(copies):
+  for copy in copies:
+    copy.start()
+
+
+def wait_all(copies):
+  for copy in copies:
+    copy.wait()
+
+
+def run_chunks(num_chunks, fetch, compute, carry):
+  """A double-buffered loop over KV chunks: chunk c + 1's DMAs fly while chunk c is computed.
+
+  fetch(chunk, slot) -> the chunk's copies; compute(chunk, slot, carry) -> carry.
+  """
+
+  @pl.when(num_chunks > 0)
+  def _():
+    start_all(fetch(0, 0))
+
+  def body(chunk, carry):
+    slot = lax.rem(chunk, 2)
+
+    @pl.when(chunk + 1 < num_chunks)
+    def _():
+      start_all(fetch(chunk + 1, 1 - slot))
+
+    wait_all(fetch(chunk, slot))
+    return compute(chunk, slot, carry)
+
+  return lax.fori_loop(0, num_chunks, body, carry)
+
+
+def load_window(buf_ref, slot, window, dtype) -> jax.Array:
+  """[Q, B, C] buffer slot -> [Q * B, hi - lo] keys (or values) of one head window."""
+  lo, hi = window
+  per_chunk, page_size, _ = buf_ref.shape[1:]
+  chunk = buf_ref[slot, :, :, pl.ds(lo, hi - lo)]  # [Q, B, hi - lo]
+  return chunk.reshape(per_chunk * page_size, hi - lo).astype(dtype)
+
+
+def scratch_shapes(per_chunk: int, page_size: int, width: int, kv_dtype):
+  """Double-buffered VMEM for K and V chunks, and their DMA semaphores [kv, slot]."""
+  buf = pltpu.VMEM((2, per_chunk, page_size, width), kv_dtype)
+  return [buf, buf, pltpu.SemaphoreType.DMA((2, 2))]
