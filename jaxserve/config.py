@@ -89,7 +89,10 @@ class ModelConfig:
     if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
       raise ValueError(f"unsupported architecture {arch!r}: jaxserve runs Llama-family models")
     num_heads = hf["num_attention_heads"]
-    scaling = hf.get("rope_scaling") or None
+    # transformers >= 5 writes `rope_parameters` (theta included) instead of rope_theta/rope_scaling.
+    rope = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
       scaling = RopeScaling(scaling["factor"], scaling["low_freq_factor"],
                             scaling["high_freq_factor"],
@@ -105,7 +108,7 @@ class ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         hidden_dim=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-5),
-        rope_theta=hf.get("rope_theta", 10000.0),
+        rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=hf.get("max_position_embeddings", 2048),
         tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -182,8 +185,8 @@ class EngineConfig:
   @property
   def decode_block_buckets(self) -> tuple[int, ...]:
     """Block-table widths decode is compiled for: attention reads only as many pages as the
-    longest running sequence needs, rounded up to a power of two."""
-    widths, w = [], 1
+    longest running sequence needs, rounded up to a power of two (8 pages at least)."""
+    widths, w = [], 8
     while w < self.max_blocks_per_seq:
       widths.append(w)
       w *= 2

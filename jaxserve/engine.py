@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
+from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
 from jaxserve.decode import DecodeState, decode_step
 from jaxserve.kv_cache import SCRATCH_PAGE, KVCache
 from jaxserve.model import Transformer
@@ -111,6 +111,8 @@ class Engine:
 
   def warmup(self) -> None:
     """Compiles every prefill bucket and decode width. Writes only to the scratch page."""
+    row = SamplingRow.from_params(SamplingParams(), 0, (), (), self.model_config.vocab_size)
+    self.state = self._set_sampling(self.state, np.int32(0), row.as_state())
     for bucket in self.config.prefill_buckets:
       self.cache, self.state, _ = self._prefill(
           self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),

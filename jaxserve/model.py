@@ -31,7 +31,7 @@ def _param(rngs: nnx.Rngs, shape, names, dtype, fan_in: int | None = None) -> nn
     value = jnp.ones(shape, dtype)
   else:
     value = (jax.random.normal(rngs.params(), shape) / jnp.sqrt(fan_in)).astype(dtype)
-  return nnx.Param(value, sharding_names=names, eager_sharding=False)
+  return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 def rms_norm(x, scale, eps: float):

@@ -1,0 +1,81 @@
+"""The real default model (SmolLM2-135M-Instruct, from its GGUF) against Hugging Face transformers
+loading the same GGUF file: last-position logits and greedy continuations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import count_compiles, dense_logits
+from jaxserve import pull
+from jaxserve.config import EngineConfig, SamplingParams
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.real_model
+
+RAW = "What is a mortgage rate? A mortgage rate is"
+CHAT = [{"role": "user", "content": "What is a mortgage rate?"}]
+ENGINE = EngineConfig(num_slots=4, block_size=16, num_blocks=64, max_model_len=256,
+                      prefill_buckets=(32, 64), compilation_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+  path = pull.gguf_path()
+  torch.manual_seed(0)
+  return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+  from jaxserve.llm import LLM
+  return LLM(None, engine_config=ENGINE)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+  chat = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT), add_bos=False)
+  return {"raw": llm.tokenizer.encode(RAW), "chat": chat}
+
+
+@pytest.mark.parametrize("kind", ["raw", "chat"])
+def test_last_position_logits_match_transformers(llm, hf_model, prompts, kind):
+  ids = prompts[kind]
+  with torch.no_grad():
+    ref = hf_model(torch.tensor([ids])).logits[0, -1].numpy()
+  ours = np.asarray(dense_logits(llm.model, ids)[-1])
+  assert np.abs(ours - ref).max() < 1e-3
+
+
+def test_greedy_continuations_match_transformers(llm, hf_model, prompts):
+  """32 greedy tokens for a raw and a chat prompt, run together through the scheduler."""
+  params = SamplingParams(temperature=0, max_tokens=32)
+  outs = llm.generate([prompts["raw"], prompts["chat"]], params)
+  for out, ids in zip(outs, (prompts["raw"], prompts["chat"])):
+    with torch.no_grad():
+      ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=sorted(llm.tokenizer.stop_ids), pad_token_id=0)
+    assert list(out.token_ids) == ref[0, len(ids):].tolist()
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_no_request_compiles_after_warmup(llm):
+  """20 requests with different prompt lengths and sampling settings compile nothing new."""
+  rng = np.random.default_rng(0)
+  prompts, params = [], []
+  for i in range(20):
+    prompts.append(list(rng.integers(100, 40000, int(rng.integers(1, 120)))))
+    params.append(SamplingParams(
+        temperature=float(rng.choice([0, 0.7, 1.3])), top_k=int(rng.choice([0, 5, 50])),
+        top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.05])),
+        repetition_penalty=float(rng.choice([1.0, 1.2])), presence_penalty=float(rng.choice([0, 0.5])),
+        frequency_penalty=float(rng.choice([0, 0.3])), seed=int(rng.integers(0, 2**40)) if i % 2 else None,
+        max_tokens=int(rng.integers(1, 12)), ignore_eos=bool(i % 3 == 0), logprobs=int(i % 4),
+        stop=["the"] if i % 5 == 0 else ()))
+  with count_compiles() as counts:
+    outs = llm.generate(prompts, params)
+  assert len(outs) == 20 and all(o.finish_reason is not None for o in outs)
+  assert counts == {"trace": 0, "compile": 0}

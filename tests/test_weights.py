@@ -1,0 +1,110 @@
+"""Loaders: Hugging Face safetensors directories, GGUF files, and our orbax checkpoints, each checked
+against transformers running the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import dense_logits
+from jaxserve import checkpoint, cli, weights
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+IDS = [3, 17, 42, 99, 5, 64, 23, 88, 7, 31, 12]
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def hf_model(kind: str):
+  torch.manual_seed(0)
+  if kind == "llama3":  # Untied head, GQA, Llama-3.1 RoPE scaling.
+    cfg = transformers.LlamaConfig(**SMALL, tie_word_embeddings=False, rope_theta=500000.0,
+                                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0,
+                                                     original_max_position_embeddings=64))
+    return transformers.LlamaForCausalLM(cfg).eval()
+  return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)).eval()
+
+
+def torch_logits(model, ids):
+  with torch.no_grad():
+    return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_hf_directory_matches_transformers(tmp_path, kind):
+  model = hf_model(kind)
+  model.save_pretrained(tmp_path)
+  cfg, params = weights.load_hf_dir(tmp_path)
+  assert cfg.qkv_bias == (kind == "qwen2") and cfg.tie_embeddings == (kind == "qwen2")
+  ours = dense_logits(checkpoint.build_model(cfg, params), IDS)
+  np.testing.assert_allclose(np.asarray(ours), torch_logits(model, IDS), atol=1e-4)
+
+
+def _llama_cpp_row_order(w, num_heads):
+  """llama.cpp's converter reorders Q/K rows per head for its interleaved RoPE:
+  (2, pairs) -> (pairs, 2) within each head."""
+  return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path):
+  import gguf
+
+  c = model.config
+  sd = {k: v.numpy() for k, v in model.state_dict().items()}
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_block_count(c.num_hidden_layers)
+  w.add_context_length(c.max_position_embeddings)
+  w.add_embedding_length(c.hidden_size)
+  w.add_feed_forward_length(c.intermediate_size)
+  w.add_head_count(c.num_attention_heads)
+  w.add_head_count_kv(c.num_key_value_heads)
+  w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+  w.add_layer_norm_rms_eps(c.rms_norm_eps)
+  w.add_vocab_size(c.vocab_size)
+  w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+  w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+  w.add_tensor("output.weight", sd["lm_head.weight"])
+  names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+           "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}
+  for i in range(c.num_hidden_layers):
+    for hf, ours in names.items():
+      t = sd[f"model.layers.{i}.{hf}.weight"]
+      if ours == "attn_q":
+        t = _llama_cpp_row_order(t, c.num_attention_heads)
+      if ours == "attn_k":
+        t = _llama_cpp_row_order(t, c.num_key_value_heads)
+      w.add_tensor(f"blk.{i}.{ours}.weight", np.ascontiguousarray(t))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+def test_gguf_with_llama_cpp_row_order_matches_transformers(tmp_path):
+  """Un-permuting llama.cpp's Q/K rows is what makes the logits agree."""
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)).eval()
+  write_gguf(model, tmp_path / "tiny.gguf")
+  cfg, params = weights.load_gguf(tmp_path / "tiny.gguf")
+  ours = dense_logits(checkpoint.build_model(cfg, params), IDS)
+  np.testing.assert_allclose(np.asarray(ours), torch_logits(model, IDS), atol=1e-4)
+
+
+def test_convert_then_restore_gives_the_same_model(tmp_path, default_model):
+  """`jaxserve convert` of a HF directory (with the default model's tokenizer) round-trips."""
+  model = hf_model("qwen2")
+  src, dst = tmp_path / "hf", tmp_path / "ckpt"
+  model.save_pretrained(src)
+  default_model[1].save(src)
+  assert cli.main(["convert", str(src), str(dst)]) == 0
+  cfg, params, tok = checkpoint.restore(dst)
+  ref_cfg, ref_params = weights.load_hf_dir(src)
+  assert cfg == ref_cfg
+  np.testing.assert_array_equal(params["layers"]["bq"], ref_params["layers"]["bq"])
+  assert tok.encode("Hello, world!") == default_model[1].encode("Hello, world!")
+  ours = dense_logits(checkpoint.load_model(str(dst))[0], IDS)
+  np.testing.assert_allclose(np.asarray(ours), torch_logits(model, IDS), atol=1e-4)
