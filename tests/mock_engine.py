@@ -1,0 +1,152 @@
+"""A mock of plan.Engine whose tokens can be worked out by hand, plus a mock tokenizer.
+
+The mock's "KV cache" stores, in each page slot, the token id whose KV would live there. Every
+sampled token is `next_token(context)` where the context is read back *through the block table*
+from those pages, so a wrong block table, a prefix-cache hit on the wrong page or a missing
+recompute after preemption all change the tokens (or trip an assertion on an unwritten page).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from jaxserve.plan import PrefillChunk
+
+
+def next_plus_one(context: Sequence[int], vocab_size: int = 1000) -> int:
+  """The default model: the last token plus one."""
+  return (context[-1] + 1) % vocab_size
+
+
+def weighted_sum(context: Sequence[int], vocab_size: int = 1000) -> int:
+  """A model that depends on every position of the context."""
+  return sum((i + 1) * t for i, t in enumerate(context)) % vocab_size
+
+
+def reference_generate(prompt: Sequence[int], num_tokens: int,
+                       next_token: Callable[[Sequence[int]], int] = next_plus_one) -> list[int]:
+  """What any correct scheduler must produce: the model applied to its own output, no paging."""
+  seq = list(prompt)
+  for _ in range(num_tokens):
+    seq.append(next_token(seq))
+  return seq[len(prompt):]
+
+
+class MockFuture:
+
+  def __init__(self, tokens: np.ndarray, engine: MockEngine, label: str):
+    self._tokens, self._engine, self.label = tokens, engine, label
+
+  def result(self) -> np.ndarray:
+    self._engine.events.append(("result", self.label))
+    return self._tokens
+
+
+class MockEngine:
+
+  def __init__(self, num_slots: int = 4, block_size: int = 4, num_blocks: int = 64,
+               max_model_len: int = 128, max_prefill_len: int = 16,
+               next_token: Callable[[Sequence[int]], int] = next_plus_one):
+    self.num_slots = num_slots
+    self.block_size = block_size
+    self.num_blocks = num_blocks
+    self.max_model_len = max_model_len
+    self.max_prefill_len = max_prefill_len
+    self.next_token = next_token
+    self.pages = np.full((num_blocks, block_size), -1, np.int64)  # [pages, block_size] token ids
+    self.page_writes = np.zeros(num_blocks, np.int64)  # Positions written, per page.
+    self.num_prefill_tokens = 0  # Prompt tokens whose KV the engine computed.
+    self.num_decode_steps = 0
+    self.chunks: list[PrefillChunk] = []
+    self.events: list[tuple] = []  # ("prefill", id, start, n) ("decode", slots) ("free", slot) ...
+    self._token = [None] * num_slots  # Decode state: the slot's next input token and position.
+    self._pos = [None] * num_slots
+
+  def prefill(self, chunk: PrefillChunk) -> MockFuture | None:
+    n = len(chunk.token_ids)
+    assert 0 < n <= self.max_prefill_len, n
+    assert self._pos[chunk.slot] is None, f"slot {chunk.slot} prefilled while still decoding"
+    assert len(chunk.block_table) * self.block_size >= chunk.start_pos + n
+    self.events.append(("prefill", chunk.request_id, chunk.start_pos, n))
+    self.chunks.append(chunk)
+    for i, token in enumerate(chunk.token_ids):
+      self._write(chunk.block_table, chunk.start_pos + i, token)
+    self.num_prefill_tokens += n
+    if not chunk.is_last:
+      return None
+    end = chunk.start_pos + n
+    token = self.next_token(self._context(chunk.block_table, end))
+    self._token[chunk.slot], self._pos[chunk.slot] = token, end
+    return MockFuture(np.array([token], np.int32), self, f"prefill:{chunk.request_id}")
+
+  def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> MockFuture:
+    assert block_tables.shape[0] == self.num_slots and block_tables.dtype == np.int32
+    self.num_decode_steps += 1
+    self.events.append(("decode", tuple(slots)))
+    out = np.full(self.num_slots, -1, np.int32)
+    for slot in slots:
+      pos = self._pos[slot]
+      assert pos is not None, f"decode of free slot {slot}"
+      assert pos < self.max_model_len
+      table = block_tables[slot]
+      self._write(table, pos, self._token[slot])
+      out[slot] = self.next_token(self._context(table, pos + 1))
+      self._token[slot], self._pos[slot] = int(out[slot]), pos + 1
+    return MockFuture(out, self, f"decode:{self.num_decode_steps}")
+
+  def free(self, slot: int) -> None:
+    self.events.append(("free", slot))
+    self._token[slot] = self._pos[slot] = None
+
+  def _write(self, table: Sequence[int], pos: int, token: int) -> None:
+    block = table[pos // self.block_size]
+    assert block != 0, f"position {pos} written to the scratch page"
+    self.pages[block, pos % self.block_size] = token
+    self.page_writes[block] += 1
+
+  def _context(self, table: Sequence[int], length: int) -> list[int]:
+    bs = self.block_size
+    blocks = [table[p // bs] for p in range(length)]
+    assert 0 not in blocks, "attention read the scratch page"
+    context = [int(self.pages[b, p % bs]) for p, b in zip(range(length), blocks)]
+    assert min(context) >= 0, "attention read an unwritten position"
+    return context
+
+
+class MockTokenizer:
+  """Token i decodes to `pieces[i]` (default " t<i>"); `eos_id` ends a turn."""
+
+  def __init__(self, pieces: dict[int, str] | None = None, eos_id: int = 999):
+    self.pieces = pieces or {}
+    self.eos_id = eos_id
+    self.stop_ids = frozenset({eos_id})
+
+  def piece(self, i: int) -> str:
+    return self.pieces.get(i, f" t{i}")
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return "".join(self.piece(i) for i in ids if not (skip_special_tokens and i == self.eos_id))
+
+
+def assert_all_free(scheduler) -> None:
+  """Nothing queued or running, every block back in the pool, every slot free."""
+  assert not scheduler.waiting and not scheduler.running
+  blocks = scheduler.blocks
+  assert blocks.num_free_blocks == blocks.num_usable_blocks
+  assert all(blocks.ref_count(b) == 0 for b in range(blocks.num_blocks))
+  assert sorted(scheduler._free_slots) == list(range(len(scheduler._tables)))
+
+
+@pytest.fixture
+def checked():
+  """Registers schedulers (or runners); after the test, asserts each is back to all-free."""
+  items = []
+  yield lambda x: items.append(x) or x
+  for x in items:
+    if hasattr(x, "scheduler"):
+      assert not x.has_unfinished
+      x = x.scheduler
+    assert_all_free(x)

@@ -1,0 +1,343 @@
+"""The scheduler on its own: plans worked out by hand from token counters.
+
+Tokens are applied by hand right after each plan (no engine); the runner tests cover the overlap.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from jaxserve.config import QueuePolicy, SamplingParams, SchedulerConfig
+from jaxserve.request import QueueFull, Request, RequestRejected, RequestStatus
+from jaxserve.scheduler import Scheduler
+from mock_engine import MockEngine, checked  # noqa: F401  (checked is a fixture)
+
+_ids = itertools.count()
+
+
+def make(prompt_len, max_tokens=4, priority=0, first=None):
+  """A request; prompts differ unless `first` (the first token, then +1 each) is given."""
+  seq = next(_ids)
+  first = 10_000 + 1000 * seq if first is None else first
+  return Request(f"r{seq}", tuple(range(first, first + prompt_len)),
+                 SamplingParams(max_tokens=max_tokens), seed=0, arrival_seq=seq, priority=priority)
+
+
+def sched(checked, num_slots=4, num_blocks=17, max_prefill_len=8, max_model_len=64, **config):
+  engine = MockEngine(num_slots=num_slots, block_size=4, num_blocks=num_blocks,
+                      max_model_len=max_model_len, max_prefill_len=max_prefill_len)
+  return checked(Scheduler(SchedulerConfig(**config), engine))
+
+
+def step(s, token=1):
+  """One plan, then every sampled token applied at once and finished requests retired."""
+  out = s.schedule()
+  sampled = [r for c, r in zip(out.plan.prefills, out.prefill_requests) if c.is_last]
+  for r in sampled + list(out.decode_requests):
+    s.append_token(r, token)
+    if r.num_output_tokens == r.sampling.max_tokens:
+      s.finish(r)
+  return out
+
+
+def drain(s, limit=200):
+  for _ in range(limit):
+    if not s.has_unfinished:
+      return
+    step(s)
+  raise AssertionError("did not drain")
+
+
+def chunks(out):
+  return [(c.request_id, c.start_pos, len(c.token_ids), c.is_last) for c in out.plan.prefills]
+
+
+def test_rejects_what_can_never_run(checked):
+  s = sched(checked, num_blocks=9)  # 8 usable blocks of 4 tokens: 32 KV positions.
+  with pytest.raises(RequestRejected, match="empty"):
+    s.check(0, SamplingParams())
+  with pytest.raises(RequestRejected, match="context window of 64"):
+    s.check(60, SamplingParams(max_tokens=5))  # 65 > 64
+  s.check(28, SamplingParams(max_tokens=5))  # 33 tokens: the last one needs no KV -> 8 blocks.
+  with pytest.raises(RequestRejected, match="needs 9 KV blocks"):
+    s.check(29, SamplingParams(max_tokens=5))
+  with pytest.raises(RequestRejected):
+    s.add(make(61))
+  assert not s.waiting
+
+
+def test_queue_length_is_capped(checked):
+  s = sched(checked, max_queue_len=2)
+  s.add(make(3))
+  s.add(make(3))
+  with pytest.raises(QueueFull):
+    s.add(make(3))
+  drain(s)
+
+
+def test_admits_in_arrival_order_up_to_the_free_slots(checked):
+  s = sched(checked, num_slots=2)
+  reqs = [make(3) for _ in range(4)]
+  for r in reqs:
+    s.add(r)
+  out = step(s)
+  assert [c.request_id for c in out.plan.prefills] == [reqs[0].request_id, reqs[1].request_id]
+  assert [c.slot for c in out.plan.prefills] == [0, 1]
+  assert [r.status for r in reqs] == [RequestStatus.RUNNING] * 2 + [RequestStatus.WAITING] * 2
+  # Each finishes after 4 tokens: the prefill's + 3 decodes; slot 0 is then refilled first.
+  for _ in range(3):
+    out = step(s)
+    assert out.plan.decode_slots == (0, 1) and not out.plan.prefills
+  out = step(s)
+  assert out.free_slots == (0, 1)
+  assert [(c.request_id, c.slot) for c in out.plan.prefills] == [
+      (reqs[2].request_id, 0), (reqs[3].request_id, 1)]
+  drain(s)
+
+
+def test_fcfs_head_of_line_blocks_later_smaller_requests(checked):
+  s = sched(checked, num_blocks=9, max_prefill_len=32, max_num_batched_tokens=64)  # 8 blocks.
+  first = make(16, max_tokens=9)  # 4 blocks for the prompt, grows to 6.
+  big = make(20, max_tokens=4, first=100)  # 5 blocks: does not fit beside `first`.
+  small = make(2, max_tokens=2, first=200)  # Would fit, but arrived after `big`.
+  for r in (first, big, small):
+    s.add(r)
+  step(s)
+  assert first.status is RequestStatus.RUNNING
+  assert big.status is small.status is RequestStatus.WAITING
+  while first.status is RequestStatus.RUNNING:
+    assert small.status is RequestStatus.WAITING
+    step(s)
+  step(s)
+  assert big.status is RequestStatus.RUNNING and small.status is RequestStatus.RUNNING
+  drain(s)
+
+
+def test_priority_policy_admits_lower_numbers_first_fcfs_within(checked):
+  s = sched(checked, num_slots=1, policy=QueuePolicy.PRIORITY)
+  reqs = [make(2, max_tokens=1, priority=p) for p in (5, 1, 5, 0, 1)]
+  for r in reqs:
+    s.add(r)
+  order = []
+  while s.has_unfinished:
+    out = step(s)
+    order += [c.request_id for c in out.plan.prefills]
+  assert order == [reqs[i].request_id for i in (3, 1, 4, 0, 2)]
+
+
+def test_reserve_blocks_hold_back_admission_while_others_run(checked):
+  s = sched(checked, num_blocks=9, reserve_blocks=3)  # 8 blocks.
+  a, b = make(12, max_tokens=2), make(8, max_tokens=2)  # 3 blocks, 2 blocks
+  s.add(a)
+  s.add(b)
+  step(s)
+  # a took 3 blocks (5 free). b needs 2 + 3 reserve = 5 <= 5: admitted too.
+  assert b.status is RequestStatus.RUNNING
+  drain(s)
+  s2 = sched(checked, num_blocks=9, reserve_blocks=4)
+  a, b = make(12, max_tokens=2), make(8, max_tokens=2)
+  s2.add(a)
+  s2.add(b)
+  step(s2)
+  assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING  # 2 + 4 > 5
+  drain(s2)
+
+
+def test_alone_a_request_may_use_the_reserve(checked):
+  s = sched(checked, num_blocks=9, reserve_blocks=6)  # 8 blocks, 6 reserved.
+  r = make(12, max_tokens=2)  # 3 blocks > 8 - 6, but nothing else runs.
+  s.add(r)
+  step(s)
+  assert r.status is RequestStatus.RUNNING
+  drain(s)
+
+
+def test_chunked_prefill_interleaves_with_decode(checked):
+  s = sched(checked, max_prefill_len=8, max_num_batched_tokens=16, max_model_len=64)
+  short = make(3, max_tokens=20)
+  s.add(short)
+  step(s)  # short prefilled; decodes from the next step on.
+  long = make(40, max_tokens=4, first=100)
+  s.add(long)
+  plans = [step(s) for _ in range(3)]
+  lid = long.request_id
+  assert [chunks(p) for p in plans] == [
+      [(lid, 0, 8, False), (lid, 8, 8, False)],
+      [(lid, 16, 8, False), (lid, 24, 8, False)],
+      [(lid, 32, 8, True)]]
+  assert all(p.plan.decode_slots == (short.slot,) for p in plans)  # short never stalls.
+  assert plans[1].plan.prefills[0].token_ids == tuple(range(116, 124))
+  out = step(s)
+  assert set(out.plan.decode_slots) == {short.slot, long.slot}
+  assert s.num_prefill_tokens == 43
+  s.abort(short)
+  drain(s)
+
+
+def test_prefill_budget_is_shared_in_queue_order(checked):
+  s = sched(checked, max_prefill_len=8, max_num_batched_tokens=10)
+  a, b = make(6), make(6)
+  s.add(a)
+  s.add(b)
+  out = step(s)
+  assert chunks(out) == [(a.request_id, 0, 6, True), (b.request_id, 0, 4, False)]
+  out = step(s)
+  assert chunks(out) == [(b.request_id, 4, 2, True)]
+  drain(s)
+
+
+def test_decode_block_tables(checked):
+  s = sched(checked, num_slots=4, max_model_len=64)  # At most 16 blocks per sequence.
+  a, b = make(3, max_tokens=30), make(13, max_tokens=30, first=50)
+  s.add(a)
+  s.add(b)
+  step(s)
+  out = step(s)
+  # a: 4 tokens -> 1 block; b: 14 tokens -> 4 blocks; width 4 (a power of two).
+  tables = out.plan.block_tables
+  assert tables.shape == (4, 4) and tables.dtype == np.int32
+  assert list(tables[a.slot]) == a.block_table + [0, 0, 0]
+  assert list(tables[b.slot]) == b.block_table
+  assert not tables[2:].any()
+  for _ in range(3):
+    out = step(s)
+  assert out.plan.block_tables.shape == (4, 8)  # b: 17 tokens -> 5 blocks -> width 8.
+  assert len(b.block_table) == 5 and list(out.plan.block_tables[b.slot][:5]) == b.block_table
+  s.abort(a)
+  s.abort(b)
+
+
+def test_grows_one_block_when_decode_crosses_a_boundary(checked):
+  s = sched(checked)
+  r = make(3, max_tokens=10)
+  s.add(r)
+  step(s)  # Prompt 3 tokens in 1 block; token 4 sampled (its KV not written yet).
+  assert len(r.block_table) == 1
+  step(s)  # Writes position 3 (still block 0), samples token 5.
+  assert len(r.block_table) == 1
+  step(s)  # Writes position 4: a second block.
+  assert len(r.block_table) == 2
+  assert s.blocks.num_free_blocks == 16 - 2
+  drain(s)
+
+
+def test_stops_decoding_at_max_tokens(checked):
+  s = sched(checked)
+  r = make(3, max_tokens=3)
+  s.add(r)
+  out = s.schedule()
+  # Tokens never applied (as if all were in flight): one from prefill, then two decodes, no more.
+  assert s.schedule().plan.decode_slots == (0,)
+  assert s.schedule().plan.decode_slots == (0,)
+  assert s.schedule().plan.is_empty and r.num_pending_tokens == 3
+  for t in (7, 8, 9):
+    s.append_token(r, t)
+  s.finish(r)
+  assert r.output_token_ids == [7, 8, 9] and out.plan.prefills[0].is_last
+
+
+def test_preemption_frees_the_newest_and_recomputes_prompt_plus_output(checked):
+  s = sched(checked, num_slots=2, num_blocks=7, enable_prefix_caching=False)  # 6 blocks of 4.
+  old, new = make(8, max_tokens=12), make(8, max_tokens=12, first=50)  # 2 blocks each.
+  s.add(old)
+  s.add(new)
+  step(s, token=900)
+  # Each needs a 3rd block at its 9th position, a 4th at its 13th: 8 blocks > 6.
+  while new.status is RequestStatus.RUNNING:
+    step(s, token=900 + old.num_output_tokens)
+  assert new.num_preemptions == 1 and old.num_preemptions == 0
+  assert new.block_table == [] and new.slot is None and new.num_pending_tokens == 0
+  assert s.waiting.peek() is new
+  assert len(old.block_table) == 4
+  generated = new.output_token_ids
+  # Sampled positions 8..12; writing position 12 needed a 4th block, and `old` got it.
+  assert len(generated) == 5
+  while old.status is RequestStatus.RUNNING:
+    step(s)
+  out = step(s)
+  # Re-admitted: prefills its prompt plus the tokens it had generated, in chunks of 8.
+  sent = [t for c in out.plan.prefills for t in c.token_ids]
+  assert sent == list(range(50, 58)) + generated, sent
+  last = out.plan.prefills[-1]
+  assert last.is_last and list(last.output_token_ids) == generated
+  assert list(last.prompt_token_ids) == list(range(50, 58))
+  drain(s)
+  assert new.num_output_tokens == 12
+
+
+def test_priority_preemption_picks_the_lowest_priority_even_if_older(checked):
+  s = sched(checked, num_slots=2, num_blocks=7, policy=QueuePolicy.PRIORITY)
+  low, high = make(8, max_tokens=12, priority=9), make(8, max_tokens=12, priority=0, first=50)
+  s.add(low)
+  s.add(high)
+  while low.num_preemptions == 0:
+    assert high.num_preemptions == 0
+    step(s)
+  assert high.status is RequestStatus.RUNNING and low.status is RequestStatus.WAITING
+  drain(s)
+
+
+def test_a_lone_request_that_outgrows_the_pool_is_preempted_only_by_itself(checked):
+  s = sched(checked, num_slots=2, num_blocks=4)  # 3 blocks: 12 positions.
+  r = make(4, max_tokens=9)  # 12 KV positions at most: fits alone.
+  s.add(r)
+  drain(s)
+  assert r.num_preemptions == 0 and r.num_output_tokens == 9
+
+
+def test_static_batching_waits_for_the_whole_group(checked):
+  s = sched(checked, num_slots=2, static_batching=True, max_num_batched_tokens=4)
+  a, b, c = make(4, max_tokens=1), make(4, max_tokens=6), make(4, max_tokens=1)
+  for r in (a, b, c):
+    s.add(r)
+  out = step(s)  # Both a and b join the group, though the budget only covers a's prefill.
+  assert a.status is RequestStatus.FINISHED and b.status is RequestStatus.RUNNING
+  assert chunks(out) == [(a.request_id, 0, 4, True)]
+  while b.status is RequestStatus.RUNNING:
+    assert c.status is RequestStatus.WAITING  # a's slot stays idle until b is done.
+    step(s)
+  step(s)
+  assert c.status is RequestStatus.FINISHED
+  s2 = sched(checked, num_slots=2, max_num_batched_tokens=8)
+  a, b, c = make(4, max_tokens=1), make(4, max_tokens=6), make(4, max_tokens=1)
+  for r in (a, b, c):
+    s2.add(r)
+  step(s2)
+  step(s2)  # Continuous batching refills a's slot at once.
+  assert c.status is RequestStatus.FINISHED and b.status is RequestStatus.RUNNING
+  drain(s2)
+
+
+def test_prefix_cache_skips_cached_blocks_at_admission(checked):
+  s = sched(checked)
+  a = make(10, max_tokens=1, first=0)
+  s.add(a)
+  drain(s)
+  b = make(10, max_tokens=1, first=0)  # Same prompt.
+  s.add(b)
+  out = step(s)
+  # Blocks [0..3] [4..7] cached; the block with the last token is prefilled again.
+  assert chunks(out) == [(b.request_id, 8, 2, True)]
+  assert b.num_cached_tokens == 8 and s.num_cached_tokens == 8
+  assert s.num_prefill_tokens == 10 + 2
+  drain(s)
+
+
+def test_abort_frees_in_every_state(checked):
+  s = sched(checked, num_slots=1, max_num_batched_tokens=4, max_prefill_len=4)
+  running, prefilling, waiting = make(3, max_tokens=20), make(12), make(3)
+  s.add(running)
+  step(s)
+  s.add(prefilling)
+  s.add(waiting)
+  step(s)
+  s.abort(waiting)
+  assert waiting.status is RequestStatus.ABORTED and len(s.waiting) == 1
+  s.abort(running)
+  out = step(s)
+  assert out.free_slots == (0,) and chunks(out) == [(prefilling.request_id, 0, 4, False)]
+  s.abort(prefilling)
+  assert prefilling.status is RequestStatus.ABORTED
+  out = step(s)
+  assert out.free_slots == (0,) and out.plan.is_empty

@@ -1,0 +1,133 @@
+"""The asyncio streaming API over a runner stepping on a background thread."""
+
+import asyncio
+
+import pytest
+
+from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.request import FinishReason, RequestRejected, RequestStatus
+from jaxserve.runner import Runner
+from jaxserve.stream import AsyncRunner
+from mock_engine import (MockEngine, MockTokenizer, assert_all_free,
+                         reference_generate, weighted_sum)
+
+
+def greedy(n, **kwargs):
+  return SamplingParams(temperature=0, max_tokens=n, **kwargs)
+
+
+def serve(test, engine=None, **config):
+  """Runs `test(async_runner)` on a fresh event loop with the engine thread started."""
+  runner = Runner(engine or MockEngine(num_slots=2, next_token=weighted_sum), MockTokenizer(),
+                  SchedulerConfig(**config))
+  arunner = AsyncRunner(runner)
+
+  async def main():
+    arunner.start()
+    try:
+      result = await asyncio.wait_for(test(arunner), timeout=20)
+      while runner.has_unfinished:  # Let the loop report aborts before stopping it.
+        await asyncio.sleep(0.001)
+      return result
+    finally:
+      arunner.stop()
+
+  result = asyncio.run(main())
+  assert_all_free(runner.scheduler)
+  return result
+
+
+async def collect(stream):
+  return [out async for out in stream]
+
+
+def test_concurrent_streams_get_their_own_tokens():
+  prompts = [[1, 2, 3], [9], [4, 4, 4, 4, 4], [7, 8]]
+
+  async def test(ar):
+    streams = [ar.submit(p, greedy(6 + i)) for i, p in enumerate(prompts)]
+    return await asyncio.gather(*(collect(s) for s in streams))
+
+  for i, (p, outs) in enumerate(zip(prompts, serve(test))):
+    expected = reference_generate(p, 6 + i, weighted_sum)
+    assert [t for o in outs for t in o.token_ids] == expected
+    assert "".join(o.text for o in outs) == "".join(f" t{t}" for t in expected)
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    assert all(o.finish_reason is None for o in outs[:-1])
+
+
+def test_a_request_that_can_never_run_fails_in_the_caller():
+  async def test(ar):
+    with pytest.raises(RequestRejected):
+      ar.submit(list(range(200)), greedy(4))  # Longer than max_model_len (128).
+    x = ar.submit([1], greedy(1), request_id="x")
+    with pytest.raises(ValueError, match="already in use"):
+      ar.submit([1], greedy(1), request_id="x")
+    return (await collect(x))[-1].finish_reason is FinishReason.LENGTH
+
+  assert serve(test)
+
+
+def test_leaving_the_stream_early_aborts_the_request():
+  async def test(ar):
+    seen = []
+    agen = ar.generate([1, 2, 3], greedy(100))
+    async for out in agen:
+      seen.append(out)
+      if len(seen) == 2:
+        break
+    await agen.aclose()
+    other = await collect(ar.submit([5], greedy(3)))  # The engine keeps serving others.
+    return seen, other
+
+  seen, other = serve(test)
+  assert len(seen) == 2 and other[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_abort_reaches_a_waiting_request():
+  async def test(ar):
+    running = ar.submit([1], greedy(50))
+    queued = ar.submit([2], greedy(50))  # One slot: waits.
+    first = await running.__anext__()
+    queued.abort()
+    outs = await collect(queued)
+    running.abort()
+    rest = await collect(running)
+    return first, outs, rest, queued.request
+
+  first, outs, rest, queued = serve(test, engine=MockEngine(num_slots=1))
+  assert first.token_ids == (2,)
+  assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
+  assert queued.status is RequestStatus.ABORTED and queued.num_output_tokens == 0
+  assert rest[-1].finish_reason is FinishReason.ABORT
+
+
+class _BrokenEngine(MockEngine):
+
+  def decode(self, slots, block_tables):
+    raise RuntimeError("device on fire")
+
+
+def test_an_engine_error_reaches_every_open_stream():
+  async def test(ar):
+    streams = [ar.submit([1], greedy(5)), ar.submit([2], greedy(5))]
+    errors = []
+    for s in streams:
+      with pytest.raises(RuntimeError, match="device on fire") as e:
+        await collect(s)
+      errors.append(e)
+    with pytest.raises(RuntimeError, match="failed"):
+      ar.submit([3], greedy(1))
+    return len(errors)
+
+  runner = Runner(_BrokenEngine(), MockTokenizer())
+  arunner = AsyncRunner(runner)
+
+  async def main():
+    arunner.start()
+    try:
+      return await asyncio.wait_for(test(arunner), timeout=20)
+    finally:
+      arunner.stop()
+
+  assert asyncio.run(main()) == 2
