@@ -34,9 +34,9 @@ class AttentionMetadata:
 
 def attend(q, cache: KVCache, layer, meta: AttentionMetadata, backend: AttentionBackend):
   """q [B, T, N, H] -> [B, T, N, H]."""
-  if backend is AttentionBackend.PALLAS:
-    return _attend_pallas(q, cache, layer, meta)
-  return attend_reference(q, cache, layer, meta)
+  if backend is AttentionBackend.REFERENCE:
+    return attend_reference(q, cache, layer, meta)
+  return _attend_pallas(q, cache, layer, meta, _KERNEL_PLATFORM[backend])
 
 
 def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata):
@@ -55,19 +55,23 @@ def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata):
   return out.reshape(B, T, N, H)
 
 
-def _attend_pallas(q, cache: KVCache, layer, meta: AttentionMetadata):
+_KERNEL_PLATFORM = {AttentionBackend.PALLAS: None, AttentionBackend.PALLAS_TPU: "tpu",
+                    AttentionBackend.PALLAS_GPU: "gpu"}
+
+
+def _attend_pallas(q, cache: KVCache, layer, meta: AttentionMetadata, platform: str | None):
   import kernels_pallas  # The kernels import Pallas; the reference path does not need it.
 
   B, T, N, H = q.shape
   if T == 1:  # Decode: one query per slot. The kernels read the layer's pages in place.
     out = kernels_pallas.paged_decode_attention(q[:, 0], cache.k, cache.v, meta.block_tables, meta.kv_lens,
-                                                layer=layer)
+                                                layer=layer, platform=platform)
     return out[:, None]
   # Prefill: B sequences packed back to back as one ragged batch.
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(meta.q_lens)]).astype(jnp.int32)
   packed = _pack(q, meta.q_lens, cu_q_lens)  # [B * T, N, H]
   out = kernels_pallas.ragged_prefill_attention(packed, cache.k, cache.v, meta.block_tables,
-                                                cu_q_lens, meta.kv_lens, layer=layer)
+                                                cu_q_lens, meta.kv_lens, layer=layer, platform=platform)
   return _unpack(out, cu_q_lens, T)
 
 

@@ -21,7 +21,11 @@ class KVLayout(enum.Enum):
 
 class AttentionBackend(enum.Enum):
   REFERENCE = "reference"  # Plain jnp: gather pages, masked softmax. The fast path on CPU.
-  PALLAS = "pallas"  # The kernels of kernels_pallas/ (interpret mode on CPU).
+  PALLAS = "pallas"  # The kernels of kernels_pallas/ for the running platform (interpret on CPU).
+  # The kernels for a named platform, whatever runs the tracing: for `jax.export` to TPU or GPU
+  # from a machine without one.
+  PALLAS_TPU = "pallas_tpu"
+  PALLAS_GPU = "pallas_gpu"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,3 +65,19 @@ def dense_logits(model: Transformer, ids, page_size: int = 16):
                            q_lens=jnp.array([n]))
   logits, _ = model(jnp.array([ids]), KVCache.create(model.cfg, engine), meta, last_only=False)
   return logits[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, default_model):
+  """A jaxserve checkpoint of a tiny random model with the default model's tokenizer (49,152
+  tokens): real text in and out, compiled in seconds. Load it with `LLM(str(path))`."""
+  import dataclasses
+
+  from jaxserve import checkpoint
+
+  cfg = dataclasses.replace(TINY, vocab_size=default_model[1].vocab_size, max_seq_len=512,
+                            name="tiny-smollm2-vocab")
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  path = tmp_path_factory.mktemp("ckpt") / "tiny"
+  checkpoint.save(path, cfg, jax.tree.map(lambda x: x, nnx.to_pure_dict(nnx.state(model))), default_model[1])
+  return path
