@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, pull, convert, plan."""
+"""The `jaxserve` command: generate, serve, client, pull, convert, plan."""
 
 from __future__ import annotations
 
@@ -49,13 +49,14 @@ def sampling_params(args):
 def run_generate(args) -> int:
   from jaxserve.llm import LLM
 
+  params = sampling_params(args)  # Bad flags fail before the model loads.
   start = time.perf_counter()
   llm = LLM(args.model, engine_config=engine_config(args))
   print(f"[model ready in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
   chat = not args.raw and llm.tokenizer.chat_template is not None
   ids = llm.encode(args.prompt, chat=chat)
   t0 = time.perf_counter()
-  llm.runner.add_request(ids, sampling_params(args))
+  llm.runner.add_request(ids, params)
   first, num_tokens, reason = None, 0, None
   while llm.runner.has_unfinished:
     for out in llm.runner.step():
@@ -65,9 +66,57 @@ def run_generate(args) -> int:
       reason = out.finish_reason or reason
   end = time.perf_counter()
   rate = (num_tokens - 1) / (end - first) if num_tokens > 1 else 0.0
-  print(f"\n[{num_tokens} tokens, finish: {reason.value if reason else '?'}; time to first token "
+  print()
+  print(f"[{num_tokens} tokens, finish: {reason.value if reason else '?'}; time to first token "
         f"{(first - t0) * 1000:.0f} ms; {rate:.1f} tokens/s after it]", file=sys.stderr)
   return 0
+
+
+def run_serve(args) -> int:
+  import asyncio
+
+  from absl import logging
+
+  from jaxserve import server
+  from jaxserve.config import QueuePolicy, SchedulerConfig
+
+  logging.set_verbosity(logging.INFO)
+  scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
+  config = server.ServerConfig(
+      host=args.host, grpc_port=args.grpc_port,
+      http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
+      keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
+      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler)
+  load = lambda: server.load_engine(args.model, engine_config(args), args.served_model_name)
+  announce = lambda line: print(line, flush=True)
+  return asyncio.run(server.Server(load, config).run_until_signal(announce))
+
+
+def _add_serve_parser(sub) -> None:
+  s = sub.add_parser("serve", help="serve a model over gRPC and an OpenAI-compatible HTTP API",
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  _add_engine_flags(s)
+  s.add_argument("--served-model-name", default=None,
+                 help="the name clients send as `model`; unset: the model's own name")
+  s.add_argument("--host", default="127.0.0.1",
+                 help="address to bind: loopback only by default, 0.0.0.0 for every interface")
+  s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
+  s.add_argument("--http-port", type=int, default=8000,
+                 help="OpenAI-compatible HTTP port (0: any free port; -1: off)")
+  s.add_argument("--metrics-port", type=int, default=None,
+                 help="Prometheus port; unset: /metrics on the HTTP port")
+  s.add_argument("--keys-file", default=None, help='JSON API keys and their limits, {"keys": '
+                 '[{"key", "name", "requests_per_minute", "tokens_per_minute"}]}; unset: no keys')
+  s.add_argument("--drain-timeout", type=float, default=30.0,
+                 help="seconds SIGTERM lets running requests finish before aborting them")
+  s.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
+  s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+  s.add_argument("--max-queue-len", type=int, default=10_000,
+                 help="waiting requests beyond this get RESOURCE_EXHAUSTED")
+  s.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"],
+                 help="queue order (priority: lower `priority` first)")
+  s.add_argument("--log-prompts", action="store_true", help="log each request's prompt text")
+  s.set_defaults(run=run_serve)
 
 
 def run_pull(args) -> int:
@@ -101,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("src")
   c.add_argument("dst")
   c.set_defaults(run=run_convert)
+  _add_serve_parser(sub)
+  from jaxserve import client
+  _add_sampling_flags(client.add_parser(sub))
   capacity.add_plan_parser(sub)
   return parser
 

@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax._src import dispatch
 from flax import nnx
@@ -51,20 +52,36 @@ def default_model():
 
 
 def dense_logits(model: Transformer, ids, page_size: int = 16):
-  """[len(ids), V] logits of one full forward over `ids` on a fresh cache: the no-reuse reference."""
-  import jax.numpy as jnp
+  """[len(ids), V] logits of one full forward over `ids` on a fresh cache: the no-reuse reference.
+
+  The ids are padded to a multiple of 64, so calls of different lengths share one compilation;
+  causal attention keeps the padding from touching the real positions."""
+  n = len(ids)
+  padded = -(-n // 64) * 64
+  return _dense(model, jnp.asarray(list(ids) + [0] * (padded - n), jnp.int32), page_size)[:n]
+
+
+def dense_forward(model: Transformer, ids, page_size: int):
+  """ids [T] (T a multiple of page_size) -> logits [T, V], on a fresh cache."""
   from jaxserve.attention import AttentionMetadata
   from jaxserve.kv_cache import KVCache
 
-  n = len(ids)
-  pages = -(-n // page_size)
+  n = ids.shape[0]
+  pages = n // page_size
   engine = EngineConfig(num_slots=1, block_size=page_size, num_blocks=pages + 1,
-                        max_model_len=pages * page_size, prefill_buckets=(page_size,))
+                        max_model_len=pages * page_size, prefill_buckets=(page_size,), dtype=_dtype(model))
   meta = AttentionMetadata(positions=jnp.arange(n)[None], slot_mapping=(page_size + jnp.arange(n))[None],
                            block_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
                            q_lens=jnp.array([n]))
-  logits, _ = model(jnp.array([ids]), KVCache.create(model.cfg, engine), meta, last_only=False)
+  logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
   return logits[0]
+
+
+_dense = nnx.jit(dense_forward, static_argnums=(2,))
+
+
+def _dtype(model: Transformer) -> str:
+  return jnp.dtype(model.embed[...].dtype).name
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import TINY, TINY_ENGINE, dense_logits
+from conftest import TINY, TINY_ENGINE, dense_forward, dense_logits
 from jaxserve.config import ModelConfig, SamplingParams
 from jaxserve.engine import Engine
 from jaxserve.model import Transformer
@@ -79,7 +79,9 @@ def test_layers_run_under_one_scan_whatever_the_depth():
 
   def num_eqns(num_layers):
     model = Transformer(dataclasses.replace(TINY, num_layers=num_layers), rngs=nnx.Rngs(0))
-    return len(jax.make_jaxpr(lambda ids: dense_logits(model, ids))(list(range(5))).eqns)
+    graphdef, state = nnx.split(model)
+    forward = lambda state, ids: dense_forward(nnx.merge(graphdef, state), ids, 16)
+    return len(jax.make_jaxpr(forward)(state, jnp.arange(32)).eqns)
 
   assert num_eqns(2) == num_eqns(8)
 

@@ -1,0 +1,125 @@
+"""Decode step time, prefill throughput and the memory-bandwidth roofline, on the default model.
+
+  python scripts/bench_decode.py [--batches 1,8,32] [--context 256] [--startup]
+
+Decode is memory-bound: each step reads every weight once plus each slot's KV cache. The roofline
+is that byte count divided by the copy bandwidth this same machine shows in this same run (a large
+array copied by XLA), so the fraction holds even when the machine is slower or busier than usual.
+`--startup` also times a cold start (empty compilation cache) against a warm one, in subprocesses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import checkpoint
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine import Engine
+from jaxserve.plan import PrefillChunk
+
+
+def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
+  """Bytes per second XLA moves when copying a large float32 array (read + write both count)."""
+  x = jnp.ones(num_bytes // 4, jnp.float32)
+  copy = jax.jit(lambda a: a * 1.0001)  # A multiply, so XLA cannot alias the buffer away.
+  copy(x).block_until_ready()
+  best = min(_timed(lambda: copy(x).block_until_ready()) for _ in range(repeats))
+  return 2 * num_bytes / best
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def decode_ms(model, batch: int, context: int, steps: int) -> float:
+  """Median ms per decode step with `batch` slots each holding `context` tokens."""
+  pages = -(-context // 16)
+  config = EngineConfig(num_slots=batch, block_size=16, num_blocks=batch * pages + 1,
+                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+  engine = Engine(model, config)
+  tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+  slots = list(range(batch))
+  engine.decode(slots, tables).result()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    engine.decode(slots, tables).result()
+    times.append(time.perf_counter() - start)
+  return 1000 * float(np.median(times))
+
+
+def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
+  pages = length // 16
+  config = EngineConfig(num_slots=1, block_size=16, num_blocks=pages + 1, max_model_len=length,
+                        prefill_buckets=(length,), compilation_cache_dir=None)
+  engine = Engine(model, config)
+  chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
+                       SamplingParams(temperature=0), 0, (), ())
+  engine.prefill(chunk).result()
+  best = min(_timed(lambda: engine.prefill(chunk).result()) for _ in range(repeats))
+  return length / best
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+  """Bytes one decode step must read: every parameter (the embedding once, as the output head;
+  its lookup reads only `batch` rows) plus each slot's K and V for `context` positions."""
+  cfg = model.cfg
+  params = sum(x.nbytes for x in jax.tree.leaves(jax.tree.map(lambda v: v, model.layers)))
+  params += model.embed[...].nbytes + model.final_norm[...].nbytes
+  kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+  return params + kv
+
+
+def startup_seconds() -> tuple[float, float]:
+  """(cold, warm): seconds to load the default model and compile every bucket, in a fresh
+  process, first with an empty persistent compilation cache, then with the one it filled."""
+  code = ("import time; t = time.perf_counter(); import jaxserve;"
+          "jaxserve.LLM(engine_config=jaxserve.EngineConfig(compilation_cache_dir={!r}));"
+          "print(time.perf_counter() - t)")
+  with tempfile.TemporaryDirectory() as cache:
+    run = lambda: float(subprocess.run([sys.executable, "-c", code.format(cache)], check=True,
+                                       capture_output=True, text=True).stdout.split()[-1])
+    return run(), run()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--batches", default="1,8,32")
+  parser.add_argument("--context", type=int, default=256, help="tokens already cached per slot")
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tokens/s")
+  parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
+  args = parser.parse_args()
+
+  model, _ = checkpoint.load_model(None)
+  bandwidth = copy_bandwidth()
+  load = os.getloadavg()[0]
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "
+        f"load average {load:.1f}; copy bandwidth {bandwidth / 1e9:.1f} GB/s\n")
+  print("| batch | ms/step | tokens/s | bytes/step (MB) | roofline ms | fraction of roofline |")
+  print("|---|---|---|---|---|---|")
+  for batch in (int(b) for b in args.batches.split(",")):
+    ms = decode_ms(model, batch, args.context, args.steps)
+    nbytes = step_bytes(model, batch, args.context)
+    roof = 1000 * nbytes / bandwidth
+    print(f"| {batch} | {ms:.1f} | {1000 * batch / ms:.0f} | {nbytes / 1e6:.0f} | {roof:.1f} | {roof / ms:.2f} |")
+  print(f"\nprefill, {args.prefill}-token prompt: {prefill_tokens_per_s(model, args.prefill):.0f} tokens/s")
+  if args.startup:
+    cold, warm = startup_seconds()
+    print(f"start-up (load + compile all buckets): cold {cold:.1f} s, warm {warm:.1f} s "
+          f"(warm/cold {warm / cold:.2f})")
+
+
+if __name__ == "__main__":
+  main()
