@@ -85,6 +85,5 @@ def _pack(q, q_lens, cu_q_lens):
 
 
 def _unpack(out, cu_q_lens, T):
-  B = cu_q_lens.shape[0] - 1
   rows = jnp.minimum(cu_q_lens[:-1, None] + jnp.arange(T)[None, :], out.shape[0] - 1)  # [B, T]
   return out[rows]

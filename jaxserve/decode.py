@@ -15,7 +15,7 @@ from flax import nnx
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import AttentionBackend
 from jaxserve.kv_cache import SCRATCH_PAGE, KVCache
-from jaxserve.sample import Sampled, SamplingState, sample
+from jaxserve.sample import SamplingState, sample
 
 
 @jax.tree_util.register_dataclass

@@ -14,8 +14,6 @@ The same forward serves prefill (B=1, T=bucket) and decode (B=slots, T=1): what 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx

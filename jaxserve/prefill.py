@@ -9,7 +9,7 @@ from jaxserve.attention import AttentionMetadata
 from jaxserve.config import AttentionBackend
 from jaxserve.decode import DecodeState
 from jaxserve.kv_cache import SCRATCH_PAGE, KVCache
-from jaxserve.sample import Sampled, sample
+from jaxserve.sample import sample
 
 
 def prefill_step(graphdef, params, cache: KVCache, state: DecodeState, tokens, start_pos, true_len,

@@ -11,6 +11,7 @@ import pathlib
 
 import numpy as np
 
+from jaxserve import gguf_metadata
 from jaxserve.config import ModelConfig
 
 
@@ -24,7 +25,7 @@ def load_gguf(path) -> tuple[ModelConfig, dict]:
   import gguf
 
   reader = gguf.GGUFReader(str(path))
-  meta = read_gguf_metadata(reader)
+  meta = gguf_metadata.read_gguf_metadata(path)
   tensors = {t.name: t for t in reader.tensors}
   name = pathlib.Path(path).stem
   cfg = ModelConfig.from_gguf(meta, has_output="output.weight" in tensors, name=name)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxserve import pull
-from jaxserve.tokenizer import Tokenizer, read_gguf_metadata
+from jaxserve.gguf_metadata import read_gguf_metadata
+from jaxserve.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
