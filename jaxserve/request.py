@@ -120,6 +120,15 @@ class Request:
                       self.finish_reason, self.stop_reason, self.num_cached_tokens, self.timings)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+  """One output token's log-probability under the model, and the most likely alternatives."""
+
+  logprob: float  # Of the chosen token.
+  top_ids: tuple[int, ...]  # The top SamplingParams.logprobs ids, most likely first.
+  top_logprobs: tuple[float, ...]
+
+
 @dataclasses.dataclass(slots=True)  # Not frozen: one is built per token, and frozen is 3x slower.
 class RequestOutput:
   """What one step produced for one request: a piece of its stream. Read-only by convention."""
@@ -129,6 +138,8 @@ class RequestOutput:
   text: str  # New text; text that might start a stop string is held back until it cannot.
   finish_reason: FinishReason | None  # Set on the request's last output.
   timings: RequestTimings  # The request's live timings.
+  # One per token of token_ids, when the request's SamplingParams.logprobs > 0.
+  logprobs: Sequence[TokenLogprobs] | None = None
 
   @property
   def finished(self) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.plan import Engine, TokenFuture
-from jaxserve.request import Completion, FinishReason, Request, RequestOutput
+from jaxserve.request import Completion, FinishReason, Request, RequestOutput, TokenLogprobs
 from jaxserve.scheduler import ScheduledStep, Scheduler
 from jaxserve.stop import Detokenizer, OutputText
 
@@ -133,15 +133,22 @@ class Runner:
     outputs = []
     for future, req, epoch in step.prefills:
       if req.epoch == epoch:
-        outputs.append(self._apply_token(req, int(future.result()[0]), time.monotonic()))
+        arrays = future.logprobs() if req.sampling.logprobs else None
+        logprobs = _token_logprobs(arrays, 0, req.sampling.logprobs)
+        outputs.append(self._apply_token(req, int(future.result()[0]), time.monotonic(), logprobs))
     live = [(slot, req) for slot, req, epoch in step.decodes if req.epoch == epoch]
     if live:
       tokens = step.decode.result().tolist()
+      # One read of the logprob arrays for the whole step, and none when nobody asked.
+      arrays = step.decode.logprobs() if any(r.sampling.logprobs for _, r in live) else None
       now = time.monotonic()
-      outputs += [self._apply_token(req, tokens[slot], now) for slot, req in live]
+      outputs += [self._apply_token(req, tokens[slot], now,
+                                    _token_logprobs(arrays, slot, req.sampling.logprobs))
+                  for slot, req in live]
     return outputs
 
-  def _apply_token(self, req: Request, token: int, now: float) -> RequestOutput:
+  def _apply_token(self, req: Request, token: int, now: float,
+                   logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
     self.scheduler.append_token(req, token)
     timings = req.timings
     timings.token_times.append(now)
@@ -150,20 +157,31 @@ class Runner:
     out = self._texts[req.request_id]
     if token in out.stop_token_ids:  # Its text is never shown.
       req.stop_reason = token
-      return self._end(req, FinishReason.STOP, out.finish(), now, (token,))
+      return self._end(req, FinishReason.STOP, out.finish(), now, (token,), logprobs)
     text = out.add((token,))
     if out.stop_string is not None:
       req.stop_reason = out.stop_string
-      return self._end(req, FinishReason.STOP, text, now, (token,))
+      return self._end(req, FinishReason.STOP, text, now, (token,), logprobs)
     if len(req.all_token_ids) >= req.max_num_tokens:  # max_tokens, or the context window.
-      return self._end(req, FinishReason.LENGTH, text + out.finish(), now, (token,))
-    return RequestOutput(req.request_id, (token,), text, None, timings)
+      return self._end(req, FinishReason.LENGTH, text + out.finish(), now, (token,), logprobs)
+    return RequestOutput(req.request_id, (token,), text, None, timings, logprobs)
 
   def _end(self, req: Request, reason: FinishReason, text: str, now: float,
-           token_ids: tuple[int, ...] = ()) -> RequestOutput:
+           token_ids: tuple[int, ...] = (),
+           logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
     if reason is not FinishReason.ABORT:
       self.scheduler.finish(req)
     req.finish_reason = reason
     req.timings.finish = now
     del self._requests[req.request_id], self._texts[req.request_id]
-    return RequestOutput(req.request_id, token_ids, text, reason, req.timings)
+    return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs)
+
+
+def _token_logprobs(arrays, row: int, num_top: int) -> tuple[TokenLogprobs, ...] | None:
+  """Row `row` of TokenFuture.logprobs() arrays, cut to the request's top `num_top`; None when
+  the request asked for none."""
+  if not num_top:
+    return None
+  chosen, top_ids, top_logprobs = arrays
+  return (TokenLogprobs(float(chosen[row]), tuple(top_ids[row, :num_top].tolist()),
+                        tuple(top_logprobs[row, :num_top].tolist())),)

@@ -86,7 +86,9 @@ def test_leaving_the_stream_early_aborts_the_request():
 
 def test_abort_reaches_a_waiting_request():
   async def test(ar):
-    running = ar.submit([1], greedy(50))
+    # The running request must still be running when aborted: give it far more tokens than the
+    # few steps the aborts take, and a context window to hold them.
+    running = ar.submit([1], greedy(2000))
     queued = ar.submit([2], greedy(50))  # One slot: waits.
     first = await running.__anext__()
     queued.abort()
@@ -95,7 +97,7 @@ def test_abort_reaches_a_waiting_request():
     rest = await collect(running)
     return first, outs, rest, queued.request
 
-  first, outs, rest, queued = serve(test, engine=MockEngine(num_slots=1))
+  first, outs, rest, queued = serve(test, engine=MockEngine(num_slots=1, num_blocks=600, max_model_len=2048))
   assert first.token_ids == (2,)
   assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
   assert queued.status is RequestStatus.ABORTED and queued.num_output_tokens == 0

@@ -1,0 +1,153 @@
+"""The gRPC front end: jaxserve.v1.Jaxserve messages <-> service.Service.
+
+Each RPC authenticates from the `authorization: Bearer <key>` metadata, converts the message, and
+turns a gateway `ApiError` into the status code of the same name. A client that cancels, or whose
+connection drops, cancels the handler; the service's cleanup then aborts the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator, Protocol
+
+from absl import logging
+import grpc
+
+from jaxserve.gateway import ApiError, ApiKey, Status
+from jaxserve.metrics import RequestRecord
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.proto import jaxserve_pb2_grpc
+from jaxserve.request import FinishReason
+from jaxserve.service import Chunk, GenerateInput, Prompt, Service
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
+
+STATUS_CODES = {
+    Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Status.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed")
+
+
+class ServiceHost(Protocol):
+  """server.Server, as the front ends see it."""
+
+  def current_service(self) -> Service: ...
+
+
+class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
+
+  def __init__(self, host: ServiceHost):
+    self._host = host
+
+  def add_to(self, server: grpc.aio.Server) -> None:
+    jaxserve_pb2_grpc.add_JaxserveServicer_to_server(self, server)
+
+  async def Generate(self, request: pb.GenerateRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    try:
+      service, key = self._enter(context)
+      # Closing the stream at once, however the handler ends, aborts an unfinished request.
+      async with contextlib.aclosing(service.generate(key, generate_input(request))) as chunks:
+        async for chunk in chunks:
+          yield response(chunk)
+    except ApiError as e:
+      await self._abort(context, e)
+    except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
+      logging.exception("Generate failed")
+      await self._abort(context, ApiError(Status.INTERNAL, "internal error; see the server log"))
+
+  async def Tokenize(self, request: pb.TokenizeRequest,
+                     context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    try:
+      service, _ = self._enter(context)
+      service.check_model(request.model)
+      ids = service.encode(_prompt(request))
+      return pb.TokenizeResponse(token_ids=ids, max_model_len=service.max_model_len)
+    except ApiError as e:
+      await self._abort(context, e)
+
+  async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    try:
+      service, _ = self._enter(context)
+      return pb.ModelInfo(**service.model_info())
+    except ApiError as e:
+      await self._abort(context, e)
+
+  def _enter(self, context: grpc.aio.ServicerContext) -> tuple[Service, ApiKey]:
+    service = self._host.current_service()
+    return service, service.gateway.authenticate(bearer_token(context.invocation_metadata()))
+
+  async def _abort(self, context: grpc.aio.ServicerContext, error: ApiError) -> None:
+    try:
+      self._host.current_service().metrics.rejected.labels(error.status.value).inc()
+    except ApiError:
+      pass  # Still warming up: no metrics to count in yet.
+    await context.abort(STATUS_CODES[error.status], error.message)
+
+
+def bearer_token(metadata: Any) -> str | None:
+  for key, value in metadata or ():
+    if key.lower() == "authorization" and isinstance(value, str):
+      scheme, _, token = value.partition(" ")
+      return token.strip() if scheme.lower() == "bearer" else None
+  return None
+
+
+def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
+  kind = request.WhichOneof("prompt")
+  if kind == "text":
+    return Prompt(text=request.text)
+  if kind == "token_ids":
+    return Prompt(token_ids=list(request.token_ids.ids))
+  if kind == "chat":
+    return Prompt(messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
+  return Prompt()
+
+
+def generate_input(request: pb.GenerateRequest) -> GenerateInput:
+  sampling = {f: getattr(request, f) for f in _SAMPLING_FIELDS if request.HasField(f)}
+  if request.stop:
+    sampling["stop"] = list(request.stop)
+  if request.stop_token_ids:
+    sampling["stop_token_ids"] = list(request.stop_token_ids)
+  if request.ignore_eos:
+    sampling["ignore_eos"] = True
+  return GenerateInput(
+      _prompt(request), sampling,
+      max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
+      logprobs=request.logprobs if request.HasField("logprobs") else None,
+      chunk_tokens=request.chunk_tokens, request_id=request.request_id or None,
+      priority=request.priority, model=request.model, truncate_prompt=request.truncate_prompt)
+
+
+def response(chunk: Chunk) -> pb.GenerateResponse:
+  msg = pb.GenerateResponse(request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids,
+                            finish_reason=FINISH_REASONS[chunk.finish_reason])
+  for token, lp in zip(chunk.token_ids, chunk.logprobs or ()):
+    msg.logprobs.append(pb.TokenLogprob(
+        token_id=token, logprob=lp.logprob,
+        top=[pb.TopLogprob(token_id=i, logprob=p) for i, p in zip(lp.top_ids, lp.top_logprobs)]))
+  if chunk.record is not None:
+    _fill_record(msg, chunk.record)
+  return msg
+
+
+def _fill_record(msg: pb.GenerateResponse, r: RequestRecord) -> None:
+  msg.usage.prompt_tokens = r.num_prompt_tokens
+  msg.usage.completion_tokens = r.num_output_tokens
+  msg.usage.cached_prompt_tokens = r.num_cached_tokens
+  t = msg.timings
+  t.tokenize, t.queue, t.prefill = r.tokenize, r.queue or 0.0, r.prefill or 0.0
+  t.time_to_first_token, t.total = r.time_to_first_token or 0.0, r.total
