@@ -1,7 +1,7 @@
 """On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
 
-Penalties, then greedy or temperature sampling with top-k / top-p / min-p filtering. The sort
-that filtering needs runs only when some row asks for it (a `lax.cond`, not a Python branch).
+Penalties, then greedy or temperature sampling with top-k / top-p / min-p filtering. Filtering
+and random draws run only when some row asks for them (a `lax.cond`, not a Python branch).
 Randomness comes from (seed, position), so a seeded request samples the same tokens whatever else
 shares its batch, and again after a preemption.
 """
@@ -135,19 +135,33 @@ def _penalize(logits, st: SamplingState):
   return logits
 
 
-def _filter(logits, st: SamplingState):
-  """Masks to -inf what top-k, then top-p, then min-p remove. logits [B, V] (temperature-scaled)."""
-  V = logits.shape[-1]
-  desc = -jnp.sort(-logits, axis=-1)  # [B, V] largest first
-  rank = jnp.arange(V)[None, :]
-  k = jnp.where(st.top_k > 0, st.top_k, V)[:, None]  # [B, 1]
-  desc = jnp.where(rank < k, desc, -jnp.inf)
-  probs = jax.nn.softmax(desc, axis=-1)
-  # top-p keeps the smallest prefix whose mass reaches p: token i stays if the mass before it < p.
-  keep = ((jnp.cumsum(probs, axis=-1) - probs) < st.top_p[:, None]) | (st.top_p[:, None] >= 1)
-  num_keep = jnp.maximum(jnp.sum(keep & (rank < k), axis=-1), 1)  # [B]
-  threshold = jnp.take_along_axis(desc, num_keep[:, None] - 1, axis=-1)  # [B, 1]
-  # min-p: keep tokens whose probability is at least min_p times the top one's.
-  threshold = jnp.maximum(threshold, desc[:, :1] + jnp.log(st.min_p)[:, None])
+def _filter(logits, st: SamplingState, iters: int = 32):
+  """Masks to -inf what top-k, then top-p, then min-p remove. logits [B, V] (temperature-scaled).
+
+  Thresholds are found by bisection (`iters` halvings of the value range) rather than a sort: on
+  CPU a 49k-wide sort per row costs ~10x more. Tokens tied at a threshold are all kept.
+  """
+  k = jnp.where(st.top_k > 0, st.top_k, logits.shape[-1])[:, None]  # [B, 1]
+  lo, hi = jnp.min(logits, -1, keepdims=True), jnp.max(logits, -1, keepdims=True)
+  # top-k: the largest t with at least k logits >= t is the k-th largest logit.
+  kth = _bisect(lambda t: jnp.sum(logits >= t, -1, keepdims=True) >= k, lo, hi, iters)
+  probs = jax.nn.softmax(jnp.where(logits >= kth, logits, -jnp.inf), axis=-1)  # [B, V]
+  top = jnp.max(probs, -1, keepdims=True)
+  # top-p: the largest t whose tokens (probability >= t) hold at least p of the mass.
+  mass = lambda t: jnp.sum(jnp.where(probs >= t, probs, 0), -1, keepdims=True)
+  nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
+  keep = (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
   needs_filter = ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))[:, None]
-  return jnp.where(needs_filter & (logits < threshold), -jnp.inf, logits)
+  return jnp.where(needs_filter & ~keep, -jnp.inf, logits)
+
+
+def _bisect(ok, lo, hi, iters: int):
+  """The largest t in [lo, hi] with ok(t), for ok true at lo and monotone decreasing in t."""
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = (lo + hi) / 2
+    good = ok(mid)
+    return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
+
+  return jax.lax.fori_loop(0, iters, halve, (lo, hi))[0]
