@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, behind one interface with swappable backends.
+"""Attention over the KV cache, behind one interface with swappable backends.
 
 `attend` is called by every layer with the queries and an `AttentionMetadata` pytree that says
 where each query sits; the backend decides how the pages are read.
@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve import sharding
 from jaxserve.config import AttentionBackend
 from jaxserve.kv_cache import KVCache
 
@@ -36,7 +37,10 @@ def attend(q, cache: KVCache, layer, meta: AttentionMetadata, backend: Attention
   """q [B, T, N, H] -> [B, T, N, H]."""
   if backend is AttentionBackend.REFERENCE:
     return attend_reference(q, cache, layer, meta)
-  return _attend_pallas(q, cache, layer, meta, _KERNEL_PLATFORM[backend])
+  platform = _KERNEL_PLATFORM[backend]
+  # On a mesh the kernels run once per device, on its own heads (XLA cannot split a kernel).
+  kernel = lambda q, cache, layer, meta: _attend_pallas(q, cache, layer, meta, platform)
+  return sharding.attend_per_shard(kernel, q, cache, layer, meta)
 
 
 def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata):
@@ -63,14 +67,17 @@ def _attend_pallas(q, cache: KVCache, layer, meta: AttentionMetadata, platform: 
   import kernels_pallas  # The kernels import Pallas; the reference path does not need it.
 
   B, T, N, H = q.shape
-  if T == 1:  # Decode: one query per slot. The kernels read the layer's pages in place.
-    out = kernels_pallas.paged_decode_attention(q[:, 0], cache.k, cache.v, meta.block_tables, meta.kv_lens,
+  # The kernels read token-major pages: the cache hands them over in place where its layout
+  # allows, else rearranged for this one layer (KVCache.kernel_pages).
+  k_pages, v_pages, tables, layer = cache.kernel_pages(layer, meta.block_tables)
+  if T == 1:  # Decode: one query per slot.
+    out = kernels_pallas.paged_decode_attention(q[:, 0], k_pages, v_pages, tables, meta.kv_lens,
                                                 layer=layer, platform=platform)
     return out[:, None]
   # Prefill: B sequences packed back to back as one ragged batch.
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(meta.q_lens)]).astype(jnp.int32)
   packed = _pack(q, meta.q_lens, cu_q_lens)  # [B * T, N, H]
-  out = kernels_pallas.ragged_prefill_attention(packed, cache.k, cache.v, meta.block_tables,
+  out = kernels_pallas.ragged_prefill_attention(packed, k_pages, v_pages, tables,
                                                 cu_q_lens, meta.kv_lens, layer=layer, platform=platform)
   return _unpack(out, cu_q_lens, T)
 

@@ -27,7 +27,7 @@ import pathlib
 import sys
 import types
 
-from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.config import KVDtype, ModelConfig, RopeScaling
 
 GIB = 2**30
 
@@ -55,21 +55,6 @@ class WeightDtype(enum.Enum):
   def activation_bytes(self) -> int:
     # Quantized weights are dequantized to bfloat16 for the matmuls; only float32 runs in float32.
     return 4 if self is WeightDtype.FLOAT32 else 2
-
-
-class KVDtype(enum.Enum):
-  """How the KV cache stores one value: (label, bytes per value, bytes of scale per token-head)."""
-
-  FLOAT32 = ("float32", 4, 0)
-  BFLOAT16 = ("bfloat16", 2, 0)
-  FLOAT16 = ("float16", 2, 0)
-  INT8 = ("int8", 1, 4)  # One float32 scale per token, per KV head, for K and for V.
-  FLOAT8_E4M3 = ("float8_e4m3", 1, 0)
-
-  def __init__(self, label: str, value_bytes: int, scale_bytes: int):
-    self.label = label
-    self.value_bytes = value_bytes
-    self.scale_bytes = scale_bytes
 
 
 # For the command line: label -> member, read-only.

@@ -96,6 +96,10 @@ def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32") -> Trans
   return nnx.merge(graphdef, state)
 
 
-def load_model(model: str | None = None, dtype: str = "float32") -> tuple[Transformer, Tokenizer]:
+def load_model(model: str | None = None, dtype: str = "float32", mesh=None) -> tuple[Transformer, Tokenizer]:
+  """`mesh` (sharding.mesh_for(engine_config)): each weight goes straight to its shards."""
   cfg, params, tokenizer = read_source(resolve(model))
+  if mesh is not None:
+    from jaxserve import sharding
+    return sharding.build_sharded_model(cfg, params, dtype, mesh), tokenizer
   return build_model(cfg, params, dtype), tokenizer

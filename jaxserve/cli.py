@@ -19,6 +19,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--num-blocks", type=int, default=512, help="KV pages in the pool")
   p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output")
   p.add_argument("--buckets", default="32,64,128,256,512", help="prefill length buckets")
+  from jaxserve import sharding
+  sharding.add_parallel_flags(p)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -36,7 +38,8 @@ def engine_config(args):
   from jaxserve.config import EngineConfig
   return EngineConfig(num_slots=args.slots, block_size=args.block_size, num_blocks=args.num_blocks,
                       max_model_len=args.max_model_len, dtype=args.dtype,
-                      prefill_buckets=tuple(int(b) for b in args.buckets.split(",")))
+                      prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
+                      tp=args.tp, dp=args.dp)
 
 
 def sampling_params(args):
@@ -47,7 +50,10 @@ def sampling_params(args):
 
 
 def run_generate(args) -> int:
+  from jaxserve import sharding
   from jaxserve.llm import LLM
+
+  sharding.init_distributed(args)
 
   params = sampling_params(args)  # Bad flags fail before the model loads.
   start = time.perf_counter()
@@ -77,9 +83,10 @@ def run_serve(args) -> int:
 
   from absl import logging
 
-  from jaxserve import server
+  from jaxserve import server, sharding
   from jaxserve.config import QueuePolicy, SchedulerConfig
 
+  sharding.init_distributed(args)
   logging.set_verbosity(logging.INFO)
   scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
   config = server.ServerConfig(

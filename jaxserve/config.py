@@ -17,6 +17,29 @@ class KVLayout(enum.Enum):
 
   # [layers, blocks, block_size, kv_heads, head_dim], K and V in separate arrays.
   PAGED_TOKEN_MAJOR = "paged_token_major"
+  # [layers, kv_heads, blocks, block_size, head_dim]: one head's positions are adjacent.
+  PAGED_HEAD_MAJOR = "paged_head_major"
+  # [layers, blocks, 2, block_size, kv_heads, head_dim]: one array, each page holds its K then its V.
+  PAGED_KV_INTERLEAVED = "paged_kv_interleaved"
+  # [layers, slots, max_len / block_size, block_size, kv_heads, head_dim] (JetStream/MaxText):
+  # each slot owns max_len adjacent positions; the engine hands slot s the identity block table
+  # of its own region, so the scheduler must run it without prefix caching.
+  CONTIGUOUS = "contiguous"
+
+
+class KVDtype(enum.Enum):
+  """How the KV cache stores one value: (label, bytes per value, bytes of scale per token-head)."""
+
+  FLOAT32 = ("float32", 4, 0)
+  BFLOAT16 = ("bfloat16", 2, 0)
+  FLOAT16 = ("float16", 2, 0)
+  INT8 = ("int8", 1, 4)  # One float32 scale per token, per KV head, for K and for V.
+  FLOAT8_E4M3 = ("float8_e4m3", 1, 0)
+
+  def __init__(self, label: str, value_bytes: int, scale_bytes: int):
+    self.label = label
+    self.value_bytes = value_bytes
+    self.scale_bytes = scale_bytes
 
 
 class AttentionBackend(enum.Enum):
@@ -168,19 +191,24 @@ class EngineConfig:
   prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)  # Padded prefill chunk lengths.
   dtype: str = "float32"  # Parameters, activations and KV cache.
   kv_layout: KVLayout = KVLayout.PAGED_TOKEN_MAJOR
+  kv_dtype: KVDtype | None = None  # None: the same as `dtype`.
   attention_backend: AttentionBackend | None = None  # None: picked from the platform.
   compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None turns it off.
+  tp: int = 1  # Tensor parallel: devices the weights and KV heads are split over (mesh axis `model`).
+  dp: int = 1  # Data parallel: groups the decode slots are split over (mesh axis `data`).
 
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"EngineConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
-    for field in ("num_slots", "block_size", "num_blocks", "max_model_len"):
+    for field in ("num_slots", "block_size", "num_blocks", "max_model_len", "tp", "dp"):
       if getattr(self, field) <= 0:
         raise ValueError(f"EngineConfig.{field} must be positive, got {getattr(self, field)}")
     if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)):
       raise ValueError(f"EngineConfig.prefill_buckets must be increasing, got {self.prefill_buckets}")
     if self.num_blocks < 2:
       raise ValueError("EngineConfig.num_blocks must be >= 2 (page 0 is the scratch page)")
+    if self.num_slots % self.dp:
+      raise ValueError(f"EngineConfig.dp ({self.dp}) must divide num_slots ({self.num_slots})")
 
   @property
   def max_blocks_per_seq(self) -> int:

@@ -17,8 +17,10 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from jaxserve import sharding
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
 from jaxserve.decode import DecodeState, decode_step
+from jaxserve import kv_cache
 from jaxserve.kv_cache import SCRATCH_PAGE, KVCache
 from jaxserve.model import Transformer
 from jaxserve.plan import PrefillChunk
@@ -71,13 +73,31 @@ class Engine:
     enable_compilation_cache(config.compilation_cache_dir)
 
     graphdef, self.params = nnx.split(model)
-    self.cache = KVCache.create(model.cfg, config)
     self.state = DecodeState.create(config.num_slots, model.cfg.vocab_size)
     self.stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)  # [E]
+    self.shardings, step_out, state_out, in_mesh = None, {}, {}, lambda step: step
+    if config.tp * config.dp > 1:
+      # One SPMD program over the mesh: the state goes to its shardings, and the steps return it
+      # in the same shardings, so donation aliases the buffers and no step recompiles.
+      s = self.shardings = sharding.EngineShardings.create(
+          sharding.mesh_for(config), model.cfg, config, self.params, self.state)
+      self.params, self.state = s.place(self.params, s.params), s.place(self.state, s.state)
+      self.stop_ids = s.place(self.stop_ids, s.replicated)
+      self.cache = s.create_cache(model.cfg, config)
+      step_out, state_out, in_mesh = {"out_shardings": s.step_out}, {"out_shardings": s.state}, s.in_mesh
+    else:
+      self.cache = KVCache.create(model.cfg, config)
+    # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
+    # engine hands each slot its own identity table, whatever pages the scheduler picked.
+    self.num_blocks = self.cache.num_pages
+    self._slot_tables = kv_cache.slot_tables(config)
+    self.can_share_pages = self._slot_tables is None  # A slot's own region holds no one else's KV.
     # The cache and decode state are donated: each step updates them in place.
-    self._prefill = jax.jit(functools.partial(prefill_step, graphdef, backend=self.backend), donate_argnums=(1, 2))
-    self._decode = jax.jit(functools.partial(decode_step, graphdef, backend=self.backend), donate_argnums=(1, 2))
-    self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,))
+    self._prefill = in_mesh(jax.jit(functools.partial(prefill_step, graphdef, backend=self.backend),
+                                    donate_argnums=(1, 2), **step_out))
+    self._decode = in_mesh(jax.jit(functools.partial(decode_step, graphdef, backend=self.backend),
+                                   donate_argnums=(1, 2), **step_out))
+    self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,), **state_out)
     logging.info("Engine: %d slots, %d blocks of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_blocks, self.block_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -95,7 +115,7 @@ class Engine:
       self.state = self._set_sampling(self.state, np.int32(chunk.slot), row.as_state())
     self.cache, self.state, sampled = self._prefill(
         self.params, self.cache, self.state, tokens, np.int32(chunk.start_pos), np.int32(n),
-        self._block_table_row(chunk.block_table), np.int32(chunk.slot), np.bool_(chunk.is_last),
+        self._block_table_row(chunk.block_table, chunk.slot), np.int32(chunk.slot), np.bool_(chunk.is_last),
         self.stop_ids)
     return TokenFuture(sampled) if chunk.is_last else None
 
@@ -123,7 +143,9 @@ class Engine:
           self.params, self.cache, self.state, tables, np.zeros(self.num_slots, bool), self.stop_ids)
     out.tokens.block_until_ready()
 
-  def _block_table_row(self, pages: Sequence[int]) -> np.ndarray:
+  def _block_table_row(self, pages: Sequence[int], slot: int | None = None) -> np.ndarray:
+    if self._slot_tables is not None and slot is not None:
+      return self._slot_tables[slot].copy()
     row = np.full(self.config.max_blocks_per_seq, SCRATCH_PAGE, np.int32)
     row[:len(pages)] = pages
     return row
@@ -131,6 +153,8 @@ class Engine:
   def _decode_tables(self, block_tables: np.ndarray) -> np.ndarray:
     """Pads the tables to the narrowest compiled width that holds them."""
     width = next(w for w in self.config.decode_block_buckets if w >= block_tables.shape[1])
+    if self._slot_tables is not None:
+      return self._slot_tables[:, :width].copy()
     tables = np.full((self.num_slots, width), SCRATCH_PAGE, np.int32)
     tables[:block_tables.shape[0], :block_tables.shape[1]] = block_tables
     return tables

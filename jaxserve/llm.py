@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
-from jaxserve import checkpoint
+from jaxserve import checkpoint, sharding
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
 from jaxserve.engine import Engine
 from jaxserve.request import Completion
@@ -23,7 +23,8 @@ class LLM:
                scheduler_config: SchedulerConfig = SchedulerConfig(), warmup: bool = True):
     """`model`: None (the default model), a packaged model's name, or a path (GGUF file,
     Hugging Face directory, or jaxserve checkpoint)."""
-    self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype)
+    mesh = sharding.mesh_for(engine_config)
+    self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype, mesh)
     self.engine = Engine(self.model, engine_config, stop_ids=self.tokenizer.stop_ids)
     if warmup:
       self.engine.warmup()

@@ -68,6 +68,7 @@ class Engine(Protocol):
   num_blocks: int  # Page 0 is the engine's scratch page: the allocator never hands it out.
   max_model_len: int
   max_prefill_len: int  # The largest prefill bucket: no chunk may be longer.
+  can_share_pages: bool  # False: sequences cannot share KV pages, so no prefix caching.
 
   def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
     """Writes the chunk's KV; when `chunk.is_last`, returns the first sampled token ([1])."""

@@ -49,7 +49,8 @@ class Scheduler:
     self.block_size = engine.block_size
     self.max_model_len = engine.max_model_len
     self.max_prefill_len = engine.max_prefill_len
-    self.blocks = BlockAllocator(engine.num_blocks, engine.block_size, config.enable_prefix_caching)
+    prefix_caching = config.enable_prefix_caching and engine.can_share_pages
+    self.blocks = BlockAllocator(engine.num_blocks, engine.block_size, prefix_caching)
     self.waiting = RequestQueue(config.policy)
     self.running: list[Request] = []  # Sorted by order_key: the last one is preempted first.
     self._free_slots = list(range(engine.num_slots))  # A heap: the lowest free slot is used first.

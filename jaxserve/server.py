@@ -224,10 +224,10 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
 
 def load_engine(model: str | None, engine_config, served_model_name: str | None = None) -> Loaded:
   """`jaxserve serve`'s loader: the model, its engine compiled for every bucket, its tokenizer."""
-  from jaxserve import checkpoint
+  from jaxserve import checkpoint, sharding
   from jaxserve.engine import Engine
 
-  transformer, tokenizer = checkpoint.load_model(model, engine_config.dtype)
+  transformer, tokenizer = checkpoint.load_model(model, engine_config.dtype, sharding.mesh_for(engine_config))
   engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids)
   engine.warmup()
   return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name)

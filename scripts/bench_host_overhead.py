@@ -38,6 +38,7 @@ class ZeroEngine:
                max_model_len: int = 2048, max_prefill_len: int = 512):
     self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
     self.max_model_len, self.max_prefill_len = max_model_len, max_prefill_len
+    self.can_share_pages = True
     rng = np.random.default_rng(0)
     # Ordinary word-piece ids of a gpt2-style vocab, so the detokenizer makes real text.
     self._tokens = [rng.integers(300, 8000, num_slots, dtype=np.int32) for _ in range(97)]

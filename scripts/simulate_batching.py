@@ -35,6 +35,7 @@ class NullEngine:
                max_model_len: int = 2048, max_prefill_len: int = 512):
     self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
     self.max_model_len, self.max_prefill_len = max_model_len, max_prefill_len
+    self.can_share_pages = True
     self.occupancy: list[dict[int, str]] = []  # Per device step: slot -> request id.
     self._owner: dict[int, str] = {}
     self._step: dict[int, str] = {}

@@ -55,6 +55,7 @@ class MockEngine:
     self.num_blocks = num_blocks
     self.max_model_len = max_model_len
     self.max_prefill_len = max_prefill_len
+    self.can_share_pages = True
     self.next_token = next_token
     self.pages = np.full((num_blocks, block_size), -1, np.int64)  # [pages, block_size] token ids
     self.page_writes = np.zeros(num_blocks, np.int64)  # Positions written, per page.

@@ -7,11 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from conftest import TINY, TINY_ENGINE, dense_forward, dense_logits
-from jaxserve.config import ModelConfig, SamplingParams
+from jaxserve.config import SamplingParams
 from jaxserve.engine import Engine
 from jaxserve.model import Transformer
 from jaxserve.plan import PrefillChunk

@@ -1,0 +1,173 @@
+"""Runs greedy generation under several mesh layouts in a fresh process; prints one JSON line.
+
+The sharding tests launch this script because fake CPU devices
+(`--xla_force_host_platform_device_count`) must be set before jax is imported, while the rest of
+the suite runs on one device. Arguments: a JSON object (see `main`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _setup(args: dict) -> None:
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args['devices']}"
+  if "coordinator" in args:
+    import jax
+    jax.distributed.initialize(coordinator_address=args["coordinator"], num_processes=args["num_processes"],
+                               process_id=args["process_id"], initialization_timeout=60)
+
+
+def _model(args: dict, tp: int, dp: int):
+  from jaxserve import checkpoint, sharding
+  from jaxserve.config import ModelConfig
+
+  if args["model"] == "default":
+    cfg, params, _ = checkpoint.read_source(checkpoint.resolve(None))
+  else:
+    cfg = ModelConfig(**args["model"])
+    params = random_params(cfg, seed=0)
+  if tp * dp == 1:
+    return checkpoint.build_model(cfg, params)
+  return sharding.build_sharded_model(cfg, params, "float32", sharding.make_mesh(tp, dp))
+
+
+def random_params(cfg, seed: int) -> dict:
+  """Numpy weights in the layout of `weights.to_params`. The embedding is small beside the
+  layers' output, so greedy decoding does not just repeat its input token."""
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  L, D, N, K, H, F = cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+  w = lambda *shape, fan_in: (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+  norm = lambda *shape: (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+  layers = dict(attn_norm=norm(L, D), mlp_norm=norm(L, D), wq=w(L, D, N, H, fan_in=D),
+                wk=w(L, D, K, H, fan_in=D), wv=w(L, D, K, H, fan_in=D), wo=w(L, N, H, D, fan_in=N * H),
+                w_gate=w(L, D, F, fan_in=D), w_up=w(L, D, F, fan_in=D), w_down=w(L, F, D, fan_in=F))
+  return dict(embed=0.1 * w(cfg.vocab_size, D, fan_in=1), final_norm=norm(D), layers=layers)
+
+
+def _greedy(engine, prompts, steps: int) -> dict:
+  """Each prompt prefilled into its own slot, then `steps` decode steps of all of them."""
+  import numpy as np
+
+  from jaxserve.config import SamplingParams
+  from jaxserve.plan import PrefillChunk
+
+  width = -(-(max(map(len, prompts)) + steps + 1) // engine.block_size)
+  tables = np.arange(1, 1 + len(prompts) * width, dtype=np.int32).reshape(len(prompts), width)
+  greedy = SamplingParams(temperature=0, logprobs=1)
+  tokens, logprobs = [], []
+  for slot, ids in enumerate(prompts):
+    chunk = PrefillChunk(str(slot), slot, ids, 0, list(tables[slot]), True, greedy, 0, ids, ())
+    tokens.append([int(engine.prefill(chunk).result()[0])])
+  for _ in range(steps):
+    future = engine.decode(range(len(prompts)), tables)
+    out, lp = future.result(), future.logprobs()[0]
+    for slot in range(len(prompts)):
+      tokens[slot].append(int(out[slot]))
+      logprobs.append(float(lp[slot]))
+  return {"tokens": tokens, "logprobs": logprobs, "tables": tables.tolist()}
+
+
+def _device0_param_bytes(params) -> int:
+  import jax
+  dev = jax.devices()[0]
+  return sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards if s.device == dev)
+
+
+def _collectives(engine, tables) -> dict:
+  import contextlib
+
+  import jax
+  import numpy as np
+
+  mesh = jax.set_mesh(engine.shardings.mesh) if engine.shardings else contextlib.nullcontext()
+  decode = engine._decode.__wrapped__ if engine.shardings else engine._decode  # in_mesh wraps the jit.
+  with mesh:
+    hlo = decode.lower(engine.params, engine.cache, engine.state, np.asarray(tables, np.int32),
+                       np.ones(engine.num_slots, bool), engine.stop_ids).compile().as_text()
+  ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+  return {op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(") for op in ops}
+
+
+def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major") -> dict:
+  from jaxserve.config import EngineConfig, KVLayout
+  from jaxserve.engine import Engine
+
+  # One decode width (max_model_len / block_size = 8 pages) and one prefill bucket: 2 compilations.
+  # The persistent cache makes the HLO dump (a second compile of decode) a cache hit.
+  config = EngineConfig(num_slots=args.get("slots", 4), block_size=8, num_blocks=64, max_model_len=64,
+                        prefill_buckets=(32,), compilation_cache_dir=args.get("cache_dir"), tp=tp, dp=dp,
+                        kv_layout=KVLayout(kv_layout))
+  engine = Engine(_model(args, tp, dp), config)
+  result = _greedy(engine, args["prompts"], args["steps"])
+  result["param_bytes_device0"] = _device0_param_bytes(engine.params)
+  result["cache_bytes_device0"] = _device0_param_bytes(engine.cache)
+  if args.get("hlo"):
+    result["collectives"] = _collectives(engine, result["tables"])
+  return result
+
+
+def pallas_per_shard(tp: int, dp: int) -> dict:
+  """The Pallas kernels (interpret mode) under `attend_per_shard` on a [dp, tp] mesh against the
+  jnp reference on whole arrays: decode (4 slots split over `data`) and a padded prefill chunk."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxserve import attention, sharding
+  from jaxserve.kv_cache import KVCache
+
+  rng = np.random.default_rng(1)
+  L, P, Z, K, N, H = 2, 16, 8, 4, 8, 16
+  cache = KVCache(k=jnp.asarray(rng.standard_normal((L, P, Z, K, H)), jnp.float32),
+                  v=jnp.asarray(rng.standard_normal((L, P, Z, K, H)), jnp.float32))
+  seen = []
+
+  def kernel(q, cache, layer, meta):
+    seen.append((q.shape[0], q.shape[2], cache.k.shape[3]))  # Per-device B, N, K at trace time.
+    return attention._attend_pallas(q, cache, layer, meta, None)
+
+  decode_meta = attention.AttentionMetadata(
+      positions=jnp.array([[4], [15], [8], [0]]), slot_mapping=jnp.zeros((4, 1), jnp.int32),
+      block_tables=jnp.array([[1, 2], [3, 4], [5, 6], [7, 8]]), kv_lens=jnp.array([5, 16, 9, 1]),
+      q_lens=jnp.ones(4, jnp.int32))
+  prefill_meta = attention.AttentionMetadata(
+      positions=(7 + jnp.arange(16))[None], slot_mapping=jnp.zeros((1, 16), jnp.int32),
+      block_tables=jnp.array([[9, 10, 11, 12]]), kv_lens=jnp.array([20]), q_lens=jnp.array([13]))
+  step = jax.jit(functools.partial(sharding.attend_per_shard, kernel))
+  errors = {}
+  with jax.set_mesh(sharding.make_mesh(tp, dp)):
+    for name, meta, B, T, real in (("decode", decode_meta, 4, 1, 1), ("prefill", prefill_meta, 1, 16, 13)):
+      q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+      out = step(q, cache, jnp.int32(1), meta)
+      want = attention.attend_reference(q, cache, 1, meta)
+      errors[name] = float(jnp.max(jnp.abs(out[:, :real] - want[:, :real])))
+  return {"errors": errors, "traced_shapes": seen}
+
+
+def main() -> None:
+  args = json.loads(sys.argv[1])
+  _setup(args)
+  import jax
+  out = {"process": jax.process_index(), "num_devices": jax.device_count(), "layouts": {}}
+  if "pallas" in args:
+    out["pallas"] = pallas_per_shard(*args["pallas"])
+  for tp, dp, *kv_layout in args["layouts"]:  # [tp, dp] or [tp, dp, KVLayout value]
+    start = time.perf_counter()
+    name = "-".join([f"{tp}x{dp}", *kv_layout])
+    out["layouts"][name] = run_layout(args, tp, dp, *kv_layout)
+    out["layouts"][name]["seconds"] = time.perf_counter() - start
+  print(json.dumps(out), flush=True)
+  if "coordinator" in args:
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()

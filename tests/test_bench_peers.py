@@ -1,0 +1,93 @@
+"""scripts/bench_peers.py: the shipped workload, the report arithmetic, and the jaxserve part in
+--quick mode on a tiny random model (a peer that is not installed is reported as skipped)."""
+
+import importlib.util
+import json
+import pathlib
+import re
+import sys
+
+import pytest
+
+from jaxserve import pull
+from jaxserve.tokenizer import Tokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "scripts" / "bench_peers.py")
+bp = sys.modules["bench_peers"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bp)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return Tokenizer.from_gguf(pull.gguf_path(pull.DEFAULT_MODEL))
+
+
+def test_the_shipped_workload_is_the_generators_output(tokenizer):
+  shipped = bp.read_workload(bp.WORKLOAD)
+  assert shipped == bp.make_workload(tokenizer, seed=0)
+  assert len(shipped) == 64 and len({r["id"] for r in shipped}) == 64
+  for r in shipped:
+    assert 16 <= len(r["prompt_token_ids"]) <= 256 and 16 <= r["max_tokens"] <= 256
+    assert r["ignore_eos"] is True and r["temperature"] == 0
+    # The prompt is word-list text: every whole word but the last (maybe cut) is from the list.
+    words = re.findall(r"[a-z]+", tokenizer.decode(r["prompt_token_ids"]).lower())
+    assert set(words[:-1]) <= set(bp.WORDS)
+  # Spread over the ranges, not bunched at one end.
+  lens = sorted(len(r["prompt_token_ids"]) for r in shipped)
+  assert lens[0] < 64 and lens[-1] > 200
+  assert bp.make_workload(tokenizer, seed=1) != shipped
+
+
+def test_the_shipped_workload_runs_in_generate_batch():
+  # Its lines use only fields generate_batch.py accepts, so that script can replay the work.
+  spec = importlib.util.spec_from_file_location("generate_batch", ROOT / "scripts" / "generate_batch.py")
+  gb = sys.modules["generate_batch"] = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gb)
+  for i, line in enumerate(bp.WORKLOAD.read_text().splitlines(), start=1):
+    parsed = gb.parse_line(line, i)
+    assert parsed.prompt_field == "prompt_token_ids" and parsed.overrides["ignore_eos"] is True
+
+
+def run(system, wall, ttft, outputs):
+  return bp.Run(system, wall, 100, 50, ttft, 100, (0.0, 0.0, 0.0), outputs)
+
+
+def test_report_takes_the_median_round_and_computes_the_ratios():
+  ours = [run("jaxserve", w, 1.0, [[1, 2, 3, 4], [5, 6]]) for w in (12.0, 10.0, 11.0)]
+  peer = [run("transformers", w, 4.0, [[1, 2, 9, 4], [5, 6]]) for w in (30.0, 50.0, 40.0)]
+  report = bp.summarize({"jaxserve": ours, "transformers": peer}, {"llama.cpp": "not installed"})
+  j, t = report["systems"]["jaxserve"], report["systems"]["transformers"]
+  assert j["wall_s"] == 11.0 and t["wall_s"] == 40.0  # Medians of the rounds.
+  assert t["rounds_wall_s"] == [30.0, 50.0, 40.0]
+  assert t["generated_tokens_per_s"] == 100 / 40 and t["prompt_tokens_per_s"] == 50 / 40
+  assert t["jaxserve_speedup"] == 40 / 11 and t["jaxserve_ttft_ratio"] == 1 / 4
+  # Request 1 agrees for 2 of 4 tokens, request 2 for 2 of 2: (0.5 + 1) / 2.
+  assert t["token_agreement_with_jaxserve"] == 0.75
+  table = bp.markdown(report)
+  assert "| transformers | 40.0 | 2.5 | 1.2 | 4.00 | 3.64x | 0.25 | 75% |" in table
+  assert "| llama.cpp | skipped: not installed |" in table
+
+
+def test_quick_mode_runs_jaxserve_and_skips_a_missing_peer(tiny_checkpoint, tmp_path, monkeypatch,
+                                                           tokenizer):
+  def missing():
+    raise ImportError("No module named 'llama_cpp'")
+
+  monkeypatch.setattr(bp, "import_llama_cpp", missing)  # As on a machine without it.
+  out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+  assert bp.main(["--quick", "--systems", "jaxserve,llama.cpp", "--jaxserve-model", str(tiny_checkpoint),
+                  "--slots", "4", "--buckets", "32", "--max-model-len", "128", "--num-blocks", "64",
+                  "--json", str(out_json), "--markdown", str(out_md)]) == 0
+  report = json.loads(out_json.read_text())
+  work = bp.make_workload(tokenizer, 0, num_requests=4, prompt_lens=(8, 32), max_tokens=(4, 16))
+  j = report["systems"]["jaxserve"]
+  assert j["generated_tokens"] == j["decoded_tokens"] == sum(r["max_tokens"] for r in work)
+  assert j["prompt_tokens"] == sum(len(r["prompt_token_ids"]) for r in work)
+  assert 0 < j["mean_ttft_s"] < j["wall_s"]
+  assert j["generated_tokens_per_s"] == pytest.approx(j["generated_tokens"] / j["wall_s"])
+  assert list(report["systems"]) == ["jaxserve"]
+  assert "not installed" in report["skipped"]["llama.cpp"]
+  assert "--install-llama-cpp" in report["skipped"]["llama.cpp"]
+  md = out_md.read_text()
+  assert md.startswith("| system | wall s |") and "| jaxserve |" in md and "| llama.cpp | skipped" in md

@@ -1,0 +1,202 @@
+"""Every KV layout and KV dtype against the float32 token-major reference.
+
+Cache level: what is written at a slot is what gather (and the kernels' view) read back, within
+the storage type's rounding, and padding writes to the scratch page never show. Engine level: each
+layout through chunked prefill + decode gives the reference's tokens and logprobs. Quantized
+dtypes: teacher-forced logits of a full forward against the float32 cache's. Pallas: the decode
+kernel (interpret mode) on every layout against the reference attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import TINY, TINY_ENGINE
+from jaxserve import attention
+from jaxserve.attention import AttentionMetadata
+from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
+from jaxserve.engine import Engine
+from jaxserve.kv_cache import KVCache, slot_tables
+from jaxserve.plan import PrefillChunk
+
+GREEDY = SamplingParams(temperature=0)
+SMALL = EngineConfig(num_slots=3, block_size=4, num_blocks=12, max_model_len=16,
+                     compilation_cache_dir=None)
+# Worst-case round-trip error of one value of magnitude <= amax (here amax ~ 4 for N(0, 1) data):
+# bf16 keeps 8 bits of mantissa (relative 2^-8), int8 rounds to amax / 127 steps (half a step),
+# float8 e4m3 keeps 3 bits (relative 2^-4).
+ROUND_TRIP_TOL = {KVDtype.FLOAT32: 0.0, KVDtype.BFLOAT16: 4 * 2**-8, KVDtype.FLOAT16: 4 * 2**-11,
+                  KVDtype.INT8: 4.5 / 254, KVDtype.FLOAT8_E4M3: 4.5 * 2**-4}
+
+
+def _written_cache(layout, kv_dtype, rng):
+  """A SMALL cache with random K/V [2, 16, K, H] written for two sequences at layer 1, then a
+  scratch-page write of 1e3 that must never be read back. Returns (cache, tables, k, v)."""
+  engine = dataclasses.replace(SMALL, kv_layout=layout, kv_dtype=kv_dtype)
+  cache = KVCache.create(TINY, engine)
+  if layout is KVLayout.CONTIGUOUS:
+    tables = slot_tables(engine)[[2, 0]]  # Sequences in slots 2 and 0.
+  else:
+    tables = np.array([[3, 5, 1, 7], [2, 4, 6, 8]], np.int32)
+  pos = np.arange(16)
+  slots = tables[:, pos // 4] * 4 + pos % 4  # [2, 16]
+  shape = (2, 16, TINY.num_kv_heads, TINY.head_dim)
+  k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+  cache = jax.jit(lambda c: c.write(1, jnp.asarray(slots), k, v))(cache)
+  junk = jnp.full((2, 3, *shape[2:]), 1e3)
+  cache = cache.write(1, jnp.zeros((2, 3), jnp.int32), junk, junk)
+  return cache, tables, k, v
+
+
+@pytest.mark.parametrize("kv_dtype", list(KVDtype))
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_write_then_gather_round_trips(layout, kv_dtype):
+  cache, tables, k, v = _written_cache(layout, kv_dtype, np.random.default_rng(0))
+  tol = ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(k))
+  gk, gv = cache.gather(1, jnp.asarray(tables))
+  assert np.all(np.abs(np.asarray(gk, np.float32) - k) <= tol)
+  assert np.all(np.abs(np.asarray(gv, np.float32) - v) <= ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(v)))
+  kp, vp, kt, layer = cache.kernel_pages(jnp.int32(1), jnp.asarray(tables))
+  if layer is not None:  # The kernels' view of the whole cache: pick the layer as they would.
+    kp, vp = kp[layer], vp[layer]
+  np.testing.assert_array_equal(np.asarray(kp)[np.asarray(kt)].reshape(k.shape), np.asarray(gk))
+  np.testing.assert_array_equal(np.asarray(vp)[np.asarray(kt)].reshape(v.shape), np.asarray(gv))
+
+
+def test_int8_scale_is_per_token_and_head():
+  """A head of values 0..127 * 0.5 stores as ints 0..127 with scale 0.5: exact."""
+  engine = dataclasses.replace(SMALL, kv_dtype=KVDtype.INT8)
+  cache = KVCache.create(TINY, engine)
+  k = np.zeros((1, 1, TINY.num_kv_heads, TINY.head_dim), np.float32)
+  k[0, 0, 0] = np.arange(16) * 127 / 15 * 0.5  # amax 63.5 -> scale 0.5
+  k[0, 0, 1] = -2.0  # amax 2 -> scale 2 / 127, value -127
+  cache = cache.write(0, jnp.array([[5]]), k, k)  # Page 1, offset 1.
+  np.testing.assert_allclose(np.asarray(cache.k_scale[0, 1, 1, :, 0]), [0.5, 2 / 127], rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(cache.k[0, 1, 1, 1]), np.full(16, -127))
+  assert cache.k.dtype == jnp.int8
+
+
+def test_bytes_follow_the_capacity_arithmetic():
+  """Bytes per token slot: 2 (K, V) * L * K * (H * value bytes + scale bytes), as capacity.py."""
+  from jaxserve import capacity
+  for kv_dtype in KVDtype:
+    cache = KVCache.create(TINY, dataclasses.replace(SMALL, kv_dtype=kv_dtype))
+    assert cache.num_bytes == 12 * 4 * capacity.kv_bytes_per_token(TINY, kv_dtype)
+  contiguous = KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.CONTIGUOUS))
+  assert contiguous.num_bytes == 3 * 16 * capacity.kv_bytes_per_token(TINY, KVDtype.FLOAT32)
+  assert contiguous.num_pages == 1 + 3 * 4
+
+
+def _chunk(slot, ids, start, table, last, prompt=()):
+  return PrefillChunk("r", slot, ids, start, table, last, GREEDY, 0, prompt, ())
+
+
+def _engine_run(model, config):
+  """Two sequences, one prefilled in two chunks, then 6 decode steps: (tokens, logprobs)."""
+  engine = Engine(model, config)
+  rng = np.random.default_rng(0)
+  a, b = list(rng.integers(2, 128, 21)), list(rng.integers(2, 128, 9))
+  Z = config.block_size
+  n_a, n_b = -(-40 // Z), -(-20 // Z)  # Pages for the prompt plus what decode adds.
+  tables = np.zeros((4, n_a), np.int32)
+  tables[0], tables[2, :n_b] = np.arange(1, n_a + 1)[::-1], n_a + 1 + np.arange(n_b)
+  out = [engine.prefill(_chunk(0, a[:13], 0, tables[0], False)),
+         engine.prefill(_chunk(0, a[13:], 13, tables[0], True, a)),
+         engine.prefill(_chunk(2, b, 0, tables[2], True, b))]
+  out += [engine.decode([0, 2], tables) for _ in range(6)]
+  tokens = [o.result() for o in out[1:]]
+  logprobs = [o.logprobs()[2] for o in out[1:]]  # Top-20 logprobs of every sampled row.
+  return np.concatenate([t.reshape(-1) for t in tokens]), np.concatenate([l.reshape(-1) for l in logprobs])
+
+
+# One prefill bucket and one decode width: two compilations per engine.
+ENGINE = dataclasses.replace(TINY_ENGINE, max_model_len=64, prefill_buckets=(32,))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model):
+  return _engine_run(tiny_model, ENGINE)
+
+
+@pytest.mark.parametrize("layout, block_size", [
+    (KVLayout.PAGED_HEAD_MAJOR, 16), (KVLayout.PAGED_KV_INTERLEAVED, 32), (KVLayout.CONTIGUOUS, 8)])
+def test_engine_layouts_match_the_reference(tiny_model, reference_run, layout, block_size):
+  """Contiguous: the engine swaps the given tables for the slots' own regions."""
+  config = dataclasses.replace(ENGINE, kv_layout=layout, block_size=block_size)
+  tokens, logprobs = _engine_run(tiny_model, config)
+  np.testing.assert_array_equal(tokens, reference_run[0])
+  np.testing.assert_allclose(logprobs, reference_run[1], atol=2e-5)
+
+
+def forward_logits(model, ids, layout=KVLayout.PAGED_TOKEN_MAJOR, kv_dtype=KVDtype.FLOAT32,
+                   page_size: int = 8):
+  """Teacher-forced logits [T, V] of one forward over ids (T a multiple of page_size), reading
+  back the K/V it writes, in the given layout and storage type."""
+  n = ids.shape[0]
+  pages = n // page_size
+  engine = EngineConfig(num_slots=1, block_size=page_size, num_blocks=pages + 1,
+                        max_model_len=n, prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
+  meta = AttentionMetadata(positions=jnp.arange(n)[None], slot_mapping=(page_size + jnp.arange(n))[None],
+                           block_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
+                           q_lens=jnp.array([n]))
+  logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
+  return logits[0]
+
+
+_forward = nnx.jit(forward_logits, static_argnums=(2, 3, 4))
+
+
+# Max logit error as a fraction of the largest logit (about 60 on this model, std 9): bf16 and
+# int8 keep ~8 bits (int8 per token-head, so a little worse), float8 e4m3 only 4.
+@pytest.mark.parametrize("kv_dtype, max_err, min_agree", [
+    (KVDtype.BFLOAT16, 0.004, 0.98), (KVDtype.INT8, 0.006, 0.98),
+    (KVDtype.FLOAT8_E4M3, 0.04, 0.9)])
+def test_quantized_kv_logits_stay_close(tiny_model, kv_dtype, max_err, min_agree):
+  ids = jnp.asarray(np.random.default_rng(3).integers(2, 128, 64), jnp.int32)
+  ref = np.asarray(_forward(tiny_model, ids, KVLayout.PAGED_TOKEN_MAJOR, KVDtype.FLOAT32, 8))
+  got = np.asarray(_forward(tiny_model, ids, KVLayout.PAGED_HEAD_MAJOR, kv_dtype, 8))
+  err = np.abs(got - ref).max() / np.abs(ref).max()
+  agree = np.mean(got.argmax(-1) == ref.argmax(-1))
+  assert 0 < err < max_err, err  # Not 0: the storage type really rounds.
+  assert agree >= min_agree
+
+
+# Token-major float32 is tests/test_backend_pallas.py's. Head-major and interleaved are rearranged
+# per layer, contiguous is read in place through shifted tables, int8 is decoded per layer.
+@pytest.mark.parametrize("layout, kv_dtype", [
+    (KVLayout.PAGED_HEAD_MAJOR, KVDtype.FLOAT32), (KVLayout.CONTIGUOUS, KVDtype.BFLOAT16),
+    (KVLayout.PAGED_KV_INTERLEAVED, KVDtype.INT8)])
+def test_pallas_decode_reads_every_layout(layout, kv_dtype):
+  """The Pallas decode kernel (interpret mode) on each layout equals the reference attention
+  (which rounds its softmax to bf16 for a bf16 cache, the kernel does not: hence the tolerance)."""
+  cache, tables, _, _ = _written_cache(layout, kv_dtype, np.random.default_rng(1))
+  q = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, TINY.num_heads, TINY.head_dim)),
+                  jnp.float32)
+  lens = jnp.array([11, 16], jnp.int32)
+  meta = AttentionMetadata(positions=(lens - 1)[:, None], slot_mapping=jnp.zeros((2, 1), jnp.int32),
+                           block_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
+  got = attention.attend(q, cache, jnp.int32(1), meta, AttentionBackend.PALLAS)
+  want = attention.attend_reference(q, cache, 1, meta)
+  atol = 1e-2 if kv_dtype is KVDtype.BFLOAT16 else 2e-5
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol)
+
+
+def test_pallas_prefill_reads_the_contiguous_layout():
+  """Prefill (ragged kernel, interpret mode) through the contiguous layout's shifted page view:
+  5 new tokens at positions 11..15 of the sequence in slot 2, causal over the slot's region."""
+  cache, tables, _, _ = _written_cache(KVLayout.CONTIGUOUS, KVDtype.FLOAT32, np.random.default_rng(4))
+  q = jnp.asarray(np.random.default_rng(5).standard_normal((1, 8, TINY.num_heads, TINY.head_dim)),
+                  jnp.float32)
+  positions = 11 + jnp.arange(8)[None]  # [1, 8]: the last 3 rows are padding.
+  meta = AttentionMetadata(positions=positions, slot_mapping=jnp.zeros((1, 8), jnp.int32),
+                           block_tables=jnp.asarray(tables[:1]), kv_lens=jnp.array([16]),
+                           q_lens=jnp.array([5]))
+  got = attention.attend(q, cache, jnp.int32(1), meta, AttentionBackend.PALLAS)[:, :5]
+  want = attention.attend_reference(q, cache, 1, meta)[:, :5]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
