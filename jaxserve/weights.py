@@ -15,9 +15,14 @@ from jaxserve import gguf_metadata
 from jaxserve.config import ModelConfig
 
 
-def read_gguf_metadata(reader) -> dict:
-  """Every GGUF key -> a python value (strings, numbers, lists)."""
-  return {key: field.contents() for key, field in reader.fields.items()}
+def gguf_config(path, reader=None) -> ModelConfig:
+  """A GGUF file's model config, without reading its weights."""
+  import gguf
+
+  reader = reader or gguf.GGUFReader(str(path))
+  has_output = any(t.name == "output.weight" for t in reader.tensors)
+  return ModelConfig.from_gguf(gguf_metadata.read_gguf_metadata(path), has_output,
+                               name=pathlib.Path(path).stem)
 
 
 def load_gguf(path) -> tuple[ModelConfig, dict]:
@@ -25,10 +30,9 @@ def load_gguf(path) -> tuple[ModelConfig, dict]:
   import gguf
 
   reader = gguf.GGUFReader(str(path))
-  meta = gguf_metadata.read_gguf_metadata(path)
+  meta = gguf_metadata.read_gguf_metadata(path, prefix="general.")
   tensors = {t.name: t for t in reader.tensors}
-  name = pathlib.Path(path).stem
-  cfg = ModelConfig.from_gguf(meta, has_output="output.weight" in tensors, name=name)
+  cfg = gguf_config(path, reader)
 
   def get(name: str) -> np.ndarray:
     t = tensors[name]

@@ -308,13 +308,9 @@ def model_config(model: str | None) -> ModelConfig:
   """The model's config without loading its weights."""
   path = checkpoint.resolve(model)
   if path.suffix == ".gguf":
-    import gguf
-
     from jaxserve import weights
 
-    reader = gguf.GGUFReader(str(path))
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return ModelConfig.from_gguf(weights.read_gguf_metadata(reader), has_output, name=path.stem)
+    return weights.gguf_config(path)
   return capacity.load_model_config(str(path))
 
 
