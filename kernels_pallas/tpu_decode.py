@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import common
 from kernels_pallas import tpu_pages
@@ -85,27 +84,12 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_sca
   q_SKGD = q.reshape(num_seqs, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
   q_SKGD = jnp.pad(q_SKGD, ((0, 0), (0, 0), (0, rows - dims.group), (0, 0)))
   q_win = tpu_pages.pack_heads(q_SKGD, windows)  # [S, K, Gp, E]
-  width = dims.num_kv_heads * head_dim
   kernel = functools.partial(_decode_kernel, sm_scale=common.default_scale(sm_scale, head_dim),
                              windows=windows, pages_per_seq=dims.pages_per_seq)
   q_spec = pl.BlockSpec((None, *q_win.shape[1:]), lambda s, *_: (s, 0, 0, 0))
-  hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
-  o_win = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(num_seqs,),
-          in_specs=[q_spec, hbm_spec, hbm_spec],
-          out_specs=q_spec,
-          scratch_shapes=tpu_pages.scratch_shapes(per_chunk, dims.page_size, width,
-                                                  k_pages.dtype),
-      ),
-      out_shape=jax.ShapeDtypeStruct(q_win.shape, q.dtype),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=(pltpu.PARALLEL,)),
-      interpret=interpret,
-      name="paged_decode_attention_tpu",
-  )(block_tables.reshape(-1), lengths, q_win,
-    k_pages.reshape(dims.num_pages, dims.page_size, width),
-    v_pages.reshape(dims.num_pages, dims.page_size, width))
+  o_win = tpu_pages.call_over_pages(
+      kernel, (block_tables.reshape(-1), lengths), q_win, q_spec, k_pages, v_pages,
+      out_dtype=q.dtype, grid=(num_seqs,), per_chunk=per_chunk, dims=dims, interpret=interpret,
+      name="paged_decode_attention_tpu")
   out = tpu_pages.unpack_heads(o_win, windows, head_dim)[:, :, :dims.group]  # [S, K, G, D]
   return out.reshape(q.shape)

@@ -127,3 +127,27 @@ def scratch_shapes(per_chunk: int, page_size: int, width: int, kv_dtype):
   """Double-buffered VMEM for K and V chunks, and their DMA semaphores [kv, slot]."""
   buf = pltpu.VMEM((2, per_chunk, page_size, width), kv_dtype)
   return [buf, buf, pltpu.SemaphoreType.DMA((2, 2))]
+
+
+def call_over_pages(kernel, scalars, q_win, q_spec, k_pages, v_pages, *, out_dtype, grid, per_chunk,
+                    dims, interpret, name):
+  """Runs `kernel` over `grid` with the scalar-prefetched `scalars` (block tables first), q
+  windows blocked by `q_spec` into VMEM, and the K/V pages left in HBM ([P, Z, K * D]) for the
+  kernel's own double-buffered page copies. Returns the output windows: q_win's shape, out_dtype."""
+  width = k_pages.shape[-2] * k_pages.shape[-1]
+  as_rows = lambda pages: pages.reshape(dims.num_pages, dims.page_size, width)
+  hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(scalars),
+          grid=grid,
+          in_specs=[q_spec, hbm_spec, hbm_spec],
+          out_specs=q_spec,
+          scratch_shapes=scratch_shapes(per_chunk, dims.page_size, width, k_pages.dtype),
+      ),
+      out_shape=jax.ShapeDtypeStruct(q_win.shape, out_dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=(pltpu.PARALLEL,)),
+      interpret=interpret,
+      name=name,
+  )(*scalars, q_win, as_rows(k_pages), as_rows(v_pages))

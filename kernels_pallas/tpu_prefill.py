@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import common
 from kernels_pallas import tpu_pages
@@ -114,28 +113,13 @@ def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_le
   q_TKGD = jnp.pad(q_TKGD, ((0, padded - num_tokens), (0, 0), (0, 0), (0, 0)))
   q_win = tpu_pages.pack_heads(q_TKGD, windows).transpose(1, 2, 0, 3)  # [K, G, T, E]
   seq_lo, seq_hi = common.block_seq_ranges(cu_q_lens, num_blocks, block_q)
-  width = dims.num_kv_heads * head_dim
   kernel = functools.partial(_prefill_kernel, sm_scale=common.default_scale(sm_scale, head_dim),
                              windows=windows, pages_per_seq=dims.pages_per_seq)
   q_spec = pl.BlockSpec((dims.num_kv_heads, dims.group, block_q, q_win.shape[-1]),
                         lambda j, *_: (0, 0, j, 0))
-  hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
-  o_win = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=5,
-          grid=(num_blocks,),
-          in_specs=[q_spec, hbm_spec, hbm_spec],
-          out_specs=q_spec,
-          scratch_shapes=tpu_pages.scratch_shapes(per_chunk, dims.page_size, width,
-                                                  k_pages.dtype),
-      ),
-      out_shape=jax.ShapeDtypeStruct(q_win.shape, q.dtype),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=(pltpu.PARALLEL,)),
-      interpret=interpret,
-      name="ragged_prefill_attention_tpu",
-  )(block_tables.reshape(-1), cu_q_lens, kv_lens, seq_lo, seq_hi, q_win,
-    k_pages.reshape(dims.num_pages, dims.page_size, width),
-    v_pages.reshape(dims.num_pages, dims.page_size, width))
+  o_win = tpu_pages.call_over_pages(
+      kernel, (block_tables.reshape(-1), cu_q_lens, kv_lens, seq_lo, seq_hi), q_win, q_spec,
+      k_pages, v_pages, out_dtype=q.dtype, grid=(num_blocks,), per_chunk=per_chunk, dims=dims,
+      interpret=interpret, name="ragged_prefill_attention_tpu")
   out = tpu_pages.unpack_heads(o_win.transpose(2, 0, 1, 3), windows, head_dim)  # [T, K, G, D]
   return out[:num_tokens].reshape(q.shape)
