@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import random
@@ -223,6 +224,9 @@ class LlamaCpp:
         return out
     return out
 
+  def close(self) -> None:
+    self.llm.close()
+
   def run(self, work: Sequence[dict]) -> Run:
     def go():
       firsts = []
@@ -244,8 +248,8 @@ class LlamaCppParallel:
   def __init__(self, args: argparse.Namespace):
     lib = self.lib = import_llama_cpp()
     lib.llama_backend_init()
-    self._quiet = lib.llama_log_callback(lambda level, text, data: None)  # Kept alive: C holds it.
-    lib.llama_log_set(self._quiet, None)
+    # llama-cpp-python's own log callback prints what this logger's level lets through.
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     self.model = lib.llama_model_load_from_file(str(args.gguf).encode(), lib.llama_model_default_params())
     p = lib.llama_context_default_params()
     p.n_ctx = args.slots * args.max_model_len  # Split evenly between the sequences.
@@ -302,6 +306,12 @@ class LlamaCppParallel:
     b.n_tokens = len(rows)
     if self.lib.llama_decode(self.ctx, b) != 0:
       raise RuntimeError("llama_decode failed")
+
+  def close(self) -> None:
+    """Frees the C objects now: left to interpreter teardown, llama.cpp may crash there."""
+    self.lib.llama_batch_free(self.batch)
+    self.lib.llama_free(self.ctx)
+    self.lib.llama_model_free(self.model)
 
   def _argmax(self, row: int) -> int:
     import numpy as np
@@ -402,6 +412,20 @@ def load_systems(names: Sequence[str], args: argparse.Namespace) -> tuple[list, 
   return systems, skipped
 
 
+def run_rounds(systems: Sequence, work: Sequence[dict], rounds: int) -> dict[str, list[Run]]:
+  """Every system once per round, interleaved, so a load spike hits them alike."""
+  runs = {s.name: [] for s in systems}
+  for i in range(rounds):
+    for s in systems:
+      print(f"round {i + 1}/{rounds}: {s.name} (load average {os.getloadavg()[0]:.2f})",
+            file=sys.stderr, flush=True)
+      r = s.run(work)
+      runs[s.name].append(r)
+      print(f"  {r.wall_s:.1f} s, {r.generated_tokens_per_s:.1f} generated tokens/s, mean TTFT "
+            f"{r.mean_ttft_s:.2f} s (load average {r.loadavg[1]:.2f} after)", file=sys.stderr, flush=True)
+  return runs
+
+
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   from jaxserve import pull
@@ -426,12 +450,11 @@ def main(argv=None) -> int:
   systems, skipped = load_systems(names, args)
   if install_error:
     skipped.update({n: install_error for n in skipped if n.startswith("llama.cpp")})
-  runs = {s.name: [] for s in systems}
-  for round_ in range(args.rounds):
+  try:
+    runs = run_rounds(systems, work, args.rounds)
+  finally:
     for s in systems:
-      print(f"round {round_ + 1}/{args.rounds}: {s.name} (load average {os.getloadavg()[0]:.2f})",
-            file=sys.stderr, flush=True)
-      runs[s.name].append(s.run(work))
+      getattr(s, "close", lambda: None)()
   report = summarize(runs, skipped)
   report["workload"] = {"path": None if args.quick else str(args.workload), "requests": len(work),
                         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in work),
