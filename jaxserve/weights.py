@@ -25,6 +25,15 @@ def gguf_config(path, reader=None) -> ModelConfig:
                                name=pathlib.Path(path).stem)
 
 
+def dequantize(tensor) -> np.ndarray:
+  """A GGUF tensor (any type the gguf package knows: F32, Q8_0, Q4_1, Q5_0, Q4_K, Q6_K, ...) as
+  float32 in the Hugging Face (torch) layout: [out_features, in_features]."""
+  import gguf
+
+  values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+  return values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+
+
 def load_gguf(path) -> tuple[ModelConfig, dict]:
   """Reads and dequantizes a Llama-family GGUF file."""
   import gguf
@@ -34,11 +43,7 @@ def load_gguf(path) -> tuple[ModelConfig, dict]:
   tensors = {t.name: t for t in reader.tensors}
   cfg = gguf_config(path, reader)
 
-  def get(name: str) -> np.ndarray:
-    t = tensors[name]
-    # Dequantized to [out_features, in_features], the Hugging Face (torch) layout.
-    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
-        tuple(reversed([int(d) for d in t.shape])))
+  get = lambda name: dequantize(tensors[name])
 
   # llama.cpp's converter permutes Q/K rows of Llama models for its interleaved RoPE; Qwen2
   # is converted unpermuted (it uses NeoX-style RoPE, like us).

@@ -108,3 +108,24 @@ def test_convert_then_restore_gives_the_same_model(tmp_path, default_model):
   assert tok.encode("Hello, world!") == default_model[1].encode("Hello, world!")
   ours = dense_logits(checkpoint.load_model(str(dst))[0], IDS)
   np.testing.assert_allclose(np.asarray(ours), torch_logits(model, IDS), atol=1e-4)
+
+
+def test_every_tensor_type_of_both_packaged_ggufs_dequantizes():
+  """SmolLM2 (F32, Q8_0, Q4_1) and Gemma 3 (F32, Q8_0, Q5_0, Q4_K, Q6_K): one tensor of each type
+  comes out finite, float32, shaped [out, in] and spread like real weights. (Gemma 3 is not a
+  Llama-family model, so only its tensors are read; the exact check of a dequantized model is
+  SmolLM2's logits against transformers in test_real_model.py.)"""
+  import gguf
+
+  from jaxserve import pull
+
+  seen = {}
+  for model in (pull.SMOLLM2, pull.GEMMA3):
+    for t in gguf.GGUFReader(str(pull.gguf_path(model))).tensors:
+      seen.setdefault(t.tensor_type.name, t)
+  assert {"F32", "Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"} <= set(seen)
+  for name, t in seen.items():
+    w = weights.dequantize(t)
+    assert w.shape == tuple(reversed([int(d) for d in t.shape])), name
+    assert w.dtype == np.float32 and np.isfinite(w).all(), name
+    assert 0 < float(np.std(w)) < 10, name  # Real weights: spread out, not garbage.
