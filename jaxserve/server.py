@@ -9,6 +9,12 @@ Its life, as `jaxserve serve` runs it:
   drain()  on SIGTERM: health NOT_SERVING, new requests UNAVAILABLE, open streams run to their
            end for at most drain_timeout_s (then they are aborted)
   stop()   closes the ports and stops the engine thread; the process exits 0
+
+If the engine loop raises, the server does not try to recover in-process: the failed step was
+handed the donated KV cache and decode state, so nothing on the device can be trusted, and
+reloading weights and recompiling costs what a restart costs. Instead every open request ends with
+INTERNAL, health turns NOT_SERVING at once (never back to SERVING), new requests get UNAVAILABLE,
+and `jaxserve serve` exits with status 1 for its supervisor (Kubernetes, systemd) to restart it.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class Server:
     self._http: list[http_api.Site] = []
     self._warmup: asyncio.Task | None = None
     self._runner: AsyncRunner | None = None
+    self.engine_failed = asyncio.Event()  # Set on the event loop when the engine loop raised.
 
   def current_service(self) -> Service:
     """The service, or UNAVAILABLE while warming up."""
@@ -115,7 +122,7 @@ class Server:
     service = self.service
     if service is None:
       return
-    service.accepting = False
+    service.refusing = "the server is shutting down"
     logging.info("draining %d open requests (at most %.0f s)", service.num_active,
                  self.config.drain_timeout_s)
     if not await service.wait_idle(self.config.drain_timeout_s):
@@ -143,6 +150,7 @@ class Server:
     announce(f"jaxserve: listening on {self.config.host}: " +
              " ".join(f"{name}={port}" for name, port in self.ports.items()) + " (warming up)")
     stopped = asyncio.create_task(stop.wait())
+    failed = asyncio.create_task(self.engine_failed.wait())
     await asyncio.wait([self._warmup, stopped], return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if self._warmup.done() and self._warmup.exception() is not None:
@@ -150,7 +158,11 @@ class Server:
       code = 1
     elif not stop.is_set():
       announce("jaxserve: ready")
-      await stopped
+      await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+      if self.engine_failed.is_set():
+        announce("jaxserve: error: the engine failed; exiting for a restart (see the log)")
+        code = 1
+    failed.cancel()
     announce("jaxserve: shutting down")
     await self.drain()
     await self.stop()
@@ -178,7 +190,7 @@ class Server:
   async def _load_and_serve(self) -> None:
     loaded = await _in_daemon_thread(self._load)
     runner = Runner(loaded.engine, loaded.tokenizer, self.config.scheduler)
-    self._runner = AsyncRunner(runner)
+    self._runner = AsyncRunner(runner, on_failure=self._engine_died)
     self._runner.start()
     self.metrics.watch(runner.scheduler)
     self.service = Service(self._runner, loaded.tokenizer, loaded.model_name, self.gateway,
@@ -186,6 +198,15 @@ class Server:
     for name in (health.OVERALL_HEALTH, SERVICE_NAME):
       await self._health.set(name, _SERVING)
     logging.info("serving %s", loaded.model_name)
+
+  async def _engine_died(self, error: BaseException) -> None:
+    """On the event loop, once, before the open streams get their error: refuse everything."""
+    logging.error("the engine loop failed; health is NOT_SERVING until a restart",
+                  exc_info=(type(error), error, error.__traceback__))
+    self.service.refusing = "the engine failed; the server is restarting"
+    for name in (health.OVERALL_HEALTH, SERVICE_NAME):
+      await self._health.set(name, _NOT_SERVING)
+    self.engine_failed.set()
 
   def _ssl_context(self) -> ssl.SSLContext | None:
     if self.config.tls_cert is None:

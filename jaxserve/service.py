@@ -27,7 +27,7 @@ from jaxserve.config import SamplingParams
 from jaxserve.gateway import ApiError, ApiKey, Status
 from jaxserve.metrics import Metrics, RequestRecord
 from jaxserve.request import FinishReason, QueueFull, RequestRejected, RequestOutput, TokenLogprobs
-from jaxserve.stream import AsyncRunner, RequestStream
+from jaxserve.stream import AsyncRunner, EngineDead, RequestStream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Service:
     self.gateway = gateway_
     self.metrics = metrics
     self.log_prompts = log_prompts
-    self.accepting = True  # False once draining: new requests get UNAVAILABLE.
+    self.refusing: str | None = None  # Why new requests get UNAVAILABLE (draining, a dead engine).
     self._active: set[RequestStream] = set()
     self._idle = asyncio.Event()
     self._idle.set()
@@ -131,6 +131,9 @@ class Service:
     except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.
       lease.refund()
       raise gateway.invalid(str(e)) from e
+    except EngineDead as e:  # It died a moment ago; `refusing` is about to say so.
+      lease.refund()
+      raise ApiError(Status.UNAVAILABLE, "the engine failed; the server is restarting") from e
     self._active.add(stream)
     self._idle.clear()
     num_out, reason, failed = 0, None, False
@@ -187,8 +190,8 @@ class Service:
     return record
 
   def _check_accepting(self) -> None:
-    if not self.accepting:
-      raise ApiError(Status.UNAVAILABLE, "the server is shutting down")
+    if self.refusing is not None:
+      raise ApiError(Status.UNAVAILABLE, self.refusing)
 
   # Draining.
 

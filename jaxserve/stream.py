@@ -12,11 +12,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from jaxserve.config import SamplingParams
 from jaxserve.request import Request, RequestOutput
 from jaxserve.runner import Runner
+
+
+class EngineDead(RuntimeError):
+  """The engine loop raised: every open stream gets this, and the runner takes no more requests."""
 
 
 class RequestStream:
@@ -53,8 +57,12 @@ class RequestStream:
 
 class AsyncRunner:
 
-  def __init__(self, runner: Runner):
+  def __init__(self, runner: Runner,
+               on_failure: Callable[[BaseException], Awaitable[None]] | None = None):
+    """`on_failure` is awaited once, on the event loop, if the engine loop raises: before the
+    open streams get their error, so that whoever sees the error also sees its consequences."""
     self.runner = runner
+    self._on_failure = on_failure
     self._inbox: queue.SimpleQueue[tuple[Callable, object] | None] = queue.SimpleQueue()
     self._streams: dict[str, RequestStream] = {}  # Touched on the event loop's thread only.
     self._loop: asyncio.AbstractEventLoop | None = None
@@ -79,7 +87,7 @@ class AsyncRunner:
              request_id: str | None = None, priority: int = 0) -> RequestStream:
     """Queues a request; raises at once (RequestRejected, ValueError) if it cannot be taken."""
     if self._error is not None:
-      raise RuntimeError("the engine loop failed") from self._error
+      raise EngineDead("the engine loop failed") from self._error
     if request_id is not None and request_id in self._streams:
       raise ValueError(f"request id {request_id!r} is already in use")
     req = self.runner.new_request(prompt_ids, sampling, request_id, priority)
@@ -110,8 +118,10 @@ class AsyncRunner:
         if outputs:
           self._loop.call_soon_threadsafe(self._deliver, outputs)
     except BaseException as e:  # pylint: disable=broad-except
+      # The cache and decode state were donated to the failed step: nothing on the device can be
+      # trusted, so no request may go on. The owner decides what the process does next.
       self._error = e
-      self._loop.call_soon_threadsafe(self._fail_all, e)
+      asyncio.run_coroutine_threadsafe(self._die(e), self._loop)
 
   def _drain_inbox(self, block: bool) -> bool:
     """Runs every queued command (waiting for one when idle); False once told to stop."""
@@ -133,6 +143,13 @@ class AsyncRunner:
       self._loop.call_soon_threadsafe(self._fail, req.request_id, e)
 
   # The event loop's thread.
+
+  async def _die(self, error: BaseException) -> None:
+    if self._on_failure is not None:
+      await self._on_failure(error)
+    dead = EngineDead(f"the engine loop failed: {type(error).__name__}: {error}")
+    dead.__cause__ = error
+    self._fail_all(dead)
 
   def _deliver(self, outputs: list[RequestOutput]) -> None:
     for out in outputs:
