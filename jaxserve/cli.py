@@ -8,6 +8,8 @@ import time
 
 from jaxserve import capacity
 
+_CPU_BLOCKS = 512
+
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None, help="GGUF file, HF directory, checkpoint, or packaged "
@@ -16,7 +18,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                  help="parameters, activations and KV cache (float32 is fastest on CPU)")
   p.add_argument("--slots", type=int, default=8, help="decode slots (the decode batch)")
   p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
-  p.add_argument("--num-blocks", type=int, default=512, help="KV pages in the pool")
+  p.add_argument("--num-blocks", type=int, default=None,
+                 help="KV pages in the pool (default: sized from --memory-fraction on TPU/GPU; "
+                 f"{_CPU_BLOCKS} on CPU, whose memory is the host's, shared with everything else)")
+  p.add_argument("--memory-fraction", type=float, default=None,
+                 help="size the KV pool to fill this fraction of device memory, weights included "
+                 "(default 0.9 on TPU/GPU)")
   p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output")
   p.add_argument("--buckets", default="32,64,128,256,512", help="prefill length buckets")
   from jaxserve import sharding
@@ -35,8 +42,15 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args):
+  import jax
   from jaxserve.config import EngineConfig
-  return EngineConfig(num_slots=args.slots, block_size=args.block_size, num_blocks=args.num_blocks,
+  num_blocks, fraction = args.num_blocks, args.memory_fraction
+  if num_blocks is None and fraction is None and jax.default_backend() == "cpu":
+    num_blocks = _CPU_BLOCKS
+  if num_blocks is not None and fraction is not None:
+    raise ValueError("give --num-blocks or --memory-fraction, not both")
+  return EngineConfig(num_slots=args.slots, block_size=args.block_size, num_blocks=num_blocks,
+                      memory_fraction=fraction or EngineConfig.memory_fraction,
                       max_model_len=args.max_model_len, dtype=args.dtype,
                       prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                       tp=args.tp, dp=args.dp)

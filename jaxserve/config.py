@@ -186,7 +186,9 @@ class EngineConfig:
 
   num_slots: int = 8  # Decode batch: every decode step runs all slots.
   block_size: int = 16  # Tokens per KV page.
-  num_blocks: int = 512  # Pages in the pool, including the reserved scratch page 0.
+  num_blocks: int | None = 512  # Pages in the pool, scratch page 0 included. None: sized at
+  # start-up to fill `memory_fraction` of the device's memory, weights included.
+  memory_fraction: float = 0.9
   max_model_len: int = 2048  # Longest sequence (prompt + output) a slot can hold.
   prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)  # Padded prefill chunk lengths.
   dtype: str = "float32"  # Parameters, activations and KV cache.
@@ -200,12 +202,14 @@ class EngineConfig:
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"EngineConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
-    for field in ("num_slots", "block_size", "num_blocks", "max_model_len", "tp", "dp"):
+    for field in ("num_slots", "block_size", "max_model_len", "tp", "dp"):
       if getattr(self, field) <= 0:
         raise ValueError(f"EngineConfig.{field} must be positive, got {getattr(self, field)}")
+    if not 0 < self.memory_fraction <= 1:
+      raise ValueError(f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
     if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)):
       raise ValueError(f"EngineConfig.prefill_buckets must be increasing, got {self.prefill_buckets}")
-    if self.num_blocks < 2:
+    if self.num_blocks is not None and self.num_blocks < 2:
       raise ValueError("EngineConfig.num_blocks must be >= 2 (page 0 is the scratch page)")
     if self.num_slots % self.dp:
       raise ValueError(f"EngineConfig.dp ({self.dp}) must divide num_slots ({self.num_slots})")

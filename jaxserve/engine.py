@@ -7,6 +7,7 @@ engine compiles for comes from `EngineConfig` and is compiled by `warmup()`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Sequence
@@ -17,7 +18,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxserve import sharding
+from jaxserve import capacity, sharding
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
 from jaxserve.decode import DecodeState, decode_step
 from jaxserve import kv_cache
@@ -62,6 +63,8 @@ class TokenFuture:
 
 class Engine:
   def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = ()):
+    if config.num_blocks is None:
+      config = size_kv_pool(config, model)
     self.model_config: ModelConfig = model.cfg
     self.config = config
     self.num_slots = config.num_slots
@@ -158,6 +161,34 @@ class Engine:
     tables = np.full((self.num_slots, width), SCRATCH_PAGE, np.int32)
     tables[:block_tables.shape[0], :block_tables.shape[1]] = block_tables
     return tables
+
+
+def device_memory_bytes(device: jax.Device) -> int:
+  """An accelerator's memory; on CPU, where memory_stats() says nothing, the host's RAM."""
+  stats = device.memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemTotal:"):
+        return int(line.split()[1]) * 1024  # The value is in kB.
+  raise ValueError("cannot find the device's memory size: give EngineConfig.num_blocks instead")
+
+
+def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
+  """`config` with `num_blocks` filling `memory_fraction` of one device, less the weights that
+  device holds. Under tensor parallelism each device holds 1/tp of every block (its KV heads)."""
+  device = jax.devices()[0]
+  weight_bytes = sum(shard.data.nbytes for x in jax.tree.leaves(nnx.state(model))
+                     for shard in x.addressable_shards if shard.device == device)
+  memory = device_memory_bytes(device)
+  blocks = capacity.num_kv_blocks(model.cfg, memory * config.tp, config.memory_fraction,
+                                  config.block_size, kv_cache.kv_dtype_of(config),
+                                  weight_bytes * config.tp)
+  logging.info("KV pool: %d blocks of %d tokens (%d tokens) from %.0f%% of %.2f GiB on %s, "
+               "less %.2f GiB of weights", blocks, config.block_size, blocks * config.block_size,
+               100 * config.memory_fraction, memory / 2**30, device.device_kind, weight_bytes / 2**30)
+  return dataclasses.replace(config, num_blocks=blocks)
 
 
 def _set_sampling(state: DecodeState, slot, row) -> DecodeState:

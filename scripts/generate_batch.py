@@ -36,8 +36,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from jaxserve import capacity, checkpoint, cli
-from jaxserve.config import EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
+from jaxserve import cli
+from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.llm import LLM
 from jaxserve.request import Completion, FinishReason, Request
 
@@ -291,49 +291,12 @@ def format_summary(s: dict) -> str:
           f"mean time to first token {ttft}")
 
 
-def device_memory_bytes() -> int:
-  """The accelerator's memory; on CPU the machine's total RAM (from /proc/meminfo)."""
-  import jax
-
-  stats = jax.devices()[0].memory_stats() or {}
-  if "bytes_limit" in stats:
-    return int(stats["bytes_limit"])
-  for text in pathlib.Path("/proc/meminfo").read_text().splitlines():
-    if text.startswith("MemTotal:"):
-      return int(text.split()[1]) * 1024  # The value is in kB.
-  raise ValueError("cannot find the memory size: give --num-blocks instead of --memory-fraction")
-
-
-def model_config(model: str | None) -> ModelConfig:
-  """The model's config without loading its weights."""
-  path = checkpoint.resolve(model)
-  if path.suffix == ".gguf":
-    from jaxserve import weights
-
-    return weights.gguf_config(path)
-  return capacity.load_model_config(str(path))
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-  cfg = cli.engine_config(args)
-  if args.memory_fraction is None:
-    return cfg
-  model_cfg = model_config(args.model)
-  weight_bytes = model_cfg.num_params * (4 if cfg.dtype == "float32" else 2)  # Dense, dequantized.
-  blocks = capacity.num_kv_blocks(model_cfg, device_memory_bytes(), args.memory_fraction,
-                                  cfg.block_size, capacity.KV_DTYPES[cfg.dtype], weight_bytes)
-  return dataclasses.replace(cfg, num_blocks=blocks)
-
-
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("input", type=pathlib.Path, help="JSONL, one request per line")
   p.add_argument("output", type=pathlib.Path, help="JSONL results; an existing file is resumed")
-  cli._add_engine_flags(p)  # --model --dtype --slots --block-size --num-blocks --max-model-len --buckets
+  cli._add_engine_flags(p)  # --model --dtype --slots --block-size --num-blocks --memory-fraction ...
   cli._add_sampling_flags(p)  # The defaults a line's own fields override.
-  p.add_argument("--memory-fraction", type=float, default=None,
-                 help="size the KV pool to this fraction of device memory (on CPU: of total RAM) "
-                 "minus the weights; replaces --num-blocks")
   p.add_argument("--max-batched-tokens", type=int, default=512, help="prefill tokens per step")
   p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
   p.add_argument("--chat", action="store_true", help="wrap `prompt` text in the chat template")
@@ -349,7 +312,7 @@ def main(argv=None) -> int:
   if work:
     try:
       defaults = dataclasses.replace(cli.sampling_params(args), ignore_eos=args.ignore_eos)
-      llm = LLM(args.model, engine_config=engine_config(args),
+      llm = LLM(args.model, engine_config=cli.engine_config(args),
                 scheduler_config=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens))
     except (ValueError, FileNotFoundError) as e:
       print(f"generate_batch: error: {e}", file=sys.stderr)
