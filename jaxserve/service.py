@@ -74,6 +74,7 @@ class Service:
     self.log_prompts = log_prompts
     self.refusing: str | None = None  # Why new requests get UNAVAILABLE (draining, a dead engine).
     self._active: set[RequestStream] = set()
+    self._cut: set[str] = set()  # Requests abort_all ended: their clients get UNAVAILABLE.
     self._idle = asyncio.Event()
     self._idle.set()
     engine = runner.runner.engine
@@ -144,12 +145,16 @@ class Service:
         record = None
         if reason is not None:
           record = self._record(stream, key, reason, received, tokenize, num_out, lease)
+        if reason is FinishReason.ABORT and stream.request_id in self._cut:
+          raise ApiError(Status.UNAVAILABLE, "the server shut down before this request finished "
+                         f"({num_out} tokens generated); retry on another replica")
         yield _chunk(stream.request_id, outputs, inp.logprobs, record)
     except ApiError:
       failed = True
       raise
     finally:
       self._active.discard(stream)
+      self._cut.discard(stream.request_id)
       if not self._active:
         self._idle.set()
       if reason is None:  # The consumer left before the end (a cancel, a disconnect).
@@ -208,8 +213,9 @@ class Service:
       return False
 
   def abort_all(self) -> None:
-    """Ends every open request; each stream's last chunk has finish reason ABORT."""
+    """Ends every open request, running or waiting: each client gets UNAVAILABLE."""
     for stream in list(self._active):
+      self._cut.add(stream.request_id)
       stream.abort()
 
 
