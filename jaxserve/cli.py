@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -94,23 +95,46 @@ def run_generate(args) -> int:
 
 def run_serve(args) -> int:
   import asyncio
+  import signal
 
   from absl import logging
 
-  from jaxserve import server, sharding
+  import jax
+
+  from jaxserve import multihost, server, sharding
   from jaxserve.config import QueuePolicy, SchedulerConfig
 
   sharding.init_distributed(args)
   logging.set_verbosity(logging.INFO)
+  if not multihost.is_leader():
+    # Processes 1..n serve nothing: they repeat process 0's engine calls until it stops them.
+    # Signals are process 0's to handle: its drain still needs every process's devices.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, signal.SIG_IGN)
+    multihost.follow(server.load_engine(args.model, engine_config(args)).engine)
+    return 0
   scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
   config = server.ServerConfig(
       host=args.host, grpc_port=args.grpc_port,
       http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
       keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
       tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler)
-  load = lambda: server.load_engine(args.model, engine_config(args), args.served_model_name)
+  leaders = []  # Process 0 of several: the engine that broadcasts each step to the others.
+
+  def load():
+    loaded = server.load_engine(args.model, engine_config(args), args.served_model_name)
+    if jax.process_count() == 1:
+      return loaded
+    leaders.append(multihost.LeaderEngine(loaded.engine))
+    return dataclasses.replace(loaded, engine=leaders[0])
+
   announce = lambda line: print(line, flush=True)
-  return asyncio.run(server.Server(load, config).run_until_signal(announce))
+  code = asyncio.run(server.Server(load, config).run_until_signal(announce))
+  # The runner thread has stopped, so no engine call can come after the stop. After a failure
+  # the followers may be mid-step instead: process 0's exit ends them.
+  if code == 0 and leaders:
+    leaders[0].stop()
+  return code
 
 
 def _add_serve_parser(sub) -> None:

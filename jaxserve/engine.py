@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxserve import capacity, sharding
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
@@ -26,7 +27,7 @@ from jaxserve.kv_cache import SCRATCH_PAGE, KVCache
 from jaxserve.model import Transformer
 from jaxserve.plan import PrefillChunk
 from jaxserve.prefill import prefill_step
-from jaxserve.sample import Sampled, SamplingRow
+from jaxserve.sample import Sampled, SamplingRow, SamplingState
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -59,6 +60,25 @@ class TokenFuture:
     """(chosen [B], top ids [B, 20], top logprobs [B, 20])."""
     s = self._sampled
     return np.asarray(s.logprobs), np.asarray(s.top_ids), np.asarray(s.top_logprobs)
+
+
+class PrefillArgs(NamedTuple):
+  """The host arrays of one prefill step (see `prefill_step`)."""
+
+  tokens: np.ndarray  # [T] int32, padded to a prefill bucket
+  start_pos: np.int32
+  true_len: np.int32
+  block_table: np.ndarray  # [W] int32
+  slot: np.int32
+  is_last: np.bool_
+  row: SamplingState | None  # The slot's sampling settings (numpy leaves); set when is_last.
+
+
+class DecodeArgs(NamedTuple):
+  """The host arrays of one decode step (see `decode_step`)."""
+
+  block_tables: np.ndarray  # [S, W] int32, W a compiled decode width
+  active: np.ndarray  # [S] bool
 
 
 class Engine:
@@ -106,27 +126,45 @@ class Engine:
                  self.backend.value)
 
   def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
+    return self.run_prefill(self.prefill_args(chunk))
+
+  def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> TokenFuture:
+    return self.run_decode(self.decode_args(slots, block_tables))
+
+  # The host inputs of each compiled step are built apart from the call, so that `multihost` can
+  # broadcast them from process 0 and make every other process run the same call on them.
+
+  def prefill_args(self, chunk: PrefillChunk) -> PrefillArgs:
     n = len(chunk.token_ids)
     if not 0 < n <= self.max_prefill_len:
       raise ValueError(f"prefill chunk of {n} tokens: must be 1..{self.max_prefill_len}")
     bucket = next(b for b in self.config.prefill_buckets if b >= n)
     tokens = np.zeros(bucket, np.int32)
     tokens[:n] = chunk.token_ids
+    row = None
     if chunk.is_last:
       row = SamplingRow.from_params(chunk.sampling, chunk.seed, chunk.prompt_token_ids,
-                                    chunk.output_token_ids, self.model_config.vocab_size)
-      self.state = self._set_sampling(self.state, np.int32(chunk.slot), row.as_state())
-    self.cache, self.state, sampled = self._prefill(
-        self.params, self.cache, self.state, tokens, np.int32(chunk.start_pos), np.int32(n),
-        self._block_table_row(chunk.block_table, chunk.slot), np.int32(chunk.slot), np.bool_(chunk.is_last),
-        self.stop_ids)
-    return TokenFuture(sampled) if chunk.is_last else None
+                                    chunk.output_token_ids, self.model_config.vocab_size).as_state()
+    return PrefillArgs(tokens, np.int32(chunk.start_pos), np.int32(n),
+                       self._block_table_row(chunk.block_table, chunk.slot), np.int32(chunk.slot),
+                       np.bool_(chunk.is_last), row)
 
-  def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> TokenFuture:
+  def run_prefill(self, args: PrefillArgs) -> TokenFuture | None:
+    if args.row is not None:
+      self.state = self._set_sampling(self.state, args.slot, args.row)
+    self.cache, self.state, sampled = self._prefill(
+        self.params, self.cache, self.state, args.tokens, args.start_pos, args.true_len,
+        args.block_table, args.slot, args.is_last, self.stop_ids)
+    return TokenFuture(sampled) if args.is_last else None
+
+  def decode_args(self, slots: Sequence[int], block_tables: np.ndarray) -> DecodeArgs:
     active = np.zeros(self.num_slots, bool)
     active[list(slots)] = True
+    return DecodeArgs(self._decode_tables(block_tables), active)
+
+  def run_decode(self, args: DecodeArgs) -> TokenFuture:
     self.cache, self.state, sampled = self._decode(
-        self.params, self.cache, self.state, self._decode_tables(block_tables), active, self.stop_ids)
+        self.params, self.cache, self.state, args.block_tables, args.active, self.stop_ids)
     return TokenFuture(sampled)
 
   def free(self, slot: int) -> None:
@@ -178,13 +216,15 @@ def device_memory_bytes(device: jax.Device) -> int:
 def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
   """`config` with `num_blocks` filling `memory_fraction` of one device, less the weights that
   device holds. Under tensor parallelism each device holds 1/tp of every block (its KV heads)."""
-  device = jax.devices()[0]
+  device = jax.local_devices()[0]  # jax.devices()[0] is process 0's: other hosts cannot query it.
   weight_bytes = sum(shard.data.nbytes for x in jax.tree.leaves(nnx.state(model))
                      for shard in x.addressable_shards if shard.device == device)
   memory = device_memory_bytes(device)
   blocks = capacity.num_kv_blocks(model.cfg, memory * config.tp, config.memory_fraction,
                                   config.block_size, kv_cache.kv_dtype_of(config),
                                   weight_bytes * config.tp)
+  if jax.process_count() > 1:  # Every process must build the same cache shape: the smallest pool.
+    blocks = int(np.min(multihost_utils.process_allgather(np.int32(blocks))))
   logging.info("KV pool: %d blocks of %d tokens (%d tokens) from %.0f%% of %.2f GiB on %s, "
                "less %.2f GiB of weights", blocks, config.block_size, blocks * config.block_size,
                100 * config.memory_fraction, memory / 2**30, device.device_kind, weight_bytes / 2**30)
