@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import sharding
-from jaxserve.config import AttentionBackend
+from jaxserve.config import AttentionBackend, KVLayout
 from jaxserve.kv_cache import KVCache
 
 _MASKED = -1e30  # Finite, so a fully masked row (an idle slot) gives zeros, never NaN.
@@ -67,19 +67,32 @@ def _attend_pallas(q, cache: KVCache, layer, meta: AttentionMetadata, platform: 
   import kernels_pallas  # The kernels import Pallas; the reference path does not need it.
 
   B, T, N, H = q.shape
-  # The kernels read token-major pages: the cache hands them over in place where its layout
-  # allows, else rearranged for this one layer (KVCache.kernel_pages).
-  k_pages, v_pages, tables, layer = cache.kernel_pages(layer, meta.block_tables)
-  if T == 1:  # Decode: one query per slot.
-    out = kernels_pallas.paged_decode_attention(q[:, 0], k_pages, v_pages, tables, meta.kv_lens,
-                                                layer=layer, platform=platform)
+  if T == 1:  # Decode: one query per slot, over the cache as stored (any layout and dtype).
+    k, v, k_scale, v_scale, tables = cache.decode_pages(meta.block_tables)
+    out = kernels_pallas.paged_decode_attention(
+        q[:, 0], k, v, tables, meta.kv_lens, k_scale=k_scale, v_scale=v_scale,
+        layout=_decode_layout(cache.layout), layer=layer, platform=platform)
     return out[:, None]
+  # Prefill reads token-major pages: the cache hands them over in place where its layout
+  # allows, else rearranged for this one layer (KVCache.kernel_pages). It runs once per
+  # prompt chunk, decode once per token: the copy only matters for decode.
+  k_pages, v_pages, tables, layer = cache.kernel_pages(layer, meta.block_tables)
   # Prefill: B sequences packed back to back as one ragged batch.
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(meta.q_lens)]).astype(jnp.int32)
   packed = _pack(q, meta.q_lens, cu_q_lens)  # [B * T, N, H]
   out = kernels_pallas.ragged_prefill_attention(packed, k_pages, v_pages, tables,
                                                 cu_q_lens, meta.kv_lens, layer=layer, platform=platform)
   return _unpack(out, cu_q_lens, T)
+
+
+def _decode_layout(layout: KVLayout):
+  """The decode kernel's name for the cache's layout (contiguous is viewed as token-major)."""
+  from kernels_pallas import PageLayout
+
+  return {KVLayout.PAGED_TOKEN_MAJOR: PageLayout.TOKEN_MAJOR,
+          KVLayout.CONTIGUOUS: PageLayout.TOKEN_MAJOR,
+          KVLayout.PAGED_HEAD_MAJOR: PageLayout.HEAD_MAJOR,
+          KVLayout.PAGED_KV_INTERLEAVED: PageLayout.KV_INTERLEAVED}[layout]
 
 
 def _pack(q, q_lens, cu_q_lens):

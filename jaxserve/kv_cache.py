@@ -3,7 +3,8 @@
 Which pages a sequence owns is host state (`kv_blocks.py`); this module holds only the arrays, in
 one of the layouts of `KVLayout` and one of the storage types of `KVDtype`. Every layout is read
 and written through the same narrow interface (`create`, `write`, `gather`, `num_bytes`, and
-`kernel_pages` for the Pallas kernels), so the model never knows which one it runs on.
+`decode_pages` and `kernel_pages` for the Pallas kernels), so the model never knows which one it
+runs on.
 
 Addressing is the same for all layouts: a token's K/V goes to flat slot `page * Z + offset`, and a
 sequence's positions are listed by its block table. The contiguous layout keeps that addressing:
@@ -242,8 +243,20 @@ class KVCache:
     ks, vs = lay.gather(self.k_scale, self.v_scale, layer, block_tables, Z)
     return decode(k, ks), decode(v, vs)
 
+  def decode_pages(self, block_tables):
+    """(k, v, k_scale, v_scale, block_tables) of the whole cache as the Pallas decode kernel
+    reads them: every paged layout and storage type in place, as stored (the kernel indexes its
+    pages, picks the layer and decodes int8 / float8 itself: no per-layer copy). The contiguous
+    layout is handed over as token-major pages, a free view, its tables shifted to match."""
+    arrays = (self.k, self.v, self.k_scale, self.v_scale)
+    if self.layout is not KVLayout.CONTIGUOUS:
+      return *arrays, block_tables
+    views = tuple(None if x is None else _as_pages(x) for x in arrays)  # [L, S * W, Z, K, X]
+    return *views, jnp.maximum(block_tables - 1, 0)  # Page p is view page p - 1; 0 is masked.
+
   def kernel_pages(self, layer, block_tables):
-    """(k_pages, v_pages, block_tables, layer) in the token-major form the Pallas kernels read.
+    """(k_pages, v_pages, block_tables, layer) in the token-major form the Pallas prefill
+    kernels read (decode reads every layout in place: `decode_pages`).
 
     Token-major and contiguous float caches are passed whole, with `layer`, so the kernels read
     the layer in place (see kernels_pallas.select_layer); the contiguous one is a free view as

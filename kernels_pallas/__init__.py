@@ -1,4 +1,4 @@
-"""Pallas paged-attention kernels for the engine's token-major KV pages, on TPU and GPU.
+"""Pallas paged-attention kernels for the engine's KV pages, on TPU and GPU.
 
 Two kernels, each with a TPU variant (Mosaic) and a GPU variant (Triton lowering) sharing one
 jnp reference (reference.py):
@@ -8,8 +8,18 @@ jnp reference (reference.py):
 On CPU the TPU variant runs in plain Pallas interpret mode: it measured about 2x faster there
 than the GPU variant (whole-page copies instead of per-row gathers), for the same compile time.
 
-KV layout per layer: k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim]; page 0 is
-the engine's scratch page and never in the valid part of a block table. Block tables are int32.
+KV layouts. Prefill reads token-major pages: k_pages, v_pages [num_pages, page_size,
+num_kv_heads, head_dim] of float32 or bfloat16. Decode reads every paged layout of the engine in
+place, named by a static `PageLayout` (page_layout.py):
+  TOKEN_MAJOR     k_pages, v_pages [P, B, K, D]
+  HEAD_MAJOR      k_pages, v_pages [K, P, B, D]
+  KV_INTERLEAVED  k_pages [P, 2, B, K, D] holding K then V of each page; v_pages None
+stored as float32, bfloat16, float16, float8_e4m3fn or int8; int8 comes with float32 scales per
+position and KV head (k_scale, v_scale: the values' shape with head_dim 1; KV_INTERLEAVED: one
+k_scale), and the kernels decode the values after loading them, so no dequantized copy exists.
+Both kernels take `layer`: an int32 scalar with the arrays carrying a leading [L] axis, read in
+place (see select_layer). Page 0 is the engine's scratch page and never in the valid part of a
+block table. Block tables are int32.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from kernels_pallas import gpu_decode
 from kernels_pallas import gpu_prefill
 from kernels_pallas import tpu_decode
 from kernels_pallas import tpu_prefill
+from kernels_pallas.page_layout import PageLayout
 
 
 class Platform(enum.Enum):
@@ -75,19 +86,21 @@ def select_layer(k_pages, v_pages, block_tables, layer):
   return k_pages.reshape(merged), v_pages.reshape(merged), block_tables + offset
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
+def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, k_scale=None,
+                           v_scale=None, layout=PageLayout.TOKEN_MAJOR, sm_scale=None,
                            platform=None, interpret=None, layer=None):
   """Attention of one new token per sequence over its pages.
 
   q [S, num_heads, head_dim]; block_tables [S, W] int32; lengths [S] int32: the number of valid
   KV positions of each sequence, the new token included (its K/V already written). Positions
   >= lengths are masked; a length of 0 gives 0. sm_scale defaults to 1 / sqrt(head_dim).
-  layer: None, or an int32 scalar with k_pages, v_pages the whole [L, P, B, K, D] cache (see
-  select_layer). Returns [S, num_heads, head_dim] in q.dtype.
+  k_pages, v_pages, k_scale, v_scale: pages of `layout` (see the module docstring).
+  layer: None, or an int32 scalar with the arrays holding every layer (a leading [L] axis).
+  Returns [S, num_heads, head_dim] in q.dtype.
   """
   platform, interpret = resolve(platform, interpret)
-  k_pages, v_pages, block_tables = select_layer(k_pages, v_pages, block_tables, layer)
-  return _DECODE[platform](q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
+  return _DECODE[platform](q, k_pages, v_pages, block_tables, lengths, k_scale=k_scale,
+                           v_scale=v_scale, layout=layout, layer=layer, sm_scale=sm_scale,
                            interpret=interpret)
 
 
@@ -108,5 +121,5 @@ def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_le
                             sm_scale=sm_scale, interpret=interpret)
 
 
-__all__ = ["Platform", "paged_decode_attention", "ragged_prefill_attention", "resolve",
-           "select_layer"]
+__all__ = ["PageLayout", "Platform", "paged_decode_attention", "ragged_prefill_attention",
+           "resolve", "select_layer"]

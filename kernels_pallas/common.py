@@ -40,7 +40,7 @@ def _require(ok: bool, message: str):
     raise ValueError(message)
 
 
-def _check_int_array(x, name: str, shape: tuple[int, ...]):
+def check_int_array(x, name: str, shape: tuple[int, ...]):
   _require(x.shape == shape, f"{name} must have shape {shape}, got {x.shape}")
   _require(x.dtype == jnp.int32, f"{name} must be int32, got {x.dtype}")
 
@@ -61,13 +61,13 @@ def check_paged_args(q, k_pages, v_pages, block_tables, num_seqs: int) -> PagedD
   _require(num_heads % num_kv_heads == 0,
            f"q num_heads {num_heads} must be a multiple of k_pages num_kv_heads {num_kv_heads}")
   _require(block_tables.ndim == 2, f"block_tables must be 2-D, got shape {block_tables.shape}")
-  _check_int_array(block_tables, "block_tables", (num_seqs, block_tables.shape[1]))
+  check_int_array(block_tables, "block_tables", (num_seqs, block_tables.shape[1]))
   return PagedDims(num_heads, num_kv_heads, head_dim, num_pages, page_size, block_tables.shape[1])
 
 
 def check_decode_args(q, k_pages, v_pages, block_tables, lengths) -> PagedDims:
   dims = check_paged_args(q, k_pages, v_pages, block_tables, q.shape[0] if q.ndim else -1)
-  _check_int_array(lengths, "lengths", (q.shape[0],))
+  check_int_array(lengths, "lengths", (q.shape[0],))
   return dims
 
 
@@ -75,8 +75,8 @@ def check_prefill_args(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens) ->
   _require(kv_lens.ndim == 1, f"kv_lens must be 1-D [num_seqs], got shape {kv_lens.shape}")
   num_seqs = kv_lens.shape[0]
   dims = check_paged_args(q, k_pages, v_pages, block_tables, num_seqs)
-  _check_int_array(kv_lens, "kv_lens", (num_seqs,))
-  _check_int_array(cu_q_lens, "cu_q_lens", (num_seqs + 1,))
+  check_int_array(kv_lens, "kv_lens", (num_seqs,))
+  check_int_array(cu_q_lens, "cu_q_lens", (num_seqs + 1,))
   return dims
 
 

@@ -3,8 +3,9 @@
 Grid: (sequence, KV head, split). A decode batch has too few (sequence, KV head) pairs to fill a
 GPU's SMs, so each sequence's pages are also cut into `num_splits` ranges; every program keeps an
 online softmax over its range for the G query heads of its KV head, and the wrapper merges the
-splits' (max, sum, output) triples. Pages are gathered by row index straight from the token-major
-cache viewed as [P * B, K, D], so a KV head's rows are strided loads that need no copy.
+splits' (max, sum, output) triples. Pages are gathered by row index straight from the caller's
+own layout (page_layout.py), its pool viewed as [N * B, Hs, D]: a KV head's rows are strided loads
+that need no copy, and quantized values are decoded in registers after the load.
 Triton needs power-of-two tensor sizes and matmul sides >= 16: G is padded to Gp >= 16 and the
 page size and head_dim must be powers of two. Shape letters as in common.py.
 """
@@ -19,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import common
+from kernels_pallas import page_layout
 
 
 def check_triton_sizes(page_size: int, head_dim: int):
@@ -34,31 +36,30 @@ def chunk_pages(pages_per_chunk: int | None, page_size: int) -> int:
   return max(per_chunk, -(-16 // page_size))
 
 
-def gather_chunk(tables_ref, seq, first_page, num_pages, k_ref, v_ref, head, *, page_size,
-                 per_chunk):
-  """K and V [Q * B, D] of pages [first_page, first_page + Q) of `seq` for one KV head; pages
-  past the sequence's last re-read that page (real, finite data; the caller masks them)."""
-  index = jnp.minimum(first_page + jnp.arange(per_chunk), num_pages - 1)  # [Q]
-  pages = tables_ref[seq, index]  # [Q]
-  rows = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(-1)  # [Q * B]
-  return k_ref[rows, head, :], v_ref[rows, head, :]
+def gather_chunk(tables_ref, seq, first_page, num_pages, pool_refs, head, *, index, page_size,
+                 per_chunk, dtype):
+  """K and V [Q * B, D] (dtype, decoded) of pages [first_page, first_page + Q) of `seq` for one
+  KV head; pages past the sequence's last re-read that page (real, finite data; the caller
+  masks them). pool_refs: K, V pools [N * B, Hs, D], then K, V scale pools [N * B, Hs] or none."""
+  page_index = jnp.minimum(first_page + jnp.arange(per_chunk), num_pages - 1)  # [Q]
+  pages = tables_ref[seq, page_index]  # [Q]
+  offsets = jnp.arange(page_size)[None, :]  # [1, B]
+  col = index.head_in_slab(head)
+  out = []
+  for kv in (0, 1):
+    slabs = index.slab(pages, kv, head)  # [Q]
+    rows = (slabs[:, None] * page_size + offsets).reshape(-1)  # [Q * B]
+    scale = pool_refs[2 + kv][rows, col][:, None] if len(pool_refs) == 4 else None  # [L, 1]
+    out.append(page_layout.decode_slab(pool_refs[kv][rows, col, :], scale, dtype))
+  return out
 
 
-def _decode_kernel(
-    tables_ref,  # [S, Wp] int32
-    lengths_ref,  # [S] int32
-    q_ref,  # [Gp, D] query heads of this KV head
-    k_ref,  # [P * B, K, D]
-    v_ref,  # [P * B, K, D]
-    o_ref,  # [Gp, D] f32, this split's unnormalised output
-    m_ref,  # [Gp] f32, this split's running max
-    l_ref,  # [Gp] f32, this split's running sum
-    *,
-    sm_scale: float,
-    page_size: int,
-    per_chunk: int,
-    pages_per_split: int,
-):
+def _decode_kernel(tables_ref, lengths_ref, q_ref, *refs, sm_scale: float, index,
+                   page_size: int, per_chunk: int, pages_per_split: int):
+  """tables_ref [S, Wp]; lengths_ref [S]; q_ref [Gp, D] query heads of this KV head; refs: the
+  pools (see gather_chunk), then this split's outputs: o [Gp, D] f32 unnormalised, its running
+  max m [Gp] and sum l [Gp]."""
+  pool_refs, (o_ref, m_ref, l_ref) = refs[:-3], refs[-3:]
   seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = lengths_ref[seq]
   num_pages = pl.cdiv(length, page_size)
@@ -71,12 +72,12 @@ def _decode_kernel(
 
   def body(chunk, carry):
     first_page = first + chunk * per_chunk
-    k, v = gather_chunk(tables_ref, seq, first_page, num_pages, k_ref, v_ref, head,
-                        page_size=page_size, per_chunk=per_chunk)  # [L, D] each
+    k, v = gather_chunk(tables_ref, seq, first_page, num_pages, pool_refs, head, index=index,
+                        page_size=page_size, per_chunk=per_chunk, dtype=q.dtype)  # [L, D] each
     kv_pos = first_page * page_size + jnp.arange(chunk_len)  # [L]
     mask = jnp.broadcast_to((kv_pos < end_pos)[None, :], (rows, chunk_len))  # [Gp, L]
-    logits = common.qk_logits(q, k.astype(q.dtype), sm_scale)  # [Gp, L]
-    return common.softmax_step(carry, logits, mask, v.astype(q.dtype))
+    logits = common.qk_logits(q, k, sm_scale)  # [Gp, L]
+    return common.softmax_step(carry, logits, mask, v)
 
   num_chunks = pl.cdiv(jnp.maximum(last - first, 0), per_chunk)
   m, l, acc = jax.lax.fori_loop(0, num_chunks, body, common.init_softmax(rows, q.shape[1]))
@@ -99,29 +100,41 @@ def _default_splits(num_seqs: int, num_kv_heads: int, num_chunks: int) -> int:
   return max(1, min(num_chunks, 256 // max(1, num_seqs * num_kv_heads)))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_chunk", "num_splits",
-                                             "num_warps", "interpret"))
-def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
-                           pages_per_chunk=None, num_splits=None, num_warps=4, interpret=False):
+def _flat_pools(pools: page_layout.Pools):
+  """The pools as rows [N * B, Hs, D] (scales [N * B, Hs]): free views, gathered by row."""
+  arrays = [pools.k, pools.v]
+  if pools.k_scale is not None:
+    arrays += [pools.k_scale, pools.v_scale]
+  return [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in arrays]
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "pages_per_chunk",
+                                             "num_splits", "num_warps", "interpret"))
+def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, k_scale=None,
+                           v_scale=None, layout=page_layout.PageLayout.TOKEN_MAJOR, layer=None,
+                           sm_scale=None, pages_per_chunk=None, num_splits=None, num_warps=4,
+                           interpret=False):
   """q [S, H, D] attends to positions [0, lengths[s]) of its pages; returns [S, H, D].
 
-  k_pages, v_pages [P, B, K, D]; block_tables [S, W] int32; lengths [S] int32.
+  k_pages, v_pages (k_scale, v_scale, layer): pages of `layout`, see page_layout.to_pools;
+  block_tables [S, W] int32; lengths [S] int32.
   """
-  dims = common.check_decode_args(q, k_pages, v_pages, block_tables, lengths)
+  pools = page_layout.to_pools(layout, k_pages, v_pages, k_scale, v_scale, block_tables, layer)
+  dims = page_layout.check_decode(q, pools, lengths)
   check_triton_sizes(dims.page_size, dims.head_dim)
   num_seqs, _, head_dim = q.shape
   per_chunk = chunk_pages(pages_per_chunk, dims.page_size)
   num_chunks = -(-dims.pages_per_seq // per_chunk)
   splits = num_splits or _default_splits(num_seqs, dims.num_kv_heads, num_chunks)
   pages_per_split = -(-num_chunks // splits) * per_chunk
-  tables = jnp.pad(block_tables, ((0, 0), (0, splits * pages_per_split - dims.pages_per_seq)))
+  tables = jnp.pad(pools.tables, ((0, 0), (0, splits * pages_per_split - dims.pages_per_seq)))
   rows = max(16, common.next_pow2(dims.group))
-  dtype = common.compute_dtype(q.dtype, k_pages.dtype)
-  q_SKGD = q.reshape(num_seqs, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
+  q_SKGD = q.reshape(num_seqs, dims.num_kv_heads, dims.group, head_dim)
+  q_SKGD = q_SKGD.astype(pools.dequantized_dtype(q.dtype))
   q_SKGD = jnp.pad(q_SKGD, ((0, 0), (0, 0), (0, rows - dims.group), (0, 0)))
-  flat = (dims.num_pages * dims.page_size, dims.num_kv_heads, head_dim)
+  flat = _flat_pools(pools)
   kernel = functools.partial(_decode_kernel, sm_scale=common.default_scale(sm_scale, head_dim),
-                             page_size=dims.page_size, per_chunk=per_chunk,
+                             index=pools.index, page_size=dims.page_size, per_chunk=per_chunk,
                              pages_per_split=pages_per_split)
   whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
   partial_shape = (splits, num_seqs, dims.num_kv_heads, rows)
@@ -130,7 +143,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_sca
       grid=(num_seqs, dims.num_kv_heads, splits),
       in_specs=[whole(tables.shape), whole(lengths.shape),
                 pl.BlockSpec((None, None, rows, head_dim), lambda s, h, x: (s, h, 0, 0)),
-                whole(flat), whole(flat)],
+                *[whole(x.shape) for x in flat]],
       out_specs=[pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, x: (x, s, h, 0, 0)),
                  pl.BlockSpec((None, None, None, rows), lambda s, h, x: (x, s, h, 0)),
                  pl.BlockSpec((None, None, None, rows), lambda s, h, x: (x, s, h, 0))],
@@ -140,6 +153,6 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_sca
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
       interpret=interpret,
       name="paged_decode_attention_gpu",
-  )(tables, lengths, q_SKGD, k_pages.reshape(flat), v_pages.reshape(flat))
+  )(tables, lengths, q_SKGD, *flat)
   out = merge_splits(o, m, l)[:, :, :dims.group]  # [S, K, G, D]
   return out.reshape(q.shape).astype(q.dtype)

@@ -19,6 +19,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import common
 from kernels_pallas import gpu_decode
+from kernels_pallas import page_layout
 
 _TARGET_ROWS = 64  # Query rows (Gp * Tq) per program: 64 x D f32 accumulators fit 4 warps.
 
@@ -57,12 +58,14 @@ def _prefill_kernel(
 
     def kv_body(chunk, carry):
       first_page = chunk * per_chunk
-      k, v = gpu_decode.gather_chunk(tables_ref, seq, first_page, num_pages, k_ref, v_ref, head,
-                                     page_size=page_size, per_chunk=per_chunk)  # [L, D] each
+      k, v = gpu_decode.gather_chunk(
+          tables_ref, seq, first_page, num_pages, (k_ref, v_ref), head,
+          index=page_layout.TOKEN_MAJOR_INDEX, page_size=page_size, per_chunk=per_chunk,
+          dtype=q.dtype)  # [L, D] each
       kv_pos = first_page * page_size + jnp.arange(chunk_len)[None, :]  # [1, L]
       mask = in_seq & (kv_pos <= q_pos)  # [R, L] causal, and only this sequence's rows
-      logits = common.qk_logits(q, k.astype(q.dtype), sm_scale)  # [R, L]
-      return common.softmax_step(carry, logits, mask, v.astype(q.dtype))
+      logits = common.qk_logits(q, k, sm_scale)  # [R, L]
+      return common.softmax_step(carry, logits, mask, v)
 
     return jax.lax.fori_loop(0, pl.cdiv(num_pages, per_chunk), kv_body, carry)
 

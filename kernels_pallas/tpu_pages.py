@@ -123,31 +123,58 @@ def load_window(buf_ref, slot, window, dtype) -> jax.Array:
   return chunk.reshape(per_chunk * page_size, hi - lo).astype(dtype)
 
 
+def slab_copies(tables_ref, table_start, num_pages, chunk, slot, hbm_refs, buf_refs, sem_ref,
+                index):
+  """chunk_copies for any page layout (page_layout.py): the slabs of pages [chunk * Q, (chunk +
+  1) * Q) of one sequence, J per page and pool (J = K when a slab holds one head, else 1).
+
+  hbm_refs: K, V pools [N, B, C] (then K, V scale pools [N, B, Hs]) in HBM; buf_refs: likewise
+  [2, Q, J, B, C] VMEM; sem_ref: DMA [len(hbm_refs), 2]. Past-the-end pages as chunk_copies.
+  """
+  per_chunk, num_slabs = buf_refs[0].shape[1:3]
+  copies = []
+  for i in range(per_chunk):
+    page = tables_ref[table_start + jnp.minimum(chunk * per_chunk + i, num_pages - 1)]
+    for j in range(num_slabs):
+      for n, (hbm_ref, buf_ref) in enumerate(zip(hbm_refs, buf_refs)):
+        slab = index.slab(page, n % 2, j)  # Pools alternate K, V (values, then scales).
+        copies.append(pltpu.make_async_copy(hbm_ref.at[slab], buf_ref.at[slot, i, j],
+                                            sem_ref.at[n, slot]))
+  return copies
+
+
 def scratch_shapes(per_chunk: int, page_size: int, width: int, kv_dtype):
   """Double-buffered VMEM for K and V chunks, and their DMA semaphores [kv, slot]."""
   buf = pltpu.VMEM((2, per_chunk, page_size, width), kv_dtype)
   return [buf, buf, pltpu.SemaphoreType.DMA((2, 2))]
 
 
-def call_over_pages(kernel, scalars, q_win, q_spec, k_pages, v_pages, *, out_dtype, grid, per_chunk,
-                    dims, interpret, name):
-  """Runs `kernel` over `grid` with the scalar-prefetched `scalars` (block tables first), q
-  windows blocked by `q_spec` into VMEM, and the K/V pages left in HBM ([P, Z, K * D]) for the
-  kernel's own double-buffered page copies. Returns the output windows: q_win's shape, out_dtype."""
+def token_major_operands(k_pages, v_pages, dims, per_chunk: int):
+  """The K/V pages [P, B, K, D] as [P, B, K * D] rows (a free view), and their scratch."""
   width = k_pages.shape[-2] * k_pages.shape[-1]
   as_rows = lambda pages: pages.reshape(dims.num_pages, dims.page_size, width)
+  scratch = scratch_shapes(per_chunk, dims.page_size, width, k_pages.dtype)
+  return (as_rows(k_pages), as_rows(v_pages)), scratch
+
+
+def call_over_pages(kernel, scalars, q_win, q_spec, hbm_arrays, scratch, *, out_dtype, grid,
+                    interpret, name):
+  """Runs `kernel` over `grid` with the scalar-prefetched `scalars` (block tables first), q
+  windows blocked by `q_spec` into VMEM, and `hbm_arrays` (K/V pages or pools) left in HBM for
+  the kernel's own double-buffered copies into `scratch`. Returns the output windows: q_win's
+  shape, out_dtype."""
   hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(scalars),
           grid=grid,
-          in_specs=[q_spec, hbm_spec, hbm_spec],
+          in_specs=[q_spec] + [hbm_spec] * len(hbm_arrays),
           out_specs=q_spec,
-          scratch_shapes=scratch_shapes(per_chunk, dims.page_size, width, k_pages.dtype),
+          scratch_shapes=scratch,
       ),
       out_shape=jax.ShapeDtypeStruct(q_win.shape, out_dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=(pltpu.PARALLEL,)),
       interpret=interpret,
       name=name,
-  )(*scalars, q_win, as_rows(k_pages), as_rows(v_pages))
+  )(*scalars, q_win, *hbm_arrays)

@@ -117,9 +117,10 @@ def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_le
                              windows=windows, pages_per_seq=dims.pages_per_seq)
   q_spec = pl.BlockSpec((dims.num_kv_heads, dims.group, block_q, q_win.shape[-1]),
                         lambda j, *_: (0, 0, j, 0))
+  hbm_arrays, scratch = tpu_pages.token_major_operands(k_pages, v_pages, dims, per_chunk)
   o_win = tpu_pages.call_over_pages(
       kernel, (block_tables.reshape(-1), cu_q_lens, kv_lens, seq_lo, seq_hi), q_win, q_spec,
-      k_pages, v_pages, out_dtype=q.dtype, grid=(num_blocks,), per_chunk=per_chunk, dims=dims,
-      interpret=interpret, name="ragged_prefill_attention_tpu")
+      hbm_arrays, scratch, out_dtype=q.dtype, grid=(num_blocks,), interpret=interpret,
+      name="ragged_prefill_attention_tpu")
   out = tpu_pages.unpack_heads(o_win.transpose(2, 0, 1, 3), windows, head_dim)  # [T, K, G, D]
   return out[:num_tokens].reshape(q.shape)

@@ -167,8 +167,8 @@ def test_quantized_kv_logits_stay_close(tiny_model, kv_dtype, max_err, min_agree
   assert agree >= min_agree
 
 
-# Token-major float32 is tests/test_backend_pallas.py's. Head-major and interleaved are rearranged
-# per layer, contiguous is read in place through shifted tables, int8 is decoded per layer.
+# Token-major float32 is tests/test_backend_pallas.py's. The decode kernel reads every layout and
+# dtype in place (KVCache.decode_pages); prefill still reads a per-layer token-major copy.
 @pytest.mark.parametrize("layout, kv_dtype", [
     (KVLayout.PAGED_HEAD_MAJOR, KVDtype.FLOAT32), (KVLayout.CONTIGUOUS, KVDtype.BFLOAT16),
     (KVLayout.PAGED_KV_INTERLEAVED, KVDtype.INT8)])
