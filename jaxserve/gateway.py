@@ -31,6 +31,11 @@ from jaxserve.sample import NUM_TOP_LOGPROBS
 
 WINDOW_S = 60.0  # The limits are per minute.
 MAX_CHUNK_TOKENS = 4096
+MAX_REQUEST_ID_CHARS = 256
+MAX_MESSAGE_CHARS = 1000  # gRPC sends the message in a trailer, which has a size limit.
+# What a client may set; max_tokens and logprobs are checked on their own, against the context.
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
+    "max_tokens", "logprobs"}
 
 
 class Status(enum.Enum):
@@ -44,6 +49,8 @@ class Status(enum.Enum):
 class ApiError(Exception):
 
   def __init__(self, status: Status, message: str):
+    if len(message) > MAX_MESSAGE_CHARS:  # It quotes a client's value, which may be megabytes.
+      message = message[:MAX_MESSAGE_CHARS] + "..."
     super().__init__(message)
     self.status = status
     self.message = message
@@ -175,19 +182,17 @@ class Gateway:
 
 
 def sampling_params(fields: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
-  """SamplingParams from the fields a client set; ValueError/TypeError become INVALID_ARGUMENT
-  with SamplingParams' own message, which names the field."""
-  unknown = set(fields) - {f.name for f in dataclasses.fields(SamplingParams)}
+  """SamplingParams from the fields a client set (all but max_tokens and logprobs, which come
+  apart); ValueError/TypeError become INVALID_ARGUMENT with SamplingParams' own message, which
+  names the field and its value."""
+  unknown = set(fields) - _SAMPLING_FIELDS
   if unknown:
-    raise invalid(f"unknown sampling fields {sorted(unknown)}")
+    raise invalid(f"unknown sampling fields {sorted(map(str, unknown))}")
   if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= NUM_TOP_LOGPROBS):
-    raise invalid(f"logprobs must be in [0, {NUM_TOP_LOGPROBS}], got {logprobs!r}")
+    raise invalid(f"logprobs must be in [0, {NUM_TOP_LOGPROBS}], got {short(logprobs)}")
   # The engine reports logprobs for requests that ask for at least one top token; the front end
   # drops the alternatives of a request that asked for the chosen token's logprob only.
   num_top = 0 if logprobs is None else max(logprobs, 1)
-  stop_ids = fields.get("stop_token_ids", ())
-  if isinstance(stop_ids, (str, bytes)) or not all(_is_int(i) for i in _iterable(stop_ids)):
-    raise invalid(f"stop_token_ids must be a list of ints, got {stop_ids!r}")
   try:
     return SamplingParams(**fields, max_tokens=max_tokens, logprobs=num_top)
   except (ValueError, TypeError) as e:
@@ -196,8 +201,23 @@ def sampling_params(fields: Mapping[str, Any], max_tokens: int, logprobs: int | 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
   for n, i in enumerate(ids):
-    if not _is_int(i) or not 0 <= i < vocab_size:
-      raise invalid(f"{field}[{n}] is {i!r}, outside the vocabulary [0, {vocab_size})")
+    if not _is_int(i):
+      raise invalid(f"{field}[{n}] must be a token id (an int), got {short(i)}")
+    if not 0 <= i < vocab_size:
+      raise invalid(f"{field}[{n}] is {short(i)}, outside the vocabulary [0, {vocab_size})")
+
+
+def check_stop_token_ids(ids: Any, vocab_size: int) -> None:
+  """The vocabulary bound SamplingParams cannot know; it checks the rest (the type, the count)."""
+  if isinstance(ids, (list, tuple)) and len(ids) <= SamplingParams.MAX_STOP_TOKEN_IDS:
+    check_token_ids(ids, vocab_size, "stop_token_ids")
+
+
+def check_request_id(request_id: str) -> None:
+  # It is written in the request's log lines: keep it a name, not a payload.
+  if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+    raise invalid(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters, "
+                  f"got {short(request_id)}")
 
 
 def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: int,
@@ -227,9 +247,11 @@ def check_chunk_tokens(chunk_tokens: int) -> int:
   return max(chunk_tokens, 1)
 
 
+def short(value: Any, limit: int = 80) -> str:
+  """repr(value), cut to `limit` characters: an error message quotes a bad value, not 10 MB."""
+  shown = repr(value)
+  return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
 def _is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _iterable(x: Any) -> Any:
-  return x if isinstance(x, (list, tuple)) else [x]

@@ -8,11 +8,14 @@ connection drops, cancels the handler; the service's cleanup then aborts the req
 from __future__ import annotations
 
 import contextlib
-from typing import Any, AsyncIterator, Protocol
+import dataclasses
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from absl import logging
+from google.protobuf.message import DecodeError
 import grpc
 
+from jaxserve import gateway
 from jaxserve.gateway import ApiError, ApiKey, Status
 from jaxserve.metrics import RequestRecord
 from jaxserve.proto import jaxserve_pb2 as pb
@@ -51,14 +54,26 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
     self._host = host
 
   def add_to(self, server: grpc.aio.Server) -> None:
-    jaxserve_pb2_grpc.add_JaxserveServicer_to_server(self, server)
+    """What jaxserve_pb2_grpc.add_JaxserveServicer_to_server does, with deserializers that
+    hand bytes that are no valid message to the method (INVALID_ARGUMENT), not to gRPC (UNKNOWN)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            self.Generate, _decoder(pb.GenerateRequest), pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            self.Tokenize, _decoder(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            self.GetModelInfo, _decoder(pb.GetModelInfoRequest), pb.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
   async def Generate(self, request: pb.GenerateRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
     try:
       service, key = self._enter(context)
+      inp = checked_input(_decoded(request), service.vocab_size)
       # Closing the stream at once, however the handler ends, aborts an unfinished request.
-      async with contextlib.aclosing(service.generate(key, generate_input(request))) as chunks:
+      async with contextlib.aclosing(service.generate(key, inp)) as chunks:
         async for chunk in chunks:
           yield response(chunk)
     except ApiError as e:
@@ -71,16 +86,21 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
                      context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
     try:
       service, _ = self._enter(context)
+      request = _decoded(request)
       service.check_model(request.model)
       ids = service.encode(_prompt(request))
       return pb.TokenizeResponse(token_ids=ids, max_model_len=service.max_model_len)
     except ApiError as e:
       await self._abort(context, e)
+    except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
+      logging.exception("Tokenize failed")
+      await self._abort(context, ApiError(Status.INTERNAL, "internal error; see the server log"))
 
   async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                          context: grpc.aio.ServicerContext) -> pb.ModelInfo:
     try:
       service, _ = self._enter(context)
+      _decoded(request)
       return pb.ModelInfo(**service.model_info())
     except ApiError as e:
       await self._abort(context, e)
@@ -95,6 +115,27 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
     except ApiError:
       pass  # Still warming up: no metrics to count in yet.
     await context.abort(STATUS_CODES[error.status], error.message)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+  """What a method gets for bytes that do not parse as its request message."""
+  error: str
+
+
+def _decoder(message_type: Any) -> Callable[[bytes], Any]:
+  def decode(data: bytes) -> Any:
+    try:
+      return message_type.FromString(data)
+    except DecodeError as e:  # E.g. "String field had bad UTF-8": proto3 strings must be UTF-8.
+      return _Undecodable(str(e))
+  return decode
+
+
+def _decoded(request: Any) -> Any:
+  if isinstance(request, _Undecodable):
+    raise gateway.invalid(f"the request is not a valid message: {request.error}")
+  return request
 
 
 def bearer_token(metadata: Any) -> str | None:
@@ -114,6 +155,13 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
   if kind == "chat":
     return Prompt(messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
   return Prompt()
+
+
+def checked_input(request: pb.GenerateRequest, vocab_size: int) -> GenerateInput:
+  """generate_input, plus the checks the service leaves to the front end."""
+  gateway.check_request_id(request.request_id)
+  gateway.check_stop_token_ids(list(request.stop_token_ids), vocab_size)
+  return generate_input(request)
 
 
 def generate_input(request: pb.GenerateRequest) -> GenerateInput:

@@ -4,8 +4,9 @@ with `stream` true, as server-sent events, or false), /v1/models, and /metrics.
 Requests go through the same service and gateway as gRPC: `Authorization: Bearer <key>`, the
 same checks and limits, and errors in OpenAI's shape ({"error": {"message", "type", "code"}})
 with 400 / 401 / 429 / 503 / 500 for INVALID_ARGUMENT / UNAUTHENTICATED / RESOURCE_EXHAUSTED /
-UNAVAILABLE / INTERNAL. Besides OpenAI's fields, vLLM's extras are read: top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, priority, truncate_prompt.
+UNAVAILABLE / INTERNAL; aiohttp's own refusals (404, 405, and 413 for a body over 8 MiB) come
+in the same shape. Besides OpenAI's fields, vLLM's extras are read: top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, priority, truncate_prompt (openai_request.py).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import contextlib
 import dataclasses
 import json
 import ssl
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from absl import logging
 from aiohttp import web
 
-from jaxserve.gateway import ApiError, Status, invalid
+from jaxserve import openai_request
+from jaxserve.gateway import ApiError, Status
 from jaxserve.grpc_api import ServiceHost
 from jaxserve.metrics import CONTENT_TYPE, Metrics
 from jaxserve.openai_format import ChatFormat, CompletionFormat
-from jaxserve.service import Chunk, GenerateInput, Prompt, Service
+from jaxserve.service import Chunk, Service
 
 HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.UNAUTHENTICATED: 401,
                Status.RESOURCE_EXHAUSTED: 429, Status.UNAVAILABLE: 503, Status.INTERNAL: 500}
@@ -31,8 +33,7 @@ _ERROR_TYPES = {Status.INVALID_ARGUMENT: "invalid_request_error",
                 Status.UNAUTHENTICATED: "authentication_error",
                 Status.RESOURCE_EXHAUSTED: "rate_limit_error",
                 Status.UNAVAILABLE: "service_unavailable", Status.INTERNAL: "internal_error"}
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "stop_token_ids")
+MAX_BODY_BYTES = 8 * 2**20  # As gRPC's largest message (server.py).
 
 
 @dataclasses.dataclass
@@ -62,7 +63,7 @@ def build_metrics_app(metrics: Metrics) -> web.Application:
 
 def build_app(host: ServiceHost, metrics: Metrics | None) -> web.Application:
   """The API; /metrics too when `metrics` is given."""
-  app = web.Application(client_max_size=8 * 2**20)
+  app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
   api = _Api(host)
   app.router.add_get("/v1/models", api.models)
   app.router.add_post("/v1/completions", api.completions)
@@ -76,6 +77,24 @@ def _metrics_handler(metrics: Metrics):
   async def handler(_: web.Request) -> web.Response:
     return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
   return handler
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler) -> web.StreamResponse:
+  """aiohttp's own refusals (no such path, wrong method, body too large) in the API's shape."""
+  try:
+    return await handler(request)
+  except web.HTTPException as e:
+    if e.status < 400:
+      raise
+    messages = {404: f"no endpoint {request.path}",
+                405: f"{request.path} does not take {request.method}",
+                413: f"the request body is over the limit of {MAX_BODY_BYTES} bytes "
+                     f"({MAX_BODY_BYTES // 2**20} MiB)"}
+    body = {"error": {"message": messages.get(e.status, e.text), "type": "invalid_request_error",
+                      "param": None, "code": e.reason.lower().replace(" ", "_")}}
+    allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # Of a 405.
+    return web.json_response(body, status=e.status, headers=allow)
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -98,46 +117,40 @@ class _Api:
 
   async def completions(self, request: web.Request) -> web.StreamResponse:
     async def run(service, key, body):
-      inp = _input(body, _completion_prompt(body), body.get("logprobs"), "max_tokens")
-      return await self._respond(request, service, key, inp, body, CompletionFormat(service))
+      req = openai_request.completion_request(body, service.vocab_size)
+      return await self._respond(request, service, key, req, CompletionFormat(service))
     return await self._handle(request, run)
 
   async def chat_completions(self, request: web.Request) -> web.StreamResponse:
     async def run(service, key, body):
-      want = body.get("logprobs") or False
-      if not isinstance(want, bool):
-        raise invalid(f"logprobs must be true or false, got {want!r}")
-      top = body.get("top_logprobs") or 0
-      max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-      inp = _input(body, Prompt(messages=_messages(body)), top if want else None, max_field)
-      return await self._respond(request, service, key, inp, body, ChatFormat(service))
+      req = openai_request.chat_request(body, service.vocab_size)
+      return await self._respond(request, service, key, req, ChatFormat(service))
     return await self._handle(request, run)
 
   async def _handle(self, request: web.Request, run: Callable, read_body: bool = True):
     try:
       service = self._host.current_service()
       key = service.gateway.authenticate(_bearer(request))
-      body = await _json_body(request) if read_body else {}
+      body = openai_request.parse_body(await request.read()) if read_body else {}
       return await run(service, key, body)
     except ApiError as e:
       with contextlib.suppress(ApiError):
         self._host.current_service().metrics.rejected.labels(e.status.value).inc()
       return error_response(e)
+    except web.HTTPException:  # 413 from request.read(): _errors_as_json answers it.
+      raise
     except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
       logging.exception("%s failed", request.path)
       return error_response(ApiError(Status.INTERNAL, "internal error; see the server log"))
 
-  async def _respond(self, request, service: Service, key, inp: GenerateInput, body, fmt):
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-      raise invalid("stream_options must be an object")
-    chunks = service.generate(key, inp)
+  async def _respond(self, request, service: Service, key, req: openai_request.Request, fmt):
+    chunks = service.generate(key, req.input)
     async with contextlib.aclosing(chunks):
       first = await anext(chunks)  # Errors before the first token are a plain error response.
-      if not body.get("stream"):
+      if not req.stream:
         rest = [c async for c in chunks]
         return web.json_response(fmt.whole([first, *rest]))
-      return await _sse(request, fmt, first, chunks, bool(options.get("include_usage")))
+      return await _sse(request, fmt, first, chunks, req.include_usage)
 
 
 async def _sse(request: web.Request, fmt, first: Chunk, chunks: AsyncIterator[Chunk],
@@ -170,60 +183,3 @@ async def _sse(request: web.Request, fmt, first: Chunk, chunks: AsyncIterator[Ch
 def _bearer(request: web.Request) -> str | None:
   scheme, _, token = request.headers.get("Authorization", "").partition(" ")
   return token.strip() if scheme.lower() == "bearer" else None
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-  try:
-    body = await request.json()
-  except ValueError as e:
-    raise invalid(f"the request body is not JSON: {e}") from e
-  if not isinstance(body, dict):
-    raise invalid("the request body must be a JSON object")
-  return body
-
-
-def _input(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str) -> GenerateInput:
-  if (body.get("n") or 1) != 1:
-    raise invalid("n must be 1: one completion per request")
-  if body.get("logit_bias"):
-    raise invalid("logit_bias is not supported")
-  sampling = {f: body[f] for f in _SAMPLING_FIELDS if body.get(f) is not None}
-  stop = body.get("stop")
-  if stop is not None:
-    sampling["stop"] = [stop] if isinstance(stop, str) else stop
-  max_tokens = body.get(max_field)
-  for field, value in ((max_field, max_tokens), ("priority", body.get("priority"))):
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-      raise invalid(f"{field} must be an integer, got {value!r}")
-  return GenerateInput(prompt, sampling, max_tokens=max_tokens, logprobs=logprobs,
-                       request_id=None, priority=body.get("priority") or 0,
-                       model=str(body.get("model") or ""),
-                       truncate_prompt=bool(body.get("truncate_prompt")))
-
-
-def _completion_prompt(body: dict[str, Any]) -> Prompt:
-  prompt = body.get("prompt")
-  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-    prompt = prompt[0]  # A batch of one.
-  if isinstance(prompt, str):
-    return Prompt(text=prompt)
-  if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
-    return Prompt(token_ids=prompt)
-  raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-  messages = body.get("messages")
-  if not isinstance(messages, list) or not messages:
-    raise invalid("messages must be a non-empty list")
-  out = []
-  for n, m in enumerate(messages):
-    if not isinstance(m, dict):
-      raise invalid(f"messages[{n}] must be an object")
-    content = m.get("content")
-    if isinstance(content, list):  # Content parts: only text ones are supported.
-      if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        raise invalid(f"messages[{n}].content: only text parts are supported")
-      content = "".join(str(p.get("text", "")) for p in content)
-    out.append({"role": m.get("role"), "content": content})
-  return out
