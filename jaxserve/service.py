@@ -80,6 +80,9 @@ class Service:
     engine = runner.runner.engine
     self.vocab_size = engine.model_config.vocab_size
     self.max_model_len = engine.max_model_len
+    # Longer text cannot fit the context whatever its tokens: it is refused (or cut) before the
+    # tokenizer spends seconds on it, on the event loop every other request shares.
+    self.max_prompt_chars = self.max_model_len * tokenizer.max_token_chars
 
   def model_info(self) -> dict[str, Any]:
     """The fields of the proto's ModelInfo."""
@@ -95,7 +98,8 @@ class Service:
     if model and model != self.model_name:
       raise gateway.invalid(f"model {model!r} is not served here; this server runs {self.model_name!r}")
 
-  def encode(self, prompt: Prompt) -> list[int]:
+  def encode(self, prompt: Prompt, truncate: bool = False) -> list[int]:
+    """The prompt's ids; `truncate`: text too long for the context is cut to its tail first."""
     given = [x for x in (prompt.text, prompt.token_ids, prompt.messages) if x is not None]
     if len(given) != 1:
       raise gateway.invalid("prompt: give exactly one of text, token ids or chat messages")
@@ -104,19 +108,29 @@ class Service:
       gateway.check_token_ids(ids, self.vocab_size, "prompt token_ids")
       return ids
     if prompt.text is not None:
-      return self.tokenizer.encode(prompt.text)
+      return self.tokenizer.encode(self._within_reach(prompt.text, truncate))
     try:
       text = self.tokenizer.apply_chat_template(prompt.messages)
     except ValueError as e:  # It names the message and field that are wrong.
       raise gateway.invalid(str(e)) from e
-    return self.tokenizer.encode(text, add_bos=False)
+    return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
+
+  def _within_reach(self, text: str, truncate: bool) -> str:
+    if len(text) <= self.max_prompt_chars:
+      return text
+    if truncate:  # The tail holds at least max_model_len tokens: all that truncation keeps.
+      return text[-self.max_prompt_chars:]
+    raise gateway.invalid(
+        f"prompt: {len(text):,} characters cannot fit in the context window of "
+        f"{self.max_model_len} tokens (at most {self.max_prompt_chars:,} characters with this "
+        "tokenizer); shorten it, or set truncate_prompt to keep its end")
 
   def _prepare(self, inp: GenerateInput) -> tuple[Sequence[int], SamplingParams, float]:
     """(prompt ids, sampling, seconds spent tokenizing), or an ApiError naming the bad field."""
     self._check_accepting()
     self.check_model(inp.model)
     start = time.monotonic()
-    ids = self.encode(inp.prompt)
+    ids = self.encode(inp.prompt, inp.truncate_prompt)
     tokenize = time.monotonic() - start
     ids, max_tokens = gateway.fit_to_context(ids, inp.max_tokens, self.max_model_len,
                                              inp.truncate_prompt)

@@ -8,6 +8,7 @@ our checkpoints carry a tokenizer any HF tool can read.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import pathlib
 from typing import Any, Mapping, Sequence
@@ -94,6 +95,11 @@ class Tokenizer:
         "chat_template": self.chat_template,
     }
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+  @functools.cached_property
+  def max_token_chars(self) -> int:
+    """The longest text one token stands for (81 characters for SmolLM2, 31 for Gemma 3)."""
+    return max(len(self._backend.decode([i], False)) for i in range(self.vocab_size))
 
   def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
     """Special tokens written in `text` (e.g. "<|im_start|>") become their single ids."""

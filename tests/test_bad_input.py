@@ -21,6 +21,7 @@ import server_harness as h
 VOCAB = 49152  # The tiny checkpoint has the default model's (SmolLM2's) tokenizer.
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 HUGE = "a" * 10_000_000  # 10 MB: over both front ends' 8 MiB limit.
+LONG = "word " * 400_000  # 2 MB: under the limit, but far more than 128 tokens of any text.
 CHAT = [{"role": "user", "content": "Hi"}]
 
 
@@ -172,6 +173,10 @@ CASES = [
          grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
     gen("grpc-10mb-prompt", "larger than max", status=grpc.StatusCode.RESOURCE_EXHAUSTED,
         text=HUGE),
+    gen("grpc-2mb-prompt", "cannot fit in the context window", text=LONG),
+    gen("grpc-2mb-chat", "cannot fit in the context window", chat=chat(("user", LONG))),
+    Case("grpc-tokenize-2mb", lambda c: c.tokenize(pb.TokenizeRequest(text=LONG)), INVALID,
+         "cannot fit in the context window"),
     raw("grpc-text-not-utf8", "Generate",
         _bad_utf8(pb.GenerateRequest(text="hello", max_tokens=1), b"hello", b"hel\xffo"),
         "String field had bad UTF-8"),
@@ -200,6 +205,7 @@ CASES = [
     post("http-not-utf8", b'{"prompt": "caf\xe9", "max_tokens": 1}', "not valid UTF-8"),
     post("http-nested-too-deeply", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     post("http-10mb-body", {"prompt": HUGE}, "over the limit of 8388608 bytes", status=413),
+    post("http-2mb-prompt", {"prompt": LONG}, "cannot fit in the context window"),
     post("http-lone-surrogate", b'{"prompt": "a\\ud800b", "max_tokens": 1}',
          "prompt is not valid Unicode"),
     post("http-wrong-key", P, "invalid API key", status=401, key="sk-nope"),
@@ -311,3 +317,10 @@ def test_after_the_table_every_slot_and_block_is_free(client, srv):
   while not h.idle(srv.scheduler):
     assert time.monotonic() < deadline, "the engine never went idle"
     time.sleep(0.01)
+
+
+def test_a_long_prompt_is_cut_to_its_tail_with_truncate_prompt(client):
+  """The same 2 MB that is refused above is taken, cut before tokenizing, with truncate_prompt."""
+  assert client.generate(pb.GenerateRequest(text=LONG + "end", max_tokens=2, ignore_eos=True,
+                                            truncate_prompt=True)) == (
+      grpc.StatusCode.OK, "FINISH_REASON_LENGTH")
