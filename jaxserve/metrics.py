@@ -79,6 +79,7 @@ class Metrics:
 
   def __init__(self):
     self.registry = prometheus_client.CollectorRegistry()
+    prometheus_client.ProcessCollector(registry=self.registry)  # Resident memory, CPU, open fds.
     hist = lambda name, doc, buckets: prometheus_client.Histogram(
         f"jaxserve:{name}", doc, buckets=buckets, registry=self.registry)
     count = lambda name, doc, labels=(): prometheus_client.Counter(
