@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import pathlib
-import sys
 
 import numpy as np
 
 from conftest import TINY
 from jaxserve.config import KVDtype, KVLayout
+import script_loader
 
-_PATH = pathlib.Path(__file__).parent.parent / "scripts" / "ablate_cache_layout.py"
-_spec = importlib.util.spec_from_file_location("ablate_cache_layout", _PATH)
-ablate = sys.modules["ablate_cache_layout"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ablate)
+ablate = script_loader.load("ablate_cache_layout")
 
 SETTINGS = ablate.Settings(num_requests=4, num_slots=2, max_model_len=64, prefill_bucket=32,
                            budget_bytes=0, timed_steps=1)

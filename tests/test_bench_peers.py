@@ -1,21 +1,18 @@
 """scripts/bench_peers.py: the shipped workload, the report arithmetic, and the jaxserve part in
 --quick mode on a tiny random model (a peer that is not installed is reported as skipped)."""
 
-import importlib.util
 import json
 import pathlib
 import re
-import sys
 
 import pytest
 
 from jaxserve import pull
 from jaxserve.tokenizer import Tokenizer
+import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "scripts" / "bench_peers.py")
-bp = sys.modules["bench_peers"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bp)
+bp = script_loader.load("bench_peers")
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +38,7 @@ def test_the_shipped_workload_is_the_generators_output(tokenizer):
 
 def test_the_shipped_workload_runs_in_generate_batch():
   # Its lines use only fields generate_batch.py accepts, so that script can replay the work.
-  spec = importlib.util.spec_from_file_location("generate_batch", ROOT / "scripts" / "generate_batch.py")
-  gb = sys.modules["generate_batch"] = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(gb)
+  gb = script_loader.load("generate_batch")
   for i, line in enumerate(bp.WORKLOAD.read_text().splitlines(), start=1):
     parsed = gb.parse_line(line, i)
     assert parsed.prompt_field == "prompt_token_ids" and parsed.overrides["ignore_eos"] is True

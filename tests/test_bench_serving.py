@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
 
 import server_harness
+import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_script():
-  spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up there.
-  spec.loader.exec_module(module)
-  return module
+  return script_loader.load("bench_serving")
 
 
 @pytest.fixture(scope="module")

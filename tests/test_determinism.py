@@ -2,17 +2,11 @@
 greedy and seeded request gets exactly its tokens from a run alone, when it shares the batch with
 other requests, reads a cached prefix, is prefilled in chunks, or is preempted and recomputed."""
 
-import importlib.util
-import pathlib
-import sys
-
 from jaxserve.config import EngineConfig
 import server_harness as h
+import script_loader
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("check_determinism", ROOT / "scripts" / "check_determinism.py")
-cd = sys.modules["check_determinism"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cd)
+cd = script_loader.load("check_determinism")
 
 
 def test_outputs_do_not_depend_on_the_batch(tiny_checkpoint):

@@ -1,19 +1,16 @@
 """scripts/generate_batch.py on a tiny random model with SmolLM2's tokenizer: input order, resume
 after an interruption, bad lines, progress output, and the memory-fraction pool size."""
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
 
 from jaxserve import capacity
+import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("generate_batch", ROOT / "scripts" / "generate_batch.py")
-gb = sys.modules["generate_batch"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gb)
+gb = script_loader.load("generate_batch")
 
 ENGINE_FLAGS = ["--slots", "2", "--block-size", "8", "--num-blocks", "40", "--max-model-len", "128",
                 "--buckets", "16,32", "--progress-interval", "0"]

@@ -9,16 +9,15 @@ request run alone."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import pathlib
 import random
-import sys
 import time
 
 import grpc
 import pytest
 
 import server_harness as h
+import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STALLED = 2
@@ -31,11 +30,7 @@ ARGS = ["--clients", "32", "--rounds", "2", "--cancel-frac", "0.25", "--deadline
 
 @pytest.fixture(scope="module")
 def lt():
-  spec = importlib.util.spec_from_file_location("load_test", ROOT / "scripts" / "load_test.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up there.
-  spec.loader.exec_module(module)
-  return module
+  return script_loader.load("load_test")
 
 
 @pytest.fixture(scope="module")

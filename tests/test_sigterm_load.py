@@ -10,7 +10,6 @@ import threading
 import time
 
 import grpc
-import pytest
 
 from test_server_cli import HEALTH, health
 import server_harness as h
