@@ -65,10 +65,15 @@ def sampling_params(args):
 
 
 def run_generate(args) -> int:
+  import jax
+
   from jaxserve import sharding
   from jaxserve.llm import LLM
 
   sharding.init_distributed(args)
+  if args.seed is None and args.temperature > 0 and jax.process_count() > 1:
+    from jaxserve import multihost
+    args.seed = multihost.shared_seed()  # Every host must sample the same tokens.
 
   params = sampling_params(args)  # Bad flags fail before the model loads.
   start = time.perf_counter()

@@ -62,6 +62,14 @@ def is_leader() -> bool:
   return jax.process_index() == 0
 
 
+def shared_seed() -> int:
+  """A random seed, the same on every process (process 0 draws it): every process must call it.
+  For offline runs on several hosts, where each host builds the same requests itself and a seed
+  drawn per host would make their inputs, and so their collectives, disagree."""
+  drawn = np.int32(np.random.default_rng().integers(2**31 - 1))
+  return int(broadcast_one_to_all(drawn))
+
+
 class LeaderEngine:
   """`plan.Engine` on process 0 of several: each call is first broadcast to the followers.
 

@@ -64,13 +64,14 @@ def main() -> None:
   from jaxserve import multihost
 
   start = time.perf_counter()
+  seed = multihost.shared_seed() if "coordinator" in args else None
   engine = _engine(args)
   warm = _num_compiled(engine)
   if jax.process_index() == 0:
     out = _serve(engine, args)
   else:
     out = {"num_calls": multihost.follow(engine)}
-  out.update(process=jax.process_index(), num_devices=jax.device_count(),
+  out.update(process=jax.process_index(), num_devices=jax.device_count(), seed=seed,
              compiled=[warm, _num_compiled(engine)],
              seconds=time.perf_counter() - start)
   print(json.dumps(out), flush=True)

@@ -56,6 +56,7 @@ def test_follower_runs_the_leaders_steps():
 
   assert [leader["process"], follower["process"]] == [0, 1]
   assert leader["num_devices"] == follower["num_devices"] == 8
+  assert leader["seed"] == follower["seed"] is not None  # multihost.shared_seed
   assert leader["tokens"] == single["tokens"]
   assert [len(t) for t in single["tokens"]] == [n for _, n, _ in REQUESTS]
   assert len({tuple(t) for t in single["tokens"]}) == len(REQUESTS)  # Not one degenerate output.
