@@ -219,6 +219,19 @@ class EngineConfig:
     return math.ceil(self.max_model_len / self.block_size)
 
   @property
+  def decode_batch_buckets(self) -> tuple[int, ...]:
+    """Batch sizes decode is compiled for: the running slots, rounded up to a power of 4 (so a
+    lone request costs a batch of 1, not num_slots). Under dp the slots are split over devices
+    by position, so every step runs them all."""
+    if self.dp > 1:
+      return (self.num_slots,)
+    sizes, b = [], 1
+    while b < self.num_slots:
+      sizes.append(b)
+      b *= 4
+    return tuple(sizes) + (self.num_slots,)
+
+  @property
   def decode_block_buckets(self) -> tuple[int, ...]:
     """Block-table widths decode is compiled for: attention reads only as many pages as the
     longest running sequence needs, rounded up to a power of two (8 pages at least)."""

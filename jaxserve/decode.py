@@ -1,7 +1,14 @@
-"""Decode: one token for every slot, in one fixed-shape compiled step.
+"""Decode: one token for each decoding slot, in one fixed-shape compiled step.
 
 The step reads each slot's input token and position from `DecodeState` on the device and writes
 the sampled ones back, so the host can dispatch step n+1 before step n's tokens reach it.
+
+It runs the model on B rows, B a compiled batch bucket (`EngineConfig.decode_batch_buckets`):
+the rows name the slots that decode, so two requests in 16 slots cost a batch of 2, not 16.
+Padding rows name slot S (out of range): they read slot S-1's state, write to the scratch page,
+and every write back to the state drops them. Under data parallelism (`in_place`) the slots are
+split over devices by position, so B = S and row i is slot i: no gather, no scatter, and no
+device needs another's slots.
 """
 
 from __future__ import annotations
@@ -39,11 +46,22 @@ class DecodeState:
         sampling=self.sampling.count(jnp.full_like(self.tokens, token), hit))
 
 
-def decode_step(graphdef, params, cache: KVCache, state: DecodeState, block_tables, active, stop_ids,
-                *, backend: AttentionBackend):
-  """block_tables [S, W], active [S] bool -> (cache, state, Sampled [S])."""
-  S, Z = state.tokens.shape[0], cache.page_size
-  pos = state.positions  # [S]
+def decode_step(graphdef, params, cache: KVCache, state: DecodeState, rows, block_tables, stop_ids,
+                *, backend: AttentionBackend, in_place: bool = False):
+  """rows [B] int32 (slots; S = padding), block_tables [B, W] -> (cache, state, Sampled [S]).
+
+  The sampled values come back per slot, [S, ...]: rows that did not decode hold zeros."""
+  S, B, Z = state.tokens.shape[0], rows.shape[0], cache.page_size
+  active = rows < S  # [B]
+  if in_place:
+    take = lambda x: x
+    put = lambda x, new: jnp.where(active.reshape((S,) + (1,) * (x.ndim - 1)), new, x)
+  else:
+    mine = jnp.minimum(rows, S - 1)  # [B]: safe to gather with.
+    take = lambda x: x[mine]  # [S, ...] -> [B, ...]
+    put = lambda x, new: x.at[rows].set(new, mode="drop")  # [B, ...] into [S, ...]
+  pos = take(state.positions)  # [B]
+  sampling = jax.tree.map(take, state.sampling)  # [B, ...] on every leaf
   page = jnp.take_along_axis(block_tables, jnp.minimum(pos // Z, block_tables.shape[1] - 1)[:, None], 1)[:, 0]
   page = jnp.where(active, page, SCRATCH_PAGE)
   meta = AttentionMetadata(
@@ -51,11 +69,12 @@ def decode_step(graphdef, params, cache: KVCache, state: DecodeState, block_tabl
       slot_mapping=(page * Z + pos % Z)[:, None],
       block_tables=block_tables,
       kv_lens=jnp.where(active, pos + 1, 0),
-      q_lens=jnp.ones(S, jnp.int32))
-  logits, cache = nnx.merge(graphdef, params)(state.tokens[:, None], cache, meta, backend)  # [S, V]
-  sampled = sample(logits, state.sampling, pos + 1, stop_ids)
+      q_lens=jnp.ones(B, jnp.int32))
+  logits, cache = nnx.merge(graphdef, params)(take(state.tokens)[:, None], cache, meta, backend)  # [B, V]
+  sampled = sample(logits, sampling, pos + 1, stop_ids)
+  counts = sampling.count(sampled.tokens, active).output_counts  # [B, V]
   state = DecodeState(
-      tokens=jnp.where(active, sampled.tokens, state.tokens),
-      positions=jnp.where(active, pos + 1, pos),
-      sampling=state.sampling.count(sampled.tokens, active))
-  return cache, state, sampled
+      tokens=put(state.tokens, sampled.tokens),
+      positions=put(state.positions, pos + 1),
+      sampling=dataclasses.replace(state.sampling, output_counts=put(state.sampling.output_counts, counts)))
+  return cache, state, jax.tree.map(lambda x: put(jnp.zeros((S,) + x.shape[1:], x.dtype), x), sampled)

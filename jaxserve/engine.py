@@ -77,8 +77,8 @@ class PrefillArgs(NamedTuple):
 class DecodeArgs(NamedTuple):
   """The host arrays of one decode step (see `decode_step`)."""
 
-  block_tables: np.ndarray  # [S, W] int32, W a compiled decode width
-  active: np.ndarray  # [S] bool
+  rows: np.ndarray  # [B] int32: the decoding slots, then num_slots as padding; B a batch bucket
+  block_tables: np.ndarray  # [B, W] int32, W a compiled decode width
 
 
 class Engine:
@@ -118,7 +118,8 @@ class Engine:
     # The cache and decode state are donated: each step updates them in place.
     self._prefill = in_mesh(jax.jit(functools.partial(prefill_step, graphdef, backend=self.backend),
                                     donate_argnums=(1, 2), **step_out))
-    self._decode = in_mesh(jax.jit(functools.partial(decode_step, graphdef, backend=self.backend),
+    self._decode = in_mesh(jax.jit(functools.partial(decode_step, graphdef, backend=self.backend,
+                                                     in_place=config.dp > 1),
                                    donate_argnums=(1, 2), **step_out))
     self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,), **state_out)
     logging.info("Engine: %d slots, %d blocks of %d tokens (KV cache %.1f MiB), backend %s",
@@ -157,14 +158,21 @@ class Engine:
         args.block_table, args.slot, args.is_last, self.stop_ids)
     return TokenFuture(sampled) if args.is_last else None
 
-  def decode_args(self, slots: Sequence[int], block_tables: np.ndarray) -> DecodeArgs:
-    active = np.zeros(self.num_slots, bool)
-    active[list(slots)] = True
-    return DecodeArgs(self._decode_tables(block_tables), active)
+  def decode_args(self, slots: Sequence[int], block_tables: np.ndarray,
+                  batch: int | None = None) -> DecodeArgs:
+    """block_tables [num_slots, W]: row s is slot s's table. `batch`: a bucket to pad to (by
+    default the smallest that holds the slots)."""
+    if self.config.dp > 1:  # Slots are split over devices by position: row i must be slot i.
+      live = set(slots)
+      slots = [s if s in live else self.num_slots for s in range(self.num_slots)]
+    batch = batch or next(b for b in self.config.decode_batch_buckets if b >= len(slots))
+    rows = np.full(batch, self.num_slots, np.int32)
+    rows[:len(slots)] = slots
+    return DecodeArgs(rows, self._decode_tables(rows, block_tables))
 
   def run_decode(self, args: DecodeArgs) -> TokenFuture:
     self.cache, self.state, sampled = self._decode(
-        self.params, self.cache, self.state, args.block_tables, args.active, self.stop_ids)
+        self.params, self.cache, self.state, args.rows, args.block_tables, self.stop_ids)
     return TokenFuture(sampled)
 
   def free(self, slot: int) -> None:
@@ -178,10 +186,12 @@ class Engine:
       self.cache, self.state, _ = self._prefill(
           self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),
           np.int32(bucket), self._block_table_row([]), np.int32(0), np.bool_(False), self.stop_ids)
-    for width in self.config.decode_block_buckets:
-      tables = np.full((self.num_slots, width), SCRATCH_PAGE, np.int32)
-      self.cache, self.state, out = self._decode(
-          self.params, self.cache, self.state, tables, np.zeros(self.num_slots, bool), self.stop_ids)
+    for batch in self.config.decode_batch_buckets:
+      rows = np.full(batch, self.num_slots, np.int32)  # All padding: nothing is written.
+      for width in self.config.decode_block_buckets:
+        tables = np.full((batch, width), SCRATCH_PAGE, np.int32)
+        self.cache, self.state, out = self._decode(
+            self.params, self.cache, self.state, rows, tables, self.stop_ids)
     out.tokens.block_until_ready()
 
   def _block_table_row(self, pages: Sequence[int], slot: int | None = None) -> np.ndarray:
@@ -191,14 +201,16 @@ class Engine:
     row[:len(pages)] = pages
     return row
 
-  def _decode_tables(self, block_tables: np.ndarray) -> np.ndarray:
-    """Pads the tables to the narrowest compiled width that holds them."""
+  def _decode_tables(self, rows: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
+    """[B, W]: the tables of `rows`, padded to the narrowest compiled width that holds them.
+    Padding rows (num_slots) get an all-scratch table."""
     width = next(w for w in self.config.decode_block_buckets if w >= block_tables.shape[1])
+    tables = np.full((self.num_slots + 1, width), SCRATCH_PAGE, np.int32)
     if self._slot_tables is not None:
-      return self._slot_tables[:, :width].copy()
-    tables = np.full((self.num_slots, width), SCRATCH_PAGE, np.int32)
-    tables[:block_tables.shape[0], :block_tables.shape[1]] = block_tables
-    return tables
+      tables[:-1] = self._slot_tables[:, :width]
+    else:
+      tables[:block_tables.shape[0], :block_tables.shape[1]] = block_tables
+    return tables[rows]
 
 
 def device_memory_bytes(device: jax.Device) -> int:

@@ -7,7 +7,7 @@ them wait forever. Offline `generate` gets that for free (every host runs the sa
 
   process 0    Runner -> LeaderEngine.prefill(chunk)
                  builds the step's host arrays (Engine.prefill_args)
-                 broadcasts a header [kind, size, is_last], then the arrays
+                 broadcasts a header [kind, size, extra], then the arrays
                  runs the step (Engine.run_prefill)
   process 1..n follow(engine): receives the header, then arrays of the shapes it names (built by
                  the engine itself from a dummy call of that size), and runs the same step
@@ -46,8 +46,8 @@ class Kind(enum.IntEnum):
   DECODE = 2
 
 
-# The header, [kind, size, is_last] int32: size is the prefill bucket (tokens) or the decode
-# width (pages per slot); the two set every shape of the arrays that follow.
+# The header, [kind, size, extra] int32: a prefill's bucket (tokens) and is_last, or a decode's
+# width (pages per slot) and batch bucket (rows); they set every shape of the arrays that follow.
 _HEADER_SHAPE = (3,)
 
 # What the runner, the scheduler and the service read of an engine (plan.Engine and a bit more).
@@ -95,7 +95,7 @@ class LeaderEngine:
 
   def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> TokenFuture:
     args = self.engine.decode_args(slots, block_tables)
-    _send(Kind.DECODE, args.block_tables.shape[1], False, args)
+    _send(Kind.DECODE, args.block_tables.shape[1], args.rows.shape[0], args)
     self.num_calls += 1
     return self.engine.run_decode(args)
 
@@ -117,25 +117,25 @@ def follow(engine: Engine) -> int:
   _check_same_engine(engine)
   num_steps = 0
   while True:
-    kind, size, is_last = (int(x) for x in broadcast_one_to_all(np.zeros(_HEADER_SHAPE, np.int32)))
+    kind, size, extra = (int(x) for x in broadcast_one_to_all(np.zeros(_HEADER_SHAPE, np.int32)))
     # Process 0's numpy scalars come back as 0-d arrays: the same shapes and dtypes to `jit`, so
     # no step recompiles.
     if kind == Kind.STOP:
       logging.info("follower %d: stop after %d steps", jax.process_index(), num_steps)
       return num_steps
     if kind == Kind.PREFILL:
-      engine.run_prefill(broadcast_one_to_all(_prefill_template(engine, size, bool(is_last))))
+      engine.run_prefill(broadcast_one_to_all(_prefill_template(engine, size, bool(extra))))
     elif kind == Kind.DECODE:
-      engine.run_decode(broadcast_one_to_all(_decode_template(engine, size)))
+      engine.run_decode(broadcast_one_to_all(_decode_template(engine, size, extra)))
     else:
       raise ValueError(f"unknown engine call {kind} from process 0")
     num_steps += 1
 
 
-def _send(kind: Kind, size: int, is_last: bool, args: PrefillArgs | DecodeArgs | None) -> None:
+def _send(kind: Kind, size: int, extra: int, args: PrefillArgs | DecodeArgs | None) -> None:
   """Process 0's side of one call. Its own args are used as they are: the broadcast is only
   for the others."""
-  broadcast_one_to_all(np.array([kind, size, is_last], np.int32))
+  broadcast_one_to_all(np.array([kind, size, extra], np.int32))
   if args is not None:
     broadcast_one_to_all(args)
 
@@ -162,5 +162,5 @@ def _prefill_template(engine: Engine, bucket: int, is_last: bool) -> PrefillArgs
   return engine.prefill_args(chunk)
 
 
-def _decode_template(engine: Engine, width: int) -> DecodeArgs:
-  return engine.decode_args((), np.zeros((0, width), np.int32))
+def _decode_template(engine: Engine, width: int, batch: int) -> DecodeArgs:
+  return engine.decode_args((), np.zeros((0, width), np.int32), batch)

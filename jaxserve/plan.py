@@ -75,7 +75,7 @@ class Engine(Protocol):
     ...
 
   def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> TokenFuture:
-    """One token for every slot; returns [num_slots] tokens (entries of other slots are junk)."""
+    """One token for each of `slots`; returns [num_slots] tokens (entries of other slots are junk)."""
     ...
 
   def free(self, slot: int) -> None:

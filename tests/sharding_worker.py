@@ -88,8 +88,9 @@ def _collectives(engine, tables) -> dict:
   mesh = jax.set_mesh(engine.shardings.mesh) if engine.shardings else contextlib.nullcontext()
   decode = engine._decode.__wrapped__ if engine.shardings else engine._decode  # in_mesh wraps the jit.
   with mesh:
-    hlo = decode.lower(engine.params, engine.cache, engine.state, np.asarray(tables, np.int32),
-                       np.ones(engine.num_slots, bool), engine.stop_ids).compile().as_text()
+    args = engine.decode_args(range(engine.num_slots), np.asarray(tables, np.int32))
+    hlo = decode.lower(engine.params, engine.cache, engine.state, args.rows, args.block_tables,
+                       engine.stop_ids).compile().as_text()
   ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
   return {op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(") for op in ops}
 

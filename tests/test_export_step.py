@@ -38,7 +38,7 @@ def export(step, backend, *args):
 @pytest.mark.parametrize("backend", list(TARGETS), ids=lambda b: b.value)
 def test_decode_step_lowers_with_the_kernel(backend):
   calls = export(decode_step, backend, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256),
-                 jnp.zeros((4, 8), jnp.int32), jnp.ones(4, bool), jnp.array([0]))
+                 jnp.arange(4, dtype=jnp.int32), jnp.zeros((4, 8), jnp.int32), jnp.array([0]))
   assert TARGETS[backend][1] in calls
 
 
@@ -56,6 +56,6 @@ def test_reference_backend_has_no_kernel():
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   fn = jax.jit(functools.partial(decode_step, graphdef, backend=AttentionBackend.REFERENCE))
   text = jax.export.export(fn, platforms=["tpu"])(
-      params, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256), jnp.zeros((4, 8), jnp.int32),
-      jnp.ones(4, bool), jnp.array([0])).mlir_module()
+      params, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256), jnp.arange(4, dtype=jnp.int32),
+      jnp.zeros((4, 8), jnp.int32), jnp.array([0])).mlir_module()
   assert "tpu_custom_call" not in text
