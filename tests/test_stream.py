@@ -88,7 +88,7 @@ def test_abort_reaches_a_waiting_request():
   async def test(ar):
     # The running request must still be running when aborted: give it far more tokens than the
     # few steps the aborts take, and a context window to hold them.
-    running = ar.submit([1], greedy(2000))
+    running = ar.submit([1], greedy(100_000))
     queued = ar.submit([2], greedy(50))  # One slot: waits.
     first = await running.__anext__()
     queued.abort()
@@ -97,7 +97,11 @@ def test_abort_reaches_a_waiting_request():
     rest = await collect(running)
     return first, outs, rest, queued.request
 
-  first, outs, rest, queued = serve(test, engine=MockEngine(num_slots=1, num_blocks=600, max_model_len=2048))
+  # Token 2 forever (never the end-of-turn id): the running request cannot finish on its own
+  # within the aborts, however many steps the engine thread runs before they arrive.
+  engine = MockEngine(num_slots=1, num_blocks=26_000, max_model_len=102_400,
+                      next_token=lambda seq: 2)
+  first, outs, rest, queued = serve(test, engine=engine)
   assert first.token_ids == (2,)
   assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
   assert queued.status is RequestStatus.ABORTED and queued.num_output_tokens == 0
