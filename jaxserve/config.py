@@ -12,6 +12,17 @@ import math
 from typing import Any, Mapping, Sequence
 
 
+def is_int(x: Any) -> bool:
+  """An int, and not a bool: JSON's true is no number."""
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def short(value: Any, limit: int = 80) -> str:
+  """repr(value), cut to `limit` characters: an error message quotes a bad value, not 10 MB."""
+  shown = repr(value)
+  return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
 class KVLayout(enum.Enum):
   """How the KV cache is laid out in device memory."""
 
@@ -184,7 +195,7 @@ class EngineConfig:
   nothing a request carries is.
   """
 
-  num_slots: int = 8  # Decode batch: every decode step runs all slots.
+  num_slots: int = 8  # Sequences decoding at once (a step runs a batch bucket of them).
   block_size: int = 16  # Tokens per KV page.
   num_blocks: int | None = 512  # Pages in the pool, scratch page 0 included. None: sized at
   # start-up to fill `memory_fraction` of the device's memory, weights included.
@@ -294,7 +305,7 @@ class SamplingParams:
   FLOAT32_MAX = 3.4028234663852886e38  # The largest float the device's sampling state holds.
 
   def __post_init__(self):
-    check, is_int, finite = self._check, self._is_int, self._is_finite
+    check, finite = self._check, self._is_finite
     check(finite(self.temperature) and self.temperature >= 0, "temperature",
           "must be >= 0 and finite (at most 3.4e38)")
     check(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0")
@@ -327,11 +338,7 @@ class SamplingParams:
     check(isinstance(ids, (list, tuple)), "stop_token_ids", "must be a list of ints")
     check(len(ids) <= n_ids, "stop_token_ids", f"must hold at most {n_ids} ids, not {len(ids)}")
     for n, i in enumerate(ids):
-      check(self._is_int(i) and i >= 0, f"stop_token_ids[{n}]", "must be an int >= 0", i)
-
-  @staticmethod
-  def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # JSON's true is no number.
+      check(is_int(i) and i >= 0, f"stop_token_ids[{n}]", "must be an int >= 0", i)
 
   @classmethod
   def _is_finite(cls, x: Any) -> bool:
@@ -343,9 +350,7 @@ class SamplingParams:
   def _check(self, ok: bool, field: str, rule: str, value: Any = dataclasses.MISSING) -> None:
     """Raises ValueError naming `field` (a field, or one item of a list field) and its value."""
     if not ok:
-      shown = repr(getattr(self, field) if value is dataclasses.MISSING else value)
-      if len(shown) > 80:  # A 10,000-item list or a 10 MB string: its start says which it is.
-        shown = shown[:80] + "..."
+      shown = short(getattr(self, field) if value is dataclasses.MISSING else value)
       raise ValueError(f"SamplingParams.{field} {rule}, got {shown}")
 
   @property

@@ -19,10 +19,9 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxserve import capacity, sharding
+from jaxserve import capacity, kv_cache, sharding
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
 from jaxserve.decode import DecodeState, decode_step
-from jaxserve import kv_cache
 from jaxserve.kv_cache import SCRATCH_PAGE, KVCache
 from jaxserve.model import Transformer
 from jaxserve.plan import PrefillChunk

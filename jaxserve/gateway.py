@@ -26,7 +26,7 @@ import pathlib
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxserve.config import SamplingParams
+from jaxserve.config import SamplingParams, is_int, short
 from jaxserve.sample import NUM_TOP_LOGPROBS
 
 WINDOW_S = 60.0  # The limits are per minute.
@@ -188,7 +188,7 @@ def sampling_params(fields: Mapping[str, Any], max_tokens: int, logprobs: int | 
   unknown = set(fields) - _SAMPLING_FIELDS
   if unknown:
     raise invalid(f"unknown sampling fields {sorted(map(str, unknown))}")
-  if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= NUM_TOP_LOGPROBS):
+  if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= NUM_TOP_LOGPROBS):
     raise invalid(f"logprobs must be in [0, {NUM_TOP_LOGPROBS}], got {short(logprobs)}")
   # The engine reports logprobs for requests that ask for at least one top token; the front end
   # drops the alternatives of a request that asked for the chosen token's logprob only.
@@ -201,7 +201,7 @@ def sampling_params(fields: Mapping[str, Any], max_tokens: int, logprobs: int | 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
   for n, i in enumerate(ids):
-    if not _is_int(i):
+    if not is_int(i):
       raise invalid(f"{field}[{n}] must be a token id (an int), got {short(i)}")
     if not 0 <= i < vocab_size:
       raise invalid(f"{field}[{n}] is {short(i)}, outside the vocabulary [0, {vocab_size})")
@@ -242,16 +242,6 @@ def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: in
 
 
 def check_chunk_tokens(chunk_tokens: int) -> int:
-  if not _is_int(chunk_tokens) or not 0 <= chunk_tokens <= MAX_CHUNK_TOKENS:
+  if not is_int(chunk_tokens) or not 0 <= chunk_tokens <= MAX_CHUNK_TOKENS:
     raise invalid(f"chunk_tokens must be in [0, {MAX_CHUNK_TOKENS}], got {chunk_tokens!r}")
   return max(chunk_tokens, 1)
-
-
-def short(value: Any, limit: int = 80) -> str:
-  """repr(value), cut to `limit` characters: an error message quotes a bad value, not 10 MB."""
-  shown = repr(value)
-  return shown if len(shown) <= limit else shown[:limit] + "..."
-
-
-def _is_int(x: Any) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)

@@ -71,7 +71,7 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
     try:
       service, key = self._enter(context)
-      inp = checked_input(_decoded(request), service.vocab_size)
+      inp = checked_input(_decoded(request))
       # Closing the stream at once, however the handler ends, aborts an unfinished request.
       async with contextlib.aclosing(service.generate(key, inp)) as chunks:
         async for chunk in chunks:
@@ -157,10 +157,9 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
   return Prompt()
 
 
-def checked_input(request: pb.GenerateRequest, vocab_size: int) -> GenerateInput:
-  """generate_input, plus the checks the service leaves to the front end."""
+def checked_input(request: pb.GenerateRequest) -> GenerateInput:
+  """generate_input, plus the check the service leaves to the front end."""
   gateway.check_request_id(request.request_id)
-  gateway.check_stop_token_ids(list(request.stop_token_ids), vocab_size)
   return generate_input(request)
 
 

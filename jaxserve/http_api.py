@@ -117,13 +117,13 @@ class _Api:
 
   async def completions(self, request: web.Request) -> web.StreamResponse:
     async def run(service, key, body):
-      req = openai_request.completion_request(body, service.vocab_size)
+      req = openai_request.completion_request(body)
       return await self._respond(request, service, key, req, CompletionFormat(service))
     return await self._handle(request, run)
 
   async def chat_completions(self, request: web.Request) -> web.StreamResponse:
     async def run(service, key, body):
-      req = openai_request.chat_request(body, service.vocab_size)
+      req = openai_request.chat_request(body)
       return await self._respond(request, service, key, req, ChatFormat(service))
     return await self._handle(request, run)
 

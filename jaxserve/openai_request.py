@@ -15,8 +15,8 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from jaxserve import gateway
-from jaxserve.gateway import invalid, short
+from jaxserve.config import is_int, short
+from jaxserve.gateway import invalid
 from jaxserve.sample import NUM_TOP_LOGPROBS
 from jaxserve.service import GenerateInput, Prompt
 
@@ -59,22 +59,21 @@ def parse_body(data: bytes) -> dict[str, Any]:
   return body
 
 
-def completion_request(body: Mapping[str, Any], vocab_size: int) -> Request:
+def completion_request(body: Mapping[str, Any]) -> Request:
   body = _present(body, COMPLETION_FIELDS, "/v1/completions")
-  return _request(body, _completion_prompt(body), body.get("logprobs"), "max_tokens", vocab_size)
+  return _request(body, _completion_prompt(body), body.get("logprobs"), "max_tokens")
 
 
-def chat_request(body: Mapping[str, Any], vocab_size: int) -> Request:
+def chat_request(body: Mapping[str, Any]) -> Request:
   body = _present(body, CHAT_FIELDS, "/v1/chat/completions")
   want = body.get("logprobs", False)
   if not isinstance(want, bool):
     raise invalid(f"logprobs must be true or false, got {short(want)}")
   top = body.get("top_logprobs", 0)
-  if not (_is_int(top) and 0 <= top <= NUM_TOP_LOGPROBS):
+  if not (is_int(top) and 0 <= top <= NUM_TOP_LOGPROBS):
     raise invalid(f"top_logprobs must be an int in [0, {NUM_TOP_LOGPROBS}], got {short(top)}")
   max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-  return _request(body, Prompt(messages=_messages(body)), top if want else None, max_field,
-                  vocab_size)
+  return _request(body, Prompt(messages=_messages(body)), top if want else None, max_field)
 
 
 def _present(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> dict[str, Any]:
@@ -91,8 +90,7 @@ def _is_no_op(field: str, value: Any) -> bool:
   return want is not None and type(value) is type(want) and value == want  # 1, not true.
 
 
-def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str,
-             vocab_size: int) -> Request:
+def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str) -> Request:
   _check_types(body, max_field)
   if body.get("n", 1) != 1:
     raise invalid(f"n must be 1 (one completion per request), got {short(body['n'])}")
@@ -101,7 +99,6 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
   sampling = {f: body[f] for f in SAMPLING_FIELDS if f in body}
   if "stop" in body:
     sampling["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
-  gateway.check_stop_token_ids(body.get("stop_token_ids"), vocab_size)
   options = body.get("stream_options", {})
   inp = GenerateInput(prompt, sampling, max_tokens=body.get(max_field), logprobs=logprobs,
                       request_id=None, priority=body.get("priority", 0),
@@ -111,8 +108,8 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
 
 def _check_types(body: dict[str, Any], max_field: str) -> None:
   """The JSON types of the fields the service takes as they are."""
-  for field, ok, want in ((max_field, _is_int, "an int >= 1"), ("priority", _is_int, "an int"),
-                          ("n", _is_int, "an int"), ("model", _is_str, "a string"),
+  for field, ok, want in ((max_field, is_int, "an int >= 1"), ("priority", is_int, "an int"),
+                          ("n", is_int, "an int"), ("model", _is_str, "a string"),
                           ("stream", _is_bool, "true or false"),
                           ("truncate_prompt", _is_bool, "true or false"),
                           ("stream_options", _is_dict, "an object")):
@@ -175,10 +172,6 @@ def _unicode(text: str, field: str) -> str:
 def _json_type(value: Any) -> str:
   names = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
   return names.get(type(value), "a number")
-
-
-def _is_int(x: Any) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_str(x: Any) -> bool:

@@ -184,8 +184,7 @@ class Server:
     else:
       self.ports["grpc"] = self._grpc.add_insecure_port(address)
     await self._grpc.start()
-    for name in (health.OVERALL_HEALTH, SERVICE_NAME):
-      await self._health.set(name, _NOT_SERVING)
+    await self._set_health(_NOT_SERVING)
 
   async def _load_and_serve(self) -> None:
     loaded = await _in_daemon_thread(self._load)
@@ -195,17 +194,20 @@ class Server:
     self.metrics.watch(runner.scheduler)
     self.service = Service(self._runner, loaded.tokenizer, loaded.model_name, self.gateway,
                            self.metrics, self.config.log_prompts)
-    for name in (health.OVERALL_HEALTH, SERVICE_NAME):
-      await self._health.set(name, _SERVING)
+    await self._set_health(_SERVING)
     logging.info("serving %s", loaded.model_name)
+
+  async def _set_health(self, status) -> None:
+    """The whole server's and the jaxserve.v1.Jaxserve service's: they never differ."""
+    for name in (health.OVERALL_HEALTH, SERVICE_NAME):
+      await self._health.set(name, status)
 
   async def _engine_died(self, error: BaseException) -> None:
     """On the event loop, once, before the open streams get their error: refuse everything."""
     logging.error("the engine loop failed; health is NOT_SERVING until a restart",
                   exc_info=(type(error), error, error.__traceback__))
     self.service.refusing = "the engine failed; the server is restarting"
-    for name in (health.OVERALL_HEALTH, SERVICE_NAME):
-      await self._health.set(name, _NOT_SERVING)
+    await self._set_health(_NOT_SERVING)
     self.engine_failed.set()
 
   def _ssl_context(self) -> ssl.SSLContext | None:

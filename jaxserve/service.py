@@ -129,6 +129,7 @@ class Service:
     """(prompt ids, sampling, seconds spent tokenizing), or an ApiError naming the bad field."""
     self._check_accepting()
     self.check_model(inp.model)
+    gateway.check_stop_token_ids(inp.sampling.get("stop_token_ids"), self.vocab_size)
     start = time.monotonic()
     ids = self.encode(inp.prompt, inp.truncate_prompt)
     tokenize = time.monotonic() - start

@@ -207,7 +207,7 @@ def test_property_http_bodies_run_or_are_refused_by_name(service, chat, data):
   body[target] = value
   parse = openai_request.chat_request if chat else openai_request.completion_request
   try:
-    req = parse(body, service.vocab_size)
+    req = parse(body)
     prepared = service._prepare(req.input)
   except ApiError as e:
     assert not in_range, e.message
@@ -225,9 +225,9 @@ def test_property_any_code_points_are_tokenized_or_refused_by_name(service, text
           "part": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
   try:
     if where == "prompt":
-      req = openai_request.completion_request({"prompt": text, "max_tokens": 4}, service.vocab_size)
+      req = openai_request.completion_request({"prompt": text, "max_tokens": 4})
     else:
-      req = openai_request.chat_request({"messages": chat[where], "max_tokens": 4}, service.vocab_size)
+      req = openai_request.chat_request({"messages": chat[where], "max_tokens": 4})
     ids, _, _ = service._prepare(req.input)
   except ApiError as e:
     _expect_invalid(e, ["prompt", "messages[0].content"])
@@ -241,7 +241,7 @@ def test_property_any_code_points_are_tokenized_or_refused_by_name(service, text
 @hypothesis.given(messages=st.lists(_MESSAGE, max_size=3))
 def test_property_chat_messages_are_rendered_or_refused_by_name(service, messages):
   try:
-    req = openai_request.chat_request({"messages": messages, "max_tokens": 4}, service.vocab_size)
+    req = openai_request.chat_request({"messages": messages, "max_tokens": 4})
     ids, _, _ = service._prepare(req.input)
   except ApiError as e:
     # Which message, or which of its fields; a prompt too long for the window names the prompt.
@@ -310,7 +310,7 @@ def test_property_grpc_requests_run_or_are_refused_by_name(service, data):
     fields[prompt] = data.draw(_GRPC_VALID[prompt])
   request = pb.GenerateRequest(**fields, **{target: value})
   try:
-    inp = grpc_api.checked_input(request, service.vocab_size)
+    inp = grpc_api.checked_input(request)
     prepared = service._prepare(inp)
     chunk_tokens = gateway.check_chunk_tokens(inp.chunk_tokens)
   except ApiError as e:
