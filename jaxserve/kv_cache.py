@@ -264,14 +264,10 @@ class KVCache:
     quantized ones, are rearranged (and decoded) for the one layer: a copy per layer per step.
     """
     lay, Z = _LAYOUTS[self.layout], self.page_size
-    tables = block_tables
-    if self.layout is KVLayout.CONTIGUOUS:
-      tables = jnp.maximum(block_tables - 1, 0)  # Page p is view page p - 1; 0 is masked anyway.
+    k, v, _, _, tables = self.decode_pages(block_tables)  # Contiguous: token-major views.
     in_place = (KVLayout.PAGED_TOKEN_MAJOR, KVLayout.CONTIGUOUS)
     if self.k_scale is None and self.layout in in_place and self.k.dtype in (jnp.float32, jnp.bfloat16):
-      if self.layout is KVLayout.PAGED_TOKEN_MAJOR:
-        return self.k, self.v, tables, layer
-      return _as_pages(self.k), _as_pages(self.v), tables, layer  # [L, S * W, Z, K, H]
+      return k, v, tables, layer
     k, v = lay.layer_pages(self.k, self.v, layer, Z)  # [P, Z, K, H]
     if self.k_scale is not None:
       ks, vs = lay.layer_pages(self.k_scale, self.v_scale, layer, Z)
