@@ -1,6 +1,16 @@
-"""jaxserve: a small, fast JAX/XLA inference engine for decoder-only LLMs."""
+"""jaxserve: a small, fast JAX/XLA inference engine for decoder-only LLMs.
+
+The configs import at once; `LLM` (the device side: JAX, the model, the engine) only when first
+used (PEP 562), so the host side (scheduler, server, client, planner) imports without JAX.
+"""
 
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
-from jaxserve.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "SchedulerConfig"]
+
+
+def __getattr__(name: str):
+  if name == "LLM":
+    from jaxserve.llm import LLM
+    return LLM
+  raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
-from jaxserve import checkpoint, sharding
+from jaxserve.loading import checkpoint
+
+from jaxserve.engine import placement
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
-from jaxserve.engine import Engine
-from jaxserve.request import Completion
-from jaxserve.runner import Runner
+from jaxserve.engine.engine import Engine
+from jaxserve.batching.request import Completion
+from jaxserve.batching.runner import Runner
+from jaxserve.api.server import Loaded
 
 Prompt = Union[str, Sequence[int]]
 
@@ -23,8 +26,8 @@ class LLM:
                scheduler_config: SchedulerConfig = SchedulerConfig(), warmup: bool = True):
     """`model`: None (the default model), a packaged model's name, or a path (GGUF file,
     Hugging Face directory, or jaxserve checkpoint)."""
-    mesh = sharding.mesh_for(engine_config)
-    self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype, mesh)
+    mesh = placement.mesh_for(engine_config)
+    self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype.value, mesh)
     self.engine = Engine(self.model, engine_config, stop_ids=self.tokenizer.stop_ids)
     if warmup:
       self.engine.warmup()
@@ -50,3 +53,13 @@ class LLM:
     if len(sampling_params) != len(prompts):
       raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
     return self.runner.generate([(self.encode(p, chat), s) for p, s in zip(prompts, sampling_params)])
+
+
+def load_engine(model: str | None, engine_config: EngineConfig,
+                served_model_name: str | None = None) -> Loaded:
+  """`jaxserve serve`'s loader: the model, its engine compiled for every bucket, its tokenizer."""
+  transformer, tokenizer = checkpoint.load_model(model, engine_config.dtype.value,
+                                                 placement.mesh_for(engine_config))
+  engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids)
+  engine.warmup()
+  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name)

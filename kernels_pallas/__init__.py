@@ -19,7 +19,7 @@ position and KV head (k_scale, v_scale: the values' shape with head_dim 1; KV_IN
 k_scale), and the kernels decode the values after loading them, so no dequantized copy exists.
 Both kernels take `layer`: an int32 scalar with the arrays carrying a leading [L] axis, read in
 place (see select_layer). Page 0 is the engine's scratch page and never in the valid part of a
-block table. Block tables are int32.
+page table. Page tables are int32.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def resolve(platform: str | Platform | None, interpret: bool | None) -> tuple[Pl
   return platform, (platform is Platform.CPU) if interpret is None else bool(interpret)
 
 
-def select_layer(k_pages, v_pages, block_tables, layer):
+def select_layer(k_pages, v_pages, page_tables, layer):
   """Lets the kernels read one layer of a whole [L, P, B, K, D] cache without copying it out.
 
   `cache.k[layer]` with a traced layer (a scan over layers) is a dynamic slice; a custom call
@@ -72,7 +72,7 @@ def select_layer(k_pages, v_pages, block_tables, layer):
   layer's pages become pages layer * P + p of one [L * P, B, K, D] pool.
   """
   if layer is None:
-    return k_pages, v_pages, block_tables
+    return k_pages, v_pages, page_tables
   if k_pages.ndim != 5:
     raise ValueError(f"k_pages must be [layers, num_pages, page_size, num_kv_heads, head_dim] "
                      f"when layer is given, got shape {k_pages.shape}")
@@ -82,16 +82,16 @@ def select_layer(k_pages, v_pages, block_tables, layer):
     raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
   num_layers, num_pages = k_pages.shape[:2]
   merged = (num_layers * num_pages, *k_pages.shape[2:])
-  offset = (jnp.asarray(layer, jnp.int32) * num_pages).astype(block_tables.dtype)
-  return k_pages.reshape(merged), v_pages.reshape(merged), block_tables + offset
+  offset = (jnp.asarray(layer, jnp.int32) * num_pages).astype(page_tables.dtype)
+  return k_pages.reshape(merged), v_pages.reshape(merged), page_tables + offset
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, k_scale=None,
+def paged_decode_attention(q, k_pages, v_pages, page_tables, lengths, *, k_scale=None,
                            v_scale=None, layout=PageLayout.TOKEN_MAJOR, sm_scale=None,
                            platform=None, interpret=None, layer=None):
   """Attention of one new token per sequence over its pages.
 
-  q [S, num_heads, head_dim]; block_tables [S, W] int32; lengths [S] int32: the number of valid
+  q [S, num_heads, head_dim]; page_tables [S, W] int32; lengths [S] int32: the number of valid
   KV positions of each sequence, the new token included (its K/V already written). Positions
   >= lengths are masked; a length of 0 gives 0. sm_scale defaults to 1 / sqrt(head_dim).
   k_pages, v_pages, k_scale, v_scale: pages of `layout` (see the module docstring).
@@ -99,12 +99,12 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, k_scal
   Returns [S, num_heads, head_dim] in q.dtype.
   """
   platform, interpret = resolve(platform, interpret)
-  return _DECODE[platform](q, k_pages, v_pages, block_tables, lengths, k_scale=k_scale,
+  return _DECODE[platform](q, k_pages, v_pages, page_tables, lengths, k_scale=k_scale,
                            v_scale=v_scale, layout=layout, layer=layer, sm_scale=sm_scale,
                            interpret=interpret)
 
 
-def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *,
+def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *,
                              sm_scale=None, platform=None, interpret=None, layer=None):
   """Causal attention of packed new tokens of several sequences over their pages.
 
@@ -112,12 +112,12 @@ def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_le
   cu_q_lens [num_seqs + 1] int32, cumulative query lengths from 0; kv_lens [num_seqs] int32: each
   sequence's KV length, its new tokens included (already written into the pages). Query i of
   sequence s sits at position kv_lens[s] - q_len[s] + i and attends to positions <= its own.
-  block_tables [num_seqs, W]. Padding rows (past cu_q_lens[-1]) give 0. layer: as for decode.
+  page_tables [num_seqs, W]. Padding rows (past cu_q_lens[-1]) give 0. layer: as for decode.
   Returns [T, num_heads, head_dim] in q.dtype.
   """
   platform, interpret = resolve(platform, interpret)
-  k_pages, v_pages, block_tables = select_layer(k_pages, v_pages, block_tables, layer)
-  return _PREFILL[platform](q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,
+  k_pages, v_pages, page_tables = select_layer(k_pages, v_pages, page_tables, layer)
+  return _PREFILL[platform](q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens,
                             sm_scale=sm_scale, interpret=interpret)
 
 

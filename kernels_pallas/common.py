@@ -45,7 +45,7 @@ def check_int_array(x, name: str, shape: tuple[int, ...]):
   _require(x.dtype == jnp.int32, f"{name} must be int32, got {x.dtype}")
 
 
-def check_paged_args(q, k_pages, v_pages, block_tables, num_seqs: int) -> PagedDims:
+def check_paged_args(q, k_pages, v_pages, page_tables, num_seqs: int) -> PagedDims:
   """Checks what decode and prefill share; raises ValueError naming the bad argument."""
   _require(q.ndim == 3, f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
   _require(k_pages.ndim == 4,
@@ -60,21 +60,21 @@ def check_paged_args(q, k_pages, v_pages, block_tables, num_seqs: int) -> PagedD
   _require(q_head_dim == head_dim, f"q head_dim {q_head_dim} != k_pages head_dim {head_dim}")
   _require(num_heads % num_kv_heads == 0,
            f"q num_heads {num_heads} must be a multiple of k_pages num_kv_heads {num_kv_heads}")
-  _require(block_tables.ndim == 2, f"block_tables must be 2-D, got shape {block_tables.shape}")
-  check_int_array(block_tables, "block_tables", (num_seqs, block_tables.shape[1]))
-  return PagedDims(num_heads, num_kv_heads, head_dim, num_pages, page_size, block_tables.shape[1])
+  _require(page_tables.ndim == 2, f"page_tables must be 2-D, got shape {page_tables.shape}")
+  check_int_array(page_tables, "page_tables", (num_seqs, page_tables.shape[1]))
+  return PagedDims(num_heads, num_kv_heads, head_dim, num_pages, page_size, page_tables.shape[1])
 
 
-def check_decode_args(q, k_pages, v_pages, block_tables, lengths) -> PagedDims:
-  dims = check_paged_args(q, k_pages, v_pages, block_tables, q.shape[0] if q.ndim else -1)
+def check_decode_args(q, k_pages, v_pages, page_tables, lengths) -> PagedDims:
+  dims = check_paged_args(q, k_pages, v_pages, page_tables, q.shape[0] if q.ndim else -1)
   check_int_array(lengths, "lengths", (q.shape[0],))
   return dims
 
 
-def check_prefill_args(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens) -> PagedDims:
+def check_prefill_args(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens) -> PagedDims:
   _require(kv_lens.ndim == 1, f"kv_lens must be 1-D [num_seqs], got shape {kv_lens.shape}")
   num_seqs = kv_lens.shape[0]
-  dims = check_paged_args(q, k_pages, v_pages, block_tables, num_seqs)
+  dims = check_paged_args(q, k_pages, v_pages, page_tables, num_seqs)
   check_int_array(kv_lens, "kv_lens", (num_seqs,))
   check_int_array(cu_q_lens, "cu_q_lens", (num_seqs + 1,))
   return dims

@@ -110,16 +110,16 @@ def _flat_pools(pools: page_layout.Pools):
 
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "pages_per_chunk",
                                              "num_splits", "num_warps", "interpret"))
-def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, k_scale=None,
+def paged_decode_attention(q, k_pages, v_pages, page_tables, lengths, *, k_scale=None,
                            v_scale=None, layout=page_layout.PageLayout.TOKEN_MAJOR, layer=None,
                            sm_scale=None, pages_per_chunk=None, num_splits=None, num_warps=4,
                            interpret=False):
   """q [S, H, D] attends to positions [0, lengths[s]) of its pages; returns [S, H, D].
 
   k_pages, v_pages (k_scale, v_scale, layer): pages of `layout`, see page_layout.to_pools;
-  block_tables [S, W] int32; lengths [S] int32.
+  page_tables [S, W] int32; lengths [S] int32.
   """
-  pools = page_layout.to_pools(layout, k_pages, v_pages, k_scale, v_scale, block_tables, layer)
+  pools = page_layout.to_pools(layout, k_pages, v_pages, k_scale, v_scale, page_tables, layer)
   dims = page_layout.check_decode(q, pools, lengths)
   check_triton_sizes(dims.page_size, dims.head_dim)
   num_seqs, _, head_dim = q.shape

@@ -76,14 +76,14 @@ def _prefill_kernel(
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_chunk", "block_q",
                                              "num_warps", "interpret"))
-def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *,
+def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *,
                              sm_scale=None, pages_per_chunk=None, block_q=None, num_warps=4,
                              interpret=False):
   """Packed q [T, H, D] of N sequences -> [T, H, D]; see kernels_pallas.ragged_prefill_attention.
 
   block_q: packed tokens per program (a power of two; default about 64 / Gp).
   """
-  dims = common.check_prefill_args(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens)
+  dims = common.check_prefill_args(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
   gpu_decode.check_triton_sizes(dims.page_size, dims.head_dim)
   num_tokens, _, head_dim = q.shape
   group = common.next_pow2(dims.group)
@@ -91,7 +91,7 @@ def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_le
   if block_q != common.next_pow2(block_q) or block_q * group < 16:
     raise ValueError(f"block_q must be a power of two with block_q * {group} >= 16, got {block_q}")
   per_chunk = gpu_decode.chunk_pages(pages_per_chunk, dims.page_size)
-  tables = jnp.pad(block_tables, ((0, 0), (0, (-dims.pages_per_seq) % per_chunk)))
+  tables = jnp.pad(page_tables, ((0, 0), (0, (-dims.pages_per_seq) % per_chunk)))
   padded = common.round_up(num_tokens, block_q)
   num_blocks = padded // block_q
   dtype = common.compute_dtype(q.dtype, k_pages.dtype)

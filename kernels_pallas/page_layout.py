@@ -67,7 +67,7 @@ class Pools:
   v: jax.Array
   k_scale: jax.Array | None
   v_scale: jax.Array | None
-  tables: jax.Array  # [S, W] the caller's block tables, shifted to the layer's pages.
+  tables: jax.Array  # [S, W] the caller's page tables, shifted to the layer's pages.
   index: SlabIndex
   num_kv_heads: int
   num_pages: int  # P of one layer.
@@ -129,7 +129,7 @@ def _pool(x, layout):
   return x.reshape(-1, *x.shape[-3:])  # [L * P (* 2), B, K, D]
 
 
-def to_pools(layout: PageLayout, k_pages, v_pages, k_scale, v_scale, block_tables, layer) -> Pools:
+def to_pools(layout: PageLayout, k_pages, v_pages, k_scale, v_scale, page_tables, layer) -> Pools:
   """Checks the pages of `layout` (ValueError naming the bad argument) and views them as pools."""
   _require(isinstance(layout, PageLayout), f"layout must be a PageLayout, got {layout!r}")
   _check_values(layout, k_pages, v_pages, layer)
@@ -142,10 +142,10 @@ def to_pools(layout: PageLayout, k_pages, v_pages, k_scale, v_scale, block_table
   index = SlabIndex(page_stride=2 if layout is PageLayout.KV_INTERLEAVED else 1,
                     v_offset=1 if layout is PageLayout.KV_INTERLEAVED else 0,
                     head_stride=num_pages if layout is PageLayout.HEAD_MAJOR else 0)
-  tables = block_tables
+  tables = page_tables
   if layer is not None:  # The layer's first page, in units of `page`.
     per_layer = num_pages * (num_kv_heads if layout is PageLayout.HEAD_MAJOR else 1)
-    tables = block_tables + (jnp.asarray(layer, jnp.int32) * per_layer).astype(block_tables.dtype)
+    tables = page_tables + (jnp.asarray(layer, jnp.int32) * per_layer).astype(page_tables.dtype)
   k = _pool(k_pages, layout)
   v = k if v_pages is None else _pool(v_pages, layout)
   as_scales = lambda s: None if s is None else _pool(s, layout)[..., 0]  # [N, B, Hs]
@@ -155,7 +155,7 @@ def to_pools(layout: PageLayout, k_pages, v_pages, k_scale, v_scale, block_table
 
 
 def check_decode(q, pools: Pools, lengths) -> common.PagedDims:
-  """Checks q, the block tables and lengths against the pools; raises ValueError naming them."""
+  """Checks q, the page tables and lengths against the pools; raises ValueError naming them."""
   _require(q.ndim == 3, f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
   num_seqs, num_heads, q_head_dim = q.shape
   _require(q_head_dim == pools.head_dim,
@@ -163,8 +163,8 @@ def check_decode(q, pools: Pools, lengths) -> common.PagedDims:
   _require(num_heads % pools.num_kv_heads == 0, f"q num_heads {num_heads} must be a multiple of "
                                                 f"k_pages num_kv_heads {pools.num_kv_heads}")
   tables = pools.tables
-  _require(tables.ndim == 2, f"block_tables must be 2-D, got shape {tables.shape}")
-  common.check_int_array(tables, "block_tables", (num_seqs, tables.shape[1]))
+  _require(tables.ndim == 2, f"page_tables must be 2-D, got shape {tables.shape}")
+  common.check_int_array(tables, "page_tables", (num_seqs, tables.shape[1]))
   common.check_int_array(lengths, "lengths", (num_seqs,))
   return common.PagedDims(num_heads, pools.num_kv_heads, pools.head_dim, pools.num_pages,
                           pools.page_size, tables.shape[1])

@@ -26,7 +26,7 @@ class PagedShape:
     return self.page_size * self.pages_per_seq
 
 
-def block_tables(rng: np.random.Generator, kv_lens, shape: PagedShape) -> np.ndarray:
+def page_tables(rng: np.random.Generator, kv_lens, shape: PagedShape) -> np.ndarray:
   """[N, W] int32: sequence s's first cdiv(kv_lens[s], B) entries are distinct pages >= 1."""
   used = [-(-int(n) // shape.page_size) for n in kv_lens]
   pages = rng.permutation(np.arange(1, sum(used) + 1))
@@ -48,8 +48,8 @@ def kv_pages(rng: np.random.Generator, num_pages: int, shape: PagedShape, scratc
 
 
 def decode_inputs(rng: np.random.Generator, lengths, shape: PagedShape, num_pages=None):
-  """(q, k_pages, v_pages, block_tables, lengths) for paged_decode_attention."""
-  tables = block_tables(rng, lengths, shape)
+  """(q, k_pages, v_pages, page_tables, lengths) for paged_decode_attention."""
+  tables = page_tables(rng, lengths, shape)
   num_pages = num_pages or int(tables.max()) + 1
   k, v = kv_pages(rng, num_pages, shape)
   q = rng.standard_normal((len(lengths), shape.num_heads, shape.head_dim))
@@ -59,14 +59,14 @@ def decode_inputs(rng: np.random.Generator, lengths, shape: PagedShape, num_page
 
 def prefill_inputs(rng: np.random.Generator, q_lens, context_lens, num_tokens: int,
                    shape: PagedShape, num_pages=None):
-  """(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens) for ragged_prefill_attention:
+  """(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens) for ragged_prefill_attention:
   sequence s has context_lens[s] cached positions and q_lens[s] new tokens, packed into
   num_tokens rows (the rest padding)."""
   kv_lens = [c + n for c, n in zip(context_lens, q_lens)]
   cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   if cu_q_lens[-1] > num_tokens:
     raise ValueError(f"{cu_q_lens[-1]} new tokens do not fit in num_tokens={num_tokens}")
-  tables = block_tables(rng, kv_lens, shape)
+  tables = page_tables(rng, kv_lens, shape)
   num_pages = num_pages or int(tables.max()) + 1
   k, v = kv_pages(rng, num_pages, shape)
   q = rng.standard_normal((num_tokens, shape.num_heads, shape.head_dim))

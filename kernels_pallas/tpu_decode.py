@@ -3,7 +3,7 @@
 Grid: one step per sequence ("parallel", so megacore chips split the batch). Each step walks the
 sequence's pages in chunks of Q pages, DMAing chunk c + 1 from HBM while chunk c is computed, and
 keeps an online softmax per KV head for its G query heads (GQA: the G heads share one K/V load).
-Block tables and lengths arrive by scalar prefetch (SMEM), so the page ids are known before the
+Page tables and lengths arrive by scalar prefetch (SMEM), so the page ids are known before the
 body runs. The pages are read in the caller's own layout (page_layout.py): a slab per page for
 token-major and interleaved pages (all heads, lane windows as in tpu_pages.py), a slab per page
 and head for head-major ones; quantized values are decoded in VMEM, after the copy, so HBM
@@ -102,19 +102,19 @@ def _operands(pools: page_layout.Pools, per_chunk: int):
 
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "pages_per_chunk",
                                              "interpret"))
-def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, k_scale=None,
+def paged_decode_attention(q, k_pages, v_pages, page_tables, lengths, *, k_scale=None,
                            v_scale=None, layout=page_layout.PageLayout.TOKEN_MAJOR, layer=None,
                            sm_scale=None, pages_per_chunk=None, interpret=False):
   """q [S, H, D] attends to positions [0, lengths[s]) of its pages; returns [S, H, D].
 
   k_pages, v_pages (k_scale, v_scale, layer): pages of `layout`, see page_layout.to_pools;
-  block_tables [S, W] int32; lengths [S] int32.
+  page_tables [S, W] int32; lengths [S] int32.
   pages_per_chunk: pages per DMA/compute step (default about 128 positions).
   """
-  pools = page_layout.to_pools(layout, k_pages, v_pages, k_scale, v_scale, block_tables, layer)
+  pools = page_layout.to_pools(layout, k_pages, v_pages, k_scale, v_scale, page_tables, layer)
   dims = page_layout.check_decode(q, pools, lengths)
   num_seqs, _, head_dim = q.shape
-  # No chunk needs more pages than a block table has: a shorter one unrolls fewer copies.
+  # No chunk needs more pages than a page table has: a shorter one unrolls fewer copies.
   per_chunk = min(pages_per_chunk or common.pages_per_chunk(dims.page_size), dims.pages_per_seq)
   windows, heads = _head_slabs(pools)
   dtype = pools.dequantized_dtype(q.dtype)

@@ -66,7 +66,7 @@ def sublanes(dtype) -> int:
 def chunk_copies(tables_ref, table_start, num_pages, chunk, slot, hbm_refs, buf_refs, sem_ref):
   """The DMAs of K and V pages [chunk * Q, (chunk + 1) * Q) of one sequence into buffer `slot`.
 
-  tables_ref: the flat block tables in SMEM, the sequence's row starting at table_start.
+  tables_ref: the flat page tables in SMEM, the sequence's row starting at table_start.
   hbm_refs: (K, V) [P, B, C] in HBM; buf_refs: (K, V) [2, Q, B, C] VMEM; sem_ref: DMA [2, 2].
   Pages past the sequence's last one re-read that last page: its data is real (finite), and the
   positions are masked, so the chunk never multiplies garbage (0 * nan) into the output.
@@ -159,7 +159,7 @@ def token_major_operands(k_pages, v_pages, dims, per_chunk: int):
 
 def call_over_pages(kernel, scalars, q_win, q_spec, hbm_arrays, scratch, *, out_dtype, grid,
                     interpret, name):
-  """Runs `kernel` over `grid` with the scalar-prefetched `scalars` (block tables first), q
+  """Runs `kernel` over `grid` with the scalar-prefetched `scalars` (page tables first), q
   windows blocked by `q_spec` into VMEM, and `hbm_arrays` (K/V pages or pools) left in HBM for
   the kernel's own double-buffered copies into `scratch`. Returns the output windows: q_win's
   shape, out_dtype."""

@@ -92,13 +92,13 @@ def _prefill_kernel(
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_chunk", "block_q",
                                              "interpret"))
-def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *,
+def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *,
                              sm_scale=None, pages_per_chunk=None, block_q=None, interpret=False):
   """Packed q [T, H, D] of N sequences -> [T, H, D]; see kernels_pallas.ragged_prefill_attention.
 
   block_q: packed tokens per grid step (a power of two; default about 256 / G).
   """
-  dims = common.check_prefill_args(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens)
+  dims = common.check_prefill_args(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens)
   num_tokens, _, head_dim = q.shape
   dtype = common.compute_dtype(q.dtype, k_pages.dtype)
   min_block = tpu_pages.sublanes(dtype)
@@ -119,7 +119,7 @@ def ragged_prefill_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_le
                         lambda j, *_: (0, 0, j, 0))
   hbm_arrays, scratch = tpu_pages.token_major_operands(k_pages, v_pages, dims, per_chunk)
   o_win = tpu_pages.call_over_pages(
-      kernel, (block_tables.reshape(-1), cu_q_lens, kv_lens, seq_lo, seq_hi), q_win, q_spec,
+      kernel, (page_tables.reshape(-1), cu_q_lens, kv_lens, seq_lo, seq_hi), q_win, q_spec,
       hbm_arrays, scratch, out_dtype=q.dtype, grid=(num_blocks,), interpret=interpret,
       name="ragged_prefill_attention_tpu")
   out = tpu_pages.unpack_heads(o_win.transpose(2, 0, 1, 3), windows, head_dim)  # [T, K, G, D]

@@ -1,12 +1,12 @@
 """Ablation of KV-cache layouts: capacity, fragmentation, decode speed, prefix hits, accuracy.
 
-For each variant (layout x block size x KV dtype) on one model and one replayed mixed workload
+For each variant (layout x page size x KV dtype) on one model and one replayed mixed workload
 (varied prompt and output lengths; most prompts share one of a few system prefixes):
 
   fit        concurrent sequences whose whole KV (prompt + output) fits in a fixed byte budget:
-             the workload's sequences are allocated in order by the real block allocator (prefix
+             the workload's sequences are allocated in order by the real page allocator (prefix
              sharing included) over the pool capacity.py's arithmetic gives for the budget. The
-             contiguous layout is an allocator whose one block is a whole slot of max_len tokens.
+             contiguous layout is an allocator whose one page is a whole slot of max_len tokens.
   frag       allocated but unused token positions of the running sequences, over the engine steps
              of the replay (mean over steps; plotted over time).
   step ms    one decode step with every slot active, at equal batch and context.
@@ -32,29 +32,31 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from jaxserve import capacity, checkpoint
-from jaxserve.attention import AttentionMetadata
+from jaxserve.planning import capacity
+
+from jaxserve.loading import checkpoint
+from jaxserve.model.attention import AttentionMetadata
 from jaxserve.config import (AttentionBackend, EngineConfig, KVDtype, KVLayout, ModelConfig,
                              SamplingParams, SchedulerConfig)
-from jaxserve.engine import Engine
-from jaxserve.kv_blocks import BlockAllocator
-from jaxserve.kv_cache import KVCache
-from jaxserve.model import Transformer
-from jaxserve.plan import PrefillChunk
-from jaxserve.runner import Runner
+from jaxserve.engine.engine import Engine
+from jaxserve.batching.kv_pages import PageAllocator
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.llama import Transformer
+from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.runner import Runner
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
   layout: KVLayout
-  block_size: int
+  page_size: int
   kv_dtype: KVDtype
 
   @property
   def name(self) -> str:
     short = {KVLayout.PAGED_TOKEN_MAJOR: "token-major", KVLayout.PAGED_HEAD_MAJOR: "head-major",
              KVLayout.PAGED_KV_INTERLEAVED: "kv-interleaved", KVLayout.CONTIGUOUS: "contiguous"}
-    return f"{short[self.layout]}/{self.block_size} {self.kv_dtype.label}"
+    return f"{short[self.layout]}/{self.page_size} {self.kv_dtype.label}"
 
 
 TM, F32 = KVLayout.PAGED_TOKEN_MAJOR, KVDtype.FLOAT32
@@ -97,24 +99,24 @@ def make_workload(rng, n: int, vocab: int, max_len: int) -> list[tuple[list[int]
 def sequences_that_fit(model_cfg, variant: Variant, work, s: Settings) -> int:
   """How many of the workload's sequences, admitted in order, fit whole in the byte budget."""
   contiguous = variant.layout is KVLayout.CONTIGUOUS
-  block = s.max_model_len if contiguous else variant.block_size
-  block_bytes = capacity.kv_bytes_per_conversation(model_cfg, block, block, variant.kv_dtype)
-  blocks = BlockAllocator(1 + s.budget_bytes // block_bytes, block, not contiguous)
+  page = s.max_model_len if contiguous else variant.page_size
+  page_bytes = capacity.kv_bytes_per_conversation(model_cfg, page, page, variant.kv_dtype)
+  pages = PageAllocator(1 + s.budget_bytes // page_bytes, page, not contiguous)
   fits = 0
   for prompt, out in work:
     seq = prompt + [0] * out  # The output's ids do not matter: only the prompt can be shared.
-    if not blocks.can_allocate(seq):
+    if not pages.can_allocate(seq):
       break
-    table, _ = blocks.allocate(seq)
-    blocks.cache_blocks(table, seq, 0, len(prompt) // block)
+    table, _ = pages.allocate(seq)
+    pages.cache_pages(table, seq, 0, len(prompt) // page)
     fits += 1
   return fits
 
 
 def engine_config(variant: Variant, s: Settings) -> EngineConfig:
-  max_blocks = -(-s.max_model_len // variant.block_size)
-  return EngineConfig(num_slots=s.num_slots, block_size=variant.block_size,
-                      num_blocks=1 + s.num_slots * max_blocks, max_model_len=s.max_model_len,
+  max_pages = -(-s.max_model_len // variant.page_size)
+  return EngineConfig(num_slots=s.num_slots, page_size=variant.page_size,
+                      num_pages=1 + s.num_slots * max_pages, max_model_len=s.max_model_len,
                       prefill_buckets=(s.prefill_bucket,), kv_layout=variant.layout,
                       kv_dtype=variant.kv_dtype, attention_backend=AttentionBackend.REFERENCE,
                       compilation_cache_dir=None)
@@ -136,23 +138,23 @@ def replay(model, tokenizer, variant: Variant, work, s: Settings):
     runner.step()
     running = runner.scheduler.running
     used = sum(len(r.all_token_ids) for r in running)
-    held = sum(s.max_model_len if contiguous else len(r.block_table) * variant.block_size
+    held = sum(s.max_model_len if contiguous else len(r.page_table) * variant.page_size
                for r in running)
     frag.append(1 - used / held if held else 0.0)
-  blocks = runner.scheduler.blocks
-  hit = blocks.num_hit_tokens / max(1, blocks.num_query_tokens)
+  pages = runner.scheduler.pages
+  hit = pages.num_hit_tokens / max(1, pages.num_query_tokens)
   return [list(r.output_token_ids) for r in reqs], frag, hit, engine
 
 
 def decode_ms(engine: Engine, s: Settings, context: int) -> float:
   """Median time of one decode step with every slot active at `context` tokens."""
-  W = engine.config.max_blocks_per_seq
+  W = engine.config.max_pages_per_seq
   tables = (1 + np.arange(s.num_slots)[:, None] * W + np.arange(W)[None, :]).astype(np.int32)
   greedy = SamplingParams(temperature=0)
   for slot in range(s.num_slots):
     ids = list(range(100, 100 + context))
     engine.prefill(PrefillChunk("t", slot, ids, 0, list(tables[slot]), True, greedy, 0, ids, ()))
-  width = -(-(context + s.timed_steps + 2) // engine.block_size)
+  width = -(-(context + s.timed_steps + 2) // engine.page_size)
   engine.decode(range(s.num_slots), tables[:, :width]).result()  # Compiles this width.
   times = []
   for _ in range(s.timed_steps):
@@ -165,10 +167,10 @@ def decode_ms(engine: Engine, s: Settings, context: int) -> float:
 def _forward(model, ids, layout, kv_dtype, page_size):
   n = ids.shape[0]
   pages = n // page_size
-  cfg = EngineConfig(num_slots=1, block_size=page_size, num_blocks=pages + 1, max_model_len=n,
+  cfg = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1, max_model_len=n,
                      prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
   meta = AttentionMetadata(positions=jnp.arange(n)[None], slot_mapping=(page_size + jnp.arange(n))[None],
-                           block_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
+                           page_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
                            q_lens=jnp.array([n]))
   logits, _ = model(ids[None], KVCache.create(model.cfg, cfg), meta, last_only=False)
   return logits[0]  # [T, V]
@@ -178,7 +180,7 @@ teacher_forced = nnx.jit(_forward, static_argnums=(2, 3, 4))
 
 
 def logit_error(model, ids, variant: Variant, ref) -> float:
-  got = np.asarray(teacher_forced(model, ids, variant.layout, variant.kv_dtype, variant.block_size))
+  got = np.asarray(teacher_forced(model, ids, variant.layout, variant.kv_dtype, variant.page_size))
   return float(np.abs(got - ref).max())
 
 
@@ -200,7 +202,7 @@ def run(args) -> list[dict]:
   work = make_workload(np.random.default_rng(0), s.num_requests, model.cfg.vocab_size, s.max_model_len)
   # A longer stream from the same mix for the capacity count, so no budget holds all of it.
   fit_work = make_workload(np.random.default_rng(1), 500, model.cfg.vocab_size, s.max_model_len)
-  probe_len = max(64, *(v.block_size for v in variants))  # Whole pages at every block size.
+  probe_len = max(64, *(v.page_size for v in variants))  # Whole pages at every page size.
   probe = jnp.asarray((work[0][0] * 8)[:probe_len], jnp.int32)
   ref_logits = np.asarray(teacher_forced(model, probe, TM, F32, 16))
   rows, ref_outputs = [], None

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
 from jaxserve.llm import LLM
-from jaxserve.runner import Runner
+from jaxserve.batching.runner import Runner
 
 
 def workload(num: int, seed: int, vocab: int):
@@ -45,7 +45,7 @@ def main() -> None:
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
 
-  engine = EngineConfig(num_slots=args.slots, block_size=16, num_blocks=args.slots * 24 + 1,
+  engine = EngineConfig(num_slots=args.slots, page_size=16, num_pages=args.slots * 24 + 1,
                         max_model_len=384, prefill_buckets=(64, 128, 256))
   llm = LLM(None, engine_config=engine)
   work = workload(args.requests, args.seed, llm.tokenizer.vocab_size)

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import checkpoint
+from jaxserve.loading import checkpoint
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine import Engine
-from jaxserve.plan import PrefillChunk
+from jaxserve.engine.engine import Engine
+from jaxserve.batching.plan import PrefillChunk
 
 
 def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
@@ -49,7 +49,7 @@ def _timed(fn) -> float:
 def decode_ms(model, batch: int, context: int, steps: int) -> float:
   """Median ms per decode step with `batch` slots each holding `context` tokens."""
   pages = -(-context // 16)
-  config = EngineConfig(num_slots=batch, block_size=16, num_blocks=batch * pages + 1,
+  config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
                         max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
   engine = Engine(model, config)
   tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
@@ -65,7 +65,7 @@ def decode_ms(model, batch: int, context: int, steps: int) -> float:
 
 def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
   pages = length // 16
-  config = EngineConfig(num_slots=1, block_size=16, num_blocks=pages + 1, max_model_len=length,
+  config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=length,
                         prefill_buckets=(length,), compilation_cache_dir=None)
   engine = Engine(model, config)
   chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,

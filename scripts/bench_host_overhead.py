@@ -1,6 +1,6 @@
 """Host overhead per step: the Runner and Scheduler at 64 busy slots with a zero-cost engine.
 
-Everything measured is host work: planning, block bookkeeping, reading tokens back, stop checks,
+Everything measured is host work: planning, page bookkeeping, reading tokens back, stop checks,
 detokenizing and building outputs. Target: under 1 ms per step. Both wall time and this thread's
 CPU time are reported: on a loaded machine the wall time's tail is other processes.
 
@@ -18,8 +18,8 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.config import SamplingParams, SchedulerConfig
-from jaxserve.plan import PrefillChunk
-from jaxserve.runner import Runner
+from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.runner import Runner
 
 
 class _Done:
@@ -34,9 +34,9 @@ class _Done:
 class ZeroEngine:
   """plan.Engine that does no work: tokens come from a few precomputed arrays."""
 
-  def __init__(self, num_slots: int, num_blocks: int, block_size: int = 16,
+  def __init__(self, num_slots: int, num_pages: int, page_size: int = 16,
                max_model_len: int = 2048, max_prefill_len: int = 512):
-    self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
+    self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
     self.max_model_len, self.max_prefill_len = max_model_len, max_prefill_len
     self.can_share_pages = True
     rng = np.random.default_rng(0)
@@ -47,7 +47,7 @@ class ZeroEngine:
   def prefill(self, chunk: PrefillChunk) -> _Done | None:
     return _Done(self._next()[:1]) if chunk.is_last else None
 
-  def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> _Done:
+  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> _Done:
     return _Done(self._next())
 
   def free(self, slot: int) -> None:
@@ -68,7 +68,7 @@ class NullTokenizer:
 
 def bench(num_slots: int, num_requests: int, tokenizer, stop: Sequence[str]) -> dict[str, float]:
   rng = random.Random(0)
-  engine = ZeroEngine(num_slots, num_blocks=num_slots * 64 + 1)
+  engine = ZeroEngine(num_slots, num_pages=num_slots * 64 + 1)
   runner = Runner(engine, tokenizer, SchedulerConfig())
   for i in range(num_requests):
     prompt = [rng.randrange(300, 8000) for _ in range(rng.randint(64, 256))]
@@ -100,7 +100,7 @@ def main() -> None:
   tokenizer, stop = NullTokenizer(), ()
   if args.tokenizer:
     from jaxserve import pull  # pylint: disable=g-import-not-at-top
-    from jaxserve.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+    from jaxserve.text.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
     tokenizer, stop = Tokenizer.from_gguf(pull.gguf_path(pull.SMOLLM2)), ("\n\nUser:",)
   r = bench(args.slots, args.requests, tokenizer, stop)
   print(f"{args.slots} slots, {args.requests} requests, "

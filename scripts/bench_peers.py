@@ -124,8 +124,8 @@ class JaxServe:
     from jaxserve.config import EngineConfig
     from jaxserve.llm import LLM
 
-    cfg = EngineConfig(num_slots=args.slots, block_size=16, max_model_len=args.max_model_len,
-                       num_blocks=args.num_blocks, prefill_buckets=args.buckets)
+    cfg = EngineConfig(num_slots=args.slots, page_size=16, max_model_len=args.max_model_len,
+                       num_pages=args.num_pages, prefill_buckets=args.buckets)
     self.llm = LLM(args.jaxserve_model, engine_config=cfg)
 
   def run(self, work: Sequence[dict]) -> Run:
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--slots", type=int, default=16, help="jaxserve's slots and llama.cpp's parallel sequences")
   p.add_argument("--buckets", type=lambda s: tuple(int(b) for b in s.split(",")), default=(64, 128, 256))
   p.add_argument("--max-model-len", type=int, default=1024)
-  p.add_argument("--num-blocks", type=int, default=16 * 512 // 16 + 1, help="16 x 512 tokens, + scratch")
+  p.add_argument("--num-pages", type=int, default=16 * 512 // 16 + 1, help="16 x 512 tokens, + scratch")
   p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
   p.add_argument("--hf-batch", type=int, default=16, help="transformers' static batch size")
   p.add_argument("--install-llama-cpp", action="store_true", help="pip install llama-cpp-python if missing")
@@ -428,8 +428,8 @@ def run_rounds(systems: Sequence, work: Sequence[dict], rounds: int) -> dict[str
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  from jaxserve import pull
-  from jaxserve.tokenizer import Tokenizer
+  from jaxserve.loading import pull
+  from jaxserve.text.tokenizer import Tokenizer
 
   args.gguf = pull.gguf_path(pull.DEFAULT_MODEL)
   names = [n for n in args.systems.split(",") if n]

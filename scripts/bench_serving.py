@@ -25,8 +25,8 @@ import time
 import grpc
 import numpy as np
 
-from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.proto import jaxserve_pb2_grpc
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.api.proto import jaxserve_pb2_grpc
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ and each request's tokens are compared with its reference:
 
   batch       all prompts at once, greedy and seeded requests mixed, plus filler requests, so that
               the slots are full and requests join and leave around each other
-  prefix      prefix caching on, after warm-up requests that share each prompt's first blocks: the
+  prefix      prefix caching on, after warm-up requests that share each prompt's first pages: the
               prompts' prefills read cached KV and compute only their suffix
   chunked     prefill in chunks of --chunk tokens (chunked prefill under a small token budget)
   preempted   a KV pool too small for the batch: requests are preempted and recomputed
@@ -27,10 +27,10 @@ import json
 import sys
 from typing import Sequence
 
-from jaxserve import checkpoint
+from jaxserve.loading import checkpoint
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
-from jaxserve.engine import Engine
-from jaxserve.runner import Runner
+from jaxserve.engine.engine import Engine
+from jaxserve.batching.runner import Runner
 
 CONDITIONS = ("batch", "prefix", "chunked", "preempted")
 _TOPICS = ["the sea", "a lighthouse keeper", "prime numbers", "bread", "a lost key", "winter",
@@ -72,7 +72,7 @@ def run(engine: Engine, tokenizer, config: SchedulerConfig, batch: list, tagged:
   runner = Runner(engine, tokenizer, config)
   done = runner.generate(batch)
   runner_state = runner.scheduler
-  assert runner_state.blocks.num_free_blocks == runner_state.blocks.num_usable_blocks
+  assert runner_state.pages.num_free_pages == runner_state.pages.num_usable_pages
   return [(list(c.token_ids), c.num_cached_tokens) for c in done[:tagged]], runner_state
 
 
@@ -110,11 +110,11 @@ def check(model, tokenizer, engine_config: EngineConfig, num_prompts: int, max_t
   got, sched = run(engine, tokenizer, dataclasses.replace(plain, max_num_batched_tokens=chunk),
                    as_pairs + fillers, num_prompts)
   record("chunked", got, {"chunk_tokens": chunk})
-  small = Engine(model, dataclasses.replace(engine_config, num_blocks=small_pool),
+  small = Engine(model, dataclasses.replace(engine_config, num_pages=small_pool),
                  stop_ids=tokenizer.stop_ids)
   small.warmup()
   got, sched = run(small, tokenizer, plain, as_pairs, num_prompts)
-  record("preempted", got, {"num_blocks": small_pool, "preemptions": sched.num_preemptions})
+  record("preempted", got, {"num_pages": small_pool, "preemptions": sched.num_preemptions})
   return report
 
 
@@ -137,11 +137,11 @@ def main(argv=None) -> int:
   p.add_argument("--max-tokens", type=int, default=32)
   p.add_argument("--slots", type=int, default=8)
   p.add_argument("--chunk", type=int, default=16, help="prefill chunk in the chunked condition")
-  p.add_argument("--small-pool", type=int, default=48, help="KV blocks in the preempted condition")
+  p.add_argument("--small-pool", type=int, default=48, help="KV pages in the preempted condition")
   p.add_argument("--json", default=None, help="write the report here too")
   args = p.parse_args(argv)
   model, tokenizer = checkpoint.load_model(args.model)
-  config = EngineConfig(num_slots=args.slots, num_blocks=1024, max_model_len=512,
+  config = EngineConfig(num_slots=args.slots, num_pages=1024, max_model_len=512,
                         prefill_buckets=(16, 32, 64, 128))
   report = check(model, tokenizer, config, args.prompts, args.max_tokens, args.chunk,
                  args.small_pool)

@@ -36,10 +36,10 @@ import sys
 import time
 from typing import Any, TextIO
 
-from jaxserve import cli
+from jaxserve.cli import main as cli
 from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.llm import LLM
-from jaxserve.request import Completion, FinishReason, Request
+from jaxserve.batching.request import Completion, FinishReason, Request
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"logprobs"}
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("input", type=pathlib.Path, help="JSONL, one request per line")
   p.add_argument("output", type=pathlib.Path, help="JSONL results; an existing file is resumed")
-  cli._add_engine_flags(p)  # --model --dtype --slots --block-size --num-blocks --memory-fraction ...
+  cli._add_engine_flags(p)  # --model --dtype --slots --page-size --num-pages --memory-fraction ...
   cli._add_sampling_flags(p)  # The defaults a line's own fields override.
   p.add_argument("--max-batched-tokens", type=int, default=512, help="prefill tokens per step")
   p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")

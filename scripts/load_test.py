@@ -1,11 +1,11 @@
 """Load test: N concurrent streaming gRPC clients against `jaxserve serve`, with faults injected.
 
   python scripts/load_test.py [--clients 256] [--rounds 3] [--cancel-frac 0.1] [--deadline-frac 0.1]
-      [--stall-frac 0.02] [--json out.json] [--model M --slots 16 --num-blocks 64 ...]
+      [--stall-frac 0.02] [--json out.json] [--model M --slots 16 --num-pages 64 ...]
   python scripts/load_test.py --target 127.0.0.1:50051 --metrics-url http://127.0.0.1:8000/metrics
 
 Without --target it starts `jaxserve serve` on free loopback ports; flags it does not know
-(--model, --slots, --num-blocks, ...) go to that command, so a small --num-blocks forces preemption.
+(--model, --slots, --num-pages, ...) go to that command, so a small --num-pages forces preemption.
 Each round sends --clients requests at once over a few channels: prompts from --workload cut to
 --max-prompt-tokens, greedy or seeded so that a prompt's tokens repeat. Some requests are faulty:
   cancel    the client cancels after a random number of messages (none: after a random delay)
@@ -18,7 +18,7 @@ Each check below, broken, makes the exit code 1:
     INCONSISTENT) or a status code; a stream that ends OK without a finish reason is DROPPED;
     INTERNAL and UNKNOWN are server bugs
   - a prompt and its sampling give the same tokens every time they complete (else MISMATCH)
-  - after each round the server is idle (nothing running or waiting, KV usage 0: every block free)
+  - after each round the server is idle (nothing running or waiting, KV usage 0: every page free)
     within --idle-timeout-s
   - the server's resident memory grows by at most --max-rss-growth from round 2 to the last
     (round 1 warms caches up); with --target, read from its process_resident_memory_bytes
@@ -54,8 +54,8 @@ _HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 from bench_serving import load_workload, to_request  # pylint: disable=g-import-not-at-top
 
-from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.proto import jaxserve_pb2_grpc
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.api.proto import jaxserve_pb2_grpc
 
 
 class Fault(enum.Enum):
@@ -298,7 +298,7 @@ def print_row(row: dict) -> None:
 def start_server(serve_args: list[str], log_path: str,
                  timeout: float) -> tuple[subprocess.Popen, str, str]:
   """`jaxserve serve` on free loopback ports; (process, gRPC address, metrics URL) once ready."""
-  cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--grpc-port", "0", "--http-port", "0",
+  cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--grpc-port", "0", "--http-port", "0",
          *serve_args]
   print(f"starting {' '.join(cmd)} (log: {log_path})", file=sys.stderr)
   with open(log_path, "w") as log:  # The child keeps its own copy of the file.

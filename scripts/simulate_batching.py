@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.config import SamplingParams, SchedulerConfig
-from jaxserve.plan import PrefillChunk
-from jaxserve.runner import Runner
+from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.runner import Runner
 
 
 class _Done:
@@ -31,9 +31,9 @@ class _Done:
 class NullEngine:
   """plan.Engine doing no work; records which request each slot served in each step."""
 
-  def __init__(self, num_slots: int, num_blocks: int = 4096, block_size: int = 16,
+  def __init__(self, num_slots: int, num_pages: int = 4096, page_size: int = 16,
                max_model_len: int = 2048, max_prefill_len: int = 512):
-    self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
+    self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
     self.max_model_len, self.max_prefill_len = max_model_len, max_prefill_len
     self.can_share_pages = True
     self.occupancy: list[dict[int, str]] = []  # Per device step: slot -> request id.
@@ -45,7 +45,7 @@ class NullEngine:
     self._owner[chunk.slot] = self._step[chunk.slot] = chunk.request_id
     return _Done(self._ones[:1]) if chunk.is_last else None
 
-  def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> _Done:
+  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> _Done:
     for slot in slots:
       self._step[slot] = self._owner[slot]
     return _Done(self._ones)

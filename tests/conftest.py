@@ -14,11 +14,11 @@ from jax._src import dispatch
 from flax import nnx
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.model import Transformer
+from jaxserve.model.llama import Transformer
 
 TINY = ModelConfig(vocab_size=128, dim=64, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
                    hidden_dim=96, max_seq_len=256, rope_theta=10000.0, name="tiny")
-TINY_ENGINE = EngineConfig(num_slots=4, block_size=8, num_blocks=48, max_model_len=128,
+TINY_ENGINE = EngineConfig(num_slots=4, page_size=8, num_pages=48, max_model_len=128,
                            prefill_buckets=(16, 32), compilation_cache_dir=None)
 
 
@@ -47,7 +47,7 @@ def count_compiles():
 @pytest.fixture(scope="session")
 def default_model():
   """The real default model (SmolLM2-135M-Instruct), pulled and converted on first use."""
-  from jaxserve import checkpoint
+  from jaxserve.loading import checkpoint
   return checkpoint.load_model(None)
 
 
@@ -63,15 +63,15 @@ def dense_logits(model: Transformer, ids, page_size: int = 16):
 
 def dense_forward(model: Transformer, ids, page_size: int):
   """ids [T] (T a multiple of page_size) -> logits [T, V], on a fresh cache."""
-  from jaxserve.attention import AttentionMetadata
-  from jaxserve.kv_cache import KVCache
+  from jaxserve.model.attention import AttentionMetadata
+  from jaxserve.model.kv_cache import KVCache
 
   n = ids.shape[0]
   pages = n // page_size
-  engine = EngineConfig(num_slots=1, block_size=page_size, num_blocks=pages + 1,
+  engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=pages * page_size, prefill_buckets=(page_size,), dtype=_dtype(model))
   meta = AttentionMetadata(positions=jnp.arange(n)[None], slot_mapping=(page_size + jnp.arange(n))[None],
-                           block_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
+                           page_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
                            q_lens=jnp.array([n]))
   logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
   return logits[0]
@@ -90,7 +90,7 @@ def tiny_checkpoint(tmp_path_factory, default_model):
   tokens): real text in and out, compiled in seconds. Load it with `LLM(str(path))`."""
   import dataclasses
 
-  from jaxserve import checkpoint
+  from jaxserve.loading import checkpoint
 
   cfg = dataclasses.replace(TINY, vocab_size=default_model[1].vocab_size, max_seq_len=512,
                             name="tiny-smollm2-vocab")

@@ -1,8 +1,8 @@
 """A mock of plan.Engine whose tokens can be worked out by hand, plus a mock tokenizer.
 
 The mock's "KV cache" stores, in each page slot, the token id whose KV would live there. Every
-sampled token is `next_token(context)` where the context is read back *through the block table*
-from those pages, so a wrong block table, a prefix-cache hit on the wrong page or a missing
+sampled token is `next_token(context)` where the context is read back *through the page table*
+from those pages, so a wrong page table, a prefix-cache hit on the wrong page or a missing
 recompute after preemption all change the tokens (or trip an assertion on an unwritten page).
 """
 
@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import numpy as np
 import pytest
 
-from jaxserve.plan import PrefillChunk
+from jaxserve.batching.plan import EngineInfo, PrefillChunk
+from jaxserve.config.engine import width_buckets
 
 
 def next_plus_one(context: Sequence[int], vocab_size: int = 1000) -> int:
@@ -47,18 +48,22 @@ class MockFuture:
 
 class MockEngine:
 
-  def __init__(self, num_slots: int = 4, block_size: int = 4, num_blocks: int = 64,
+  def __init__(self, num_slots: int = 4, page_size: int = 4, num_pages: int = 64,
                max_model_len: int = 128, max_prefill_len: int = 16,
                next_token: Callable[[Sequence[int]], int] = next_plus_one):
     self.num_slots = num_slots
-    self.block_size = block_size
-    self.num_blocks = num_blocks
+    self.page_size = page_size
+    self.num_pages = num_pages
     self.max_model_len = max_model_len
     self.max_prefill_len = max_prefill_len
     self.can_share_pages = True
+    max_pages = -(-max_model_len // page_size)
+    self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len, max_prefill_len,
+                           can_share_pages=True, vocab_size=2**31 - 1,
+                           decode_widths=width_buckets(max_pages, smallest=1))
     self.next_token = next_token
-    self.pages = np.full((num_blocks, block_size), -1, np.int64)  # [pages, block_size] token ids
-    self.page_writes = np.zeros(num_blocks, np.int64)  # Positions written, per page.
+    self.pages = np.full((num_pages, page_size), -1, np.int64)  # [pages, page_size] token ids
+    self.page_writes = np.zeros(num_pages, np.int64)  # Positions written, per page.
     self.num_prefill_tokens = 0  # Prompt tokens whose KV the engine computed.
     self.num_decode_steps = 0
     self.chunks: list[PrefillChunk] = []
@@ -70,21 +75,21 @@ class MockEngine:
     n = len(chunk.token_ids)
     assert 0 < n <= self.max_prefill_len, n
     assert self._pos[chunk.slot] is None, f"slot {chunk.slot} prefilled while still decoding"
-    assert len(chunk.block_table) * self.block_size >= chunk.start_pos + n
+    assert len(chunk.page_table) * self.page_size >= chunk.start_pos + n
     self.events.append(("prefill", chunk.request_id, chunk.start_pos, n))
     self.chunks.append(chunk)
     for i, token in enumerate(chunk.token_ids):
-      self._write(chunk.block_table, chunk.start_pos + i, token)
+      self._write(chunk.page_table, chunk.start_pos + i, token)
     self.num_prefill_tokens += n
     if not chunk.is_last:
       return None
     end = chunk.start_pos + n
-    token = self.next_token(self._context(chunk.block_table, end))
+    token = self.next_token(self._context(chunk.page_table, end))
     self._token[chunk.slot], self._pos[chunk.slot] = token, end
     return MockFuture(np.array([token], np.int32), self, f"prefill:{chunk.request_id}")
 
-  def decode(self, slots: Sequence[int], block_tables: np.ndarray) -> MockFuture:
-    assert block_tables.shape[0] == self.num_slots and block_tables.dtype == np.int32
+  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> MockFuture:
+    assert page_tables.shape[0] == self.num_slots and page_tables.dtype == np.int32
     self.num_decode_steps += 1
     self.events.append(("decode", tuple(slots)))
     out = np.full(self.num_slots, -1, np.int32)
@@ -92,7 +97,7 @@ class MockEngine:
       pos = self._pos[slot]
       assert pos is not None, f"decode of free slot {slot}"
       assert pos < self.max_model_len
-      table = block_tables[slot]
+      table = page_tables[slot]
       self._write(table, pos, self._token[slot])
       out[slot] = self.next_token(self._context(table, pos + 1))
       self._token[slot], self._pos[slot] = int(out[slot]), pos + 1
@@ -103,16 +108,16 @@ class MockEngine:
     self._token[slot] = self._pos[slot] = None
 
   def _write(self, table: Sequence[int], pos: int, token: int) -> None:
-    block = table[pos // self.block_size]
-    assert block != 0, f"position {pos} written to the scratch page"
-    self.pages[block, pos % self.block_size] = token
-    self.page_writes[block] += 1
+    page = table[pos // self.page_size]
+    assert page != 0, f"position {pos} written to the scratch page"
+    self.pages[page, pos % self.page_size] = token
+    self.page_writes[page] += 1
 
   def _context(self, table: Sequence[int], length: int) -> list[int]:
-    bs = self.block_size
-    blocks = [table[p // bs] for p in range(length)]
-    assert 0 not in blocks, "attention read the scratch page"
-    context = [int(self.pages[b, p % bs]) for p, b in zip(range(length), blocks)]
+    bs = self.page_size
+    pages = [table[p // bs] for p in range(length)]
+    assert 0 not in pages, "attention read the scratch page"
+    context = [int(self.pages[b, p % bs]) for p, b in zip(range(length), pages)]
     assert min(context) >= 0, "attention read an unwritten position"
     return context
 
@@ -133,11 +138,11 @@ class MockTokenizer:
 
 
 def assert_all_free(scheduler) -> None:
-  """Nothing queued or running, every block back in the pool, every slot free."""
+  """Nothing queued or running, every page back in the pool, every slot free."""
   assert not scheduler.waiting and not scheduler.running
-  blocks = scheduler.blocks
-  assert blocks.num_free_blocks == blocks.num_usable_blocks
-  assert all(blocks.ref_count(b) == 0 for b in range(blocks.num_blocks))
+  pages = scheduler.pages
+  assert pages.num_free_pages == pages.num_usable_pages
+  assert all(pages.ref_count(b) == 0 for b in range(pages.num_pages))
   assert sorted(scheduler._free_slots) == list(range(len(scheduler._tables)))
 
 

@@ -17,11 +17,11 @@ from sharding_worker import _model, _setup
 
 def _engine(args: dict):
   from jaxserve.config import EngineConfig
-  from jaxserve.engine import Engine
+  from jaxserve.engine.engine import Engine
 
   tp, dp = args["layout"]
   # Two prefill buckets and two decode widths (8 and 16 pages of 4 tokens), all compiled by warmup.
-  settings = dict(num_slots=4, block_size=4, num_blocks=128, max_model_len=64,
+  settings = dict(num_slots=4, page_size=4, num_pages=128, max_model_len=64,
                   prefill_buckets=(16, 32), tp=tp, dp=dp)
   settings.update(args.get("engine", {}))  # This process's own flags.
   engine = Engine(_model(args, tp, dp), EngineConfig(**settings))
@@ -31,9 +31,9 @@ def _engine(args: dict):
 
 
 def _serve(engine, args: dict) -> dict:
-  from jaxserve import multihost
+  from jaxserve.engine import multihost
   from jaxserve.config import SamplingParams, SchedulerConfig
-  from jaxserve.runner import Runner
+  from jaxserve.batching.runner import Runner
   from mock_engine import MockTokenizer
 
   leader = multihost.LeaderEngine(engine) if "coordinator" in args else None
@@ -61,7 +61,7 @@ def main() -> None:
   _setup(args)
   import jax
 
-  from jaxserve import multihost
+  from jaxserve.engine import multihost
 
   start = time.perf_counter()
   seed = multihost.shared_seed() if "coordinator" in args else None

@@ -10,14 +10,16 @@ import threading
 
 import grpc
 
-from jaxserve import checkpoint, server
+from jaxserve.loading import checkpoint
+
+from jaxserve.api import server
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
-from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.proto import jaxserve_pb2_grpc
+from jaxserve.engine.engine import Engine
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.api.proto import jaxserve_pb2_grpc
 
 # Small enough to compile in seconds: one prefill bucket, one decode width (128 / 16 = 8 pages).
-ENGINE = EngineConfig(num_slots=4, block_size=16, num_blocks=40, max_model_len=128,
+ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=40, max_model_len=128,
                       prefill_buckets=(32,), compilation_cache_dir=None)
 KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-abcdef", "carol": "sk-carol-xyz"}
 LIMITS = {"bob": {"requests_per_minute": 2}, "carol": {"tokens_per_minute": 60}}
@@ -101,7 +103,7 @@ def text_request(text: str, **fields) -> pb.GenerateRequest:
 
 
 def idle(scheduler) -> bool:
-  """Nothing queued or running and every KV block back in the pool."""
-  blocks = scheduler.blocks
+  """Nothing queued or running and every KV page back in the pool."""
+  pages = scheduler.pages
   return (not scheduler.waiting and not scheduler.running
-          and blocks.num_free_blocks == blocks.num_usable_blocks)
+          and pages.num_free_pages == pages.num_usable_pages)

@@ -22,7 +22,8 @@ def _setup(args: dict) -> None:
 
 
 def _model(args: dict, tp: int, dp: int):
-  from jaxserve import checkpoint, sharding
+  from jaxserve.loading import checkpoint
+  from jaxserve.engine import placement
   from jaxserve.config import ModelConfig
 
   if args["model"] == "default":
@@ -32,7 +33,7 @@ def _model(args: dict, tp: int, dp: int):
     params = random_params(cfg, seed=0)
   if tp * dp == 1:
     return checkpoint.build_model(cfg, params)
-  return sharding.build_sharded_model(cfg, params, "float32", sharding.make_mesh(tp, dp))
+  return checkpoint.build_model(cfg, params, "float32", placement.make_mesh(tp, dp))
 
 
 def random_params(cfg, seed: int) -> dict:
@@ -55,9 +56,9 @@ def _greedy(engine, prompts, steps: int) -> dict:
   import numpy as np
 
   from jaxserve.config import SamplingParams
-  from jaxserve.plan import PrefillChunk
+  from jaxserve.batching.plan import PrefillChunk
 
-  width = -(-(max(map(len, prompts)) + steps + 1) // engine.block_size)
+  width = -(-(max(map(len, prompts)) + steps + 1) // engine.page_size)
   tables = np.arange(1, 1 + len(prompts) * width, dtype=np.int32).reshape(len(prompts), width)
   greedy = SamplingParams(temperature=0, logprobs=1)
   tokens, logprobs = [], []
@@ -80,28 +81,22 @@ def _device0_param_bytes(params) -> int:
 
 
 def _collectives(engine, tables) -> dict:
-  import contextlib
-
-  import jax
   import numpy as np
 
-  mesh = jax.set_mesh(engine.shardings.mesh) if engine.shardings else contextlib.nullcontext()
-  decode = engine._decode.__wrapped__ if engine.shardings else engine._decode  # in_mesh wraps the jit.
-  with mesh:
-    args = engine.decode_args(range(engine.num_slots), np.asarray(tables, np.int32))
-    hlo = decode.lower(engine.params, engine.cache, engine.state, args.rows, args.block_tables,
-                       engine.stop_ids).compile().as_text()
+  args = engine.decode_args(range(engine.num_slots), np.asarray(tables, np.int32))
+  hlo = engine._decode.lower(engine.params, engine.cache, engine.state, args.rows, args.page_tables,
+                             engine.stop_ids).compile().as_text()
   ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
   return {op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(") for op in ops}
 
 
 def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major") -> dict:
   from jaxserve.config import EngineConfig, KVLayout
-  from jaxserve.engine import Engine
+  from jaxserve.engine.engine import Engine
 
-  # One decode width (max_model_len / block_size = 8 pages) and one prefill bucket: 2 compilations.
+  # One decode width (max_model_len / page_size = 8 pages) and one prefill bucket: 2 compilations.
   # The persistent cache makes the HLO dump (a second compile of decode) a cache hit.
-  config = EngineConfig(num_slots=args.get("slots", 4), block_size=8, num_blocks=64, max_model_len=64,
+  config = EngineConfig(num_slots=args.get("slots", 4), page_size=8, num_pages=64, max_model_len=64,
                         prefill_buckets=(32,), compilation_cache_dir=args.get("cache_dir"), tp=tp, dp=dp,
                         kv_layout=KVLayout(kv_layout))
   engine = Engine(_model(args, tp, dp), config)
@@ -122,8 +117,9 @@ def pallas_per_shard(tp: int, dp: int) -> dict:
   import jax.numpy as jnp
   import numpy as np
 
-  from jaxserve import attention, sharding
-  from jaxserve.kv_cache import KVCache
+  from jaxserve.engine import placement
+  from jaxserve.model import attention
+  from jaxserve.model.kv_cache import KVCache
 
   rng = np.random.default_rng(1)
   L, P, Z, K, N, H = 2, 16, 8, 4, 8, 16
@@ -137,19 +133,19 @@ def pallas_per_shard(tp: int, dp: int) -> dict:
 
   decode_meta = attention.AttentionMetadata(
       positions=jnp.array([[4], [15], [8], [0]]), slot_mapping=jnp.zeros((4, 1), jnp.int32),
-      block_tables=jnp.array([[1, 2], [3, 4], [5, 6], [7, 8]]), kv_lens=jnp.array([5, 16, 9, 1]),
+      page_tables=jnp.array([[1, 2], [3, 4], [5, 6], [7, 8]]), kv_lens=jnp.array([5, 16, 9, 1]),
       q_lens=jnp.ones(4, jnp.int32))
   prefill_meta = attention.AttentionMetadata(
       positions=(7 + jnp.arange(16))[None], slot_mapping=jnp.zeros((1, 16), jnp.int32),
-      block_tables=jnp.array([[9, 10, 11, 12]]), kv_lens=jnp.array([20]), q_lens=jnp.array([13]))
-  step = jax.jit(functools.partial(sharding.attend_per_shard, kernel))
+      page_tables=jnp.array([[9, 10, 11, 12]]), kv_lens=jnp.array([20]), q_lens=jnp.array([13]))
+  # The mesh is an argument: nothing is read from a global context while tracing.
+  step = jax.jit(functools.partial(attention.attend_per_shard, kernel, mesh=placement.make_mesh(tp, dp)))
   errors = {}
-  with jax.set_mesh(sharding.make_mesh(tp, dp)):
-    for name, meta, B, T, real in (("decode", decode_meta, 4, 1, 1), ("prefill", prefill_meta, 1, 16, 13)):
-      q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
-      out = step(q, cache, jnp.int32(1), meta)
-      want = attention.attend_reference(q, cache, 1, meta)
-      errors[name] = float(jnp.max(jnp.abs(out[:, :real] - want[:, :real])))
+  for name, meta, B, T, real in (("decode", decode_meta, 4, 1, 1), ("prefill", prefill_meta, 1, 16, 13)):
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    out = step(q, cache, jnp.int32(1), meta)
+    want = attention.attend_reference(q, cache, 1, meta)
+    errors[name] = float(jnp.max(jnp.abs(out[:, :real] - want[:, :real])))
   return {"errors": errors, "traced_shapes": seen}
 
 

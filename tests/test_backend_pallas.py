@@ -8,8 +8,8 @@ import numpy as np
 
 from conftest import TINY_ENGINE
 from jaxserve.config import AttentionBackend, SamplingParams
-from jaxserve.engine import Engine, default_backend
-from jaxserve.plan import PrefillChunk
+from jaxserve.engine.engine import Engine, default_backend
+from jaxserve.batching.plan import PrefillChunk
 
 GREEDY = SamplingParams(temperature=0)
 

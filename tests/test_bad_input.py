@@ -1,6 +1,6 @@
 """Malformed requests, one table over gRPC and HTTP: each gets a specific status and a message
 naming the field or the problem, and after each the server is still healthy and serves the next
-valid request; after them all, no slot or KV block is left taken."""
+valid request; after them all, no slot or KV page is left taken."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
-from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.api.proto import jaxserve_pb2 as pb
 import server_harness as h
 
 VOCAB = 49152  # The tiny checkpoint has the default model's (SmolLM2's) tokenizer.

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from jaxserve import pull
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.loading import pull
+from jaxserve.text.tokenizer import Tokenizer
 import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_quick_mode_runs_jaxserve_and_skips_a_missing_peer(tiny_checkpoint, tmp_
   monkeypatch.setattr(bp, "import_llama_cpp", missing)  # As on a machine without it.
   out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
   assert bp.main(["--quick", "--systems", "jaxserve,llama.cpp", "--jaxserve-model", str(tiny_checkpoint),
-                  "--slots", "4", "--buckets", "32", "--max-model-len", "128", "--num-blocks", "64",
+                  "--slots", "4", "--buckets", "32", "--max-model-len", "128", "--num-pages", "64",
                   "--json", str(out_json), "--markdown", str(out_md)]) == 0
   report = json.loads(out_json.read_text())
   work = bp.make_workload(tokenizer, 0, num_requests=4, prompt_lens=(8, 32), max_tokens=(4, 16))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jaxserve import capacity
-from jaxserve.capacity import GIB, KVDtype, WeightDtype
+from jaxserve.planning import capacity
+from jaxserve.planning.capacity import GIB, KVDtype, WeightDtype
 from jaxserve.config import ModelConfig
 
 LLAMA2_7B = capacity.KNOWN_MODELS["llama-2-7b"]
@@ -38,9 +38,9 @@ def test_known_param_counts():
     (WeightDtype.FLOAT32, 26_953_662_464),  # 6,738,415,616 * 4
     (WeightDtype.BFLOAT16, 13_476_831_232),  # * 2
     (WeightDtype.FLOAT16, 13_476_831_232),  # * 2
-    (WeightDtype.INT8, 7_159_566_592),  # 6,738,415,616 / 32 = 210,575,488 blocks * 34 bytes
-    (WeightDtype.INT4, 3_790_358_784),  # 210,575,488 blocks * 18 bytes
-    (WeightDtype.Q4_1, 4_211_509_760),  # 210,575,488 blocks * 20 bytes
+    (WeightDtype.INT8, 7_159_566_592),  # 6,738,415,616 / 32 = 210,575,488 pages * 34 bytes
+    (WeightDtype.INT4, 3_790_358_784),  # 210,575,488 pages * 18 bytes
+    (WeightDtype.Q4_1, 4_211_509_760),  # 210,575,488 pages * 20 bytes
 ])
 def test_weight_bytes(dtype, expected):
   assert capacity.weight_bytes(LLAMA2_7B, dtype) == expected
@@ -67,14 +67,14 @@ def test_kv_bytes_per_token(name, dtype, expected):
   assert capacity.kv_bytes_per_token(capacity.KNOWN_MODELS[name], dtype) == expected
 
 
-@pytest.mark.parametrize("context, block_size, expected", [
-    (1024, 16, 23_592_960),  # 64 blocks * 16 tokens * 23,040 B
-    (1000, 16, 23_224_320),  # ceil(1000 / 16) = 63 blocks = 1008 tokens * 23,040 B
-    (1000, 128, 23_592_960),  # ceil(1000 / 128) = 8 blocks = 1024 tokens * 23,040 B
-    (1, 64, 1_474_560),  # one whole block of 64 tokens * 23,040 B for a single token
+@pytest.mark.parametrize("context, page_size, expected", [
+    (1024, 16, 23_592_960),  # 64 pages * 16 tokens * 23,040 B
+    (1000, 16, 23_224_320),  # ceil(1000 / 16) = 63 pages = 1008 tokens * 23,040 B
+    (1000, 128, 23_592_960),  # ceil(1000 / 128) = 8 pages = 1024 tokens * 23,040 B
+    (1, 64, 1_474_560),  # one whole page of 64 tokens * 23,040 B for a single token
 ])
-def test_kv_per_conversation_rounds_up_to_whole_blocks(context, block_size, expected):
-  got = capacity.kv_bytes_per_conversation(SMOLLM2, context, block_size, KVDtype.BFLOAT16)
+def test_kv_per_conversation_rounds_up_to_whole_blocks(context, page_size, expected):
+  got = capacity.kv_bytes_per_conversation(SMOLLM2, context, page_size, KVDtype.BFLOAT16)
   assert got == expected
 
 
@@ -123,36 +123,36 @@ def test_zero_conversations_fit():
   assert "no full-length conversation fits" in capacity.format_plan(plan)
 
 
-def test_num_kv_blocks():
+def test_num_kv_pages():
   # 90% of 80 GiB = 77,309,411,328; minus weights 13,476,831,232 = 63,832,580,096;
-  # a block is 16 * 524,288 = 8,388,608 B; 63,832,580,096 // 8,388,608 = 7,609.
-  blocks = capacity.num_kv_blocks(LLAMA2_7B, 80 * GIB, 0.9, 16, KVDtype.BFLOAT16, 13_476_831_232)
-  assert blocks == 7609
-  # int8 KV with block 32: 32 * 270,336 = 8,650,752 B per block; 63,832,580,096 // that = 7,378.
-  assert capacity.num_kv_blocks(LLAMA2_7B, 80 * GIB, 0.9, 32, KVDtype.INT8,
+  # a page is 16 * 524,288 = 8,388,608 B; 63,832,580,096 // 8,388,608 = 7,609.
+  pages = capacity.num_kv_pages(LLAMA2_7B, 80 * GIB, 0.9, 16, KVDtype.BFLOAT16, 13_476_831_232)
+  assert pages == 7609
+  # int8 KV with page 32: 32 * 270,336 = 8,650,752 B per page; 63,832,580,096 // that = 7,378.
+  assert capacity.num_kv_pages(LLAMA2_7B, 80 * GIB, 0.9, 32, KVDtype.INT8,
                                 13_476_831_232) == 7378
 
 
-def test_num_kv_blocks_rejects_what_cannot_work():
-  # Room for exactly two 8,388,608 B blocks (page 0 is scratch, so two is the least that works).
+def test_num_kv_pages_rejects_what_cannot_work():
+  # Room for exactly two 8,388,608 B pages (page 0 is scratch, so two is the least that works).
   weights = 16 * GIB - 2 * 8_388_608
-  assert capacity.num_kv_blocks(LLAMA2_7B, 16 * GIB, 1.0, 16, KVDtype.BFLOAT16, weights) == 2
+  assert capacity.num_kv_pages(LLAMA2_7B, 16 * GIB, 1.0, 16, KVDtype.BFLOAT16, weights) == 2
   with pytest.raises(ValueError, match="KV cache does not fit"):
-    capacity.num_kv_blocks(LLAMA2_7B, 16 * GIB, 1.0, 16, KVDtype.BFLOAT16, weights + 1)
+    capacity.num_kv_pages(LLAMA2_7B, 16 * GIB, 1.0, 16, KVDtype.BFLOAT16, weights + 1)
   with pytest.raises(ValueError, match="KV cache does not fit"):  # Weights beyond the memory.
-    capacity.num_kv_blocks(LLAMA2_7B, 8 * GIB, 0.9, 16, KVDtype.BFLOAT16, 13_476_831_232)
+    capacity.num_kv_pages(LLAMA2_7B, 8 * GIB, 0.9, 16, KVDtype.BFLOAT16, 13_476_831_232)
   with pytest.raises(ValueError, match="memory_fraction"):
-    capacity.num_kv_blocks(LLAMA2_7B, 80 * GIB, 1.5, 16, KVDtype.BFLOAT16, 0)
+    capacity.num_kv_pages(LLAMA2_7B, 80 * GIB, 1.5, 16, KVDtype.BFLOAT16, 0)
 
 
 @pytest.mark.parametrize("name", ["llama-2-7b", "llama-3-8b", "mistral-7b", "smollm2-135m"])
 def test_engine_pool_agrees_with_the_plan(name):
   cfg = capacity.KNOWN_MODELS[name]
-  plan = capacity.plan_capacity(cfg, 40 * GIB, 4096, kv_dtype=KVDtype.INT8, block_size=32)
+  plan = capacity.plan_capacity(cfg, 40 * GIB, 4096, kv_dtype=KVDtype.INT8, page_size=32)
   # The engine, handed the planner's weights + minimum reserve, holds as many conversations.
-  blocks = capacity.num_kv_blocks(cfg, 40 * GIB, 1.0, 32, KVDtype.INT8,
+  pages = capacity.num_kv_pages(cfg, 40 * GIB, 1.0, 32, KVDtype.INT8,
                                   plan.weight_bytes + plan.min_reserve_bytes)
-  assert blocks // capacity.blocks_per_conversation(4096, 32) == plan.max_conversations
+  assert pages // capacity.pages_per_conversation(4096, 32) == plan.max_conversations
 
 
 def _hf_llama2_7b_config():
@@ -179,7 +179,7 @@ def test_load_model_config(tmp_path):
 
 def _args(**overrides):
   args = dict(model="llama-2-7b", memory_gib=80.0, context=8192, weight_dtype="bfloat16",
-              kv_dtype="bfloat16", block_size=16, prefill_tokens=512, overhead_gib=0.5)
+              kv_dtype="bfloat16", page_size=16, prefill_tokens=512, overhead_gib=0.5)
   return argparse.Namespace(**{**args, **overrides})
 
 
@@ -188,7 +188,7 @@ def test_run_plan_prints_the_worked_example(capsys):
   out = capsys.readouterr().out
   assert "12.55 GiB (bfloat16)" in out  # 13,476,831,232 / 2**30
   assert "512.00 KiB" in out  # 524,288 B per token
-  assert "4.00 GiB (8192 tokens in 512 blocks of 16)" in out
+  assert "4.00 GiB (8192 tokens in 512 pages of 16)" in out
   assert "16 at 8192 tokens" in out
   assert "3.45 GiB for activations" in out  # 3,703,037,952 / 2**30 = 3.4487
 
@@ -219,13 +219,13 @@ def test_plan_subcommand_parses_and_defaults_to_the_models_context(capsys):
   parser = argparse.ArgumentParser(prog="jaxserve")
   capacity.add_plan_parser(parser.add_subparsers(dest="command"))
   args = parser.parse_args(["plan", "--model", "smollm2-135m", "--memory-gib", "16",
-                            "--kv-dtype", "int8", "--weight-dtype", "q4_1", "--block-size", "32"])
+                            "--kv-dtype", "int8", "--weight-dtype", "q4_1", "--page-size", "32"])
   assert capacity.run_plan(args) == 0
   out = capsys.readouterr().out
-  # SmolLM2's context is 8192 = 256 blocks of 32; int8 KV per token 2 * 30 * 3 * (64 + 4) = 12,240 B.
-  assert "(8192 tokens in 256 blocks of 32)" in out
+  # SmolLM2's context is 8192 = 256 pages of 32; int8 KV per token 2 * 30 * 3 * (64 + 4) = 12,240 B.
+  assert "(8192 tokens in 256 pages of 32)" in out
   assert "11.95 KiB (int8)" in out  # 12,240 / 1024 = 11.953
-  # Q4_1 weights: 134,515,008 / 32 = 4,203,594 blocks * 20 B = 84,071,880 B = 80.18 MiB.
+  # Q4_1 weights: 134,515,008 / 32 = 4,203,594 pages * 20 B = 84,071,880 B = 80.18 MiB.
   assert "80.18 MiB (q4_1)" in out
   with pytest.raises(SystemExit):
     parser.parse_args(["plan", "--kv-dtype", "int3"])

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from jaxserve import cli
+from jaxserve.cli import main as cli
 from jaxserve.config import SamplingParams
 from jaxserve.llm import LLM
 
-FLAGS = ["--max-tokens", "6", "--buckets", "16,32", "--slots", "2", "--num-blocks", "32",
+FLAGS = ["--max-tokens", "6", "--buckets", "16,32", "--slots", "2", "--num-pages", "32",
          "--max-model-len", "128"]
 
 

@@ -8,9 +8,9 @@ from flax import nnx
 
 from conftest import TINY, TINY_ENGINE
 from jaxserve.config import EngineConfig, KVLayout
-from jaxserve.engine import Engine
-from jaxserve.kv_cache import SCRATCH_PAGE
-from jaxserve.model import Transformer
+from jaxserve.engine.engine import Engine
+from jaxserve.model.kv_cache import SCRATCH_PAGE
+from jaxserve.model.llama import Transformer
 
 
 def test_batch_buckets_are_powers_of_four_up_to_the_slots():
@@ -30,24 +30,24 @@ def test_rows_name_the_decoding_slots_then_padding():
   tables = np.arange(4 * 3, dtype=np.int32).reshape(4, 3) + 1  # Row s: slot s's pages.
   one = e.decode_args([2], tables)
   np.testing.assert_array_equal(one.rows, [2])
-  np.testing.assert_array_equal(one.block_tables, [[7, 8, 9] + [SCRATCH_PAGE] * 5])
+  np.testing.assert_array_equal(one.page_tables, [[7, 8, 9] + [SCRATCH_PAGE] * 5])
   two = e.decode_args([3, 0], tables)
   np.testing.assert_array_equal(two.rows, [3, 0, 4, 4])  # 4 = num_slots: padding.
-  np.testing.assert_array_equal(two.block_tables[:, :3], [[10, 11, 12], [1, 2, 3], [0] * 3, [0] * 3])
-  assert (two.block_tables[2:] == SCRATCH_PAGE).all()
+  np.testing.assert_array_equal(two.page_tables[:, :3], [[10, 11, 12], [1, 2, 3], [0] * 3, [0] * 3])
+  assert (two.page_tables[2:] == SCRATCH_PAGE).all()
 
 
 def test_contiguous_rows_read_their_own_regions():
   e = engine(kv_layout=KVLayout.CONTIGUOUS)
   args = e.decode_args([1], np.zeros((4, 1), np.int32))
-  np.testing.assert_array_equal(args.block_tables[0], 1 + 16 + np.arange(8))  # Slot 1's pages.
+  np.testing.assert_array_equal(args.page_tables[0], 1 + 16 + np.arange(8))  # Slot 1's pages.
 
 
 def test_a_slot_decodes_the_same_alone_and_among_others():
   """Three slots decode 6 steps together (batch bucket 4), then the same prompts in a fresh
   engine decode with slot 1 alone (bucket 1): slot 1's tokens and logprobs must agree."""
   from jaxserve.config import SamplingParams
-  from jaxserve.plan import PrefillChunk
+  from jaxserve.batching.plan import PrefillChunk
 
   def run(slots):
     e = engine()

@@ -12,7 +12,7 @@ cd = script_loader.load("check_determinism")
 def test_outputs_do_not_depend_on_the_batch(tiny_checkpoint):
   model, tokenizer = h.load(str(tiny_checkpoint))
   # One prefill bucket and two decode widths (96 / 8 = 12 pages): few compilations.
-  config = EngineConfig(num_slots=4, block_size=8, num_blocks=256, max_model_len=96,
+  config = EngineConfig(num_slots=4, page_size=8, num_pages=256, max_model_len=96,
                         prefill_buckets=(64,), compilation_cache_dir=None)
   report = cd.check(model, tokenizer, config, num_prompts=8, max_tokens=12, chunk=8, small_pool=20)
   conditions = report["conditions"]

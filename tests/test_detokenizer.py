@@ -5,9 +5,9 @@ from hypothesis import strategies as st
 import pytest
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
-from jaxserve import pull
-from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.loading import pull
+from jaxserve.text.detokenizer import IncrementalDetokenizer
+from jaxserve.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
-from jaxserve import server
+from jaxserve.api import server
 import server_harness as h
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -33,10 +33,10 @@ class FaultyEngine:
   def __getattr__(self, name):
     return getattr(self._engine, name)
 
-  def decode(self, slots, block_tables):
+  def decode(self, slots, page_tables):
     if self.armed.is_set():
       raise FloatingPointError("injected fault in decode")
-    return self._engine.decode(slots, block_tables)
+    return self._engine.decode(slots, page_tables)
 
 
 def health(channel):

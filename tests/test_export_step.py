@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
-from jaxserve.decode import DecodeState, decode_step
-from jaxserve.kv_cache import KVCache
-from jaxserve.model import Transformer
-from jaxserve.prefill import prefill_step
+from jaxserve.engine.decode import DecodeState, decode_step
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.llama import Transformer
+from jaxserve.engine.prefill import prefill_step
 
 TRITON = "__gpu$xla.gpu.triton"
 TARGETS = {AttentionBackend.PALLAS_TPU: ("tpu", "tpu_custom_call"),
@@ -23,7 +23,7 @@ TARGETS = {AttentionBackend.PALLAS_TPU: ("tpu", "tpu_custom_call"),
 # SmolLM2's attention shape (GQA 9:3, head_dim 64), two layers.
 MODEL = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
                     hidden_dim=256, max_seq_len=256)
-ENGINE = EngineConfig(num_slots=4, block_size=16, num_blocks=32, max_model_len=256, prefill_buckets=(32,))
+ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=32, max_model_len=256, prefill_buckets=(32,))
 
 
 def export(step, backend, *args):

@@ -6,7 +6,7 @@ an INVALID_ARGUMENT `ApiError` naming the bad field; never any other exception. 
 one field of a valid request (the rest stay in range), so a refusal must name that field, and a
 spoilt value that is in range after all must run. Checked for `gateway.sampling_params`, the
 OpenAI body parser (openai_request.py) and the gRPC request conversion, each followed by the
-service's own checks (`Service._prepare`) on the real SmolLM2 tokenizer; and for raw bytes.
+service's own checks (`Service.prepare`) on the real SmolLM2 tokenizer; and for raw bytes.
 
 Detokenization (beyond tests/test_detokenizer.py): SmolLM2's single-byte tokens fed apart, with
 special tokens kept or skipped; and stop strings on top (stop.OutputText), cut from the stream.
@@ -25,16 +25,21 @@ from hypothesis import strategies as st
 import numpy as np
 import pytest
 
-from jaxserve import gateway, grpc_api, openai_request, pull
+from jaxserve.serving import gateway
+from jaxserve.batching.plan import EngineInfo
+
+from jaxserve.api import grpc_api, openai_request
+
+from jaxserve.loading import pull
 from jaxserve.config import SamplingParams
-from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.gateway import ApiError, Status
-from jaxserve.metrics import Metrics
-from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.sample import SamplingRow
-from jaxserve.service import Service
-from jaxserve.stop import OutputText
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.text.detokenizer import IncrementalDetokenizer
+from jaxserve.serving.gateway import ApiError, Status
+from jaxserve.serving.metrics import Metrics
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.engine.sample import SamplingRow
+from jaxserve.serving.service import Service
+from jaxserve.batching.stop import OutputText
+from jaxserve.text.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 128
 SETTINGS = hypothesis.settings(max_examples=200, deadline=None, derandomize=True,
@@ -53,9 +58,10 @@ def smol():
 @pytest.fixture(scope="module")
 def service(smol):
   """The service's checks over the real tokenizer; no engine behind it (nothing is submitted)."""
-  engine = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=smol.vocab_size),
-                                 max_model_len=MAX_MODEL_LEN)
-  runner = types.SimpleNamespace(runner=types.SimpleNamespace(engine=engine))
+  info = EngineInfo(num_slots=1, page_size=16, num_pages=2, max_model_len=MAX_MODEL_LEN,
+                    max_prefill_len=16, can_share_pages=True, vocab_size=smol.vocab_size,
+                    decode_widths=(1,))
+  runner = types.SimpleNamespace(engine_info=info)
   return Service(runner, smol, "tiny", gateway.Gateway(), Metrics())
 
 
@@ -153,7 +159,7 @@ def test_property_sampling_params_are_in_range_or_refused_by_name(case, max_toke
 
 
 def _assert_prepared(service, prepared) -> None:
-  ids, sp, _ = prepared
+  ids, sp = prepared.prompt_ids, prepared.sampling
   assert ids and all(type(i) is int and 0 <= i < service.vocab_size for i in ids)
   assert len(ids) + sp.max_tokens <= MAX_MODEL_LEN
   assert all(i < service.vocab_size for i in sp.stop_token_ids)
@@ -208,7 +214,7 @@ def test_property_http_bodies_run_or_are_refused_by_name(service, chat, data):
   parse = openai_request.chat_request if chat else openai_request.completion_request
   try:
     req = parse(body)
-    prepared = service._prepare(req.input)
+    prepared = service.prepare(req.input)
   except ApiError as e:
     assert not in_range, e.message
     _expect_invalid(e, [target])
@@ -228,7 +234,7 @@ def test_property_any_code_points_are_tokenized_or_refused_by_name(service, text
       req = openai_request.completion_request({"prompt": text, "max_tokens": 4})
     else:
       req = openai_request.chat_request({"messages": chat[where], "max_tokens": 4})
-    ids, _, _ = service._prepare(req.input)
+    ids = service.prepare(req.input).prompt_ids
   except ApiError as e:
     _expect_invalid(e, ["prompt", "messages[0].content"])
     assert ("is empty" in e.message) == (text == "" and where == "prompt")
@@ -242,7 +248,7 @@ def test_property_any_code_points_are_tokenized_or_refused_by_name(service, text
 def test_property_chat_messages_are_rendered_or_refused_by_name(service, messages):
   try:
     req = openai_request.chat_request({"messages": messages, "max_tokens": 4})
-    ids, _, _ = service._prepare(req.input)
+    ids = service.prepare(req.input).prompt_ids
   except ApiError as e:
     # Which message, or which of its fields; a prompt too long for the window names the prompt.
     _expect_invalid(e, ["messages", *(f"messages[{n}]" for n in range(len(messages))), "prompt"])
@@ -310,9 +316,8 @@ def test_property_grpc_requests_run_or_are_refused_by_name(service, data):
     fields[prompt] = data.draw(_GRPC_VALID[prompt])
   request = pb.GenerateRequest(**fields, **{target: value})
   try:
-    inp = grpc_api.checked_input(request)
-    prepared = service._prepare(inp)
-    chunk_tokens = gateway.check_chunk_tokens(inp.chunk_tokens)
+    prepared = service.prepare(grpc_api.generate_input(request))
+    chunk_tokens = prepared.chunk_tokens
   except ApiError as e:
     assert not in_range, e.message
     # A prompt is named as the prompt, its token ids or its chat messages.

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jaxserve import gateway
-from jaxserve.gateway import ANONYMOUS, ApiError, Gateway, Status
+from jaxserve.serving import gateway
+from jaxserve.serving.gateway import ANONYMOUS, ApiError, Gateway, Status
 
 
 class Clock:

@@ -6,13 +6,13 @@ import pathlib
 
 import pytest
 
-from jaxserve import capacity
+from jaxserve.planning import capacity
 import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 gb = script_loader.load("generate_batch")
 
-ENGINE_FLAGS = ["--slots", "2", "--block-size", "8", "--num-blocks", "40", "--max-model-len", "128",
+ENGINE_FLAGS = ["--slots", "2", "--page-size", "8", "--num-pages", "40", "--max-model-len", "128",
                 "--buckets", "16,32", "--progress-interval", "0"]
 
 
@@ -129,20 +129,20 @@ def test_bad_lines_get_an_error_and_the_run_goes_on(tiny_checkpoint, tmp_path):
 
 def test_memory_fraction_sizes_the_pool_from_total_memory(tiny_checkpoint):
   """--memory-fraction reaches the engine, which sizes its pool at start-up (on CPU, from RAM)."""
-  args = gb.build_parser().parse_args(["x", "y", "--model", str(tiny_checkpoint), "--block-size", "8",
+  args = gb.build_parser().parse_args(["x", "y", "--model", str(tiny_checkpoint), "--page-size", "8",
                                        "--memory-fraction", "0.001"])
   llm = gb.LLM(args.model, engine_config=gb.cli.engine_config(args), warmup=False)
   cfg = llm.model.cfg
   assert (cfg.dim, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (64, 2, 2, 16)
   meminfo = dict(line.split(":") for line in open("/proc/meminfo"))
   memory = int(meminfo["MemTotal"].split()[0]) * 1024
-  # float32 KV: 2 (K, V) * 2 layers * 2 heads * 16 * 4 B = 512 B per token, 4096 B per block.
+  # float32 KV: 2 (K, V) * 2 layers * 2 heads * 16 * 4 B = 512 B per token, 4096 B per page.
   expected = (int(memory * 0.001) - cfg.num_params * 4) // 4096
-  assert llm.engine.num_blocks == llm.engine.config.num_blocks == expected
+  assert llm.engine.num_pages == llm.engine.config.num_pages == expected
   assert llm.engine.cache.num_bytes == expected * 4096
-  assert llm.runner.scheduler.blocks.num_usable_blocks == expected - 1  # Page 0 is scratch.
+  assert llm.runner.scheduler.pages.num_usable_pages == expected - 1  # Page 0 is scratch.
   assert capacity.kv_bytes_per_token(cfg, capacity.KVDtype.FLOAT32) == 512
   with pytest.raises(ValueError, match="not both"):
     gb.cli.engine_config(gb.build_parser().parse_args(
-        ["x", "y", "--num-blocks", "64", "--memory-fraction", "0.5"]))
+        ["x", "y", "--num-pages", "64", "--memory-fraction", "0.5"]))
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from jaxserve.config import SamplingParams
-from jaxserve.runner import Runner
+from jaxserve.batching.runner import Runner
 import server_harness as h
 
 CHAT = [{"role": "system", "content": "You are terse."},

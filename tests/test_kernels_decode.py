@@ -84,7 +84,7 @@ def _smollm2_args(seed, num_pages=None):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_kernel_never_reads_pages_outside_the_valid_block_table(variant):
+def test_kernel_never_reads_pages_outside_the_valid_page_table(variant):
   """NaN in the scratch page 0 (where table entries past each sequence's last page point) and
   in unowned pages must not reach any output: a kernel that loaded them, even masked
   (0 * nan), would return NaN."""
@@ -131,8 +131,8 @@ BAD_ARGS = [
     ("v_pages", lambda a: a[2][:, :4]),
     ("num_heads", lambda a: a[0][:, :3]),
     ("head_dim", lambda a: a[0][:, :, :8]),
-    ("block_tables", lambda a: a[3].astype(jnp.float32)),
-    ("block_tables", lambda a: a[3][:1]),
+    ("page_tables", lambda a: a[3].astype(jnp.float32)),
+    ("page_tables", lambda a: a[3][:1]),
     ("lengths", lambda a: a[4][:1]),
 ]
 
@@ -141,7 +141,7 @@ BAD_ARGS = [
 @pytest.mark.parametrize("name,break_arg", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
 def test_bad_shapes_raise_value_error_naming_the_argument(variant, name, break_arg):
   args = _good_args()
-  index = {"q": 0, "num_heads": 0, "head_dim": 0, "k_pages": 1, "v_pages": 2, "block_tables": 3,
+  index = {"q": 0, "num_heads": 0, "head_dim": 0, "k_pages": 1, "v_pages": 2, "page_tables": 3,
            "lengths": 4}[name]
   args[index] = break_arg(args)
   with pytest.raises(ValueError, match=name):

@@ -21,7 +21,7 @@ import pytest
 from test_kv_layouts import TINY, _written_cache  # A cache with two sequences written.
 
 import kernels_pallas
-from jaxserve import attention
+from jaxserve.model import attention
 from jaxserve.config import AttentionBackend, KVDtype, KVLayout
 from kernels_pallas import PageLayout
 from kernels_pallas import gpu_decode
@@ -116,7 +116,7 @@ def test_kernel_reads_the_stored_layout(case, platform):
 def _bad(args, kwargs, **changes):
   """Calls the public decode with some arguments replaced."""
   q, k, v, tables, lens = args
-  named = dict(q=q, k_pages=k, v_pages=v, block_tables=tables, lengths=lens, **kwargs)
+  named = dict(q=q, k_pages=k, v_pages=v, page_tables=tables, lengths=lens, **kwargs)
   named.update(changes)
   kernels_pallas.paged_decode_attention(**named, platform="tpu", interpret=True)
 
@@ -181,7 +181,7 @@ def test_engine_cache_decodes_in_place():
   lens = jnp.array([5, 16], jnp.int32)
   meta = attention.AttentionMetadata(
       positions=(lens - 1)[:, None], slot_mapping=jnp.zeros((2, 1), jnp.int32),
-      block_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
+      page_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
   got = attention.attend(q, cache, jnp.int32(1), meta, AttentionBackend.PALLAS)
   want = attention.attend_reference(q, cache, 1, meta)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

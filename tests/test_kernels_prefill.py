@@ -91,7 +91,7 @@ def _smollm2_args(seed, num_pages=None):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_kernel_never_reads_pages_outside_the_valid_block_table(variant):
+def test_kernel_never_reads_pages_outside_the_valid_page_table(variant):
   """NaN in page 0 and unowned pages must not reach any output (see the decode test)."""
   q, k, v, tables, cu_q_lens, kv_lens = _smollm2_args(0, num_pages=16)
   expected = reference.ragged_prefill_reference(q, k, v, tables, cu_q_lens, kv_lens)
@@ -122,7 +122,7 @@ def test_layer_of_a_whole_cache_reads_that_layers_pages():
 BAD_ARGS = [
     ("cu_q_lens", 4, lambda a: a[4][:-1]),
     ("kv_lens", 5, lambda a: a[5].astype(jnp.float32)),
-    ("block_tables", 3, lambda a: a[3][:2]),
+    ("page_tables", 3, lambda a: a[3][:2]),
     ("k_pages", 1, lambda a: a[1].reshape(a[1].shape[0], -1)),
     ("q", 0, lambda a: a[0][0]),
 ]

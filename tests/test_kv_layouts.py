@@ -18,15 +18,15 @@ import pytest
 from flax import nnx
 
 from conftest import TINY, TINY_ENGINE
-from jaxserve import attention
-from jaxserve.attention import AttentionMetadata
+from jaxserve.model import attention
+from jaxserve.model.attention import AttentionMetadata
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
-from jaxserve.engine import Engine
-from jaxserve.kv_cache import KVCache, slot_tables
-from jaxserve.plan import PrefillChunk
+from jaxserve.engine.engine import Engine
+from jaxserve.model.kv_cache import KVCache, slot_page_tables
+from jaxserve.batching.plan import PrefillChunk
 
 GREEDY = SamplingParams(temperature=0)
-SMALL = EngineConfig(num_slots=3, block_size=4, num_blocks=12, max_model_len=16,
+SMALL = EngineConfig(num_slots=3, page_size=4, num_pages=12, max_model_len=16,
                      compilation_cache_dir=None)
 # Worst-case round-trip error of one value of magnitude <= amax (here amax ~ 4 for N(0, 1) data):
 # bf16 keeps 8 bits of mantissa (relative 2^-8), int8 rounds to amax / 127 steps (half a step),
@@ -41,7 +41,7 @@ def _written_cache(layout, kv_dtype, rng):
   engine = dataclasses.replace(SMALL, kv_layout=layout, kv_dtype=kv_dtype)
   cache = KVCache.create(TINY, engine)
   if layout is KVLayout.CONTIGUOUS:
-    tables = slot_tables(engine)[[2, 0]]  # Sequences in slots 2 and 0.
+    tables = slot_page_tables(engine)[[2, 0]]  # Sequences in slots 2 and 0.
   else:
     tables = np.array([[3, 5, 1, 7], [2, 4, 6, 8]], np.int32)
   pos = np.arange(16)
@@ -84,7 +84,7 @@ def test_int8_scale_is_per_token_and_head():
 
 def test_bytes_follow_the_capacity_arithmetic():
   """Bytes per token slot: 2 (K, V) * L * K * (H * value bytes + scale bytes), as capacity.py."""
-  from jaxserve import capacity
+  from jaxserve.planning import capacity
   for kv_dtype in KVDtype:
     cache = KVCache.create(TINY, dataclasses.replace(SMALL, kv_dtype=kv_dtype))
     assert cache.num_bytes == 12 * 4 * capacity.kv_bytes_per_token(TINY, kv_dtype)
@@ -102,7 +102,7 @@ def _engine_run(model, config):
   engine = Engine(model, config)
   rng = np.random.default_rng(0)
   a, b = list(rng.integers(2, 128, 21)), list(rng.integers(2, 128, 9))
-  Z = config.block_size
+  Z = config.page_size
   n_a, n_b = -(-40 // Z), -(-20 // Z)  # Pages for the prompt plus what decode adds.
   tables = np.zeros((4, n_a), np.int32)
   tables[0], tables[2, :n_b] = np.arange(1, n_a + 1)[::-1], n_a + 1 + np.arange(n_b)
@@ -124,11 +124,11 @@ def reference_run(tiny_model):
   return _engine_run(tiny_model, ENGINE)
 
 
-@pytest.mark.parametrize("layout, block_size", [
+@pytest.mark.parametrize("layout, page_size", [
     (KVLayout.PAGED_HEAD_MAJOR, 16), (KVLayout.PAGED_KV_INTERLEAVED, 32), (KVLayout.CONTIGUOUS, 8)])
-def test_engine_layouts_match_the_reference(tiny_model, reference_run, layout, block_size):
+def test_engine_layouts_match_the_reference(tiny_model, reference_run, layout, page_size):
   """Contiguous: the engine swaps the given tables for the slots' own regions."""
-  config = dataclasses.replace(ENGINE, kv_layout=layout, block_size=block_size)
+  config = dataclasses.replace(ENGINE, kv_layout=layout, page_size=page_size)
   tokens, logprobs = _engine_run(tiny_model, config)
   np.testing.assert_array_equal(tokens, reference_run[0])
   np.testing.assert_allclose(logprobs, reference_run[1], atol=2e-5)
@@ -140,10 +140,10 @@ def forward_logits(model, ids, layout=KVLayout.PAGED_TOKEN_MAJOR, kv_dtype=KVDty
   back the K/V it writes, in the given layout and storage type."""
   n = ids.shape[0]
   pages = n // page_size
-  engine = EngineConfig(num_slots=1, block_size=page_size, num_blocks=pages + 1,
+  engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=n, prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
   meta = AttentionMetadata(positions=jnp.arange(n)[None], slot_mapping=(page_size + jnp.arange(n))[None],
-                           block_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
+                           page_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
                            q_lens=jnp.array([n]))
   logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
   return logits[0]
@@ -180,7 +180,7 @@ def test_pallas_decode_reads_every_layout(layout, kv_dtype):
                   jnp.float32)
   lens = jnp.array([11, 16], jnp.int32)
   meta = AttentionMetadata(positions=(lens - 1)[:, None], slot_mapping=jnp.zeros((2, 1), jnp.int32),
-                           block_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
+                           page_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
   got = attention.attend(q, cache, jnp.int32(1), meta, AttentionBackend.PALLAS)
   want = attention.attend_reference(q, cache, 1, meta)
   atol = 1e-2 if kv_dtype is KVDtype.BFLOAT16 else 2e-5
@@ -195,7 +195,7 @@ def test_pallas_prefill_reads_the_contiguous_layout():
                   jnp.float32)
   positions = 11 + jnp.arange(8)[None]  # [1, 8]: the last 3 rows are padding.
   meta = AttentionMetadata(positions=positions, slot_mapping=jnp.zeros((1, 8), jnp.int32),
-                           block_tables=jnp.asarray(tables[:1]), kv_lens=jnp.array([16]),
+                           page_tables=jnp.asarray(tables[:1]), kv_lens=jnp.array([16]),
                            q_lens=jnp.array([5]))
   got = attention.attend(q, cache, jnp.int32(1), meta, AttentionBackend.PALLAS)[:, :5]
   want = attention.attend_reference(q, cache, 1, meta)[:, :5]

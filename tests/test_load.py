@@ -2,8 +2,8 @@
 with cancels, short deadlines and two clients that stop reading their streams.
 
 Every request ends with its full output or a status, the stalled streams hold back neither the
-others nor the engine (their requests finish and free their blocks while the streams are still
-open), every block is free after each round, and each completed output equals that of the same
+others nor the engine (their requests finish and free their pages while the streams are still
+open), every page is free after each round, and each completed output equals that of the same
 request run alone."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_faulty_clients_neither_hang_nor_leak(lt, srv):
   released = []
 
   def on_others_done():
-    # The engine finishes the stalled requests and frees their blocks; their handlers are
+    # The engine finishes the stalled requests and frees their pages; their handlers are
     # still blocked writing to the streams nobody reads.
     released.append(wait_for(lambda: h.idle(srv.scheduler)
                              and srv.server.service.num_active == NUM_STALLED))

@@ -11,9 +11,9 @@ from flax import nnx
 
 from conftest import TINY, TINY_ENGINE, dense_forward, dense_logits
 from jaxserve.config import SamplingParams
-from jaxserve.engine import Engine
-from jaxserve.model import Transformer
-from jaxserve.plan import PrefillChunk
+from jaxserve.engine.engine import Engine
+from jaxserve.model.llama import Transformer
+from jaxserve.batching.plan import PrefillChunk
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -86,7 +86,7 @@ def test_layers_run_under_one_scan_whatever_the_depth():
 
 
 def test_bfloat16_model_tracks_float32(tiny_model):
-  from jaxserve.checkpoint import build_model
+  from jaxserve.loading.checkpoint import build_model
 
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(tiny_model)))
   bf16 = build_model(TINY, params, "bfloat16")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import count_compiles, dense_logits
-from jaxserve import pull
+from jaxserve.loading import pull
 from jaxserve.config import EngineConfig, SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.real_model
 
 RAW = "What is a mortgage rate? A mortgage rate is"
 CHAT = [{"role": "user", "content": "What is a mortgage rate?"}]
-ENGINE = EngineConfig(num_slots=4, block_size=16, num_blocks=64, max_model_len=256,
+ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=64, max_model_len=256,
                       prefill_buckets=(32, 64), compilation_cache_dir=None)
 
 

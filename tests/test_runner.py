@@ -6,12 +6,12 @@ import collections
 import pytest
 
 from jaxserve.config import SamplingParams, SchedulerConfig
-from jaxserve.request import FinishReason, RequestRejected, RequestStatus
-from jaxserve.runner import Runner
+from jaxserve.batching.request import FinishReason, RequestRejected, RequestStatus
+from jaxserve.batching.runner import Runner
 from mock_engine import (MockEngine, MockTokenizer, checked,  # noqa: F401  (a fixture)
                          reference_generate, weighted_sum)
 
-_ENGINE_ARGS = ("num_slots", "block_size", "num_blocks", "max_model_len", "max_prefill_len",
+_ENGINE_ARGS = ("num_slots", "page_size", "num_pages", "max_model_len", "max_prefill_len",
                 "next_token")
 
 
@@ -124,7 +124,7 @@ def test_stop_strings(checked, stop, text, reason):
 
 
 def test_context_window_boundary(checked):
-  r = make_runner(checked, max_model_len=16, num_blocks=64)
+  r = make_runner(checked, max_model_len=16, num_pages=64)
   with pytest.raises(RequestRejected, match="context window of 16"):
     r.add_request(list(range(13)), greedy(4))
   req = r.add_request(list(range(12)), greedy(4))  # Exactly fills the window.
@@ -134,8 +134,8 @@ def test_context_window_boundary(checked):
 
 
 def test_rejected_requests_are_never_queued(checked):
-  r = make_runner(checked, num_blocks=5, block_size=4)  # 4 blocks: 16 KV positions.
-  with pytest.raises(RequestRejected, match="needs 5 KV blocks"):
+  r = make_runner(checked, num_pages=5, page_size=4)  # 4 pages: 16 KV positions.
+  with pytest.raises(RequestRejected, match="needs 5 KV pages"):
     r.add_request(list(range(10)), greedy(8))
   with pytest.raises(RequestRejected, match="empty"):
     r.add_request([], greedy(8))
@@ -158,8 +158,8 @@ def test_fcfs_fairness(checked):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preempted_greedy_requests_produce_exactly_their_unpreempted_tokens(checked, prefix_caching):
-  # 12 blocks of 4 = 48 KV positions; four requests each grow to 25 tokens (7 blocks).
-  r = make_runner(checked, num_slots=4, num_blocks=13, next_token=weighted_sum,
+  # 12 pages of 4 = 48 KV positions; four requests each grow to 25 tokens (7 pages).
+  r = make_runner(checked, num_slots=4, num_pages=13, next_token=weighted_sum,
                   enable_prefix_caching=prefix_caching)
   prompts = [[3 + i, 1, 4, 1, 5, 9] for i in range(4)]
   results = r.generate([(p, greedy(19)) for p in prompts])
@@ -171,23 +171,23 @@ def test_preempted_greedy_requests_produce_exactly_their_unpreempted_tokens(chec
 
 
 def test_prefix_cache_hits_skip_prefill_and_lru_eviction_forgets(checked):
-  r = make_runner(checked, num_blocks=9, next_token=weighted_sum)  # 8 blocks of 4.
-  shared = list(range(100, 112))  # 3 full blocks.
+  r = make_runner(checked, num_pages=9, next_token=weighted_sum)  # 8 pages of 4.
+  shared = list(range(100, 112))  # 3 full pages.
   a = r.generate([(shared + [1, 2], greedy(3))])[0]
-  shared_pages = r.engine.chunks[0].block_table[:3]
+  shared_pages = r.engine.chunks[0].page_table[:3]
   writes = r.engine.page_writes.copy()
   before = r.engine.num_prefill_tokens
   b_prompt = shared + [7]
   b = r.generate([(b_prompt, greedy(3))])[0]
   assert b.num_cached_tokens == 12 and a.num_cached_tokens == 0
   assert r.engine.num_prefill_tokens - before == 1  # Only the token after the shared prefix.
-  assert r.engine.chunks[-1].block_table[:3] == shared_pages
+  assert r.engine.chunks[-1].page_table[:3] == shared_pages
   assert (r.engine.page_writes[list(shared_pages)] == writes[list(shared_pages)]).all()
   assert list(b.token_ids) == reference_generate(b_prompt, 3, weighted_sum)  # Read cached KV.
   assert r.scheduler.num_cached_tokens == 12
-  # A prompt that needs all 8 blocks evicts every cached one.
+  # A prompt that needs all 8 pages evicts every cached one.
   r.generate([(list(range(500, 528)), greedy(4))])
-  assert r.scheduler.blocks.num_evictions > 0
+  assert r.scheduler.pages.num_evictions > 0
   before = r.engine.num_prefill_tokens
   again = r.generate([(b_prompt, greedy(3))])[0]
   assert again.num_cached_tokens == 0 and r.engine.num_prefill_tokens - before == 13
@@ -199,7 +199,7 @@ def test_a_prefix_is_shared_within_the_step_that_writes_it(checked):
   shared = list(range(100, 112))
   results = r.generate([(shared + [1], greedy(2)), (shared + [2], greedy(2))])
   # The first request's chunk is registered as soon as it is planned; the second, admitted
-  # later in the same plan, reuses its 3 blocks (the engine runs the chunks in order).
+  # later in the same plan, reuses its 3 pages (the engine runs the chunks in order).
   assert [c.num_cached_tokens for c in results] == [0, 12]
   assert r.engine.num_prefill_tokens == 13 + 1
   for p, res in zip((shared + [1], shared + [2]), results):
@@ -209,8 +209,8 @@ def test_a_prefix_is_shared_within_the_step_that_writes_it(checked):
 def test_a_block_is_cached_only_once_its_kv_is_written(checked):
   r = make_runner(checked, next_token=weighted_sum)
   a = r.generate([([1, 2, 3, 4, 5, 6], greedy(2))])[0]
-  # Two full blocks of tokens, but the last sampled token's KV was never written: only the
-  # first block may be reused (reading position 7 would trip the mock's unwritten check).
+  # Two full pages of tokens, but the last sampled token's KV was never written: only the
+  # first page may be reused (reading position 7 would trip the mock's unwritten check).
   prompt = [1, 2, 3, 4, 5, 6, *a.token_ids, 50]
   b = r.generate([(prompt, greedy(2))])[0]
   assert b.num_cached_tokens == 4

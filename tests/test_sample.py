@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxserve.config import SamplingParams
-from jaxserve.sample import SamplingRow
-from jaxserve.sample import sample as _sample
+from jaxserve.engine.sample import SamplingRow
+from jaxserve.engine.sample import sample as _sample
 
 STOP = jnp.array([0], jnp.int32)
 sample = jax.jit(_sample)

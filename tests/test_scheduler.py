@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxserve.config import QueuePolicy, SamplingParams, SchedulerConfig
-from jaxserve.request import QueueFull, Request, RequestRejected, RequestStatus
-from jaxserve.scheduler import Scheduler
+from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
+from jaxserve.batching.scheduler import Scheduler
 from mock_engine import MockEngine, checked  # noqa: F401  (checked is a fixture)
 
 _ids = itertools.count()
@@ -24,8 +24,8 @@ def make(prompt_len, max_tokens=4, priority=0, first=None):
                  SamplingParams(max_tokens=max_tokens), seed=0, arrival_seq=seq, priority=priority)
 
 
-def sched(checked, num_slots=4, num_blocks=17, max_prefill_len=8, max_model_len=64, **config):
-  engine = MockEngine(num_slots=num_slots, block_size=4, num_blocks=num_blocks,
+def sched(checked, num_slots=4, num_pages=17, max_prefill_len=8, max_model_len=64, **config):
+  engine = MockEngine(num_slots=num_slots, page_size=4, num_pages=num_pages,
                       max_model_len=max_model_len, max_prefill_len=max_prefill_len)
   return checked(Scheduler(SchedulerConfig(**config), engine))
 
@@ -54,13 +54,13 @@ def chunks(out):
 
 
 def test_rejects_what_can_never_run(checked):
-  s = sched(checked, num_blocks=9)  # 8 usable blocks of 4 tokens: 32 KV positions.
+  s = sched(checked, num_pages=9)  # 8 usable pages of 4 tokens: 32 KV positions.
   with pytest.raises(RequestRejected, match="empty"):
     s.check(0, SamplingParams())
   with pytest.raises(RequestRejected, match="context window of 64"):
     s.check(60, SamplingParams(max_tokens=5))  # 65 > 64
-  s.check(28, SamplingParams(max_tokens=5))  # 33 tokens: the last one needs no KV -> 8 blocks.
-  with pytest.raises(RequestRejected, match="needs 9 KV blocks"):
+  s.check(28, SamplingParams(max_tokens=5))  # 33 tokens: the last one needs no KV -> 8 pages.
+  with pytest.raises(RequestRejected, match="needs 9 KV pages"):
     s.check(29, SamplingParams(max_tokens=5))
   with pytest.raises(RequestRejected):
     s.add(make(61))
@@ -97,9 +97,9 @@ def test_admits_in_arrival_order_up_to_the_free_slots(checked):
 
 
 def test_fcfs_head_of_line_blocks_later_smaller_requests(checked):
-  s = sched(checked, num_blocks=9, max_prefill_len=32, max_num_batched_tokens=64)  # 8 blocks.
-  first = make(16, max_tokens=9)  # 4 blocks for the prompt, grows to 6.
-  big = make(20, max_tokens=4, first=100)  # 5 blocks: does not fit beside `first`.
+  s = sched(checked, num_pages=9, max_prefill_len=32, max_num_batched_tokens=64)  # 8 pages.
+  first = make(16, max_tokens=9)  # 4 pages for the prompt, grows to 6.
+  big = make(20, max_tokens=4, first=100)  # 5 pages: does not fit beside `first`.
   small = make(2, max_tokens=2, first=200)  # Would fit, but arrived after `big`.
   for r in (first, big, small):
     s.add(r)
@@ -126,16 +126,16 @@ def test_priority_policy_admits_lower_numbers_first_fcfs_within(checked):
   assert order == [reqs[i].request_id for i in (3, 1, 4, 0, 2)]
 
 
-def test_reserve_blocks_hold_back_admission_while_others_run(checked):
-  s = sched(checked, num_blocks=9, reserve_blocks=3)  # 8 blocks.
-  a, b = make(12, max_tokens=2), make(8, max_tokens=2)  # 3 blocks, 2 blocks
+def test_reserve_pages_hold_back_admission_while_others_run(checked):
+  s = sched(checked, num_pages=9, reserve_pages=3)  # 8 pages.
+  a, b = make(12, max_tokens=2), make(8, max_tokens=2)  # 3 pages, 2 pages
   s.add(a)
   s.add(b)
   step(s)
-  # a took 3 blocks (5 free). b needs 2 + 3 reserve = 5 <= 5: admitted too.
+  # a took 3 pages (5 free). b needs 2 + 3 reserve = 5 <= 5: admitted too.
   assert b.status is RequestStatus.RUNNING
   drain(s)
-  s2 = sched(checked, num_blocks=9, reserve_blocks=4)
+  s2 = sched(checked, num_pages=9, reserve_pages=4)
   a, b = make(12, max_tokens=2), make(8, max_tokens=2)
   s2.add(a)
   s2.add(b)
@@ -145,8 +145,8 @@ def test_reserve_blocks_hold_back_admission_while_others_run(checked):
 
 
 def test_alone_a_request_may_use_the_reserve(checked):
-  s = sched(checked, num_blocks=9, reserve_blocks=6)  # 8 blocks, 6 reserved.
-  r = make(12, max_tokens=2)  # 3 blocks > 8 - 6, but nothing else runs.
+  s = sched(checked, num_pages=9, reserve_pages=6)  # 8 pages, 6 reserved.
+  r = make(12, max_tokens=2)  # 3 pages > 8 - 6, but nothing else runs.
   s.add(r)
   step(s)
   assert r.status is RequestStatus.RUNNING
@@ -187,23 +187,23 @@ def test_prefill_budget_is_shared_in_queue_order(checked):
   drain(s)
 
 
-def test_decode_block_tables(checked):
-  s = sched(checked, num_slots=4, max_model_len=64)  # At most 16 blocks per sequence.
+def test_decode_page_tables(checked):
+  s = sched(checked, num_slots=4, max_model_len=64)  # At most 16 pages per sequence.
   a, b = make(3, max_tokens=30), make(13, max_tokens=30, first=50)
   s.add(a)
   s.add(b)
   step(s)
   out = step(s)
-  # a: 4 tokens -> 1 block; b: 14 tokens -> 4 blocks; width 4 (a power of two).
-  tables = out.plan.block_tables
+  # a: 4 tokens -> 1 page; b: 14 tokens -> 4 pages; width 4 (a power of two).
+  tables = out.plan.page_tables
   assert tables.shape == (4, 4) and tables.dtype == np.int32
-  assert list(tables[a.slot]) == a.block_table + [0, 0, 0]
-  assert list(tables[b.slot]) == b.block_table
+  assert list(tables[a.slot]) == a.page_table + [0, 0, 0]
+  assert list(tables[b.slot]) == b.page_table
   assert not tables[2:].any()
   for _ in range(3):
     out = step(s)
-  assert out.plan.block_tables.shape == (4, 8)  # b: 17 tokens -> 5 blocks -> width 8.
-  assert len(b.block_table) == 5 and list(out.plan.block_tables[b.slot][:5]) == b.block_table
+  assert out.plan.page_tables.shape == (4, 8)  # b: 17 tokens -> 5 pages -> width 8.
+  assert len(b.page_table) == 5 and list(out.plan.page_tables[b.slot][:5]) == b.page_table
   s.abort(a)
   s.abort(b)
 
@@ -212,13 +212,13 @@ def test_grows_one_block_when_decode_crosses_a_boundary(checked):
   s = sched(checked)
   r = make(3, max_tokens=10)
   s.add(r)
-  step(s)  # Prompt 3 tokens in 1 block; token 4 sampled (its KV not written yet).
-  assert len(r.block_table) == 1
-  step(s)  # Writes position 3 (still block 0), samples token 5.
-  assert len(r.block_table) == 1
-  step(s)  # Writes position 4: a second block.
-  assert len(r.block_table) == 2
-  assert s.blocks.num_free_blocks == 16 - 2
+  step(s)  # Prompt 3 tokens in 1 page; token 4 sampled (its KV not written yet).
+  assert len(r.page_table) == 1
+  step(s)  # Writes position 3 (still page 0), samples token 5.
+  assert len(r.page_table) == 1
+  step(s)  # Writes position 4: a second page.
+  assert len(r.page_table) == 2
+  assert s.pages.num_free_pages == 16 - 2
   drain(s)
 
 
@@ -238,20 +238,20 @@ def test_stops_decoding_at_max_tokens(checked):
 
 
 def test_preemption_frees_the_newest_and_recomputes_prompt_plus_output(checked):
-  s = sched(checked, num_slots=2, num_blocks=7, enable_prefix_caching=False)  # 6 blocks of 4.
-  old, new = make(8, max_tokens=12), make(8, max_tokens=12, first=50)  # 2 blocks each.
+  s = sched(checked, num_slots=2, num_pages=7, enable_prefix_caching=False)  # 6 pages of 4.
+  old, new = make(8, max_tokens=12), make(8, max_tokens=12, first=50)  # 2 pages each.
   s.add(old)
   s.add(new)
   step(s, token=900)
-  # Each needs a 3rd block at its 9th position, a 4th at its 13th: 8 blocks > 6.
+  # Each needs a 3rd page at its 9th position, a 4th at its 13th: 8 pages > 6.
   while new.status is RequestStatus.RUNNING:
     step(s, token=900 + old.num_output_tokens)
   assert new.num_preemptions == 1 and old.num_preemptions == 0
-  assert new.block_table == [] and new.slot is None and new.num_pending_tokens == 0
+  assert new.page_table == [] and new.slot is None and new.num_pending_tokens == 0
   assert s.waiting.peek() is new
-  assert len(old.block_table) == 4
+  assert len(old.page_table) == 4
   generated = new.output_token_ids
-  # Sampled positions 8..12; writing position 12 needed a 4th block, and `old` got it.
+  # Sampled positions 8..12; writing position 12 needed a 4th page, and `old` got it.
   assert len(generated) == 5
   while old.status is RequestStatus.RUNNING:
     step(s)
@@ -267,7 +267,7 @@ def test_preemption_frees_the_newest_and_recomputes_prompt_plus_output(checked):
 
 
 def test_priority_preemption_picks_the_lowest_priority_even_if_older(checked):
-  s = sched(checked, num_slots=2, num_blocks=7, policy=QueuePolicy.PRIORITY)
+  s = sched(checked, num_slots=2, num_pages=7, policy=QueuePolicy.PRIORITY)
   low, high = make(8, max_tokens=12, priority=9), make(8, max_tokens=12, priority=0, first=50)
   s.add(low)
   s.add(high)
@@ -279,7 +279,7 @@ def test_priority_preemption_picks_the_lowest_priority_even_if_older(checked):
 
 
 def test_a_lone_request_that_outgrows_the_pool_is_preempted_only_by_itself(checked):
-  s = sched(checked, num_slots=2, num_blocks=4)  # 3 blocks: 12 positions.
+  s = sched(checked, num_slots=2, num_pages=4)  # 3 pages: 12 positions.
   r = make(4, max_tokens=9)  # 12 KV positions at most: fits alone.
   s.add(r)
   drain(s)
@@ -317,7 +317,7 @@ def test_prefix_cache_skips_cached_blocks_at_admission(checked):
   b = make(10, max_tokens=1, first=0)  # Same prompt.
   s.add(b)
   out = step(s)
-  # Blocks [0..3] [4..7] cached; the block with the last token is prefilled again.
+  # Pages [0..3] [4..7] cached; the page with the last token is prefilled again.
   assert chunks(out) == [(b.request_id, 8, 2, True)]
   assert b.num_cached_tokens == 8 and s.num_cached_tokens == 8
   assert s.num_prefill_tokens == 10 + 2

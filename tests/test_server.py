@@ -16,8 +16,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.config import SamplingParams, SchedulerConfig
-from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.runner import Runner
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.batching.runner import Runner
 import server_harness as h
 from conftest import dense_logits
 
@@ -289,7 +289,7 @@ def _scrape(srv) -> dict[tuple[str, tuple], float]:
 def test_metrics_show_the_request(stub, srv):
   wait_idle(srv)
   before = _scrape(srv)
-  prompt = list(range(1000, 1040))  # 40 tokens: two full 16-token blocks, then 8.
+  prompt = list(range(1000, 1040))  # 40 tokens: two full 16-token pages, then 8.
   first = generate(stub, pb.GenerateRequest(**ids_of(prompt), max_tokens=5, ignore_eos=True))
   again = generate(stub, pb.GenerateRequest(**ids_of(prompt), max_tokens=5, ignore_eos=True))
   wait_idle(srv)
@@ -302,13 +302,13 @@ def test_metrics_show_the_request(stub, srv):
                "request_queue_time_seconds", "request_prefill_time_seconds"):
     assert delta(f"jaxserve:{name}_count") == 2
   assert delta("jaxserve:time_per_output_token_seconds_count") == 8  # 4 gaps per request.
-  # The second request found the first's two full blocks in the prefix cache.
+  # The second request found the first's two full pages in the prefix cache.
   assert (first[-1].usage.cached_prompt_tokens, again[-1].usage.cached_prompt_tokens) == (0, 32)
   assert delta("jaxserve:prefix_cache_queries_total") == 80
   assert delta("jaxserve:prefix_cache_hits_total") == 32
   assert after[("jaxserve:num_requests_running", ())] == 0
   assert after[("jaxserve:num_requests_waiting", ())] == 0
-  assert after[("jaxserve:kv_cache_usage_perc", ())] == 0  # Cached blocks are evictable: free.
+  assert after[("jaxserve:kv_cache_usage_perc", ())] == 0  # Cached pages are evictable: free.
   assert ("jaxserve:num_preemptions_total", ()) in after
 
 

@@ -12,8 +12,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
-from jaxserve import checkpoint, cli
-from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.loading import checkpoint
+
+from jaxserve.cli import main as cli
+from jaxserve.api.proto import jaxserve_pb2 as pb
 import server_harness as h
 
 QUESTION = "What is the capital of France?"
@@ -32,9 +34,9 @@ def chat(text, **fields) -> pb.GenerateRequest:
 @pytest.fixture(scope="module")
 def serve_process(tmp_path_factory):
   log = tmp_path_factory.mktemp("serve") / "stderr.log"
-  args = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(checkpoint.resolve(None)),
+  args = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--model", str(checkpoint.resolve(None)),
           "--grpc-port", "0", "--http-port", "0", "--slots", "2", "--buckets", "32",
-          "--max-model-len", "128", "--num-blocks", "32", "--drain-timeout", "60"]
+          "--max-model-len", "128", "--num-pages", "32", "--drain-timeout", "60"]
   with open(log, "w") as stderr:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -14,8 +14,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
-from jaxserve import server
-from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.api import server
+from jaxserve.api.proto import jaxserve_pb2 as pb
 import server_harness as h
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

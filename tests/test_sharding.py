@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from jaxserve import sharding
-from jaxserve.capacity import KNOWN_MODELS
+from jaxserve.model import axes
+from jaxserve.planning.capacity import KNOWN_MODELS
 from jaxserve.config import EngineConfig, KVLayout, ModelConfig
 
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
@@ -112,8 +112,8 @@ def test_contiguous_cache_splits_by_slot_over_data(tiny_runs):
 @pytest.mark.real_model
 def test_default_model_tp3_dp2_matches_one_device(tmp_path):
   """SmolLM2-135M (9 heads, 3 KV heads): tp=3 splits one KV head per device; dp=2 on top."""
-  from jaxserve import checkpoint
-  from jaxserve.tokenizer import Tokenizer
+  from jaxserve.loading import checkpoint
+  from jaxserve.text.tokenizer import Tokenizer
 
   tokenizer = Tokenizer.from_hf_dir(checkpoint.resolve(None) / "tokenizer")  # Not the weights.
   prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
@@ -128,10 +128,10 @@ def test_default_model_tp3_dp2_matches_one_device(tmp_path):
 def test_non_dividing_tp_is_rejected_with_the_valid_choices():
   smollm2 = KNOWN_MODELS["smollm2-135m"]  # 9 heads, 3 KV heads, MLP 1536.
   with pytest.raises(ValueError, match=r"--tp 2 does not divide .*3 kv_heads.*\[1, 3\]"):
-    sharding.check_divisible(smollm2, tp=2, dp=1, num_slots=8)
-  sharding.check_divisible(smollm2, tp=3, dp=2, num_slots=8)
+    axes.check_divisible(smollm2, tp=2, dp=1, num_slots=8)
+  axes.check_divisible(smollm2, tp=3, dp=2, num_slots=8)
   with pytest.raises(ValueError, match="--dp 3 does not divide the 8 decode slots"):
-    sharding.check_divisible(smollm2, tp=1, dp=3, num_slots=8)
+    axes.check_divisible(smollm2, tp=1, dp=3, num_slots=8)
 
 
 def test_engine_config_validates_mesh_sizes():
@@ -142,12 +142,12 @@ def test_engine_config_validates_mesh_sizes():
 
 
 def test_logical_axes_map_to_mesh_axes():
-  mesh = AbstractMesh((2, 4), (sharding.DATA, sharding.MODEL))
-  assert sharding.logical_to_mesh(P("layers", "embed", "heads", "head_dim"), (2, 64, 8, 16), mesh) == \
+  mesh = AbstractMesh((2, 4), (axes.DATA, axes.MODEL))
+  assert axes.logical_to_mesh(P("layers", "embed", "heads", "head_dim"), (2, 64, 8, 16), mesh) == \
       P(None, None, "model", None)
-  assert sharding.logical_to_mesh(P("layers", "mlp", "embed"), (2, 96, 64), mesh) == P(None, "model", None)
+  assert axes.logical_to_mesh(P("layers", "mlp", "embed"), (2, 96, 64), mesh) == P(None, "model", None)
   # An odd vocabulary stays whole rather than failing: 32001 tokens do not split 4 ways.
-  assert sharding.logical_to_mesh(P("vocab", "embed"), (32001, 64), mesh) == P(None, None)
-  assert sharding.logical_to_mesh(P("vocab", "embed"), (32000, 64), mesh) == P("model", None)
+  assert axes.logical_to_mesh(P("vocab", "embed"), (32001, 64), mesh) == P(None, None)
+  assert axes.logical_to_mesh(P("vocab", "embed"), (32000, 64), mesh) == P("model", None)
   with pytest.raises(ValueError, match="kv_heads"):
-    sharding.logical_to_mesh(P("embed", "kv_heads"), (64, 6), mesh)
+    axes.logical_to_mesh(P("embed", "kv_heads"), (64, 6), mesh)

@@ -34,9 +34,9 @@ def stream(address, i, results, started):
 
 def test_sigterm_under_load(tiny_checkpoint, tmp_path):
   log = tmp_path / "stderr.log"
-  args = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_checkpoint),
+  args = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--model", str(tiny_checkpoint),
           "--grpc-port", "0", "--http-port", "-1", "--slots", "4", "--buckets", "32",
-          "--max-model-len", "128", "--num-blocks", "40", "--drain-timeout", "1.0"]
+          "--max-model-len", "128", "--num-pages", "40", "--drain-timeout", "1.0"]
   with open(log, "w") as stderr:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

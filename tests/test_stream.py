@@ -5,9 +5,9 @@ import asyncio
 import pytest
 
 from jaxserve.config import SamplingParams, SchedulerConfig
-from jaxserve.request import FinishReason, RequestRejected, RequestStatus
-from jaxserve.runner import Runner
-from jaxserve.stream import AsyncRunner
+from jaxserve.batching.request import FinishReason, RequestRejected, RequestStatus
+from jaxserve.batching.runner import Runner
+from jaxserve.batching.stream import AsyncRunner
 from mock_engine import (MockEngine, MockTokenizer, assert_all_free,
                          reference_generate, weighted_sum)
 
@@ -99,7 +99,7 @@ def test_abort_reaches_a_waiting_request():
 
   # Token 2 forever (never the end-of-turn id): the running request cannot finish on its own
   # within the aborts, however many steps the engine thread runs before they arrive.
-  engine = MockEngine(num_slots=1, num_blocks=26_000, max_model_len=102_400,
+  engine = MockEngine(num_slots=1, num_pages=26_000, max_model_len=102_400,
                       next_token=lambda seq: 2)
   first, outs, rest, queued = serve(test, engine=engine)
   assert first.token_ids == (2,)
@@ -110,7 +110,7 @@ def test_abort_reaches_a_waiting_request():
 
 class _BrokenEngine(MockEngine):
 
-  def decode(self, slots, block_tables):
+  def decode(self, slots, page_tables):
     raise RuntimeError("device on fire")
 
 

@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxserve import pull
+from jaxserve.loading import pull
 from jaxserve.gguf_metadata import read_gguf_metadata
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import dense_logits
-from jaxserve import checkpoint, cli, weights
+from jaxserve.loading import checkpoint, weights
+from jaxserve.cli import main as cli
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -117,7 +118,7 @@ def test_every_tensor_type_of_both_packaged_ggufs_dequantizes():
   SmolLM2's logits against transformers in test_real_model.py.)"""
   import gguf
 
-  from jaxserve import pull
+  from jaxserve.loading import pull
 
   seen = {}
   for model in (pull.SMOLLM2, pull.GEMMA3):

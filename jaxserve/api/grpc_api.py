@@ -1,0 +1,193 @@
+"""The gRPC front end: jaxserve.v1.Jaxserve messages <-> service.Service.
+
+Each RPC authenticates from the `authorization: Bearer <key>` metadata, converts the message, and
+turns a gateway `ApiError` into the status code of the same name. A client that cancels, or whose
+connection drops, cancels the handler; the service's cleanup then aborts the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from absl import logging
+from google.protobuf.message import DecodeError
+import grpc
+
+from jaxserve.serving import gateway
+from jaxserve.serving.gateway import ApiError, ApiKey, Status
+from jaxserve.serving.metrics import RequestRecord
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.api.proto import jaxserve_pb2_grpc
+from jaxserve.batching.request import FinishReason
+from jaxserve.serving.service import Chunk, GenerateInput, Prompt, Service
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
+
+STATUS_CODES = {
+    Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Status.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed")  # Fields with presence in the proto.
+
+
+class ServiceHost(Protocol):
+  """server.Server, as the front ends see it."""
+
+  def current_service(self) -> Service: ...
+
+
+class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
+
+  def __init__(self, host: ServiceHost):
+    self._host = host
+
+  def add_to(self, server: grpc.aio.Server) -> None:
+    """What jaxserve_pb2_grpc.add_JaxserveServicer_to_server does, with deserializers that
+    hand bytes that are no valid message to the method (INVALID_ARGUMENT), not to gRPC (UNKNOWN)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            self.Generate, _decoder(pb.GenerateRequest), pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            self.Tokenize, _decoder(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            self.GetModelInfo, _decoder(pb.GetModelInfoRequest), pb.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+  async def Generate(self, request: pb.GenerateRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    try:
+      service, key = self._enter(context)
+      inp = generate_input(_decoded(request))
+      # Closing the stream at once, however the handler ends, aborts an unfinished request.
+      async with contextlib.aclosing(service.generate(key, inp)) as chunks:
+        async for chunk in chunks:
+          yield response(chunk)
+    except ApiError as e:
+      await self._abort(context, e)
+    except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
+      logging.exception("Generate failed")
+      await self._abort(context, ApiError(Status.INTERNAL, "internal error; see the server log"))
+
+  async def Tokenize(self, request: pb.TokenizeRequest,
+                     context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    try:
+      service, _ = self._enter(context)
+      request = _decoded(request)
+      service.check_model(request.model)
+      ids = service.encode(_prompt(request))
+      return pb.TokenizeResponse(token_ids=ids, max_model_len=service.max_model_len)
+    except ApiError as e:
+      await self._abort(context, e)
+    except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
+      logging.exception("Tokenize failed")
+      await self._abort(context, ApiError(Status.INTERNAL, "internal error; see the server log"))
+
+  async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    try:
+      service, _ = self._enter(context)
+      _decoded(request)
+      return pb.ModelInfo(**service.model_info())
+    except ApiError as e:
+      await self._abort(context, e)
+
+  def _enter(self, context: grpc.aio.ServicerContext) -> tuple[Service, ApiKey]:
+    service = self._host.current_service()
+    return service, service.gateway.authenticate(bearer_token(context.invocation_metadata()))
+
+  async def _abort(self, context: grpc.aio.ServicerContext, error: ApiError) -> None:
+    try:
+      self._host.current_service().metrics.rejected.labels(error.status.value).inc()
+    except ApiError:
+      pass  # Still warming up: no metrics to count in yet.
+    await context.abort(STATUS_CODES[error.status], error.message)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+  """What a method gets for bytes that do not parse as its request message."""
+  error: str
+
+
+def _decoder(message_type: Any) -> Callable[[bytes], Any]:
+  def decode(data: bytes) -> Any:
+    try:
+      return message_type.FromString(data)
+    except DecodeError as e:  # E.g. "String field had bad UTF-8": proto3 strings must be UTF-8.
+      return _Undecodable(str(e))
+  return decode
+
+
+def _decoded(request: Any) -> Any:
+  if isinstance(request, _Undecodable):
+    raise gateway.invalid(f"the request is not a valid message: {request.error}")
+  return request
+
+
+def bearer_token(metadata: Any) -> str | None:
+  for key, value in metadata or ():
+    if key.lower() == "authorization" and isinstance(value, str):
+      scheme, _, token = value.partition(" ")
+      return token.strip() if scheme.lower() == "bearer" else None
+  return None
+
+
+def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
+  kind = request.WhichOneof("prompt")
+  if kind == "text":
+    return Prompt(text=request.text)
+  if kind == "token_ids":
+    return Prompt(token_ids=list(request.token_ids.ids))
+  if kind == "chat":
+    return Prompt(messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
+  return Prompt()
+
+
+def generate_input(request: pb.GenerateRequest) -> GenerateInput:
+  sampling = {f: getattr(request, f) for f in _SAMPLING_FIELDS if request.HasField(f)}
+  if request.stop:
+    sampling["stop"] = list(request.stop)
+  if request.stop_token_ids:
+    sampling["stop_token_ids"] = list(request.stop_token_ids)
+  if request.ignore_eos:
+    sampling["ignore_eos"] = True
+  return GenerateInput(
+      _prompt(request), sampling,
+      max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
+      logprobs=request.logprobs if request.HasField("logprobs") else None,
+      chunk_tokens=request.chunk_tokens, request_id=request.request_id or None,
+      priority=request.priority, model=request.model, truncate_prompt=request.truncate_prompt)
+
+
+def response(chunk: Chunk) -> pb.GenerateResponse:
+  msg = pb.GenerateResponse(request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids,
+                            finish_reason=FINISH_REASONS[chunk.finish_reason])
+  for token, lp in zip(chunk.token_ids, chunk.logprobs or ()):
+    msg.logprobs.append(pb.TokenLogprob(
+        token_id=token, logprob=lp.logprob,
+        top=[pb.TopLogprob(token_id=i, logprob=p) for i, p in zip(lp.top_ids, lp.top_logprobs)]))
+  if chunk.record is not None:
+    _fill_record(msg, chunk.record)
+  return msg
+
+
+def _fill_record(msg: pb.GenerateResponse, r: RequestRecord) -> None:
+  msg.usage.prompt_tokens = r.num_prompt_tokens
+  msg.usage.completion_tokens = r.num_output_tokens
+  msg.usage.cached_prompt_tokens = r.num_cached_tokens
+  t = msg.timings
+  t.tokenize, t.queue, t.prefill = r.tokenize, r.queue or 0.0, r.prefill or 0.0
+  t.time_to_first_token, t.total = r.time_to_first_token or 0.0, r.total

@@ -1,0 +1,184 @@
+"""OpenAI request bodies -> service.GenerateInput, for /v1/completions and /v1/chat/completions.
+
+What is checked here is what the gateway and SamplingParams cannot see: the body's bytes and
+JSON, OpenAI's field names and JSON types, and fields the endpoint does not know. A field sent as
+null counts as not sent, as OpenAI's clients send unset fields that way; any other unknown field
+is refused, as OpenAI does, so that a misspelt `temprature` is not silently ignored (but for
+best_of 1 and echo false, which change nothing).
+
+Every function here is pure and raises only `ApiError` (INVALID_ARGUMENT) naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+from jaxserve.config import SamplingParams, is_int, short
+from jaxserve.serving.gateway import invalid
+from jaxserve.serving.service import GenerateInput, Prompt
+
+# OpenAI's sampling fields and vLLM's extras, passed on to SamplingParams as they are.
+SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed", "ignore_eos", "stop_token_ids")
+_COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "max_tokens", "n", "stream",
+                            "stream_options", "stop", "logit_bias", "user", "priority",
+                            "truncate_prompt"})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+# Unsupported fields that some clients send with their no-op value anyway (vLLM's benchmark
+# sends best_of 1): taken, as long as the value is that one.
+_NO_OP_VALUES = {"best_of": 1, "echo": False}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One parsed body: what the service runs, and how the answer goes back."""
+
+  input: GenerateInput
+  stream: bool = False  # Server-sent events, or one JSON response.
+  include_usage: bool = False  # A last stream event with the usage.
+
+
+def parse_body(data: bytes) -> dict[str, Any]:
+  """The body's JSON object. Non-standard NaN and Infinity parse (to be refused by name later)."""
+  try:
+    text = data.decode("utf-8")  # JSON is UTF-8 (RFC 8259), whatever the Content-Type says.
+  except UnicodeDecodeError as e:
+    raise invalid(f"the request body is not valid UTF-8: {e}") from e
+  try:
+    body = json.loads(text)
+  except RecursionError as e:  # [[[[...]]]]: the decoder recurses once per level.
+    raise invalid("the request body's JSON is nested too deeply") from e
+  except ValueError as e:
+    raise invalid(f"the request body is not JSON: {e}") from e
+  if not isinstance(body, dict):
+    raise invalid(f"the request body must be a JSON object, got {_json_type(body)}")
+  return body
+
+
+def completion_request(body: Mapping[str, Any]) -> Request:
+  body = _present(body, COMPLETION_FIELDS, "/v1/completions")
+  return _request(body, _completion_prompt(body), body.get("logprobs"), "max_tokens")
+
+
+def chat_request(body: Mapping[str, Any]) -> Request:
+  body = _present(body, CHAT_FIELDS, "/v1/chat/completions")
+  want = body.get("logprobs", False)
+  if not isinstance(want, bool):
+    raise invalid(f"logprobs must be true or false, got {short(want)}")
+  top = body.get("top_logprobs", 0)
+  if not (is_int(top) and 0 <= top <= SamplingParams.MAX_LOGPROBS):
+    raise invalid(f"top_logprobs must be an int in [0, {SamplingParams.MAX_LOGPROBS}], got {short(top)}")
+  max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+  return _request(body, Prompt(messages=_messages(body)), top if want else None, max_field)
+
+
+def _present(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> dict[str, Any]:
+  body = {k: v for k, v in body.items() if v is not None and not _is_no_op(k, v)}
+  unknown = sorted(set(body) - known)
+  if unknown:
+    raise invalid(f"{endpoint} does not take {', '.join(short(k, 40) for k in unknown[:8])}; "
+                  f"its fields are {', '.join(sorted(known))}")
+  return body
+
+
+def _is_no_op(field: str, value: Any) -> bool:
+  want = _NO_OP_VALUES.get(field, None)
+  return want is not None and type(value) is type(want) and value == want  # 1, not true.
+
+
+def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str) -> Request:
+  _check_types(body, max_field)
+  if body.get("n", 1) != 1:
+    raise invalid(f"n must be 1 (one completion per request), got {short(body['n'])}")
+  if body.get("logit_bias"):
+    raise invalid("logit_bias is not supported")
+  sampling = {f: body[f] for f in SAMPLING_FIELDS if f in body}
+  if "stop" in body:
+    sampling["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
+  options = body.get("stream_options", {})
+  inp = GenerateInput(prompt, sampling, max_tokens=body.get(max_field), logprobs=logprobs,
+                      request_id=None, priority=body.get("priority", 0),
+                      model=body.get("model", ""), truncate_prompt=body.get("truncate_prompt", False))
+  return Request(inp, body.get("stream", False), options.get("include_usage", False))
+
+
+def _check_types(body: dict[str, Any], max_field: str) -> None:
+  """The JSON types of the fields the service takes as they are."""
+  for field, ok, want in ((max_field, is_int, "an int >= 1"), ("priority", is_int, "an int"),
+                          ("n", is_int, "an int"), ("model", _is_str, "a string"),
+                          ("stream", _is_bool, "true or false"),
+                          ("truncate_prompt", _is_bool, "true or false"),
+                          ("stream_options", _is_dict, "an object")):
+    if field in body and not ok(body[field]):
+      raise invalid(f"{field} must be {want}, got {short(body[field])}")
+  if max_field in body and body[max_field] < 1:
+    raise invalid(f"{max_field} must be an int >= 1, got {body[max_field]}")
+  usage = body.get("stream_options", {}).get("include_usage", False)
+  if not _is_bool(usage):
+    raise invalid(f"stream_options.include_usage must be true or false, got {short(usage)}")
+
+
+def _completion_prompt(body: dict[str, Any]) -> Prompt:
+  prompt = body.get("prompt")
+  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    prompt = prompt[0]  # A batch of one.
+  if isinstance(prompt, str):
+    return Prompt(text=_unicode(prompt, "prompt"))
+  if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+    return Prompt(token_ids=prompt)  # The service checks them against the vocabulary.
+  raise invalid("prompt must be a string or a list of token ids (one prompt per request), got "
+                f"{short(prompt)}")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+  messages = body.get("messages")
+  if not isinstance(messages, list) or not messages:
+    raise invalid(f"messages must be a non-empty list, got {short(messages)}")
+  out = []
+  for n, m in enumerate(messages):
+    if not isinstance(m, dict):
+      raise invalid(f"messages[{n}] must be an object, got {short(m)}")
+    if not isinstance(m.get("role"), str):  # The tokenizer checks which roles there are.
+      raise invalid(f"messages[{n}].role must be a string, got {short(m.get('role'))}")
+    out.append({"role": m["role"], "content": _content(m.get("content"), f"messages[{n}].content")})
+  return out
+
+
+def _content(content: Any, field: str) -> str:
+  if isinstance(content, list):  # Content parts: only text ones are supported.
+    for k, part in enumerate(content):
+      if not (isinstance(part, dict) and part.get("type") == "text" and _is_str(part.get("text"))):
+        raise invalid(f"{field}[{k}] must be a text part {{\"type\": \"text\", \"text\": ...}} "
+                      f"(only text is supported), got {short(part)}")
+    content = "".join(part["text"] for part in content)
+  if not isinstance(content, str):
+    raise invalid(f"{field} must be a string or a list of text parts, got {short(content)}")
+  return _unicode(content, field)
+
+
+def _unicode(text: str, field: str) -> str:
+  # JSON can spell a lone surrogate ("\ud800"), which no tokenizer can encode.
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise invalid(f"{field} is not valid Unicode: {e.reason} at character {e.start}") from e
+  return text
+
+
+def _json_type(value: Any) -> str:
+  names = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+  return names.get(type(value), "a number")
+
+
+def _is_str(x: Any) -> bool:
+  return isinstance(x, str)
+
+
+def _is_bool(x: Any) -> bool:
+  return isinstance(x, bool)
+
+
+def _is_dict(x: Any) -> bool:
+  return isinstance(x, dict)

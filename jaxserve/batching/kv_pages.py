@@ -1,0 +1,161 @@
+"""The host side of the paged KV cache: which pages are free, who holds which, which are cached.
+
+Pages (pages) 1..num_pages-1 are handed out; page 0 is the engine's scratch page (padding rows of
+page tables point at it). A page is in exactly one of three states:
+
+  held       ref count > 0, in some request's page table
+  cached     ref count 0 but its KV is still valid and findable by hash (evictable, LRU order)
+  free       ref count 0, no valid contents
+
+Automatic prefix caching: a full page is keyed by a chained hash of its token ids and its parent
+page's key, so one key names the whole prefix up to that page. A new request walks its prompt page
+by page and reuses every page whose key is cached; only the rest is prefilled. When no free page is
+left, the least recently freed cached page is evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+_ROOT_HASH = 0  # The parent key of a sequence's first page.
+
+
+def page_hash(parent: int, token_ids: tuple[int, ...]) -> int:
+  return hash((parent, token_ids))
+
+
+class PageAllocator:
+
+  def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    if num_pages < 2:
+      raise ValueError(f"num_pages must be >= 2 (page 0 is the scratch page), got {num_pages}")
+    self.page_size = page_size
+    self.num_pages = num_pages
+    self.enable_prefix_caching = enable_prefix_caching
+    self._free = collections.deque(range(1, num_pages))
+    self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first.
+    self._ref = [0] * num_pages
+    self._hash: list[int | None] = [None] * num_pages
+    self._tokens: list[tuple[int, ...] | None] = [None] * num_pages  # Guards against collisions.
+    self._cached: dict[int, int] = {}  # hash -> page
+    self.num_query_tokens = 0  # Tokens looked up in the prefix cache at allocation.
+    self.num_hit_tokens = 0  # ...of which were found there.
+    self.num_evictions = 0
+
+  @property
+  def num_usable_pages(self) -> int:
+    return self.num_pages - 1
+
+  @property
+  def num_free_pages(self) -> int:
+    """Pages an allocation may take: free ones and evictable cached ones."""
+    return len(self._free) + len(self._evictable)
+
+  @property
+  def num_cached_pages(self) -> int:
+    return len(self._cached)
+
+  def num_pages_for(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.page_size)
+
+  def ref_count(self, page: int) -> int:
+    return self._ref[page]
+
+  def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    """The cached pages that hold a prefix of `token_ids`.
+
+    The page holding the last token never matches: its prefill samples the next token, and
+    rewriting a page other requests share is best avoided.
+    """
+    if not self.enable_prefix_caching:
+      return []
+    hits, parent, bs = [], _ROOT_HASH, self.page_size
+    for i in range((len(token_ids) - 1) // bs):
+      tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+      parent = page_hash(parent, tokens)
+      page = self._cached.get(parent)
+      if page is None or self._tokens[page] != tokens:
+        break
+      hits.append(page)
+    return hits
+
+  def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0) -> bool:
+    """Whether `allocate(token_ids)` would leave at least `num_reserve` pages free."""
+    hits = self.match_prefix(token_ids)
+    num_revived = sum(self._ref[b] == 0 for b in hits)  # Cached hits leave the evictable pool.
+    num_new = self.num_pages_for(len(token_ids)) - len(hits)
+    return self.num_free_pages - num_revived >= num_new + num_reserve
+
+  def allocate(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    """A page table covering every position of `token_ids`, reusing the cached prefix.
+
+    Returns the table and how many leading tokens already have their KV in it. Check
+    `can_allocate` first.
+    """
+    hits = self.match_prefix(token_ids)
+    for page in hits:
+      if self._ref[page] == 0:
+        del self._evictable[page]
+      self._ref[page] += 1
+    num_new = self.num_pages_for(len(token_ids)) - len(hits)
+    table = hits + [self._take_fresh() for _ in range(num_new)]
+    num_cached = len(hits) * self.page_size
+    self.num_query_tokens += len(token_ids)
+    self.num_hit_tokens += num_cached
+    return table, num_cached
+
+  def append_page(self, table: list[int]) -> bool:
+    """Grows `table` by one fresh page; False (and no change) when none is left."""
+    if not self.num_free_pages:
+      return False
+    table.append(self._take_fresh())
+    return True
+
+  def cache_pages(self, table: Sequence[int], token_ids: Sequence[int], start: int, end: int):
+    """Registers pages [start, end) of `table`, now full of the KV of `token_ids`, by hash.
+
+    Pages [0, start) must be registered already (their keys chain into these). If another page
+    already holds the same prefix, this one keeps its key for chaining but is not findable.
+    """
+    if not self.enable_prefix_caching:
+      return
+    bs = self.page_size
+    parent = self._hash[table[start - 1]] if start else _ROOT_HASH
+    for i in range(start, end):
+      tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+      parent = page_hash(parent, tokens)
+      page = table[i]
+      self._hash[page], self._tokens[page] = parent, tokens
+      self._cached.setdefault(parent, page)
+
+  def free(self, table: Sequence[int]) -> None:
+    """Drops one reference to each page of `table`.
+
+    Tail pages go first, so within one sequence the pages furthest from the prompt's start are
+    the first evicted: a shorter shared prefix stays useful longer.
+    """
+    for page in reversed(table):
+      self._ref[page] -= 1
+      if self._ref[page]:
+        continue
+      if self._is_findable(page):
+        self._evictable[page] = None
+      else:
+        self._hash[page] = self._tokens[page] = None
+        self._free.append(page)
+
+  def _is_findable(self, page: int) -> bool:
+    h = self._hash[page]
+    return h is not None and self._cached.get(h) == page
+
+  def _take_fresh(self) -> int:
+    if self._free:
+      page = self._free.popleft()
+    else:
+      page, _ = self._evictable.popitem(last=False)
+      del self._cached[self._hash[page]]
+      self._hash[page] = self._tokens[page] = None
+      self.num_evictions += 1
+    self._ref[page] = 1
+    return page

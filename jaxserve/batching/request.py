@@ -1,0 +1,160 @@
+"""One request's host state: its tokens, counters, status and timestamps.
+
+The runner creates a `Request`, the scheduler moves it between queues and owns its KV counters, the
+runner appends the sampled tokens and decides when it stops. Token counters:
+
+  all_token_ids        prompt + the output tokens that have reached the host
+  num_pending_tokens   sampled on the device, not read back yet (the overlap keeps one step in flight)
+  num_tokens           len(all_token_ids) + num_pending_tokens: the sequence length the device sees
+  num_computed_tokens  positions whose KV write has been dispatched
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Sequence
+
+from jaxserve.config import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+  WAITING = "waiting"  # Queued, or preempted and queued again.
+  RUNNING = "running"  # Holds a slot and KV pages.
+  FINISHED = "finished"
+  ABORTED = "aborted"
+
+
+class FinishReason(enum.Enum):
+  STOP = "stop"  # An end-of-turn id, one of sampling.stop_token_ids, or a stop string.
+  LENGTH = "length"  # max_tokens reached, or the context window is full.
+  ABORT = "abort"  # The client went away or cancelled.
+
+
+class RequestRejected(ValueError):
+  """The request can never run (too long for the context window or the KV pool)."""
+
+
+class QueueFull(RuntimeError):
+  """The waiting queue is at SchedulerConfig.max_queue_len; retry later."""
+
+
+@dataclasses.dataclass
+class RequestTimings:
+  """time.monotonic() stamps; the runner fills them in as the request moves along."""
+
+  arrival: float
+  admitted: float | None = None  # First admission (a preemption does not move it).
+  first_token: float | None = None
+  token_times: list[float] = dataclasses.field(default_factory=list)  # One per output token.
+  finish: float | None = None
+
+  @property
+  def time_to_first_token(self) -> float | None:
+    return None if self.first_token is None else self.first_token - self.arrival
+
+  @property
+  def queue_time(self) -> float | None:
+    return None if self.admitted is None else self.admitted - self.arrival
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  request_id: str
+  prompt_token_ids: tuple[int, ...]
+  sampling: SamplingParams
+  seed: int  # sampling.seed, or one drawn at random when it is None.
+  arrival_seq: int  # Arrival order: FCFS tie-breaker and "newest" for preemption.
+  priority: int = 0  # Lower runs first under QueuePolicy.PRIORITY.
+  status: RequestStatus = RequestStatus.WAITING
+  finish_reason: FinishReason | None = None
+  stop_reason: int | str | None = None  # The stop token id or stop string that ended it.
+  all_token_ids: list[int] = dataclasses.field(default_factory=list)
+  # Scheduler state, reset by a preemption.
+  slot: int | None = None
+  page_table: list[int] = dataclasses.field(default_factory=list)
+  num_prefill_tokens: int = 0  # Tokens the current admission must prefill (prompt + outputs).
+  num_computed_tokens: int = 0
+  num_pending_tokens: int = 0
+  num_cached_pages: int = 0  # Leading pages of page_table registered in the prefix cache.
+  # Bumped by every preemption and abort: a token sampled under an older epoch is discarded.
+  epoch: int = 0
+  num_preemptions: int = 0
+  num_cached_tokens: int = 0  # Prompt tokens whose prefill the prefix cache skipped, all admissions.
+  timings: RequestTimings = dataclasses.field(default_factory=lambda: RequestTimings(time.monotonic()))
+  # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.
+  max_num_tokens: int = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    if not self.all_token_ids:
+      self.all_token_ids = list(self.prompt_token_ids)
+    self.max_num_tokens = len(self.prompt_token_ids) + self.sampling.max_tokens
+
+  @property
+  def num_prompt_tokens(self) -> int:
+    return len(self.prompt_token_ids)
+
+  @property
+  def output_token_ids(self) -> list[int]:
+    return self.all_token_ids[len(self.prompt_token_ids):]
+
+  @property
+  def num_output_tokens(self) -> int:
+    return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.all_token_ids) + self.num_pending_tokens
+
+  @property
+  def is_prefilling(self) -> bool:
+    return self.num_computed_tokens < self.num_prefill_tokens
+
+  @property
+  def is_finished(self) -> bool:
+    return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+  def completion(self, text: str) -> Completion:
+    return Completion(self.request_id, self.prompt_token_ids, tuple(self.output_token_ids), text,
+                      self.finish_reason, self.stop_reason, self.num_cached_tokens, self.timings)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+  """One output token's log-probability under the model, and the most likely alternatives."""
+
+  logprob: float  # Of the chosen token.
+  top_ids: tuple[int, ...]  # The top SamplingParams.logprobs ids, most likely first.
+  top_logprobs: tuple[float, ...]
+
+
+@dataclasses.dataclass(slots=True)  # Not frozen: one is built per token, and frozen is 3x slower.
+class RequestOutput:
+  """What one step produced for one request: a piece of its stream. Read-only by convention."""
+
+  request_id: str
+  token_ids: Sequence[int]  # New output tokens (a stop token is included; its text is not).
+  text: str  # New text; text that might start a stop string is held back until it cannot.
+  finish_reason: FinishReason | None  # Set on the request's last output.
+  timings: RequestTimings  # The request's live timings.
+  # One per token of token_ids, when the request's SamplingParams.logprobs > 0.
+  logprobs: Sequence[TokenLogprobs] | None = None
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """A finished request, as the offline `generate` returns it."""
+
+  request_id: str
+  prompt_token_ids: Sequence[int]
+  token_ids: Sequence[int]
+  text: str
+  finish_reason: FinishReason | None
+  stop_reason: int | str | None
+  num_cached_tokens: int
+  timings: RequestTimings

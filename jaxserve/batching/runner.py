@@ -1,0 +1,191 @@
+"""The engine loop: plan a step, run it on the engine, turn sampled tokens into request outputs.
+
+`step()` overlaps host and device. It dispatches step n+1 before it reads step n's tokens:
+
+  schedule(n+1) -> dispatch(n+1) -> read tokens of n (TokenFuture.result) -> outputs of n
+
+Planning needs no token values (decode reads its input token from the engine's device state), and
+the engine runs its steps in dispatch order, so while the host waits for step n, step n+1 is
+already queued behind it. The price is that a request is seen to finish one step late: its slot
+decodes once more, and that token is discarded (every sample carries the request's epoch, which
+finishing, aborting and preempting all bump).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import secrets
+import time
+from typing import Any, Callable, Sequence
+
+from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.text.detokenizer import IncrementalDetokenizer
+from jaxserve.batching.plan import Engine, EngineInfo, TokenFuture
+from jaxserve.batching.request import Completion, FinishReason, Request, RequestOutput, TokenLogprobs
+from jaxserve.batching.scheduler import ScheduledStep, Scheduler
+from jaxserve.batching.stop import Detokenizer, OutputText
+
+
+@dataclasses.dataclass
+class _Dispatched:
+  """One step in flight: where its sampled tokens will land, and for whom."""
+
+  prefills: list[tuple[TokenFuture, Request, int]]  # (future, request, epoch)
+  decode: TokenFuture | None
+  decodes: list[tuple[int, Request, int]]  # (slot, request, epoch)
+
+
+class Runner:
+
+  def __init__(self, engine: Engine, tokenizer: Any, config: SchedulerConfig = SchedulerConfig(),
+               detokenizer: Callable[[Any, Sequence[int]], Detokenizer] = IncrementalDetokenizer):
+    """`tokenizer` has `.stop_ids` (the end-of-turn ids) and `.decode`; `detokenizer(tokenizer,
+    prompt_ids)` makes a request's incremental detokenizer."""
+    self.engine = engine
+    self.tokenizer = tokenizer
+    self.scheduler = Scheduler(config, engine)
+    self._detokenizer = detokenizer
+    self._arrivals = itertools.count()
+    self._requests: dict[str, Request] = {}  # Unfinished ones.
+    self._texts: dict[str, OutputText] = {}
+    self._in_flight: _Dispatched | None = None
+    self._outbox: list[RequestOutput] = []  # Aborts, reported by the next step().
+
+  @property
+  def engine_info(self) -> EngineInfo:
+    return self.engine.info
+
+  @property
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished or self._in_flight is not None or bool(self._outbox)
+
+  def new_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                  request_id: str | None = None, priority: int = 0) -> Request:
+    """Builds a request, or raises RequestRejected if it could never run. Reads only fixed
+    limits, so another thread may call it while this one steps."""
+    self.scheduler.check(len(prompt_ids), sampling)
+    seq = next(self._arrivals)
+    seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+    return Request(request_id if request_id is not None else f"req-{seq}-{secrets.token_hex(4)}",
+                   tuple(prompt_ids), sampling, seed, seq, priority)
+
+  def submit(self, req: Request) -> None:
+    """Queues a request made by `new_request`."""
+    if req.request_id in self._requests:
+      raise ValueError(f"request id {req.request_id!r} is already in use")
+    self.scheduler.add(req)
+    self._requests[req.request_id] = req
+    detokenizer = self._detokenizer(self.tokenizer, req.prompt_token_ids)
+    self._texts[req.request_id] = OutputText(detokenizer, req.sampling, self.tokenizer.stop_ids)
+
+  def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                  request_id: str | None = None, priority: int = 0) -> Request:
+    req = self.new_request(prompt_ids, sampling, request_id, priority)
+    self.submit(req)
+    return req
+
+  def abort(self, request_id: str) -> bool:
+    """Stops a request in any state; its last output (finish reason ABORT) comes from the next
+    step(). False if it is unknown or already finished."""
+    req = self._requests.get(request_id)
+    if req is None:
+      return False
+    self.scheduler.abort(req)
+    self._outbox.append(self._end(req, FinishReason.ABORT, "", time.monotonic()))
+    return True
+
+  def step(self) -> list[RequestOutput]:
+    dispatched = self._dispatch(self.scheduler.schedule())
+    outputs, self._outbox = self._outbox, []
+    if self._in_flight is not None:
+      outputs += self._collect(self._in_flight)
+    self._in_flight = dispatched
+    return outputs
+
+  def generate(self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Completion]:
+    """Runs every (prompt_ids, sampling) to completion; results in input order. Every prompt is
+    checked before any runs."""
+    reqs = [self.new_request(ids, sampling) for ids, sampling in prompts]
+    texts = {r.request_id: [] for r in reqs}
+    queued = collections.deque(reqs)
+    while queued or self.has_unfinished:
+      while queued and len(self.scheduler.waiting) < self.scheduler.config.max_queue_len:
+        self.submit(queued.popleft())
+      for out in self.step():
+        texts.get(out.request_id, []).append(out.text)
+    return [r.completion("".join(texts[r.request_id])) for r in reqs]
+
+  def _dispatch(self, scheduled: ScheduledStep) -> _Dispatched | None:
+    for slot in scheduled.free_slots:
+      self.engine.free(slot)
+    plan = scheduled.plan
+    prefills = []
+    for chunk, req in zip(plan.prefills, scheduled.prefill_requests):
+      future = self.engine.prefill(chunk)
+      if chunk.is_last:
+        prefills.append((future, req, req.epoch))
+    decode, decodes = None, []
+    if plan.decode_slots:
+      decode = self.engine.decode(plan.decode_slots, plan.page_tables)
+      decodes = [(r.slot, r, r.epoch) for r in scheduled.decode_requests]
+    return _Dispatched(prefills, decode, decodes) if prefills or decodes else None
+
+  def _collect(self, step: _Dispatched) -> list[RequestOutput]:
+    """Reads a step's sampled tokens and applies them; stale ones are dropped unread."""
+    outputs = []
+    for future, req, epoch in step.prefills:
+      if req.epoch == epoch:
+        arrays = future.logprobs() if req.sampling.logprobs else None
+        logprobs = _token_logprobs(arrays, 0, req.sampling.logprobs)
+        outputs.append(self._apply_token(req, int(future.result()[0]), time.monotonic(), logprobs))
+    live = [(slot, req) for slot, req, epoch in step.decodes if req.epoch == epoch]
+    if live:
+      tokens = step.decode.result().tolist()
+      # One read of the logprob arrays for the whole step, and none when nobody asked.
+      arrays = step.decode.logprobs() if any(r.sampling.logprobs for _, r in live) else None
+      now = time.monotonic()
+      outputs += [self._apply_token(req, tokens[slot], now,
+                                    _token_logprobs(arrays, slot, req.sampling.logprobs))
+                  for slot, req in live]
+    return outputs
+
+  def _apply_token(self, req: Request, token: int, now: float,
+                   logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+    self.scheduler.append_token(req, token)
+    timings = req.timings
+    timings.token_times.append(now)
+    if timings.first_token is None:
+      timings.first_token = now
+    out = self._texts[req.request_id]
+    if token in out.stop_token_ids:  # Its text is never shown.
+      req.stop_reason = token
+      return self._end(req, FinishReason.STOP, out.finish(), now, (token,), logprobs)
+    text = out.add((token,))
+    if out.stop_string is not None:
+      req.stop_reason = out.stop_string
+      return self._end(req, FinishReason.STOP, text, now, (token,), logprobs)
+    if len(req.all_token_ids) >= req.max_num_tokens:  # max_tokens, or the context window.
+      return self._end(req, FinishReason.LENGTH, text + out.finish(), now, (token,), logprobs)
+    return RequestOutput(req.request_id, (token,), text, None, timings, logprobs)
+
+  def _end(self, req: Request, reason: FinishReason, text: str, now: float,
+           token_ids: tuple[int, ...] = (),
+           logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+    if reason is not FinishReason.ABORT:
+      self.scheduler.finish(req)
+    req.finish_reason = reason
+    req.timings.finish = now
+    del self._requests[req.request_id], self._texts[req.request_id]
+    return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs)
+
+
+def _token_logprobs(arrays, row: int, num_top: int) -> tuple[TokenLogprobs, ...] | None:
+  """Row `row` of TokenFuture.logprobs() arrays, cut to the request's top `num_top`; None when
+  the request asked for none."""
+  if not num_top:
+    return None
+  chosen, top_ids, top_logprobs = arrays
+  return (TokenLogprobs(float(chosen[row]), tuple(top_ids[row, :num_top].tolist()),
+                        tuple(top_logprobs[row, :num_top].tolist())),)

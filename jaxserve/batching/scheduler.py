@@ -1,0 +1,249 @@
+"""Continuous batching: each step, pack running requests into the engine's fixed decode slots.
+
+`schedule()` returns the next step's plan from token counters alone (no sampled token value is
+needed: decode reads its input token from the engine's device state), so the runner can plan and
+dispatch step n+1 while step n is still on the device. One step:
+
+  1. decode: every running request that has finished its prefill decodes one token. A request whose
+     next position needs a new page gets one; when none is left, the running request with the
+     lowest priority, newest first, is preempted: its pages are freed and it goes back to the head of
+     the waiting queue, to recompute its prompt and output tokens later.
+  2. prefill: requests part-way through their prefill continue, then waiting requests are admitted
+     in queue order while a slot is free and the pool has pages for the whole prompt plus
+     `reserve_pages`. Prefill chunks share a budget of `max_num_batched_tokens` tokens and are at
+     most `engine.info.max_prefill_len` long. Admission reuses cached prefix pages and prefills the rest.
+
+Imports no jax.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import heapq
+import time
+
+import numpy as np
+
+from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.batching.kv_pages import PageAllocator
+from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
+from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
+from jaxserve.batching.request_queue import RequestQueue, order_key
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledStep:
+  plan: StepPlan
+  free_slots: tuple[int, ...]  # Released since the last step: engine.free them before the plan.
+  prefill_requests: tuple[Request, ...]  # Parallel to plan.prefills.
+  decode_requests: tuple[Request, ...]  # Parallel to plan.decode_slots.
+
+
+class Scheduler:
+
+  def __init__(self, config: SchedulerConfig, engine: Engine):
+    """Reads the engine's shape attributes only; never calls it."""
+    self.config = config
+    info = engine.info
+    self.page_size = info.page_size
+    self.max_model_len = info.max_model_len
+    self.max_prefill_len = info.max_prefill_len
+    prefix_caching = config.enable_prefix_caching and info.can_share_pages
+    self.pages = PageAllocator(info.num_pages, info.page_size, prefix_caching)
+    self.waiting = RequestQueue(config.policy)
+    self.running: list[Request] = []  # Sorted by order_key: the last one is preempted first.
+    self._free_slots = list(range(info.num_slots))  # A heap: the lowest free slot is used first.
+    self._released: list[int] = []
+    self._max_pages_per_seq = self.pages.num_pages_for(info.max_model_len)
+    self._tables = np.zeros((info.num_slots, self._max_pages_per_seq), np.int32)  # [S, W]
+    self._decode_widths = info.decode_widths
+    self.num_steps = 0
+    self.num_prefill_tokens = 0  # Prefill tokens computed (recomputation included).
+    self.num_cached_tokens = 0  # Prefill tokens skipped thanks to the prefix cache.
+    self.num_decode_tokens = 0
+    self.num_preemptions = 0
+
+  @property
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def _key(self, req: Request) -> tuple[int, int]:
+    return order_key(req, self.config.policy)
+
+  # Requests in and out.
+
+  def check(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+    """Raises RequestRejected for a request that could never run."""
+    if num_prompt_tokens <= 0:
+      raise RequestRejected("the prompt is empty")
+    total = num_prompt_tokens + sampling.max_tokens
+    if total > self.max_model_len:
+      raise RequestRejected(
+          f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) is "
+          f"{total} tokens, more than the context window of {self.max_model_len}")
+    # The last sampled token never has its KV written.
+    num_pages = self.pages.num_pages_for(total - 1)
+    if num_pages > self.pages.num_usable_pages:
+      raise RequestRejected(
+          f"the prompt plus max_tokens needs {num_pages} KV pages of {self.page_size} tokens, "
+          f"but the pool has only {self.pages.num_usable_pages}")
+
+  def add(self, req: Request) -> None:
+    self.check(req.num_prompt_tokens, req.sampling)
+    if len(self.waiting) >= self.config.max_queue_len:
+      raise QueueFull(f"{len(self.waiting)} requests are waiting already (max_queue_len)")
+    self.waiting.push(req)
+
+  def append_token(self, req: Request, token: int) -> None:
+    """A token sampled for `req` reached the host."""
+    req.all_token_ids.append(token)
+    req.num_pending_tokens -= 1
+    self._cache_full_pages(req)
+
+  def finish(self, req: Request) -> None:
+    self._cache_full_pages(req)
+    self._release(req)
+    req.status = RequestStatus.FINISHED
+    req.epoch += 1
+
+  def abort(self, req: Request) -> None:
+    if req.status is RequestStatus.WAITING:
+      self.waiting.remove(req)
+    elif req.status is RequestStatus.RUNNING:
+      self._cache_full_pages(req)
+      self._release(req)
+    req.status = RequestStatus.ABORTED
+    req.epoch += 1
+
+  # One step.
+
+  def schedule(self) -> ScheduledStep:
+    self.num_steps += 1
+    decodes, num_preempted = self._schedule_decodes()
+    # A preemption means memory is short: admitting now would only preempt again.
+    chunks, prefill_reqs = self._schedule_prefills(admit=not num_preempted)
+    tables = self._decode_page_tables(decodes) if decodes else None
+    plan = StepPlan(tuple(chunks), tuple(r.slot for r in decodes), tables)
+    released, self._released = tuple(self._released), []
+    return ScheduledStep(plan, released, tuple(prefill_reqs), tuple(decodes))
+
+  def _schedule_decodes(self) -> tuple[list[Request], int]:
+    decodes, num_preempted = [], 0
+    queue = collections.deque(self.running)  # Best first, so victims come off the far end.
+    while queue:
+      req = queue.popleft()
+      num_tokens = len(req.all_token_ids) + req.num_pending_tokens
+      # Still prefilling, or every token it may have is sampled already.
+      if req.num_computed_tokens < req.num_prefill_tokens or num_tokens >= req.max_num_tokens:
+        continue
+      while not self._grow(req, num_tokens):
+        victim = queue.pop() if queue else req
+        self._preempt(victim)
+        num_preempted += 1
+        if victim is req:
+          break
+      else:
+        # Decode writes the KV of position num_tokens - 1 and samples the next token.
+        req.num_computed_tokens = num_tokens
+        req.num_pending_tokens += 1
+        decodes.append(req)
+    self.num_decode_tokens += len(decodes)
+    return decodes, num_preempted
+
+  def _grow(self, req: Request, num_tokens: int) -> bool:
+    """Gives `req` the pages for positions [0, num_tokens); False when the pool is empty."""
+    table = req.page_table
+    while len(table) * self.page_size < num_tokens:
+      if not self.pages.append_page(table):
+        return False
+      self._tables[req.slot, len(table) - 1] = table[-1]
+    return True
+
+  def _preempt(self, req: Request) -> None:
+    self._cache_full_pages(req)  # Its own prefix may still be cached when it comes back.
+    self._release(req)
+    req.status = RequestStatus.WAITING
+    req.num_prefill_tokens = req.num_computed_tokens = req.num_pending_tokens = 0
+    req.num_cached_pages = 0
+    req.epoch += 1  # Its token in flight is dropped; the recompute samples it again.
+    req.num_preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.push(req)
+
+  def _schedule_prefills(self, admit: bool) -> tuple[list[PrefillChunk], list[Request]]:
+    budget = self.config.max_num_batched_tokens
+    chunks, reqs = [], []
+    for req in self.running:
+      if req.is_prefilling and budget > 0:
+        budget = self._add_chunks(req, budget, chunks, reqs)
+    static = self.config.static_batching
+    # Static batching admits a whole group at once, and only when the last group has finished.
+    admit = admit and not (static and self.running)
+    while admit and (budget > 0 or static) and self.waiting and self._can_admit(self.waiting.peek()):
+      req = self.waiting.pop()
+      self._admit(req)
+      budget = self._add_chunks(req, budget, chunks, reqs)
+    return chunks, reqs
+
+  def _can_admit(self, req: Request) -> bool:
+    # The reserve is headroom for other requests' decode; alone, a request may use every page.
+    reserve = self.config.reserve_pages if self.running else 0
+    return bool(self._free_slots) and self.pages.can_allocate(req.all_token_ids, reserve)
+
+  def _admit(self, req: Request) -> None:
+    table, num_cached = self.pages.allocate(req.all_token_ids)
+    req.slot = heapq.heappop(self._free_slots)
+    req.page_table = table
+    req.num_prefill_tokens = len(req.all_token_ids)
+    req.num_computed_tokens = num_cached
+    req.num_cached_pages = num_cached // self.page_size
+    req.num_cached_tokens += num_cached
+    req.status = RequestStatus.RUNNING
+    if req.timings.admitted is None:
+      req.timings.admitted = time.monotonic()
+    self._tables[req.slot, :len(table)] = table
+    bisect.insort(self.running, req, key=self._key)
+    self.num_cached_tokens += num_cached
+
+  def _add_chunks(self, req: Request, budget: int, chunks: list, reqs: list) -> int:
+    """Appends `req`'s next prefill chunks within `budget`; returns the budget left."""
+    while budget > 0 and req.is_prefilling:
+      start = req.num_computed_tokens
+      end = start + min(req.num_prefill_tokens - start, budget, self.max_prefill_len)
+      is_last = end == req.num_prefill_tokens
+      chunks.append(PrefillChunk(
+          req.request_id, req.slot, tuple(req.all_token_ids[start:end]), start,
+          tuple(req.page_table), is_last, req.sampling, req.seed,
+          prompt_token_ids=req.prompt_token_ids if is_last else (),
+          output_token_ids=tuple(req.output_token_ids) if is_last else ()))
+      reqs.append(req)
+      budget -= end - start
+      self.num_prefill_tokens += end - start
+      req.num_computed_tokens = end
+      req.num_pending_tokens += is_last
+    self._cache_full_pages(req)
+    return budget
+
+  def _cache_full_pages(self, req: Request) -> None:
+    """Registers every page whose tokens are known and whose KV write has been dispatched."""
+    num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.page_size
+    if num_full > req.num_cached_pages:
+      self.pages.cache_pages(req.page_table, req.all_token_ids, req.num_cached_pages, num_full)
+      req.num_cached_pages = num_full
+
+  def _release(self, req: Request) -> None:
+    self.pages.free(req.page_table)
+    req.page_table = []
+    self.running.remove(req)
+    self._tables[req.slot] = 0
+    heapq.heappush(self._free_slots, req.slot)
+    self._released.append(req.slot)
+    req.slot = None
+
+  def _decode_page_tables(self, decodes: list[Request]) -> np.ndarray:
+    """[num_slots, width]: the narrowest width the engine decodes at that holds every table."""
+    longest = max(len(r.page_table) for r in decodes)
+    width = next(w for w in self._decode_widths if w >= longest)
+    return self._tables[:, :width].copy()

@@ -1,0 +1,175 @@
+"""Streaming for the server: the runner steps on a background thread, each request's outputs
+arrive on its own asyncio queue.
+
+The event loop never touches the runner's state: `submit` and `abort` post commands to an inbox
+that the engine thread drains before each step, and each step's outputs come back to the loop in
+one `call_soon_threadsafe`. Building the request (and rejecting one that could never run) happens
+on the caller's side, so a bad request fails at once, in the handler that sent it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator, Awaitable, Callable, Sequence
+
+from jaxserve.config import SamplingParams
+from jaxserve.batching.request import Request, RequestOutput
+from jaxserve.batching.plan import EngineInfo
+from jaxserve.batching.runner import Runner
+
+
+class EngineDead(RuntimeError):
+  """The engine loop raised: every open stream gets this, and the runner takes no more requests."""
+
+
+class RequestStream:
+  """One request's outputs, as an async iterator that ends after the output with a finish
+  reason. If the engine fails, iterating raises its error."""
+
+  def __init__(self, request: Request, owner: AsyncRunner):
+    self.request = request
+    self.finished = False
+    self._owner = owner
+    self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+  @property
+  def request_id(self) -> str:
+    return self.request.request_id
+
+  def __aiter__(self) -> RequestStream:
+    return self
+
+  async def __anext__(self) -> RequestOutput:
+    if self.finished:
+      raise StopAsyncIteration
+    item = await self._queue.get()
+    if isinstance(item, BaseException):
+      self.finished = True
+      raise item
+    self.finished = item.finished
+    return item
+
+  def abort(self) -> None:
+    if not self.finished:
+      self._owner.abort(self.request_id)
+
+
+class AsyncRunner:
+
+  def __init__(self, runner: Runner,
+               on_failure: Callable[[BaseException], Awaitable[None]] | None = None):
+    """`on_failure` is awaited once, on the event loop, if the engine loop raises: before the
+    open streams get their error, so that whoever sees the error also sees its consequences."""
+    self.runner = runner
+    self._on_failure = on_failure
+    self._inbox: queue.SimpleQueue[tuple[Callable, object] | None] = queue.SimpleQueue()
+    self._streams: dict[str, RequestStream] = {}  # Touched on the event loop's thread only.
+    self._loop: asyncio.AbstractEventLoop | None = None
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+
+  @property
+  def engine_info(self) -> EngineInfo:
+    return self.runner.engine_info
+
+  def start(self) -> None:
+    """Starts the engine thread; call from the event loop that will consume the streams."""
+    self._loop = asyncio.get_running_loop()
+    self._thread = threading.Thread(target=self._run, name="jaxserve-runner", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    """Stops the engine thread after its current step; open streams get an error."""
+    if self._thread is not None:
+      self._inbox.put(None)
+      self._thread.join()
+      self._thread = None
+    self._fail_all(RuntimeError("the engine loop stopped"))
+
+  def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+             request_id: str | None = None, priority: int = 0) -> RequestStream:
+    """Queues a request; raises at once (RequestRejected, ValueError) if it cannot be taken."""
+    if self._error is not None:
+      raise EngineDead("the engine loop failed") from self._error
+    if request_id is not None and request_id in self._streams:
+      raise ValueError(f"request id {request_id!r} is already in use")
+    req = self.runner.new_request(prompt_ids, sampling, request_id, priority)
+    stream = self._streams[req.request_id] = RequestStream(req, self)
+    self._inbox.put((self._add, req))
+    return stream
+
+  def abort(self, request_id: str) -> None:
+    self._inbox.put((self.runner.abort, request_id))
+
+  async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                     request_id: str | None = None,
+                     priority: int = 0) -> AsyncIterator[RequestOutput]:
+    """Streams one request; if the consumer stops early (a client disconnect), aborts it."""
+    stream = self.submit(prompt_ids, sampling, request_id, priority)
+    try:
+      async for out in stream:
+        yield out
+    finally:
+      stream.abort()
+
+  # The engine thread.
+
+  def _run(self) -> None:
+    try:
+      while self._drain_inbox(wait=not self.runner.has_unfinished):
+        outputs = self.runner.step()
+        if outputs:
+          self._loop.call_soon_threadsafe(self._deliver, outputs)
+    except BaseException as e:  # pylint: disable=broad-except
+      # The cache and decode state were donated to the failed step: nothing on the device can be
+      # trusted, so no request may go on. The owner decides what the process does next.
+      self._error = e
+      asyncio.run_coroutine_threadsafe(self._die(e), self._loop)
+
+  def _drain_inbox(self, wait: bool) -> bool:
+    """Runs every queued command (waiting for one when idle); False once told to stop."""
+    try:
+      command = self._inbox.get() if wait else self._inbox.get_nowait()
+      while True:
+        if command is None:
+          return False
+        fn, arg = command
+        fn(arg)
+        command = self._inbox.get_nowait()
+    except queue.Empty:
+      return True
+
+  def _add(self, req: Request) -> None:
+    try:
+      self.runner.submit(req)
+    except (ValueError, RuntimeError) as e:  # A duplicate id or a full queue.
+      self._loop.call_soon_threadsafe(self._fail, req.request_id, e)
+
+  # The event loop's thread.
+
+  async def _die(self, error: BaseException) -> None:
+    if self._on_failure is not None:
+      await self._on_failure(error)
+    dead = EngineDead(f"the engine loop failed: {type(error).__name__}: {error}")
+    dead.__cause__ = error
+    self._fail_all(dead)
+
+  def _deliver(self, outputs: list[RequestOutput]) -> None:
+    for out in outputs:
+      stream = self._streams.get(out.request_id)
+      if stream is None:
+        continue
+      stream._queue.put_nowait(out)  # pylint: disable=protected-access
+      if out.finished:
+        del self._streams[out.request_id]
+
+  def _fail(self, request_id: str, error: BaseException) -> None:
+    stream = self._streams.pop(request_id, None)
+    if stream is not None:
+      stream._queue.put_nowait(error)  # pylint: disable=protected-access
+
+  def _fail_all(self, error: BaseException) -> None:
+    for request_id in list(self._streams):
+      self._fail(request_id, error)

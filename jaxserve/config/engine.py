@@ -1,0 +1,153 @@
+"""The engine (every value a compiled shape or a code path) and the scheduler (none of it a shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+
+class Dtype(enum.Enum):
+  """The engine's parameters, activations and KV cache (unless `kv_dtype` says otherwise)."""
+
+  FLOAT32 = "float32"
+  BFLOAT16 = "bfloat16"
+
+
+class KVLayout(enum.Enum):
+  """How the KV cache is laid out in device memory."""
+
+  # [layers, pages, page_size, kv_heads, head_dim], K and V in separate arrays.
+  PAGED_TOKEN_MAJOR = "paged_token_major"
+  # [layers, kv_heads, pages, page_size, head_dim]: one head's positions are adjacent.
+  PAGED_HEAD_MAJOR = "paged_head_major"
+  # [layers, pages, 2, page_size, kv_heads, head_dim]: one array, each page holds its K then its V.
+  PAGED_KV_INTERLEAVED = "paged_kv_interleaved"
+  # [layers, slots, max_len / page_size, page_size, kv_heads, head_dim] (JetStream/MaxText):
+  # each slot owns max_len adjacent positions; the engine hands slot s the identity page table
+  # of its own region, so the scheduler must run it without prefix caching.
+  CONTIGUOUS = "contiguous"
+
+
+class KVDtype(enum.Enum):
+  """How the KV cache stores one value: (label, bytes per value, bytes of scale per token-head)."""
+
+  FLOAT32 = ("float32", 4, 0)
+  BFLOAT16 = ("bfloat16", 2, 0)
+  FLOAT16 = ("float16", 2, 0)
+  INT8 = ("int8", 1, 4)  # One float32 scale per token, per KV head, for K and for V.
+  FLOAT8_E4M3 = ("float8_e4m3", 1, 0)
+
+  def __init__(self, label: str, value_bytes: int, scale_bytes: int):
+    self.label = label
+    self.value_bytes = value_bytes
+    self.scale_bytes = scale_bytes
+
+
+class AttentionBackend(enum.Enum):
+  REFERENCE = "reference"  # Plain jnp: gather pages, masked softmax. The fast path on CPU.
+  PALLAS = "pallas"  # The kernels of kernels_pallas/ for the running platform (interpret on CPU).
+  # The kernels for a named platform, whatever runs the tracing: for `jax.export` to TPU or GPU
+  # from a machine without one.
+  PALLAS_TPU = "pallas_tpu"
+  PALLAS_GPU = "pallas_gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """The shapes the engine compiles for and the memory it holds.
+
+  Every value here sets a shape (or picks code), so every one of them is compiled at warm-up;
+  nothing a request carries is.
+  """
+
+  num_slots: int = 8  # Sequences decoding at once (a step runs a batch bucket of them).
+  page_size: int = 16  # Tokens per KV page.
+  num_pages: int | None = 512  # Pages in the pool, scratch page 0 included. None: sized at
+  # start-up to fill `memory_fraction` of the device's memory, weights included.
+  memory_fraction: float = 0.9
+  max_model_len: int = 2048  # Longest sequence (prompt + output) a slot can hold.
+  prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)  # Padded prefill chunk lengths.
+  dtype: Dtype = Dtype.FLOAT32  # Parameters, activations and KV cache (a name is taken too).
+  kv_layout: KVLayout = KVLayout.PAGED_TOKEN_MAJOR
+  kv_dtype: KVDtype | None = None  # None: the same as `dtype`.
+  attention_backend: AttentionBackend | None = None  # None: picked from the platform.
+  compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None turns it off.
+  tp: int = 1  # Tensor parallel: devices the weights and KV heads are split over (mesh axis `model`).
+  dp: int = 1  # Data parallel: groups the decode slots are split over (mesh axis `data`).
+
+  def __post_init__(self):
+    if not isinstance(self.dtype, Dtype):
+      if self.dtype not in {d.value for d in Dtype}:
+        raise ValueError(f"EngineConfig.dtype must be one of {[d.value for d in Dtype]}, "
+                         f"got {self.dtype!r}")
+      object.__setattr__(self, "dtype", Dtype(self.dtype))
+    for field in ("num_slots", "page_size", "max_model_len", "tp", "dp"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"EngineConfig.{field} must be positive, got {getattr(self, field)}")
+    if not 0 < self.memory_fraction <= 1:
+      raise ValueError(f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+    if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)):
+      raise ValueError(f"EngineConfig.prefill_buckets must be increasing, got {self.prefill_buckets}")
+    if self.num_pages is not None and self.num_pages < 2:
+      raise ValueError("EngineConfig.num_pages must be >= 2 (page 0 is the scratch page)")
+    if self.num_slots % self.dp:
+      raise ValueError(f"EngineConfig.dp ({self.dp}) must divide num_slots ({self.num_slots})")
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    return math.ceil(self.max_model_len / self.page_size)
+
+  @property
+  def decode_batch_buckets(self) -> tuple[int, ...]:
+    """Batch sizes decode is compiled for: the running slots, rounded up to a power of 4 (so a
+    lone request costs a batch of 1, not num_slots). Under dp the slots are split over devices
+    by position, so every step runs them all."""
+    if self.dp > 1:
+      return (self.num_slots,)
+    sizes, b = [], 1
+    while b < self.num_slots:
+      sizes.append(b)
+      b *= 4
+    return tuple(sizes) + (self.num_slots,)
+
+  @property
+  def decode_width_buckets(self) -> tuple[int, ...]:
+    """Page-table widths decode is compiled for (see `width_buckets`)."""
+    return width_buckets(self.max_pages_per_seq)
+
+
+def width_buckets(max_pages: int, smallest: int = 8) -> tuple[int, ...]:
+  """Page-table widths: attention reads only as many pages as the longest running sequence
+  needs, rounded up to a power of two (`smallest` pages at least), capped at `max_pages`."""
+  widths, w = [], smallest
+  while w < max_pages:
+    widths.append(w)
+    w *= 2
+  return tuple(widths) + (max_pages,)
+
+
+class QueuePolicy(enum.Enum):
+  FCFS = "fcfs"  # First come, first served.
+  PRIORITY = "priority"  # Lower number first; FCFS within a priority.
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """How the host packs requests into the engine's slots. None of it is a device shape."""
+
+  policy: QueuePolicy = QueuePolicy.FCFS
+  max_num_batched_tokens: int = 512  # Prefill token budget per step (chunked prefill).
+  reserve_pages: int = 0  # Free pages an admission must leave behind, headroom for decode.
+  enable_prefix_caching: bool = True
+  static_batching: bool = False  # For comparison: admit a group, wait for its longest member.
+  max_queue_len: int = 10_000  # Waiting requests beyond this are refused.
+
+  def __post_init__(self):
+    if self.max_num_batched_tokens <= 0:
+      raise ValueError("SchedulerConfig.max_num_batched_tokens must be positive, got "
+                       f"{self.max_num_batched_tokens}")
+    if self.reserve_pages < 0:
+      raise ValueError(f"SchedulerConfig.reserve_pages must be >= 0, got {self.reserve_pages}")
+    if self.max_queue_len <= 0:
+      raise ValueError(f"SchedulerConfig.max_queue_len must be positive, got {self.max_queue_len}")

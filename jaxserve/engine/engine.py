@@ -1,0 +1,256 @@
+"""The device side of jaxserve: parameters, the KV cache, the decode state, and compiled steps.
+
+It implements `plan.Engine`: the runner calls `prefill` for each chunk of a plan and `decode` for
+the decode slots, and gets tokens back as futures (async device-to-host copies). Every shape the
+engine compiles for comes from `EngineConfig` and is compiled by `warmup()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from jaxserve.planning import capacity
+
+from jaxserve.model import kv_cache
+
+from jaxserve.engine import placement
+from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
+from jaxserve.engine.decode import DecodeState, decode_step
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
+from jaxserve.model.attention import AttentionSpec
+from jaxserve.model.llama import Transformer
+from jaxserve.batching.plan import EngineInfo, PrefillChunk
+from jaxserve.engine.prefill import prefill_step
+from jaxserve.engine.sample import Sampled, SamplingRow, SamplingState
+
+
+def enable_compilation_cache(path: str | None) -> None:
+  """JAX's persistent cache: a second start loads compiled buckets instead of compiling."""
+  if path is None:
+    return
+  path = os.path.expanduser(path)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def default_backend() -> AttentionBackend:
+  """Plain jnp on CPU (Pallas there is interpret mode only); the kernels on TPU and GPU."""
+  return AttentionBackend.REFERENCE if jax.default_backend() == "cpu" else AttentionBackend.PALLAS
+
+
+class TokenFuture:
+  """Sampled tokens on their way to the host: the copy starts now, `result()` waits for it."""
+
+  def __init__(self, sampled: Sampled):
+    self._sampled = sampled
+    sampled.tokens.copy_to_host_async()
+
+  def result(self) -> np.ndarray:
+    return np.asarray(self._sampled.tokens)
+
+  def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen [B], top ids [B, 20], top logprobs [B, 20])."""
+    s = self._sampled
+    return np.asarray(s.logprobs), np.asarray(s.top_ids), np.asarray(s.top_logprobs)
+
+
+class PrefillArgs(NamedTuple):
+  """The host arrays of one prefill step (see `prefill_step`)."""
+
+  tokens: np.ndarray  # [T] int32, padded to a prefill bucket
+  start_pos: np.int32
+  true_len: np.int32
+  page_table: np.ndarray  # [W] int32
+  slot: np.int32
+  is_last: np.bool_
+  row: SamplingState | None  # The slot's sampling settings (numpy leaves); set when is_last.
+
+
+class DecodeArgs(NamedTuple):
+  """The host arrays of one decode step (see `decode_step`)."""
+
+  rows: np.ndarray  # [B] int32: the decoding slots, then num_slots as padding; B a batch bucket
+  page_tables: np.ndarray  # [B, W] int32, W a compiled decode width
+
+
+class Engine:
+  def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = ()):
+    if config.num_pages is None:
+      config = size_kv_pool(config, model)
+    self.model_config: ModelConfig = model.cfg
+    self.config = config
+    self.num_slots = config.num_slots
+    self.page_size = config.page_size
+    self.num_pages = config.num_pages
+    self.max_model_len = min(config.max_model_len, model.cfg.max_seq_len)
+    self.max_prefill_len = config.prefill_buckets[-1]
+    self.backend = config.attention_backend or default_backend()
+    mesh = placement.mesh_for(config)
+    attn = AttentionSpec(self.backend, mesh)
+    enable_compilation_cache(config.compilation_cache_dir)
+
+    graphdef, self.params = nnx.split(model)
+    self.state = DecodeState.create(config.num_slots, model.cfg.vocab_size)
+    self.stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)  # [E]
+    self.shardings, step_out, state_out = None, {}, {}
+    if mesh is not None:
+      # One SPMD program over the mesh: the state goes to its shardings, and the steps return it
+      # in the same shardings, so donation aliases the buffers and no step recompiles.
+      s = self.shardings = placement.EngineShardings.create(
+          mesh, model.cfg, config, self.params, self.state)
+      self.params, self.state = s.place(self.params, s.params), s.place(self.state, s.state)
+      self.stop_ids = s.place(self.stop_ids, s.replicated)
+      self.cache = s.create_cache(model.cfg, config)
+      step_out, state_out = {"out_shardings": s.step_out}, {"out_shardings": s.state}
+    else:
+      self.cache = KVCache.create(model.cfg, config)
+    # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
+    # engine hands each slot its own identity table, whatever pages the scheduler picked.
+    self.num_pages = self.cache.num_pages
+    self._slot_page_tables = kv_cache.slot_page_tables(config)
+    self.can_share_pages = self._slot_page_tables is None  # A slot's own region holds no one else's KV.
+    self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
+                           self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
+                           config.decode_width_buckets, config.prefill_buckets, config.dtype.value)
+    # The cache and decode state are donated: each step updates them in place.
+    self._prefill = jax.jit(functools.partial(prefill_step, graphdef, attn=attn),
+                            donate_argnums=(1, 2), **step_out)
+    self._decode = jax.jit(functools.partial(decode_step, graphdef, attn=attn, in_place=config.dp > 1),
+                           donate_argnums=(1, 2), **step_out)
+    self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,), **state_out)
+    logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
+                 self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
+                 self.backend.value)
+
+  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
+    return self.run_prefill(self.prefill_args(chunk))
+
+  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
+    return self.run_decode(self.decode_args(slots, page_tables))
+
+  # The host inputs of each compiled step are built apart from the call, so that `multihost` can
+  # broadcast them from process 0 and make every other process run the same call on them.
+
+  def prefill_args(self, chunk: PrefillChunk) -> PrefillArgs:
+    n = len(chunk.token_ids)
+    if not 0 < n <= self.max_prefill_len:
+      raise ValueError(f"prefill chunk of {n} tokens: must be 1..{self.max_prefill_len}")
+    bucket = next(b for b in self.config.prefill_buckets if b >= n)
+    tokens = np.zeros(bucket, np.int32)
+    tokens[:n] = chunk.token_ids
+    row = None
+    if chunk.is_last:
+      row = SamplingRow.from_params(chunk.sampling, chunk.seed, chunk.prompt_token_ids,
+                                    chunk.output_token_ids, self.model_config.vocab_size).as_state()
+    return PrefillArgs(tokens, np.int32(chunk.start_pos), np.int32(n),
+                       self._page_table_row(chunk.page_table, chunk.slot), np.int32(chunk.slot),
+                       np.bool_(chunk.is_last), row)
+
+  def run_prefill(self, args: PrefillArgs) -> TokenFuture | None:
+    if args.row is not None:
+      self.state = self._set_sampling(self.state, args.slot, args.row)
+    self.cache, self.state, sampled = self._prefill(
+        self.params, self.cache, self.state, args.tokens, args.start_pos, args.true_len,
+        args.page_table, args.slot, args.is_last, self.stop_ids)
+    return TokenFuture(sampled) if args.is_last else None
+
+  def decode_args(self, slots: Sequence[int], page_tables: np.ndarray,
+                  batch: int | None = None) -> DecodeArgs:
+    """page_tables [num_slots, W]: row s is slot s's table. `batch`: a bucket to pad to (by
+    default the smallest that holds the slots)."""
+    if self.config.dp > 1:  # Slots are split over devices by position: row i must be slot i.
+      live = set(slots)
+      slots = [s if s in live else self.num_slots for s in range(self.num_slots)]
+    batch = batch or next(b for b in self.config.decode_batch_buckets if b >= len(slots))
+    rows = np.full(batch, self.num_slots, np.int32)
+    rows[:len(slots)] = slots
+    return DecodeArgs(rows, self._decode_tables(rows, page_tables))
+
+  def run_decode(self, args: DecodeArgs) -> TokenFuture:
+    self.cache, self.state, sampled = self._decode(
+        self.params, self.cache, self.state, args.rows, args.page_tables, self.stop_ids)
+    return TokenFuture(sampled)
+
+  def free(self, slot: int) -> None:
+    """Nothing to do on the device: a slot decodes only when the plan lists it."""
+
+  def warmup(self) -> None:
+    """Compiles every prefill bucket and decode width. Writes only to the scratch page."""
+    row = SamplingRow.from_params(SamplingParams(), 0, (), (), self.model_config.vocab_size)
+    self.state = self._set_sampling(self.state, np.int32(0), row.as_state())
+    for bucket in self.config.prefill_buckets:
+      self.cache, self.state, _ = self._prefill(
+          self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),
+          np.int32(bucket), self._page_table_row([]), np.int32(0), np.bool_(False), self.stop_ids)
+    for batch in self.config.decode_batch_buckets:
+      rows = np.full(batch, self.num_slots, np.int32)  # All padding: nothing is written.
+      for width in self.config.decode_width_buckets:
+        tables = np.full((batch, width), SCRATCH_PAGE, np.int32)
+        self.cache, self.state, out = self._decode(
+            self.params, self.cache, self.state, rows, tables, self.stop_ids)
+    out.tokens.block_until_ready()
+
+  def _page_table_row(self, pages: Sequence[int], slot: int | None = None) -> np.ndarray:
+    if self._slot_page_tables is not None and slot is not None:
+      return self._slot_page_tables[slot].copy()
+    row = np.full(self.config.max_pages_per_seq, SCRATCH_PAGE, np.int32)
+    row[:len(pages)] = pages
+    return row
+
+  def _decode_tables(self, rows: np.ndarray, page_tables: np.ndarray) -> np.ndarray:
+    """[B, W]: the tables of `rows`, padded to the narrowest compiled width that holds them.
+    Padding rows (num_slots) get an all-scratch table."""
+    width = next(w for w in self.config.decode_width_buckets if w >= page_tables.shape[1])
+    tables = np.full((self.num_slots + 1, width), SCRATCH_PAGE, np.int32)
+    if self._slot_page_tables is not None:
+      tables[:-1] = self._slot_page_tables[:, :width]
+    else:
+      tables[:page_tables.shape[0], :page_tables.shape[1]] = page_tables
+    return tables[rows]
+
+
+def device_memory_bytes(device: jax.Device) -> int:
+  """An accelerator's memory; on CPU, where memory_stats() says nothing, the host's RAM."""
+  stats = device.memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemTotal:"):
+        return int(line.split()[1]) * 1024  # The value is in kB.
+  raise ValueError("cannot find the device's memory size: give EngineConfig.num_pages instead")
+
+
+def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
+  """`config` with `num_pages` filling `memory_fraction` of one device, less the weights that
+  device holds. Under tensor parallelism each device holds 1/tp of every page (its KV heads)."""
+  device = jax.local_devices()[0]  # jax.devices()[0] is process 0's: other hosts cannot query it.
+  weight_bytes = sum(shard.data.nbytes for x in jax.tree.leaves(nnx.state(model))
+                     for shard in x.addressable_shards if shard.device == device)
+  memory = device_memory_bytes(device)
+  pages = capacity.num_kv_pages(model.cfg, memory * config.tp, config.memory_fraction,
+                                  config.page_size, kv_cache.kv_dtype_of(config),
+                                  weight_bytes * config.tp)
+  if jax.process_count() > 1:  # Every process must build the same cache shape: the smallest pool.
+    pages = int(np.min(multihost_utils.process_allgather(np.int32(pages))))
+  logging.info("KV pool: %d pages of %d tokens (%d tokens) from %.0f%% of %.2f GiB on %s, "
+               "less %.2f GiB of weights", pages, config.page_size, pages * config.page_size,
+               100 * config.memory_fraction, memory / 2**30, device.device_kind, weight_bytes / 2**30)
+  return dataclasses.replace(config, num_pages=pages)
+
+
+def _set_sampling(state: DecodeState, slot, row) -> DecodeState:
+  sampling = state.sampling.set_row(slot, jax.tree.map(lambda x: x[None], row))
+  return DecodeState(state.tokens, state.positions, sampling)

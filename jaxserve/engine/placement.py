@@ -1,0 +1,119 @@
+"""The device mesh, and where every array of the engine lives on it (the rules: model/axes.py).
+
+Several hosts run the same program: `init_distributed` joins them with `jax.distributed`, and the
+mesh then spans every process's devices (`jax.devices()` is global).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model import axes
+from jaxserve.model.kv_cache import KVCache
+
+
+def make_mesh(tp: int, dp: int = 1, devices=None) -> Mesh:
+  """A [dp, tp] mesh over dp * tp devices (of all processes). Auto axes: XLA's partitioner
+  places the collectives, the code keeps its unsharded types."""
+  devices = jax.devices() if devices is None else devices
+  axis_types = (AxisType.Auto, AxisType.Auto)
+  if tp * dp == len(devices):  # All of them: jax.make_mesh follows a TPU slice's topology.
+    return jax.make_mesh((dp, tp), (axes.DATA, axes.MODEL), axis_types, devices=devices)
+  if tp * dp > len(devices):
+    raise ValueError(f"tp={tp} x dp={dp} needs {tp * dp} devices; {len(devices)} available")
+  # Consecutive devices form a `model` group: on a GPU host those share the fastest links.
+  return Mesh(np.asarray(devices[:tp * dp]).reshape(dp, tp), (axes.DATA, axes.MODEL),
+              axis_types=axis_types)
+
+
+def mesh_for(config: EngineConfig) -> Mesh | None:
+  """The engine's mesh, or None on one device (the unsharded path, unchanged)."""
+  return make_mesh(config.tp, config.dp) if config.tp * config.dp > 1 else None
+
+
+def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None,
+                     multihost: bool = False) -> None:
+  """Joins the processes of a multi-host job; call it before anything touches a device.
+  Neither a coordinator nor `multihost` (JAX finds the job by itself): one process, nothing to join."""
+  if coordinator is None and not multihost:
+    return
+  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                             process_id=process_id)
+
+
+def param_shardings(mesh: Mesh, state: nnx.State) -> nnx.State:
+  """NamedShardings for a model's parameter state (abstract or concrete), from its axis names."""
+  specs = nnx.get_partition_spec(state)
+  is_spec = lambda x: isinstance(x, P)
+  return jax.tree.map(lambda s, x: NamedSharding(mesh, axes.logical_to_mesh(s, x.shape, mesh)),
+                      specs, state, is_leaf=is_spec)
+
+
+def cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
+  """By KV head over `model` (and by slot over `data` for a layout with a slot axis), for every
+  array of `cache` (abstract or concrete): values and, when quantized, their scales."""
+  spec = axes.cache_spec(cache.axes)
+  return jax.tree.map(lambda _: NamedSharding(mesh, spec), cache)
+
+
+def slots_sharding(mesh: Mesh, tree):
+  """Every leaf of a per-slot pytree (DecodeState: [S, ...] leaves) split by slot over `data`."""
+  return jax.tree.map(lambda _: NamedSharding(mesh, P(axes.RULES["slots"])), tree)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def put_numpy(x, sharding: jax.sharding.Sharding, dtype) -> jax.Array:
+  """Host array -> global array, each device receiving only its own slice (cast slice by slice,
+  so neither a full device copy nor a full cast copy of the weight is ever made)."""
+  x = np.asarray(x) if not isinstance(x, np.ndarray) else x
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index], dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShardings:
+  """Where the engine's device state lives, and what its compiled steps return."""
+
+  mesh: Mesh
+  params: nnx.State
+  cache: KVCache
+  state: object  # DecodeState of NamedShardings.
+  replicated: NamedSharding
+
+  @classmethod
+  def create(cls, mesh: Mesh, cfg: ModelConfig, config: EngineConfig, params: nnx.State,
+             decode_state) -> EngineShardings:
+    axes.check_divisible(cfg, mesh.shape[axes.MODEL], mesh.shape[axes.DATA], config.num_slots)
+    cache = jax.eval_shape(lambda: KVCache.create(cfg, config))
+    return cls(mesh, param_shardings(mesh, params), cache_sharding(mesh, cache),
+               slots_sharding(mesh, decode_state), replicated(mesh))
+
+  @property
+  def step_out(self):
+    """(cache, state, sampled) of prefill and decode: sampled tokens replicated, so every
+    process of a multi-host mesh can read them."""
+    return (self.cache, self.state, self.replicated)
+
+  @staticmethod
+  def place(tree, shardings):
+    """Each leaf onto its sharding. A leaf placed elsewhere goes through the host and
+    `make_array_from_callback`, which works when the mesh spans several processes."""
+    def one(x, s):
+      if isinstance(x, jax.Array) and x.sharding == s:
+        return x
+      return put_numpy(np.asarray(x), s, x.dtype)
+    if isinstance(shardings, NamedSharding):
+      return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)
+
+  def create_cache(self, model_cfg: ModelConfig, config: EngineConfig) -> KVCache:
+    """The cache allocated shard by shard: the whole cache may not fit on any one device."""
+    return jax.jit(lambda: KVCache.create(model_cfg, config), out_shardings=self.cache)()

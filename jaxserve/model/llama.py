@@ -1,0 +1,142 @@
+"""A Llama-family decoder in Flax NNX, reading and writing a paged KV cache.
+
+Shape letters, used in every comment and einsum of jaxserve:
+  B: batch (sequences, or decode slots)    T: query tokens per sequence
+  S: key/value positions attended to        D: model dim
+  N: query heads    K: key/value heads      G: query heads per KV head (N = K * G)
+  H: head dim       F: MLP hidden dim       V: vocabulary
+  L: layers         P: KV pages             Z: tokens per page (block size)
+  W: pages per sequence in a block table
+
+The same forward serves prefill (B=1, T=bucket) and decode (B=slots, T=1): what differs is the
+`AttentionMetadata` it is handed, never a flag read from a global.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model import attention
+from jaxserve.config import ModelConfig
+from jaxserve.model.kv_cache import KVCache
+
+
+def _param(rngs: nnx.Rngs, shape, names, dtype, fan_in: int | None = None) -> nnx.Param:
+  """A parameter with logical axis names, for sharding over a mesh later."""
+  if fan_in is None:
+    value = jnp.ones(shape, dtype)
+  else:
+    value = (jax.random.normal(rngs.params(), shape) / jnp.sqrt(fan_in)).astype(dtype)
+  return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def rms_norm(x, scale, eps: float):
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig):
+  """[H/2] inverse frequencies, with Llama-3 scaling when the config asks for it."""
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+  s = cfg.rope_scaling
+  if s is None:
+    return inv_freq
+  # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+  wavelen = 2 * jnp.pi / inv_freq
+  low_wavelen = s.original_max_position / s.low_freq_factor
+  high_wavelen = s.original_max_position / s.high_freq_factor
+  smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+  mid = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+  return jnp.where(wavelen < high_wavelen, inv_freq, jnp.where(wavelen > low_wavelen, inv_freq / s.factor, mid))
+
+
+def apply_rope(x, positions, inv_freq):
+  """x [B, T, heads, H], positions [B, T]. Hugging Face's rotate-half layout."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+  sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, heads, H/2] each
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+  """One decoder layer: pre-norm attention, then a pre-norm SwiGLU MLP."""
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+    self.cfg = cfg
+    self.attn_norm = _param(rngs, (D,), ("embed",), dtype)
+    self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), dtype, fan_in=D)
+    self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
+    self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
+    self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, fan_in=N * H)
+    if cfg.qkv_bias:
+      self.bq = _param(rngs, (N, H), ("heads", "head_dim"), dtype, fan_in=D)
+      self.bk = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
+      self.bv = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
+    self.mlp_norm = _param(rngs, (D,), ("embed",), dtype)
+    self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
+    self.w_up = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
+    self.w_down = _param(rngs, (F, D), ("mlp", "embed"), dtype, fan_in=F)
+
+  def __call__(self, x, layer, cache: KVCache, meta: attention.AttentionMetadata, inv_freq,
+               attn: attention.AttentionSpec):
+    """x [B, T, D] -> [B, T, D], with this layer's K/V written into `cache`."""
+    cfg = self.cfg
+    h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
+    q = jnp.einsum("BTD,DNH->BTNH", h, self.wq[...])
+    k = jnp.einsum("BTD,DKH->BTKH", h, self.wk[...])
+    v = jnp.einsum("BTD,DKH->BTKH", h, self.wv[...])
+    if cfg.qkv_bias:
+      q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+    q = apply_rope(q, meta.positions, inv_freq)
+    k = apply_rope(k, meta.positions, inv_freq)
+    cache = cache.write(layer, meta.slot_mapping, k, v)
+    out = attention.attend(q, cache, layer, meta, attn).astype(x.dtype)  # [B, T, N, H]
+    x = x + jnp.einsum("BTNH,NHD->BTD", out, self.wo[...])
+    h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
+    gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]))
+    up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
+    return x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...]), cache
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), dtype, fan_in=1)
+
+    # One DecoderLayer whose parameters carry a leading [L] axis: the layers run under a scan, so
+    # compile time does not grow with depth.
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_layers(rngs: nnx.Rngs):
+      return DecoderLayer(cfg, dtype, rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = _param(rngs, (cfg.dim,), ("embed",), dtype)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, fan_in=cfg.dim)
+
+  def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
+               attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True):
+    """tokens [B, T] -> logits [B, V] at each sequence's last real token (or [B, T, V]), cache."""
+    x = self.embed[...][tokens]  # [B, T, D]
+    inv_freq = rope_frequencies(self.cfg)
+    graphdef, layer_state = nnx.split(self.layers)
+
+    def body(carry, xs):
+      x, cache = carry
+      state, layer = xs
+      x, cache = nnx.merge(graphdef, state)(x, layer, cache, meta, inv_freq, attn)
+      return (x, cache), None
+
+    layer_ids = jnp.arange(self.cfg.num_layers)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (layer_state, layer_ids))
+    if last_only:
+      x = jnp.take_along_axis(x, meta.last_index[:, None, None], axis=1)[:, 0]  # [B, D]
+    x = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
+    head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]  # [D, V]
+    return jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32), cache

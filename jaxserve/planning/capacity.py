@@ -1,0 +1,286 @@
+"""How many full-length conversations fit on one accelerator: the capacity planner.
+
+Device memory holds the weights, the KV cache, and a reserve for everything else (activations
+of the running step, XLA's programs and scratch, the runtime). The KV cache is allocated in
+whole pages of `page_size` tokens, so
+
+  conversations = floor((memory - weights - min_reserve) / kv_per_conversation)
+  reserve       = memory - weights - conversations * kv_per_conversation  (>= min_reserve)
+
+`min_reserve` is one prefill chunk's activations (`activation_bytes`) plus a fixed overhead.
+The published worked example, a Llama-2-7B-class model at 8,192 tokens in 16-bit on 80 GiB:
+  weights       6,738,415,616 params * 2 B                   = 12.55 GiB
+  KV per token  2 (K, V) * 32 layers * 32 heads * 128 * 2 B  = 512 KiB
+  conversation  8,192 tokens * 512 KiB                       =  4.00 GiB
+  16 of them: 80 - 12.55 - 64 = 3.45 GiB left for activations and overhead; a 17th needs 4.
+The engine sizes its page pool with the same arithmetic (`num_kv_pages`); `jaxserve plan`
+prints a plan (`add_plan_parser`, `run_plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import pathlib
+import sys
+import types
+
+from jaxserve.config import KVDtype, ModelConfig, RopeScaling
+
+GIB = 2**30
+
+
+class WeightDtype(enum.Enum):
+  """How the weights are stored: (label, bytes per weight as numerator / denominator).
+
+  The quantized formats are GGUF's page formats: 32 weights share an f16 scale (and a min).
+  Every parameter is counted in the format, norms included (they are < 0.01% of a model).
+  """
+
+  FLOAT32 = ("float32", 4, 1)
+  BFLOAT16 = ("bfloat16", 2, 1)
+  FLOAT16 = ("float16", 2, 1)
+  INT8 = ("int8", 34, 32)  # Q8_0: 32 int8 + one f16 scale = 34 bytes per 32 weights.
+  INT4 = ("int4", 18, 32)  # Q4_0: 32 nibbles + one f16 scale = 18 bytes per 32 weights.
+  Q4_1 = ("q4_1", 20, 32)  # Q4_1: 32 nibbles + f16 scale + f16 min = 20 bytes per 32 weights.
+
+  def __init__(self, label: str, numerator: int, denominator: int):
+    self.label = label
+    self.numerator = numerator
+    self.denominator = denominator
+
+  @property
+  def activation_bytes(self) -> int:
+    # Quantized weights are dequantized to bfloat16 for the matmuls; only float32 runs in float32.
+    return 4 if self is WeightDtype.FLOAT32 else 2
+
+
+# For the command line: label -> member, read-only.
+WEIGHT_DTYPES = types.MappingProxyType({d.label: d for d in WeightDtype})
+KV_DTYPES = types.MappingProxyType({d.label: d for d in KVDtype})
+
+# Known public models, from each one's published Hugging Face config.json.
+KNOWN_MODELS = types.MappingProxyType({
+    # meta-llama/Llama-2-7b-hf config.json
+    "llama-2-7b": ModelConfig(
+        vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+        hidden_dim=11008, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096,
+        tie_embeddings=False, name="llama-2-7b"),
+    # meta-llama/Llama-2-13b-hf config.json
+    "llama-2-13b": ModelConfig(
+        vocab_size=32000, dim=5120, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
+        hidden_dim=13824, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096,
+        tie_embeddings=False, name="llama-2-13b"),
+    # meta-llama/Meta-Llama-3-8B config.json
+    "llama-3-8b": ModelConfig(
+        vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        hidden_dim=14336, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192,
+        tie_embeddings=False, name="llama-3-8b"),
+    # meta-llama/Llama-3.1-8B config.json
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        hidden_dim=14336, norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_seq_len=131072,
+        tie_embeddings=False, name="llama-3.1-8b"),
+    # mistralai/Mistral-7B-v0.3 config.json (v0.3: no sliding window, so the KV is full length)
+    "mistral-7b": ModelConfig(
+        vocab_size=32768, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        hidden_dim=14336, norm_eps=1e-5, rope_theta=1000000.0, max_seq_len=32768,
+        tie_embeddings=False, name="mistral-7b"),
+    # Qwen/Qwen2-7B-Instruct config.json
+    "qwen2-7b": ModelConfig(
+        vocab_size=152064, dim=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+        hidden_dim=18944, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
+        tie_embeddings=False, qkv_bias=True, name="qwen2-7b"),
+    # HuggingFaceTB/SmolLM2-135M config.json
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, dim=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+        hidden_dim=1536, norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192,
+        tie_embeddings=True, name="smollm2-135m"),
+})
+
+DEFAULT_PREFILL_TOKENS = 512  # SchedulerConfig.max_num_batched_tokens: the largest chunk.
+DEFAULT_OVERHEAD_BYTES = GIB // 2  # Compiled programs, XLA scratch, the runtime's own buffers.
+
+
+def weight_bytes(cfg: ModelConfig, dtype: WeightDtype) -> int:
+  return -(-cfg.num_params * dtype.numerator // dtype.denominator)  # Integer ceil: exact.
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: KVDtype) -> int:
+  per_head = cfg.head_dim * dtype.value_bytes + dtype.scale_bytes
+  return 2 * cfg.num_layers * cfg.num_kv_heads * per_head  # 2: K and V.
+
+
+def pages_per_conversation(context: int, page_size: int) -> int:
+  return -(-context // page_size)  # The last page is allocated whole, used or not.
+
+
+def kv_bytes_per_conversation(cfg: ModelConfig, context: int, page_size: int,
+                              dtype: KVDtype) -> int:
+  return pages_per_conversation(context, page_size) * page_size * kv_bytes_per_token(cfg, dtype)
+
+
+def activation_bytes(cfg: ModelConfig, num_tokens: int, context: int, dtype: WeightDtype) -> int:
+  """Peak activations of one prefill chunk of `num_tokens` attending to `context` positions.
+
+  Layers run one after another, so one layer's tensors are live at a time, plus the logits.
+  An upper bound: the scores are what the reference attention materializes (Pallas tiles them),
+  and the logits are counted for every token of the chunk.
+  """
+  per_token = (2 * cfg.dim  # Residual and its normed copy.
+               + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # Q, K, V.
+               + cfg.num_heads * cfg.head_dim  # Attention output.
+               + 3 * cfg.hidden_dim)  # Gate, up, and their product.
+  layer = num_tokens * per_token * dtype.activation_bytes
+  scores = cfg.num_heads * num_tokens * context * 4  # [N, T, S] float32 softmax.
+  logits = num_tokens * cfg.vocab_size * 4  # [T, V] float32.
+  return layer + scores + logits
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+  model: ModelConfig
+  memory_bytes: int
+  context: int
+  page_size: int
+  weight_dtype: WeightDtype
+  kv_dtype: KVDtype
+  weight_bytes: int
+  kv_bytes_per_token: int
+  kv_bytes_per_conversation: int
+  min_reserve_bytes: int  # Must fit beside the weights and the conversations.
+  max_conversations: int
+  reserve_bytes: int  # What is left for activations and overhead with max_conversations.
+
+
+def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
+                  weight_dtype: WeightDtype = WeightDtype.BFLOAT16,
+                  kv_dtype: KVDtype = KVDtype.BFLOAT16, page_size: int = 16,
+                  prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> CapacityPlan:
+  if memory_bytes <= 0 or context <= 0 or page_size <= 0:
+    raise ValueError(f"memory ({memory_bytes}), context ({context}) and page size "
+                     f"({page_size}) must be positive")
+  if prefill_tokens < 0 or overhead_bytes < 0:
+    raise ValueError("prefill_tokens and overhead_bytes must be >= 0")
+  weights = weight_bytes(cfg, weight_dtype)
+  conversation = kv_bytes_per_conversation(cfg, context, page_size, kv_dtype)
+  min_reserve = activation_bytes(cfg, min(prefill_tokens, context), context,
+                                 weight_dtype) + overhead_bytes
+  fits = max(0, (memory_bytes - weights - min_reserve) // conversation)
+  return CapacityPlan(
+      model=cfg, memory_bytes=memory_bytes, context=context, page_size=page_size,
+      weight_dtype=weight_dtype, kv_dtype=kv_dtype, weight_bytes=weights,
+      kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype), kv_bytes_per_conversation=conversation,
+      min_reserve_bytes=min_reserve, max_conversations=fits,
+      reserve_bytes=memory_bytes - weights - fits * conversation)
+
+
+def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: float,
+                  page_size: int, kv_dtype: KVDtype, weight_bytes: int) -> int:
+  """Pages in the engine's KV pool (scratch page 0 included) on `memory_bytes` of device memory.
+
+  The engine may use `memory_fraction` of the memory for weights and KV cache; the rest is the
+  reserve for activations and overhead. `weight_bytes` is what the loaded parameters really take.
+  """
+  if not 0 < memory_fraction <= 1:
+    raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+  page = page_size * kv_bytes_per_token(model_cfg, kv_dtype)
+  budget = int(memory_bytes * memory_fraction) - weight_bytes
+  pages = max(0, budget) // page
+  if pages < 2:
+    raise ValueError(
+        f"KV cache does not fit: {memory_fraction:.0%} of {_fmt(memory_bytes)} minus weights of "
+        f"{_fmt(weight_bytes)} leaves {_fmt(budget)}, but the pool needs two pages of "
+        f"{_fmt(page)} (one is the scratch page); raise the memory fraction or shrink the model")
+  return pages
+
+
+def load_model_config(spec: str) -> ModelConfig:
+  """A known name, a config.json (Hugging Face or ours), or a checkpoint directory."""
+  if spec.lower() in KNOWN_MODELS:
+    return KNOWN_MODELS[spec.lower()]
+  path = pathlib.Path(spec).expanduser()
+  if path.is_dir():
+    candidates = [path / "model_config.json", path / "config.json"]
+    path = next((p for p in candidates if p.is_file()), candidates[0])
+  if not path.is_file():
+    raise ValueError(f"{spec!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a "
+                     "config.json or a checkpoint directory holding model_config.json")
+  d = json.loads(path.read_text())
+  # Hugging Face configs name the width `hidden_size`; ours (ModelConfig.to_dict) call it `dim`.
+  if "hidden_size" in d:
+    return ModelConfig.from_hf(d, name=path.parent.name or spec)
+  return ModelConfig.from_dict(d)
+
+
+def _fmt(num_bytes: int) -> str:
+  for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(num_bytes) >= size:
+      return f"{num_bytes / size:.2f} {unit}"
+  return f"{num_bytes} B"
+
+
+def format_plan(p: CapacityPlan) -> str:
+  m = p.model
+  lines = [
+      f"model               {m.name}: {m.num_params / 1e9:.2f}B params, {m.num_layers} layers, "
+      f"{m.num_kv_heads} KV heads x {m.head_dim}",
+      f"accelerator memory  {_fmt(p.memory_bytes)}",
+      f"weights             {_fmt(p.weight_bytes)} ({p.weight_dtype.label})",
+      f"KV per token        {_fmt(p.kv_bytes_per_token)} ({p.kv_dtype.label})",
+      f"KV per conversation {_fmt(p.kv_bytes_per_conversation)} ({p.context} tokens in "
+      f"{pages_per_conversation(p.context, p.page_size)} pages of {p.page_size})",
+      f"minimum reserve     {_fmt(p.min_reserve_bytes)} (activations of a prefill chunk + overhead)",
+      f"conversations       {p.max_conversations} at {p.context} tokens",
+      f"reserve left        {_fmt(p.reserve_bytes)} for activations and overhead",
+  ]
+  if p.context > m.max_seq_len:
+    lines.append(f"note: {p.context} tokens is beyond the model's trained context ({m.max_seq_len})")
+  if p.max_conversations == 0:
+    need = p.weight_bytes + p.kv_bytes_per_conversation + p.min_reserve_bytes
+    lines.append(f"no full-length conversation fits: weights + one conversation + minimum reserve "
+                 f"= {_fmt(need)} > {_fmt(p.memory_bytes)}; use more memory, a shorter context, "
+                 "smaller dtypes or a smaller --prefill-tokens / --overhead-gib")
+  return "\n".join(lines)
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+  parser = subparsers.add_parser(
+      "plan", help="how many full-length conversations fit on one accelerator",
+      description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", default="smollm2-135m",
+                      help=f"a known name ({', '.join(KNOWN_MODELS)}), a config.json, or a "
+                      "checkpoint directory holding model_config.json")
+  parser.add_argument("--memory-gib", type=float, default=80.0, help="accelerator memory, GiB (default 80)")
+  parser.add_argument("--context", type=int, default=None,
+                      help="tokens per conversation (default: the model's max context)")
+  parser.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="bfloat16",
+                      help="int8, int4, q4_1: GGUF Q8_0, Q4_0, Q4_1 pages of 32")
+  parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bfloat16",
+                      help="int8 adds a float32 scale per token and KV head")
+  parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+  parser.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS,
+                      help="largest prefill chunk, for the activation estimate")
+  parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GIB,
+                      help="runtime overhead kept free beside the activations, GiB")
+  return parser
+
+
+def run_plan(args: argparse.Namespace) -> int:
+  """Prints the plan; returns 1 when no full-length conversation fits (or the input is bad)."""
+  try:
+    cfg = load_model_config(args.model)
+    plan = plan_capacity(
+        cfg, round(args.memory_gib * GIB), args.context or cfg.max_seq_len,
+        weight_dtype=WEIGHT_DTYPES[args.weight_dtype], kv_dtype=KV_DTYPES[args.kv_dtype],
+        page_size=args.page_size, prefill_tokens=args.prefill_tokens,
+        overhead_bytes=round(args.overhead_gib * GIB))
+  except ValueError as e:
+    print(f"jaxserve plan: {e}", file=sys.stderr)
+    return 1
+  print(format_plan(plan))
+  return 0 if plan.max_conversations else 1

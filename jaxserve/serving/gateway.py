@@ -1,0 +1,246 @@
+"""What a request passes before it reaches the queue: its API key, its key's rate limits, and the
+checks that turn client fields into a prompt and `SamplingParams`.
+
+Both front ends (gRPC in server.py, HTTP in http_api.py) raise `ApiError`s from here and map the
+one `Status` to their own codes, so a bad field reads the same in either.
+
+Keys file (JSON); a limit left out or 0 is no limit:
+
+  {"keys": [{"key": "sk-alice-...", "name": "alice",
+             "requests_per_minute": 60, "tokens_per_minute": 20000}]}
+
+Tokens per minute count prompt plus completion tokens. Admission reserves prompt + max_tokens
+over a sliding minute, and the unused part is handed back when the request ends, so a key never
+goes over its limit, even with many long requests in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import hashlib
+import hmac
+import json
+import pathlib
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from jaxserve.config import SamplingParams, is_int, short
+
+WINDOW_S = 60.0  # The limits are per minute.
+MAX_CHUNK_TOKENS = 4096
+MAX_REQUEST_ID_CHARS = 256
+MAX_MESSAGE_CHARS = 1000  # gRPC sends the message in a trailer, which has a size limit.
+# What a client may set; max_tokens and logprobs are checked on their own, against the context.
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
+    "max_tokens", "logprobs"}
+
+
+class Status(enum.Enum):
+  INVALID_ARGUMENT = "invalid_argument"
+  UNAUTHENTICATED = "unauthenticated"
+  RESOURCE_EXHAUSTED = "resource_exhausted"
+  UNAVAILABLE = "unavailable"  # Warming up or draining.
+  INTERNAL = "internal"
+
+
+class ApiError(Exception):
+
+  def __init__(self, status: Status, message: str):
+    if len(message) > MAX_MESSAGE_CHARS:  # It quotes a client's value, which may be megabytes.
+      message = message[:MAX_MESSAGE_CHARS] + "..."
+    super().__init__(message)
+    self.status = status
+    self.message = message
+
+
+def invalid(message: str) -> ApiError:
+  return ApiError(Status.INVALID_ARGUMENT, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiKey:
+  name: str
+  digest: bytes = dataclasses.field(repr=False)  # sha256 of the key: the key itself is not kept.
+  requests_per_minute: int = 0  # 0: no limit.
+  tokens_per_minute: int = 0
+
+
+ANONYMOUS = ApiKey("anonymous", b"")  # Every caller, when the server has no keys file.
+
+
+def _digest(key: str) -> bytes:
+  return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def load_keys(path: str | pathlib.Path) -> list[ApiKey]:
+  """Reads a keys file; raises ValueError naming the entry and field that is wrong."""
+  try:
+    entries = json.loads(pathlib.Path(path).read_text())["keys"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{path}: want a JSON object {{\"keys\": [...]}} ({e})") from e
+  keys, seen = [], set()
+  for n, entry in enumerate(entries):
+    where = f"{path}: keys[{n}]"
+    if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not entry["key"]:
+      raise ValueError(f"{where}.key must be a non-empty string")
+    if not isinstance(entry.get("name"), str) or not entry["name"]:
+      raise ValueError(f"{where}.name must be a non-empty string")
+    limits = [entry.get(f) or 0 for f in ("requests_per_minute", "tokens_per_minute")]
+    for field, value in zip(("requests_per_minute", "tokens_per_minute"), limits):
+      if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}.{field} must be an int >= 0, got {value!r}")
+    digest = _digest(entry["key"])
+    if digest in seen:
+      raise ValueError(f"{where} repeats a key")
+    seen.add(digest)
+    keys.append(ApiKey(entry["name"], digest, *limits))
+  return keys
+
+
+@dataclasses.dataclass(eq=False)  # Compared by identity: `Lease.refund` removes this one.
+class _Charge:
+  """One admitted request's share of its key's last minute."""
+  time: float
+  tokens: int  # Reserved at admission; corrected to the tokens used when it ends.
+
+
+class Lease:
+  """A request's reservation: `settle` it with the completion tokens it produced, or `refund`
+  it if the request never ran. Only the first call counts."""
+
+  def __init__(self, usage: collections.deque[_Charge] | None, charge: _Charge | None,
+               num_prompt_tokens: int):
+    self._usage = usage
+    self._charge = charge
+    self._num_prompt_tokens = num_prompt_tokens
+
+  def settle(self, num_completion_tokens: int) -> None:
+    if self._charge is not None:
+      self._charge.tokens = self._num_prompt_tokens + num_completion_tokens
+      self._charge = None
+
+  def refund(self) -> None:
+    """Takes the request back out of its key's minute (it counts as no request)."""
+    if self._charge is not None and self._charge in self._usage:  # Not yet a minute old.
+      self._usage.remove(self._charge)
+    self._charge = None
+
+
+class Gateway:
+
+  def __init__(self, keys: Sequence[ApiKey] | None = None, clock: Callable[[], float] = time.monotonic):
+    """`keys` None: no authentication and no limits."""
+    self.keys = list(keys) if keys is not None else None
+    self._clock = clock
+    self._usage: dict[str, collections.deque[_Charge]] = collections.defaultdict(collections.deque)
+
+  def authenticate(self, presented: str | None) -> ApiKey:
+    """The key `presented` (the bearer token) names; raises UNAUTHENTICATED."""
+    if self.keys is None:
+      return ANONYMOUS
+    if not presented:
+      raise ApiError(Status.UNAUTHENTICATED, "missing API key: send 'authorization: Bearer <key>'")
+    # Every key is compared, each in constant time, so the time taken tells nothing about which
+    # key (or how much of one) matched. Digests also hide the keys' lengths.
+    digest, match = _digest(presented), None
+    for key in self.keys:
+      if hmac.compare_digest(digest, key.digest):
+        match = key
+    if match is None:
+      raise ApiError(Status.UNAUTHENTICATED, "invalid API key")
+    return match
+
+  def admit(self, key: ApiKey, num_prompt_tokens: int, max_tokens: int) -> Lease:
+    """Charges one request to `key`; raises RESOURCE_EXHAUSTED naming the limit it would pass."""
+    if not (key.requests_per_minute or key.tokens_per_minute):
+      return Lease(None, None, num_prompt_tokens)
+    now = self._clock()
+    usage = self._usage[key.name]
+    while usage and usage[0].time <= now - WINDOW_S:
+      usage.popleft()
+    rpm, tpm = key.requests_per_minute, key.tokens_per_minute
+    if rpm and len(usage) >= rpm:
+      raise ApiError(Status.RESOURCE_EXHAUSTED,
+                     f"key {key.name!r} is over its limit of {rpm} requests per minute; retry in "
+                     f"{usage[0].time + WINDOW_S - now:.0f} s")
+    need = num_prompt_tokens + max_tokens
+    used = sum(c.tokens for c in usage)
+    if tpm and used + need > tpm:
+      raise ApiError(Status.RESOURCE_EXHAUSTED,
+                     f"prompt ({num_prompt_tokens}) plus max_tokens ({max_tokens}) is {need} tokens; "
+                     f"key {key.name!r} has {max(tpm - used, 0)} of its limit of {tpm} tokens per "
+                     "minute left")
+    charge = _Charge(now, need)
+    usage.append(charge)
+    return Lease(usage, charge, num_prompt_tokens)
+
+
+# Request fields -> what the engine runs.
+
+
+def sampling_params(fields: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+  """SamplingParams from the fields a client set (all but max_tokens and logprobs, which come
+  apart); ValueError/TypeError become INVALID_ARGUMENT with SamplingParams' own message, which
+  names the field and its value."""
+  unknown = set(fields) - _SAMPLING_FIELDS
+  if unknown:
+    raise invalid(f"unknown sampling fields {sorted(map(str, unknown))}")
+  if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= SamplingParams.MAX_LOGPROBS):
+    raise invalid(f"logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {short(logprobs)}")
+  # The engine reports logprobs for requests that ask for at least one top token; the front end
+  # drops the alternatives of a request that asked for the chosen token's logprob only.
+  num_top = 0 if logprobs is None else max(logprobs, 1)
+  try:
+    return SamplingParams(**fields, max_tokens=max_tokens, logprobs=num_top)
+  except (ValueError, TypeError) as e:
+    raise invalid(str(e)) from e
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+  for n, i in enumerate(ids):
+    if not is_int(i):
+      raise invalid(f"{field}[{n}] must be a token id (an int), got {short(i)}")
+    if not 0 <= i < vocab_size:
+      raise invalid(f"{field}[{n}] is {short(i)}, outside the vocabulary [0, {vocab_size})")
+
+
+def check_stop_token_ids(ids: Any, vocab_size: int) -> None:
+  """The vocabulary bound SamplingParams cannot know; it checks the rest (the type, the count)."""
+  if isinstance(ids, (list, tuple)) and len(ids) <= SamplingParams.MAX_STOP_TOKEN_IDS:
+    check_token_ids(ids, vocab_size, "stop_token_ids")
+
+
+def check_request_id(request_id: str) -> None:
+  # It is written in the request's log lines: keep it a name, not a payload.
+  if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+    raise invalid(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters, "
+                  f"got {short(request_id)}")
+
+
+def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: int,
+                   truncate: bool) -> tuple[Sequence[int], int]:
+  """(prompt ids, max_tokens) that fit the context window.
+
+  max_tokens None takes what the window leaves after the prompt. A prompt that leaves no room is
+  refused, or with `truncate`, loses its first tokens.
+  """
+  if not ids:
+    raise invalid("prompt is empty")
+  if max_tokens is not None and not 1 <= max_tokens < max_model_len:
+    raise invalid(f"max_tokens must be in [1, {max_model_len}) (the context window), got {max_tokens}")
+  room = max_model_len - (max_tokens or 1)
+  if len(ids) > room:
+    if not truncate:
+      raise invalid(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens or 1}) is more than "
+                    f"the context window of {max_model_len} tokens; shorten it or set "
+                    "truncate_prompt")
+    ids = ids[len(ids) - room:]
+  return ids, max_tokens if max_tokens is not None else max_model_len - len(ids)
+
+
+def check_chunk_tokens(chunk_tokens: int) -> int:
+  if not is_int(chunk_tokens) or not 0 <= chunk_tokens <= MAX_CHUNK_TOKENS:
+    raise invalid(f"chunk_tokens must be in [0, {MAX_CHUNK_TOKENS}], got {chunk_tokens!r}")
+  return max(chunk_tokens, 1)

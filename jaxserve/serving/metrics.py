@@ -1,0 +1,139 @@
+"""Prometheus metrics under vLLM's names (with a `jaxserve:` prefix), and one log line per request.
+
+Both come from one `RequestRecord`, built when a request ends, so the log line answers "why was
+the first token slow?" with the same numbers the histograms hold:
+
+  time_to_first_token ~= tokenize + queue (waiting for a slot and pages) + prefill
+
+Engine gauges and counters (running, waiting, KV usage, prefix cache, preemptions) are read from
+the scheduler when Prometheus scrapes, not pushed every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+from absl import logging
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.batching.request import FinishReason, Request
+from jaxserve.batching.scheduler import Scheduler
+
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                  0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+  """A finished request's counts and time breakdown (seconds; None where it never got there)."""
+
+  request_id: str
+  key_name: str
+  finish_reason: FinishReason
+  num_prompt_tokens: int
+  num_cached_tokens: int
+  num_output_tokens: int
+  tokenize: float
+  queue: float | None  # Arrival at the queue to first admission.
+  prefill: float | None  # First admission to the first token.
+  time_to_first_token: float | None  # Receipt by the server (before tokenizing) to the first token.
+  token_intervals: Sequence[float]  # Between consecutive output tokens.
+  total: float  # Receipt to the end.
+
+  @classmethod
+  def of(cls, req: Request, key_name: str, reason: FinishReason, received: float, tokenize: float,
+         end: float) -> RequestRecord:
+    t = req.timings
+    times = list(t.token_times)
+    return cls(
+        req.request_id, key_name, reason, req.num_prompt_tokens, req.num_cached_tokens,
+        len(times), tokenize, t.queue_time,
+        None if t.first_token is None or t.admitted is None else t.first_token - t.admitted,
+        None if t.first_token is None else t.first_token - received,
+        tuple(b - a for a, b in zip(times, times[1:])), end - received)
+
+  @property
+  def time_per_output_token(self) -> float | None:
+    n = len(self.token_intervals)
+    return sum(self.token_intervals) / n if n else None
+
+  def log_line(self) -> str:
+    """Counts and milliseconds; never the prompt or output text."""
+    ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}ms"
+    return (f"request {self.request_id} finished: key={self.key_name} "
+            f"reason={self.finish_reason.value} prompt_tokens={self.num_prompt_tokens} "
+            f"cached_tokens={self.num_cached_tokens} completion_tokens={self.num_output_tokens} "
+            f"tokenize={ms(self.tokenize)} queue={ms(self.queue)} prefill={ms(self.prefill)} "
+            f"ttft={ms(self.time_to_first_token)} tpot={ms(self.time_per_output_token)} "
+            f"total={ms(self.total)}")
+
+
+
+class Metrics:
+  """One registry per server, so several servers (tests) never share counts."""
+
+  def __init__(self):
+    self.registry = prometheus_client.CollectorRegistry()
+    prometheus_client.ProcessCollector(registry=self.registry)  # Resident memory, CPU, open fds.
+    hist = lambda name, doc, buckets: prometheus_client.Histogram(
+        f"jaxserve:{name}", doc, buckets=buckets, registry=self.registry)
+    count = lambda name, doc, labels=(): prometheus_client.Counter(
+        f"jaxserve:{name}", doc, labels, registry=self.registry)
+    self.ttft = hist("time_to_first_token_seconds", "Receipt to first token.", _LATENCY_BUCKETS)
+    self.tpot = hist("time_per_output_token_seconds", "Between output tokens.", _TOKEN_BUCKETS)
+    self.queue = hist("request_queue_time_seconds", "Waiting for a slot and KV pages.",
+                      _LATENCY_BUCKETS)
+    self.prefill = hist("request_prefill_time_seconds", "Admission to first token.",
+                        _LATENCY_BUCKETS)
+    self.e2e = hist("e2e_request_latency_seconds", "Receipt to the last token.", _LATENCY_BUCKETS)
+    self.prompt_tokens = count("prompt_tokens", "Prompt tokens of requests that reached prefill.")
+    self.generation_tokens = count("generation_tokens", "Output tokens sent.")
+    self.requests = count("request_success", "Finished requests.", ("finished_reason",))
+    self.rejected = count("request_rejected", "Requests refused before the queue.", ("code",))
+
+  def watch(self, scheduler: Scheduler) -> None:
+    self.registry.register(_SchedulerCollector(scheduler))
+
+  def observe(self, record: RequestRecord) -> None:
+    for histogram, value in ((self.ttft, record.time_to_first_token), (self.queue, record.queue),
+                             (self.prefill, record.prefill), (self.e2e, record.total)):
+      if value is not None:
+        histogram.observe(value)
+    for interval in record.token_intervals:
+      self.tpot.observe(interval)
+    self.requests.labels(record.finish_reason.value).inc()
+    logging.info("%s", record.log_line())
+
+  def exposition(self) -> bytes:
+    return prometheus_client.generate_latest(self.registry)
+
+
+class _SchedulerCollector:
+  """Engine state read at scrape time. The scheduler lives on the engine thread; these are
+  single reads of ints and container lengths, which need no lock."""
+
+  def __init__(self, scheduler: Scheduler):
+    self._scheduler = scheduler
+
+  def collect(self) -> Iterator:
+    s = self._scheduler
+    pages = s.pages
+    yield GaugeMetricFamily("jaxserve:num_requests_running", "Requests holding a slot.",
+                            value=len(s.running))
+    yield GaugeMetricFamily("jaxserve:num_requests_waiting", "Requests in the queue.",
+                            value=len(s.waiting))
+    # Cached pages that nobody holds count as free: an allocation may evict them.
+    used = 1 - pages.num_free_pages / pages.num_usable_pages
+    yield GaugeMetricFamily("jaxserve:kv_cache_usage_perc", "KV pages in use (1 = all).",
+                            value=used)
+    yield CounterMetricFamily("jaxserve:prefix_cache_queries", "Prompt tokens looked up.",
+                              value=pages.num_query_tokens)
+    yield CounterMetricFamily("jaxserve:prefix_cache_hits", "Prompt tokens found cached.",
+                              value=pages.num_hit_tokens)
+    yield CounterMetricFamily("jaxserve:num_preemptions", "Requests preempted.",
+                              value=s.num_preemptions)

@@ -1,0 +1,166 @@
+"""The package's layering, as the README's table draws it: imports go only downward, no module
+imports itself back through others, and the host side imports without JAX."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxserve", "kernels_pallas")
+
+
+def layers() -> list[tuple[int, list[str], bool]]:
+  """(layer, modules or packages, imports jax) for each row of the README's layer table."""
+  text = (ROOT / "README.md").read_text()
+  table = text[text.index("## Layers"):]
+  rows = []
+  for line in table.splitlines()[1:]:
+    if line.startswith("## "):
+      break
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) < 4 or not cells[0].isdigit():
+      continue
+    names = [n.rstrip("/").removesuffix(".py").replace("/", ".") for n in re.findall(r"`([^`]+)`", cells[1])]
+    rows.append((int(cells[0]), names, cells[3].startswith("yes")))
+  return rows
+
+
+def modules() -> dict[str, pathlib.Path]:
+  """Every module of the two packages, by dotted name (a package by its __init__)."""
+  found = {}
+  for package in PACKAGES:
+    for path in (ROOT / package).rglob("*.py"):
+      parts = path.relative_to(ROOT).with_suffix("").parts
+      found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return found
+
+
+def owner(module: str, rows) -> tuple[int, str] | None:
+  """(layer, table entry) of `module`: the longest entry that is it or a package above it."""
+  best = None
+  for layer, names, _ in rows:
+    for name in names:
+      full = name if name.startswith(PACKAGES) else f"jaxserve.{name}"
+      if module == full or module.startswith(full + "."):
+        if best is None or len(full) > len(best[1]):
+          best = (layer, full)
+  return best
+
+
+def imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> set[str]:
+  """The project modules `path` imports, at the top or inside functions."""
+  tree = ast.parse(path.read_text())
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      # `from package import module` needs the module; any other name needs the package.
+      subs = [f"{node.module}.{a.name}" for a in node.names]
+      names = [n for n in subs if n in known] or [node.module]
+    else:
+      continue
+    out.update(n for n in names if n in known)
+  return out
+
+
+def graph() -> dict[str, set[str]]:
+  known = modules()
+  return {m: imports(p, known) - {m} for m, p in known.items()}
+
+
+def test_every_module_sits_in_one_layer_of_the_readme_table():
+  rows = layers()
+  assert rows, "README.md has no layer table under '## Layers'"
+  homeless = [m for m in modules() if m not in ("jaxserve",) and owner(m, rows) is None]
+  assert not homeless, f"modules the README's layer table does not place: {homeless}"
+
+
+def upward_imports(g: dict[str, set[str]], rows) -> list[str]:
+  found = []
+  for module, deps in g.items():
+    if module == "jaxserve":  # The facade: its one device import is lazy (PEP 562).
+      continue
+    layer, entry = owner(module, rows)
+    for dep in deps:
+      dep_layer, dep_entry = owner(dep, rows) if dep != "jaxserve" else (-1, "jaxserve")
+      if dep_entry != entry and dep_layer >= layer:
+        found.append(f"{module} (layer {layer}) imports {dep} (layer {dep_layer})")
+  return found
+
+
+def circles(g: dict[str, set[str]]) -> list[list[str]]:
+  state, found = {}, []
+
+  def visit(m, path):
+    state[m] = "open"
+    for d in sorted(g.get(m, ())):
+      if state.get(d) == "open":
+        found.append(path[path.index(d):] + [d])
+      elif d not in state:
+        visit(d, path + [d])
+    state[m] = "done"
+
+  for m in sorted(g):
+    if m not in state:
+      visit(m, [m])
+  return found
+
+
+def test_imports_only_go_down_the_layers():
+  problems = upward_imports(graph(), layers())
+  assert not problems, "\n".join(problems)
+
+
+def test_no_import_circle():
+  g = graph()
+  g.pop("jaxserve", None)
+  found = circles(g)
+  assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_checks_catch_a_planted_circle_and_upward_import():
+  rows = layers()
+  g = graph()
+  g["jaxserve.batching.scheduler"] = g["jaxserve.batching.scheduler"] | {"jaxserve.engine.engine"}
+  assert any("jaxserve.batching.scheduler (layer" in p for p in upward_imports(g, rows))
+  g["jaxserve.config.checks"] = {"jaxserve.batching.scheduler"}
+  assert circles(g)
+
+
+def host_modules() -> list[str]:
+  rows = layers()
+  host = {f"jaxserve.{n}" if not n.startswith(PACKAGES) else n
+          for layer, names, uses_jax in rows if not uses_jax for n in names}
+  return sorted(m for m in modules() if any(m == h or m.startswith(h + ".") for h in host))
+
+
+def test_the_host_side_imports_without_jax():
+  """In a fresh process where `import jax` fails: the host layers, the client and the planner."""
+  mods = host_modules() + ["jaxserve", "jaxserve.cli.main", "jaxserve.loading.pull",
+                           "jaxserve.api.client"]
+  assert "jaxserve.batching.scheduler" in mods and "jaxserve.api.server" in mods
+  code = (
+      "import sys\n"
+      "sys.modules['jax'] = None  # Any import of jax now raises ImportError.\n"
+      f"import importlib\nfor m in {mods!r}:\n  importlib.import_module(m)\n"
+      "from jaxserve.cli import main\n"
+      "assert main.main(['plan', '--model', 'llama-2-7b', '--context', '4096', '--memory-gib', '24']) == 0\n"
+      "main.build_parser().parse_args(['client', 'hi'])\n"
+      "import jaxserve\nassert jaxserve.SamplingParams(temperature=0).greedy\n"
+      "print('ok')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_device_side_loads_lazily():
+  code = ("import sys, jaxserve\nassert 'jax' not in sys.modules\n"
+          "jaxserve.LLM\nassert 'jax' in sys.modules\nprint('ok')")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
