@@ -74,7 +74,7 @@ def check_args(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_s
   """Checks every argument of ragged_paged_attention; raises ValueError naming the bad one."""
   _check_new_tokens(q, k_new, v_new)
   num_kv_heads, head_dim = k_new.shape[1:]
-  layout = ragged_layout.ragged_layout(num_kv_heads, head_dim, kv_pages.dtype)
+  layout = ragged_layout.layout_for(num_kv_heads, head_dim, kv_pages.dtype)
   _check_pages(kv_pages, layer, layout)
   if layer is not None:
     _scalar(layer, "layer")

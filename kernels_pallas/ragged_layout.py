@@ -75,7 +75,7 @@ class RaggedLayout:
     return self.num_bytes(num_layers, num_pages, page_size) - used
 
 
-def ragged_layout(num_kv_heads: int, head_dim: int, dtype) -> RaggedLayout:
+def layout_for(num_kv_heads: int, head_dim: int, dtype) -> RaggedLayout:
   """The lane-dense layout for a model's (K, H) and KV dtype (a pure function of the three)."""
   if num_kv_heads < 1 or head_dim < 1:
     raise ValueError(f"num_kv_heads and head_dim must be >= 1, got {num_kv_heads}, {head_dim}")

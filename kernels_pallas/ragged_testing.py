@@ -47,7 +47,7 @@ def step_inputs(rng: np.random.Generator, batch, shape: StepShape, *, num_tokens
   for b, n in enumerate(used):
     tables[b, :n] = owned[start:start + n]
     start += n
-  layout = ragged_layout.ragged_layout(shape.num_kv_heads, shape.head_dim, shape.dtype)
+  layout = ragged_layout.layout_for(shape.num_kv_heads, shape.head_dim, shape.dtype)
   pages = np.full((shape.num_layers, num_pages, z, layout.lanes), np.nan, np.float32)
   pages[:, owned] = rng.standard_normal((shape.num_layers, len(owned), z, layout.lanes))
   pages[:, :, :, layout.used_lanes:] = 0.0  # Padding lanes are zeros, as the cache makes them.
