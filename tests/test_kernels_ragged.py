@@ -198,3 +198,15 @@ def test_tpu_rejects_page_sizes_that_tiles_would_pad():
     kernels_pallas.ragged_paged_attention(*args, **kw, platform="tpu")
   with pytest.raises(ValueError, match="sliding_window"):
     kernels_pallas.ragged_paged_attention(*args, **kw, sliding_window=0)
+
+
+@pytest.mark.parametrize("variant", ["tpu", "gpu"])
+def test_a_step_of_only_padding_writes_nothing_and_gives_zeros(variant):
+  shape = ragged_testing.StepShape(9, 3, 64, 16, 4)
+  args, kw = ragged_testing.step_inputs(np.random.default_rng(1), [(1, 20), (9, 16), (0, 0)],
+                                        shape, num_tokens=16, num_seqs_max=4)
+  args[7] = jnp.int32(0)  # No live sequence: every table, length and token is to be ignored.
+  out, pages = kernels_pallas.ragged_paged_attention(*args, **kw, platform=variant,
+                                                     interpret=True)
+  assert not np.any(np.asarray(out))
+  np.testing.assert_array_equal(pages, args[3])
