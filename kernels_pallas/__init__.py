@@ -20,6 +20,10 @@ k_scale), and the kernels decode the values after loading them, so no dequantize
 Both kernels take `layer`: an int32 scalar with the arrays carrying a leading [L] axis, read in
 place (see select_layer). Page 0 is the engine's scratch page and never in the valid part of a
 page table. Page tables are int32.
+
+ragged_paged_attention (ragged.py) is the one-call-per-layer kernel of a whole engine step:
+every sequence's new tokens on one axis, their K/V written into the pages inside the kernel
+(cache aliased in place), over the lane-dense page layout of ragged_layout.py.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from kernels_pallas import gpu_prefill
 from kernels_pallas import tpu_decode
 from kernels_pallas import tpu_prefill
 from kernels_pallas.page_layout import PageLayout
+from kernels_pallas.ragged import ragged_paged_attention
+from kernels_pallas.ragged_layout import RaggedLayout, layout_for as ragged_layout_for
 
 
 class Platform(enum.Enum):
@@ -121,5 +127,6 @@ def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_len
                             sm_scale=sm_scale, interpret=interpret)
 
 
-__all__ = ["PageLayout", "Platform", "paged_decode_attention", "ragged_prefill_attention",
-           "resolve", "select_layer"]
+__all__ = ["PageLayout", "Platform", "RaggedLayout", "paged_decode_attention",
+           "ragged_layout_for", "ragged_paged_attention", "ragged_prefill_attention", "resolve",
+           "select_layer"]

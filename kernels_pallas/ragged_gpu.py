@@ -1,0 +1,159 @@
+"""Ragged paged attention for GPU (Pallas Triton lowering): one call per layer for a whole step.
+
+Grid: (block of Tq packed tokens, KV head); programs run in any order and in parallel, with no
+grid-wide barrier. So, unlike the TPU variant, no program reads what another writes:
+  write   each program stores its own tokens' K and V of its KV head into their page rows (a
+          row scatter; the kernel has no masked scatter in interpret mode, so padding tokens
+          repeat the last real token's store: the same bytes to the same row, a benign race);
+  attend  keys before a sequence's new tokens (positions < context) come from its pages, the
+          new ones straight from k_new / v_new (packed row q_start + position - context), so
+          the pages' new rows are never read in the call that writes them.
+Each program loops over the sequences [seq_lo, seq_hi) that overlap its block and, for each,
+over chunks of keys from the sliding window's first (or 0) to the block's last position, with
+an online softmax per row and rows of other sequences masked (as gpu_prefill.py). Page rows are
+gathered from the cache viewed as [L * P * Z, C / H, H] (a free view: C % H == 0 for every
+power-of-two H): KV head h's K is lane group h, its V group K + h.
+Triton needs power-of-two tensor sides >= 16: G is padded to Gp, Gp * Tq >= 16, Lc >= 16.
+Shape letters as in ragged_layout.py; R = Gp * Tq rows, Lc keys per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import common
+from kernels_pallas import gpu_decode
+from kernels_pallas import ragged_reference
+
+_TARGET_ROWS = 64  # Query rows per program: 64 x H f32 accumulators fit 4 warps.
+
+
+def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by layer * P)
+                   cu_ref,  # [B + 1] int32, empty past num_seqs
+                   kv_lens_ref,  # [B] int32
+                   seq_lo_ref, seq_hi_ref,  # [T / Tq] int32
+                   src_ref, dest_ref,  # [Tq] int32: token to store, and its cache row
+                   q_ref,  # [Gp, Tq, H]
+                   k_new_ref, v_new_ref,  # [T, K, H]
+                   pages_ref,  # [L * P * Z, C / H, H] as given (aliased to pages_out_ref)
+                   o_ref,  # [Gp, Tq, H]
+                   pages_out_ref,  # [L * P * Z, C / H, H]
+                   *, sm_scale: float, page_size: int, chunk_len: int,
+                   sliding_window: int | None):
+  block, head = pl.program_id(0), pl.program_id(1)
+  num_kv_heads = k_new_ref.shape[1]
+  last_token = k_new_ref.shape[0] - 1
+
+  @pl.when(cu_ref[cu_ref.shape[0] - 1] > 0)  # No real token: nothing to store.
+  def _():
+    src, dest = src_ref[...], dest_ref[...]
+    pages_out_ref[dest, head, :] = k_new_ref[src, head, :].astype(pages_out_ref.dtype)
+    pages_out_ref[dest, num_kv_heads + head, :] = v_new_ref[src, head, :].astype(
+        pages_out_ref.dtype)
+
+  group, block_q, head_dim = q_ref.shape
+  rows = group * block_q
+  q = q_ref[...].reshape(rows, head_dim)  # [R, H]
+  tok = block * block_q + (jnp.arange(rows) % block_q)[:, None]  # [R, 1]
+  block_start, block_end = block * block_q, (block + 1) * block_q
+
+  def seq_body(seq, carry):
+    q_start, q_end, kv_len = cu_ref[seq], cu_ref[seq + 1], kv_lens_ref[seq]
+    context = kv_len - (q_end - q_start)
+    in_seq = (tok >= q_start) & (tok < q_end)  # [R, 1]
+    q_pos = context + tok - q_start  # [R, 1]
+    first_tok, last_tok = jnp.maximum(q_start, block_start), jnp.minimum(q_end, block_end)
+    kv_end = jnp.where(last_tok > first_tok, context + last_tok - q_start, 0)
+    first_chunk = 0
+    if sliding_window is not None:  # Chunks wholly before the first row's window are skipped.
+      first_key = jnp.maximum(context + first_tok - q_start - sliding_window + 1, 0)
+      first_chunk = jnp.where(kv_end > 0, first_key // chunk_len, 0)
+    last_page = jnp.maximum(pl.cdiv(kv_len, page_size) - 1, 0)  # Never past the sequence's own.
+
+    def kv_body(chunk, carry):
+      key = chunk * chunk_len + jnp.arange(chunk_len)  # [Lc]
+      page = tables_ref[seq, jnp.minimum(key // page_size, last_page)]  # [Lc]
+      cache_row = page * page_size + key % page_size  # [Lc]
+      new_row = jnp.clip(q_start + key - context, 0, last_token)  # [Lc]
+      cached = (key < context)[:, None]  # [Lc, 1]
+      live = (key < kv_len)[:, None]  # Zeroing V past the end keeps 0 * garbage out of PV.
+      k = jnp.where(cached, pages_ref[cache_row, head, :].astype(q.dtype),
+                    k_new_ref[new_row, head, :].astype(q.dtype))  # [Lc, H]
+      v = jnp.where(cached, pages_ref[cache_row, num_kv_heads + head, :].astype(q.dtype),
+                    v_new_ref[new_row, head, :].astype(q.dtype))  # [Lc, H]
+      v = jnp.where(live, v, jnp.zeros_like(v))
+      mask = in_seq & (key[None, :] <= q_pos)  # [R, Lc]
+      if sliding_window is not None:
+        mask &= key[None, :] > q_pos - sliding_window
+      logits = common.qk_logits(q, k, sm_scale)  # [R, Lc]
+      return common.softmax_step(carry, logits, mask, v)
+
+    return jax.lax.fori_loop(first_chunk, pl.cdiv(kv_end, chunk_len), kv_body, carry)
+
+  init = common.init_softmax(rows, head_dim)
+  carry = jax.lax.fori_loop(seq_lo_ref[block], seq_hi_ref[block], seq_body, init)
+  o_ref[...] = common.finish_softmax(carry).reshape(group, block_q, head_dim).astype(o_ref.dtype)
+
+
+def _store_rows(page_tables, cu_live, kv_lens, num_seqs, padded: int, page_size: int):
+  """src, dest [T'] int32: the token each row-store takes and the cache row it goes to; padding
+  tokens repeat the last real token (see the module docstring)."""
+  seq, _ = ragged_reference.token_sequences(cu_live, num_seqs, padded)
+  pos = ragged_reference.token_positions(cu_live, kv_lens, seq)  # [T']
+  page = page_tables[seq, jnp.clip(pos // page_size, 0, page_tables.shape[1] - 1)]
+  dest = page * page_size + pos % page_size  # [T']
+  src = jnp.minimum(jnp.arange(padded, dtype=jnp.int32), jnp.maximum(cu_live[num_seqs] - 1, 0))
+  return src, dest[src]
+
+
+@functools.partial(jax.jit, static_argnames=("dims", "sm_scale", "sliding_window",
+                                             "pages_per_chunk", "block_q", "num_warps",
+                                             "interpret"))
+def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
+                           layer, *, dims, sm_scale, sliding_window, pages_per_chunk=None,
+                           block_q=None, num_warps=4, interpret=False):
+  """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages); layer: int32 scalar."""
+  gpu_decode.check_triton_sizes(dims.page_size, dims.head_dim)
+  num_tokens, _, head_dim = q.shape
+  group = max(common.next_pow2(dims.group), 1)
+  block_q = block_q or common.query_block(num_tokens, group, _TARGET_ROWS, max(1, 16 // group))
+  if block_q != common.next_pow2(block_q) or block_q * group < 16:
+    raise ValueError(f"block_q must be a power of two with block_q * {group} >= 16, got {block_q}")
+  chunk_len = gpu_decode.chunk_pages(pages_per_chunk, dims.page_size) * dims.page_size
+  padded = common.round_up(num_tokens, block_q)
+  live = jnp.arange(cu_q_lens.shape[0]) <= num_seqs
+  cu_live = jnp.where(live, cu_q_lens, cu_q_lens[num_seqs])  # Later sequences: empty.
+  seq_lo, seq_hi = common.block_seq_ranges(cu_live, padded // block_q, block_q)
+  seq_hi = jnp.minimum(seq_hi, num_seqs)
+  tables = page_tables + layer * dims.num_pages  # [B, W] pages of the merged [L * P] axis
+  src, dest = _store_rows(tables, cu_live, kv_lens, num_seqs, padded, dims.page_size)
+  dtype = common.compute_dtype(q.dtype, kv_pages.dtype)
+  q_TKGH = q.reshape(num_tokens, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
+  q_TKGH = jnp.pad(q_TKGH, ((0, padded - num_tokens), (0, 0), (0, group - dims.group), (0, 0)))
+  pages = kv_pages.reshape(-1, dims.layout.lanes // head_dim, head_dim)  # [L * P * Z, C / H, H]
+  kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, page_size=dims.page_size,
+                             chunk_len=chunk_len, sliding_window=sliding_window)
+  whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda j, h: (h, 0, j, 0))
+  token_spec = pl.BlockSpec((block_q,), lambda j, h: (j,))
+  small = (tables, cu_live, kv_lens, seq_lo, seq_hi)
+  o_KGTH, pages = pl.pallas_call(
+      kernel,
+      grid=(padded // block_q, dims.num_kv_heads),
+      in_specs=[*[whole(x.shape) for x in small], token_spec, token_spec, q_spec,
+                whole(k_new.shape), whole(v_new.shape), whole(pages.shape)],
+      out_specs=[q_spec, whole(pages.shape)],
+      out_shape=[jax.ShapeDtypeStruct((dims.num_kv_heads, group, padded, head_dim), q.dtype),
+                 jax.ShapeDtypeStruct(pages.shape, pages.dtype)],
+      input_output_aliases={len(small) + 5: 1},
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+      interpret=interpret,
+      name="ragged_paged_attention_gpu",
+  )(*small, src, dest, q_TKGH.transpose(1, 2, 0, 3), k_new, v_new, pages)
+  out = o_KGTH.transpose(2, 0, 1, 3)[:num_tokens, :, :dims.group]  # [T, K, G, H]
+  return out.reshape(q.shape), pages.reshape(kv_pages.shape)

@@ -1,0 +1,86 @@
+"""Plain-jnp ragged paged attention: the kernels' reference (write the new K/V, then attend).
+
+Written for clarity, not speed: each token gathers its own sequence's pages. It reads only the
+pages a sequence uses (page-table entries past a sequence's last page are never gathered) and
+zeroes every masked value, so nothing in a page no sequence owns can reach an output.
+Shape letters as in ragged_layout.py; B sequences, W pages per sequence, N query heads, G = N / K,
+S key positions of one token's sequence (W * Z).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import ragged_checks
+from kernels_pallas import ragged_layout
+
+
+def token_sequences(cu_q_lens, num_seqs, num_tokens: int):
+  """seq [T] (the sequence of each packed token, clipped to [0, B)) and valid [T] (a real token
+  of one of the first num_seqs sequences; padding and later sequences are not)."""
+  tok = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+  live = jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs  # [B]
+  seq = jnp.sum((cu_q_lens[None, 1:] <= tok[:, None]) & live[None, :], axis=1)  # [T]
+  valid = tok < cu_q_lens[num_seqs]
+  return jnp.minimum(seq, cu_q_lens.shape[0] - 2).astype(jnp.int32), valid
+
+
+def token_positions(cu_q_lens, kv_lens, seq):
+  """[T] the KV position of each packed token: its sequence's new tokens end at kv_lens."""
+  tok = jnp.arange(seq.shape[0], dtype=jnp.int32)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
+  return kv_lens[seq] - q_lens[seq] + tok - cu_q_lens[seq]
+
+
+def write_new_kv(rows_TC, kv_pages, page_tables, seq, pos, valid, layer):
+  """Scatters each valid token's row into its page; padding tokens write nothing."""
+  num_layers, num_pages, page_size, lanes = kv_pages.shape
+  page = page_tables[seq, jnp.clip(pos // page_size, 0, page_tables.shape[1] - 1)]  # [T]
+  flat = (layer * num_pages + page) * page_size + pos % page_size  # [T]
+  flat = jnp.where(valid, flat, num_layers * num_pages * page_size)  # Out of range: dropped.
+  pages = kv_pages.reshape(-1, lanes).at[flat].set(rows_TC.astype(kv_pages.dtype), mode="drop")
+  return pages.reshape(kv_pages.shape)
+
+
+def _attend(q_TKGH, k_TSKH, v_TSKH, mask_TS, sm_scale: float):
+  logits = jnp.einsum("TKGH,TSKH->TKGS", q_TKGH, k_TSKH) * sm_scale
+  mask = mask_TS[:, None, None, :]  # [T, 1, 1, S]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)  # [T, K, G, S]
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  out = jnp.einsum("TKGS,TSKH->TKGH", p, v_TSKH)
+  return out / jnp.where(l > 0, l, 1.0)  # Rows with no key (padding) are 0.
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
+def ragged_paged_attention_reference(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens,
+                                     num_seqs, *, layer=None, sm_scale=None, sliding_window=None):
+  """See kernels_pallas.ragged_paged_attention; returns (out [T, N, H], kv_pages)."""
+  dims = ragged_checks.check_args(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens,
+                                  num_seqs, layer, sliding_window)
+  pages = kv_pages if layer is not None else kv_pages[None]
+  layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+  t, n, h = q.shape
+  seq, valid = token_sequences(cu_q_lens, num_seqs, t)
+  pos = token_positions(cu_q_lens, kv_lens, seq)  # [T]
+  rows = ragged_layout.pack_rows(k_new, v_new, dims.layout.lanes)  # [T, C]
+  pages = write_new_kv(rows, pages, page_tables, seq, pos, valid, layer)
+
+  z = dims.page_size
+  key_pos = jnp.arange(page_tables.shape[1] * z, dtype=jnp.int32)  # [S]
+  used_pages = jnp.maximum(-(-kv_lens[seq] // z), 1)  # [T]
+  slot = jnp.minimum(key_pos[None, :] // z, used_pages[:, None] - 1)  # [T, S] never past the end
+  gathered = pages[layer][page_tables[seq[:, None], slot], key_pos % z]  # [T, S, C]
+  mask = valid[:, None] & (key_pos[None, :] <= pos[:, None])  # [T, S]
+  if sliding_window is not None:
+    mask &= key_pos[None, :] > pos[:, None] - sliding_window
+  gathered = jnp.where(mask[..., None], gathered.astype(jnp.float32), 0.0)
+  k, v = ragged_layout.unpack_rows(gathered, dims.num_kv_heads, h)  # [T, S, K, H] each
+  q_TKGH = q.reshape(t, dims.num_kv_heads, n // dims.num_kv_heads, h).astype(jnp.float32)
+  out = _attend(q_TKGH, k, v, mask, ragged_checks.scale(sm_scale, h))
+  out = out.reshape(t, n, h).astype(q.dtype)
+  return out, (pages if kv_pages.ndim == 4 else pages[0])

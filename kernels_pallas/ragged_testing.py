@@ -1,0 +1,73 @@
+"""Random ragged-step inputs for the ragged kernel tests (numpy, host side).
+
+Each live sequence owns distinct pages, never page 0 (the engine's scratch page); page-table
+entries past a sequence's last page point at page 0. Every page no live sequence owns is filled
+with NaN, so a kernel that reads or writes where it should not shows up as NaN.
+Shape letters as in ragged_layout.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import ragged_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  page_size: int
+  pages_per_seq: int  # W
+  dtype: type = jnp.float32
+  num_layers: int = 2
+
+
+def step_inputs(rng: np.random.Generator, batch, shape: StepShape, *, num_tokens: int,
+                num_seqs_max: int, layer: int = 1):
+  """batch: (q_len, context) per live sequence. Returns the ragged_paged_attention arguments
+  (q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs) as a list, with
+  layer as a keyword in a dict beside it."""
+  z, w = shape.page_size, shape.pages_per_seq
+  q_lens = [n for n, _ in batch]
+  kv_lens = [n + c for n, c in batch]
+  if sum(q_lens) > num_tokens or max(kv_lens) > z * w or len(batch) > num_seqs_max:
+    raise ValueError(f"batch {batch} does not fit {num_tokens} tokens, {w} pages of {z}, "
+                     f"{num_seqs_max} sequences")
+  used = [-(-n // z) for n in kv_lens]
+  num_pages = sum(used) + 3  # Page 0 and two pages no sequence owns.
+  owned = rng.permutation(np.arange(1, num_pages))[:sum(used)]
+  tables = np.zeros((num_seqs_max, w), np.int32)
+  tables[len(batch):] = rng.integers(0, num_pages, (num_seqs_max - len(batch), w))  # Ignored.
+  start = 0
+  for b, n in enumerate(used):
+    tables[b, :n] = owned[start:start + n]
+    start += n
+  layout = ragged_layout.layout_for(shape.num_kv_heads, shape.head_dim, shape.dtype)
+  pages = np.full((shape.num_layers, num_pages, z, layout.lanes), np.nan, np.float32)
+  pages[:, owned] = rng.standard_normal((shape.num_layers, len(owned), z, layout.lanes))
+  pages[:, :, :, layout.used_lanes:] = 0.0  # Padding lanes are zeros, as the cache makes them.
+  cu = np.zeros(num_seqs_max + 1, np.int32)
+  cu[1:len(batch) + 1] = np.cumsum(q_lens)
+  cu[len(batch) + 1:] = rng.integers(0, num_tokens + 1, num_seqs_max - len(batch))  # Ignored.
+  lens = np.zeros(num_seqs_max, np.int32)
+  lens[:len(batch)] = kv_lens
+  lens[len(batch):] = rng.integers(0, z * w + 1, num_seqs_max - len(batch))  # Ignored.
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), shape.dtype)
+  args = [normal(num_tokens, shape.num_heads, shape.head_dim),
+          normal(num_tokens, shape.num_kv_heads, shape.head_dim),
+          normal(num_tokens, shape.num_kv_heads, shape.head_dim),
+          jnp.asarray(pages, shape.dtype), jnp.asarray(tables), jnp.asarray(cu),
+          jnp.asarray(lens), jnp.int32(len(batch))]
+  return args, {"layer": jnp.int32(layer)}
+
+
+def owned_pages(page_tables, kv_lens, num_seqs: int, page_size: int) -> np.ndarray:
+  """The pages the first num_seqs sequences own (host side)."""
+  tables, lens = np.asarray(page_tables), np.asarray(kv_lens)
+  return np.concatenate([tables[b, :-(-int(lens[b]) // page_size)] for b in range(num_seqs)]
+                        + [np.zeros(0, np.int32)])
