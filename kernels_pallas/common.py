@@ -35,32 +35,34 @@ class PagedDims:
     return self.num_heads // self.num_kv_heads
 
 
-def _require(ok: bool, message: str):
+def require(ok: bool, message: str):
   if not ok:
     raise ValueError(message)
 
 
+
 def check_int_array(x, name: str, shape: tuple[int, ...]):
-  _require(x.shape == shape, f"{name} must have shape {shape}, got {x.shape}")
-  _require(x.dtype == jnp.int32, f"{name} must be int32, got {x.dtype}")
+  require(getattr(x, "shape", None) == shape, f"{name} must have shape {shape}, got "
+                                               f"{getattr(x, 'shape', type(x).__name__)}")
+  require(x.dtype == jnp.int32, f"{name} must be int32, got {x.dtype}")
 
 
 def check_paged_args(q, k_pages, v_pages, page_tables, num_seqs: int) -> PagedDims:
   """Checks what decode and prefill share; raises ValueError naming the bad argument."""
-  _require(q.ndim == 3, f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
-  _require(k_pages.ndim == 4,
+  require(q.ndim == 3, f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
+  require(k_pages.ndim == 4,
            f"k_pages must be [num_pages, page_size, num_kv_heads, head_dim], got {k_pages.shape}")
-  _require(v_pages.shape == k_pages.shape,
+  require(v_pages.shape == k_pages.shape,
            f"v_pages must have k_pages' shape {k_pages.shape}, got {v_pages.shape}")
-  _require(v_pages.dtype == k_pages.dtype,
+  require(v_pages.dtype == k_pages.dtype,
            f"v_pages must have k_pages' dtype {k_pages.dtype}, got {v_pages.dtype}")
-  _require(k_pages.dtype in KV_DTYPES, f"k_pages must be float32 or bfloat16, got {k_pages.dtype}")
+  require(k_pages.dtype in KV_DTYPES, f"k_pages must be float32 or bfloat16, got {k_pages.dtype}")
   num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
   _, num_heads, q_head_dim = q.shape
-  _require(q_head_dim == head_dim, f"q head_dim {q_head_dim} != k_pages head_dim {head_dim}")
-  _require(num_heads % num_kv_heads == 0,
+  require(q_head_dim == head_dim, f"q head_dim {q_head_dim} != k_pages head_dim {head_dim}")
+  require(num_heads % num_kv_heads == 0,
            f"q num_heads {num_heads} must be a multiple of k_pages num_kv_heads {num_kv_heads}")
-  _require(page_tables.ndim == 2, f"page_tables must be 2-D, got shape {page_tables.shape}")
+  require(page_tables.ndim == 2, f"page_tables must be 2-D, got shape {page_tables.shape}")
   check_int_array(page_tables, "page_tables", (num_seqs, page_tables.shape[1]))
   return PagedDims(num_heads, num_kv_heads, head_dim, num_pages, page_size, page_tables.shape[1])
 
@@ -72,7 +74,7 @@ def check_decode_args(q, k_pages, v_pages, page_tables, lengths) -> PagedDims:
 
 
 def check_prefill_args(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens) -> PagedDims:
-  _require(kv_lens.ndim == 1, f"kv_lens must be 1-D [num_seqs], got shape {kv_lens.shape}")
+  require(kv_lens.ndim == 1, f"kv_lens must be 1-D [num_seqs], got shape {kv_lens.shape}")
   num_seqs = kv_lens.shape[0]
   dims = check_paged_args(q, k_pages, v_pages, page_tables, num_seqs)
   check_int_array(kv_lens, "kv_lens", (num_seqs,))

@@ -8,7 +8,7 @@ import math
 
 import jax.numpy as jnp
 
-from kernels_pallas import ragged_layout
+from kernels_pallas import common, ragged_layout
 
 KV_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -30,15 +30,7 @@ class RaggedDims:
     return self.num_heads // self.num_kv_heads
 
 
-def _require(ok: bool, message: str):
-  if not ok:
-    raise ValueError(message)
-
-
-def _int_array(x, name: str, shape: tuple[int, ...]):
-  _require(getattr(x, "shape", None) == shape, f"{name} must have shape {shape}, got "
-                                               f"{getattr(x, 'shape', type(x).__name__)}")
-  _require(x.dtype == jnp.int32, f"{name} must be int32, got {x.dtype}")
+_require, _int_array = common.require, common.check_int_array
 
 
 def _scalar(x, name: str):

@@ -6,6 +6,9 @@ import contextlib
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+# libtpu (the test extra, for compiling to TPU here) takes a lock per process; tests and their
+# subprocesses each load it, and none drives a chip.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 import jax.numpy as jnp

@@ -1,8 +1,8 @@
 """What a request passes before it reaches the queue: its API key, its key's rate limits, and the
 checks that turn client fields into a prompt and `SamplingParams`.
 
-Both front ends (gRPC in server.py, HTTP in http_api.py) raise `ApiError`s from here and map the
-one `Status` to their own codes, so a bad field reads the same in either.
+Both front ends (gRPC in api/grpc_api.py, HTTP in api/http_api.py) raise `ApiError`s from here and
+map the one `Status` to their own codes, so a bad field reads the same in either.
 
 Keys file (JSON); a limit left out or 0 is no limit:
 

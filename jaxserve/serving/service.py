@@ -1,4 +1,4 @@
-"""The serving core both front ends call (gRPC in server.py, HTTP in http_api.py).
+"""The serving core both front ends call (gRPC in api/grpc_api.py, HTTP in api/http_api.py).
 
 One request, in the order it happens:
 
