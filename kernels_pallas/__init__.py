@@ -38,14 +38,9 @@ from kernels_pallas import gpu_prefill
 from kernels_pallas import tpu_decode
 from kernels_pallas import tpu_prefill
 from kernels_pallas.page_layout import PageLayout
+from kernels_pallas.platform import Platform, resolve
 from kernels_pallas.ragged import ragged_paged_attention
 from kernels_pallas.ragged_layout import RaggedLayout, layout_for as ragged_layout_for
-
-
-class Platform(enum.Enum):
-  TPU = "tpu"
-  GPU = "gpu"
-  CPU = "cpu"  # No kernel compiler: the TPU variant in interpret mode.
 
 
 _DECODE = {Platform.TPU: tpu_decode.paged_decode_attention,
@@ -54,19 +49,6 @@ _DECODE = {Platform.TPU: tpu_decode.paged_decode_attention,
 _PREFILL = {Platform.TPU: tpu_prefill.ragged_prefill_attention,
             Platform.GPU: gpu_prefill.ragged_prefill_attention,
             Platform.CPU: tpu_prefill.ragged_prefill_attention}
-
-
-def resolve(platform: str | Platform | None, interpret: bool | None) -> tuple[Platform, bool]:
-  """The variant to run and whether to interpret it. platform None: jax.default_backend();
-  interpret None: only on CPU, where no kernel can be compiled."""
-  if platform is None:
-    platform = jax.default_backend()
-  try:
-    platform = Platform(platform)
-  except ValueError:
-    raise ValueError(f"platform must be one of {[p.value for p in Platform]} or None, "
-                     f"got {platform!r}") from None
-  return platform, (platform is Platform.CPU) if interpret is None else bool(interpret)
 
 
 def select_layer(k_pages, v_pages, page_tables, layer):

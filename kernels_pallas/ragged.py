@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas import ragged_checks
+from kernels_pallas.platform import resolve
 from kernels_pallas import ragged_gpu
 from kernels_pallas import ragged_tpu
 
@@ -34,7 +35,6 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
   sm_scale defaults to 1 / sqrt(H). Returns (out [T, N, H] in q.dtype, kv_pages with the new
   K/V written into sequence b's pages at those positions; the input buffer, aliased).
   """
-  from kernels_pallas import resolve  # The package's platform enum; imported late (no cycle).
 
   dims = ragged_checks.check_args(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens,
                                   num_seqs, layer, sliding_window)
