@@ -26,6 +26,8 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from jaxserve.constraint_vocab import llguidance_tokenizer
+
 ALL_ALLOWED = -1  # An int32 with all 32 bits set: a mask word that allows every token.
 # JSON is written the way json.dumps writes it by default. Free whitespace would let a small model
 # fill max_tokens with newlines (greedy decoding loops on them), so none is allowed.
@@ -213,10 +215,8 @@ class ConstraintCompiler:
     self.vocab_size = vocab_size or tokenizer.vocab_size
     if self.vocab_size < tokenizer.vocab_size:
       raise ValueError(f"vocab_size {vocab_size} is less than the tokenizer's {tokenizer.vocab_size}")
-    token_bytes, special_ids = vocab_bytes(tokenizer)
-    self._tokenizer = llguidance.LLTokenizer(
-        llguidance.TokenizerWrapper(_VocabView(tokenizer, token_bytes, special_ids)),
-        eos_token=sorted(tokenizer.stop_ids))
+    self.num_words = -(-self.vocab_size // 32)  # W: int32 words per mask row.
+    self._tokenizer = llguidance_tokenizer(tokenizer)
     self._num_tokenizer_words = -(-tokenizer.vocab_size // 32)
     self._grammars: collections.OrderedDict[Constraint, Grammar] = collections.OrderedDict()
     self._lock = threading.Lock()
@@ -244,13 +244,13 @@ class ConstraintCompiler:
 
   def new_bitmask(self, num_rows: int) -> np.ndarray:
     """[num_rows, ceil(V/32)] int32, every token allowed: the mask of unconstrained rows."""
-    return np.full((num_rows, -(-self.vocab_size // 32)), ALL_ALLOWED, np.int32)
+    return np.full((num_rows, self.num_words), ALL_ALLOWED, np.int32)
 
   def fill_bitmask(self, bitmask: np.ndarray, rows: Sequence[tuple[int, Matcher]]) -> None:
     """Writes row r of `bitmask` [B, ceil(V/32)] int32 for each (r, matcher); other rows are left
     as they are (a row whose sequence left must be set back to ALL_ALLOWED by its owner)."""
-    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != -(-self.vocab_size // 32):
-      raise ValueError(f"bitmask must be int32 [B, {-(-self.vocab_size // 32)}], got "
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != self.num_words:
+      raise ValueError(f"bitmask must be int32 [B, {self.num_words}], got "
                        f"{bitmask.dtype} {list(bitmask.shape)}")
     if not rows:
       return
@@ -262,61 +262,3 @@ class ConstraintCompiler:
     index = np.fromiter((r for r, _ in rows), np.int64, len(rows))
     bitmask[index, :scratch.shape[1]] = scratch
     bitmask[index, scratch.shape[1]:] = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _VocabView:
-  """The shape of tokenizer llguidance.TokenizerWrapper reads: token bytes, ids, and encode."""
-
-  tokenizer: Any
-  tokens: list[bytes]
-  special_token_ids: list[int]
-
-  @property
-  def eos_token_id(self) -> int | None:
-    return self.tokenizer.eos_id
-
-  @property
-  def bos_token_id(self) -> int | None:
-    return self.tokenizer.bos_id
-
-  def __call__(self, text: str) -> list[int]:
-    return self.tokenizer.encode(text, add_bos=False)
-
-
-def vocab_bytes(tokenizer: Any) -> tuple[list[bytes], list[int]]:
-  """The bytes each token id stands for, and the ids of special tokens (text never spells them:
-  "<|im_end|>" written inside a JSON string must be the five-plus characters, not the token).
-
-  Byte-level BPE vocabularies spell bytes as GPT-2's printable stand-ins ("Ġ" is a space);
-  SentencePiece ones write "▁" for a space and "<0x0A>" for a raw byte. Which one a vocabulary is
-  shows in its tokens: nearly all of a byte-level one's use only the 256 stand-ins.
-  """
-  spellings = [tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)]
-  special = [i for i in range(tokenizer.vocab_size)
-             if not tokenizer.decode([i], True) and tokenizer.decode([i], False)]
-  stand_in = _byte_stand_ins()
-  num_byte_level = sum(all(c in stand_in for c in s) for s in spellings)
-  if num_byte_level >= 0.9 * len(spellings):
-    return [bytes(stand_in[c] for c in s) if all(c in stand_in for c in s) else s.encode()
-            for s in spellings], special
-  return [_sentencepiece_bytes(s) for s in spellings], special
-
-
-def _byte_stand_ins() -> dict[str, int]:
-  """GPT-2's byte-to-character table, inverted: printable Latin-1 bytes stand for themselves,
-  the other 68 (controls, space, a few Latin-1 gaps) for U+0100, U+0101, ... in byte order."""
-  printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-  others = [b for b in range(256) if b not in set(printable)]
-  table = {chr(b): b for b in printable}
-  table.update({chr(0x100 + n): b for n, b in enumerate(others)})
-  return table
-
-
-def _sentencepiece_bytes(piece: str) -> bytes:
-  if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-    try:
-      return bytes([int(piece[3:5], 16)])
-    except ValueError:
-      pass
-  return piece.replace("\u2581", " ").encode()

@@ -13,8 +13,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jaxserve import checkpoint
-from jaxserve.constraint import ALL_ALLOWED, Constraint, ConstraintCompiler, ConstraintKind, vocab_bytes
+from jaxserve import checkpoint, pull
+from jaxserve.constraint import ALL_ALLOWED, Constraint, ConstraintCompiler, ConstraintKind
+from jaxserve.constraint_vocab import vocab_bytes
 from jaxserve.constraint_mask import apply_token_bitmask
 from jaxserve.tokenizer import Tokenizer
 from tests.conftest import count_compiles
@@ -81,7 +82,8 @@ def unpack(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
   return np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
 
 
-def sample_random(compiler, tokenizer, constraint, rng, max_len=2000, closers=None) -> str:
+def sample_random(compiler, tokenizer, constraint, rng, max_len=2000, closers=None,
+                  special=range(17)) -> str:
   """Draws uniformly among the allowed tokens until an end-of-sequence token; checks on the way
   that end-of-sequence is allowed exactly when the grammar can end, and no other special token.
   `closers` (a bool [V]): half the draws come from these tokens when some are allowed (so that
@@ -91,7 +93,7 @@ def sample_random(compiler, tokenizer, constraint, rng, max_len=2000, closers=No
   for _ in range(max_len):
     allowed = allowed_ids(compiler, matcher)
     assert np.isin(stops, allowed).all() == matcher.can_end, tokenizer.decode(ids)
-    assert set(allowed[allowed < 17].tolist()) <= set(stops), "a special token is allowed"
+    assert set(allowed[np.isin(allowed, special)].tolist()) <= set(stops), "a special token"
     if matcher.can_end and (matcher.is_finished or rng.random() < 0.3):
       return tokenizer.decode(ids)
     allowed = np.setdiff1d(allowed, stops)
@@ -170,6 +172,19 @@ def test_vocab_bytes_spell_what_the_tokenizer_decodes(tokenizer):
     text = tokenizer.decode([i])
     if "\ufffd" not in text:  # A whole character or more (not part of a multi-byte one).
       assert token_bytes[i] == text.encode(), i
+
+
+def test_sentencepiece_vocab_bytes_and_a_constraint_on_it():
+  gemma = Tokenizer.from_gguf(pull.gguf_path(pull.GEMMA3))  # 262,144 SentencePiece pieces.
+  token_bytes, special = vocab_bytes(gemma)
+  assert token_bytes[gemma.token_to_id("<0x0A>")] == b"\n" and gemma.eos_id in special
+  word = gemma.encode(" the")[-1]
+  assert gemma.id_to_token(word) == "\u2581the" and token_bytes[word] == b" the"
+  compiler = ConstraintCompiler(gemma)
+  rng = np.random.default_rng(5)
+  for _ in range(5):
+    assert re.fullmatch(PHONE, sample_random(compiler, gemma, Constraint.regex(PHONE), rng,
+                                             special=special))
 
 
 def test_matcher_accepts_a_valid_document_and_allows_eos_only_at_its_end(compiler, tokenizer):
