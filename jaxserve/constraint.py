@@ -188,7 +188,8 @@ class Matcher:
 
   @property
   def is_finished(self) -> bool:
-    """Nothing but an end-of-sequence token can follow (or the matcher is in error)."""
+    """Nothing but an end-of-sequence token can follow (also true in error: the mask then allows
+    only end-of-sequence tokens, so a sequence that broke its grammar stops)."""
     return self._m.is_stopped()
 
   @property
@@ -220,6 +221,8 @@ class ConstraintCompiler:
     self._num_tokenizer_words = -(-tokenizer.vocab_size // 32)
     self._grammars: collections.OrderedDict[Constraint, Grammar] = collections.OrderedDict()
     self._lock = threading.Lock()
+    # A matcher's error then names the refused token, without a dump of its parser's state.
+    self._limits = llguidance.LLParserLimits(verbose_errors=False)
     self._max_grammars = max_grammars
     # Rows are filled in parallel: most mask time is spent walking the vocabulary's token trie.
     self._executor = llguidance.LLExecutor(num_threads or min(8, os.cpu_count() or 1))
@@ -233,7 +236,8 @@ class ConstraintCompiler:
         self._grammars.move_to_end(constraint)
         self.num_cache_hits += 1
         return grammar
-      pristine = llguidance.LLMatcher(self._tokenizer, constraint._grammar, log_level=0)
+      pristine = llguidance.LLMatcher(self._tokenizer, constraint._grammar, log_level=0,
+                                      limits=self._limits)
       if pristine.is_error():  # What only the vocabulary shows, e.g. an unknown special token.
         raise ValueError(f"{constraint.kind.value} constraint is invalid: {pristine.get_error()}")
       grammar = self._grammars[constraint] = Grammar(constraint, pristine)

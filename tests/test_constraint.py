@@ -201,8 +201,12 @@ def test_matcher_accepts_a_valid_document_and_allows_eos_only_at_its_end(compile
 def test_matcher_refuses_a_document_that_breaks_the_schema(compiler, tokenizer):
   doc = dict(VALID_DOC, age=121)  # Past the maximum.
   matcher = compiler.compile(Constraint.json_schema(NESTED_SCHEMA)).matcher()
-  assert not matcher.accept_all(tokenizer.encode(json.dumps(doc)))
-  assert matcher.error and matcher.num_tokens < len(tokenizer.encode(json.dumps(doc)))
+  ids = tokenizer.encode(json.dumps(doc))
+  assert not matcher.accept_all(ids)
+  refused = ids[matcher.num_tokens]
+  assert tokenizer.decode(ids[:matcher.num_tokens]).endswith('"age": 12')  # 121 is past 120.
+  assert f'token "{tokenizer.decode([refused])}" doesn\'t satisfy the grammar' in matcher.error
+  assert matcher.is_finished and allowed_ids(compiler, matcher).tolist() == [0, 2]  # It stops.
 
 
 def test_rebuilt_matcher_has_the_state_of_one_fed_token_by_token(compiler, tokenizer):
