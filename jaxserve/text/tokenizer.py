@@ -114,6 +114,10 @@ class Tokenizer:
   def token_to_id(self, token: str) -> int | None:
     return self._backend.token_to_id(token)
 
+  def id_to_token(self, token_id: int) -> str:
+    """The vocabulary's spelling of one token (byte-level "Ġthe", SentencePiece "▁the")."""
+    return self._backend.id_to_token(token_id)
+
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                           add_generation_prompt: bool = True) -> str:
     """Renders `messages` ({"role", "content"} dicts) with the model's jinja2 chat template."""

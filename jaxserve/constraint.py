@@ -1,0 +1,268 @@
+"""Constrained decoding, host side: which tokens a constrained sequence may sample next.
+
+  Constraint (checked when the request is built) --ConstraintCompiler.compile (cached)--> Grammar
+  Grammar.matcher(token_ids) -> one Matcher per sequence; Matcher.accept(token) after each step
+  ConstraintCompiler.fill_bitmask(bitmask [B, ceil(V/32)] int32, [(row, matcher), ...])
+
+The grammar engine is llguidance (scripts/compare_grammar_engines.py weighs it against xgrammar):
+one 3 MB wheel with no dependencies, a lazily built lexer (compiling a schema costs about a
+millisecond; the work is spread over the first masks), and a JSON schema compiler that refuses
+the keywords it cannot enforce instead of ignoring them. A bit set in the mask allows the token;
+rows of all ones (ALL_ALLOWED) leave a sequence unconstrained, and only constrained rows are
+written, so unconstrained sequences cost nothing here. Imports no jax.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import json
+import os
+import threading
+from typing import Any, Mapping, Sequence
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from jaxserve.constraint_vocab import llguidance_tokenizer
+
+ALL_ALLOWED = -1  # An int32 with all 32 bits set: a mask word that allows every token.
+# JSON is written the way json.dumps writes it by default. Free whitespace would let a small model
+# fill max_tokens with newlines (greedy decoding loops on them), so none is allowed.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintKind(enum.Enum):
+  JSON_OBJECT = "json_object"  # Any JSON object (OpenAI's response_format json_object).
+  JSON_SCHEMA = "json_schema"  # text: the schema's JSON.
+  REGEX = "regex"  # text: a pattern the whole output must match.
+  CHOICE = "choice"  # text: a JSON list of the strings the output may be.
+  GRAMMAR = "grammar"  # text: a Lark grammar, or a GBNF one (llama.cpp's, with `root ::=`).
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+  """What a request's output must match. Validated on construction: a malformed schema, regex or
+  grammar raises ValueError naming the problem. Equal constraints compile once (the cache key)."""
+
+  kind: ConstraintKind
+  text: str = ""  # Canonical: a schema or choice list is re-serialized, so spacing does not matter.
+  _grammar: str = dataclasses.field(init=False, repr=False, compare=False)  # llguidance's form.
+
+  @classmethod
+  def json_object(cls) -> Constraint:
+    return cls(ConstraintKind.JSON_OBJECT)
+
+  @classmethod
+  def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> Constraint:
+    return cls(ConstraintKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema))
+
+  @classmethod
+  def regex(cls, pattern: str) -> Constraint:
+    return cls(ConstraintKind.REGEX, pattern)
+
+  @classmethod
+  def choice(cls, options: Sequence[str]) -> Constraint:
+    return cls(ConstraintKind.CHOICE, json.dumps(list(options), ensure_ascii=False))
+
+  @classmethod
+  def grammar(cls, text: str) -> Constraint:
+    return cls(ConstraintKind.GRAMMAR, text)
+
+  def __post_init__(self):
+    try:
+      kind = ConstraintKind(self.kind)
+    except ValueError:
+      kinds = ", ".join(k.value for k in ConstraintKind)
+      raise ValueError(f"constraint kind must be one of {kinds}, got {self.kind!r}") from None
+    if not isinstance(self.text, str):
+      raise ValueError(f"{kind.value} constraint text must be a string, got {type(self.text).__name__}")
+    object.__setattr__(self, "kind", kind)
+    text, grammar = _GRAMMAR_BUILDERS[kind](self.text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+      raise ValueError(f"{kind.value} constraint is invalid: {messages[0]}")
+    object.__setattr__(self, "text", text)
+    object.__setattr__(self, "_grammar", grammar)
+
+
+def _json_object_grammar(text: str) -> tuple[str, str]:
+  if text:
+    raise ValueError("json_object constraint takes no text (use json_schema for a schema)")
+  return "", llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+
+
+def _json_schema_grammar(text: str) -> tuple[str, str]:
+  schema = _parse_json(text, "json_schema constraint: the schema")
+  if not isinstance(schema, (dict, bool)):
+    raise ValueError(f"json_schema constraint: the schema must be a JSON object, got {_json_type(schema)}")
+  # Key order is kept: properties are generated in the order the schema lists them.
+  canonical = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+  return canonical, llguidance.LLMatcher.grammar_from_json_schema(canonical, defaults=_JSON_OPTIONS)
+
+
+def _regex_grammar(text: str) -> tuple[str, str]:
+  if not text:
+    raise ValueError("regex constraint: the pattern is empty")
+  return text, llguidance.LLMatcher.grammar_from_regex(text)
+
+
+def _choice_grammar(text: str) -> tuple[str, str]:
+  options = _parse_json(text, "choice constraint: the options")
+  if not isinstance(options, list) or not options:
+    raise ValueError("choice constraint: the options must be a non-empty list of strings")
+  for n, option in enumerate(options):
+    if not isinstance(option, str) or not option:
+      raise ValueError(f"choice constraint: option {n} must be a non-empty string, got {option!r}")
+  # Lark's string literals take JSON's escapes, so json.dumps spells any option safely.
+  lark = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in dict.fromkeys(options))
+  return json.dumps(options, ensure_ascii=False), llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _grammar_grammar(text: str) -> tuple[str, str]:
+  if not text.strip():
+    raise ValueError("grammar constraint: the grammar is empty")
+  try:  # GBNF is recognized by its `::=` and translated to Lark.
+    return text, llguidance.grammar_from("grammar", text)
+  except ValueError as e:
+    raise ValueError(f"grammar constraint is invalid: {e}") from None
+
+
+_GRAMMAR_BUILDERS = {
+    ConstraintKind.JSON_OBJECT: _json_object_grammar, ConstraintKind.JSON_SCHEMA: _json_schema_grammar,
+    ConstraintKind.REGEX: _regex_grammar, ConstraintKind.CHOICE: _choice_grammar,
+    ConstraintKind.GRAMMAR: _grammar_grammar,
+}
+
+
+def _parse_json(text: str, what: str) -> Any:
+  try:
+    return json.loads(text)
+  except RecursionError:
+    raise ValueError(f"{what} is nested too deeply") from None
+  except ValueError as e:
+    raise ValueError(f"{what} is not valid JSON: {e}") from None
+
+
+def _json_type(value: Any) -> str:
+  names = {list: "an array", str: "a string", int: "a number", float: "a number", type(None): "null"}
+  return names.get(type(value), type(value).__name__)
+
+
+class Grammar:
+  """A compiled constraint for one vocabulary; makes the matchers of the sequences that use it."""
+
+  def __init__(self, constraint: Constraint, pristine: llguidance.LLMatcher):
+    self.constraint = constraint
+    self._pristine = pristine  # Never advanced: each matcher starts as a copy of it.
+
+  def matcher(self, token_ids: Sequence[int] = ()) -> Matcher:
+    """A matcher that has accepted `token_ids` (the tokens generated before a preemption)."""
+    m = Matcher(self._pristine.deep_copy())
+    m.accept_all(token_ids)
+    return m
+
+
+class Matcher:
+  """One sequence's place in its grammar. Not thread-safe: one owner at a time."""
+
+  def __init__(self, inner: llguidance.LLMatcher):
+    self._m = inner
+    self.num_tokens = 0
+
+  def accept(self, token_id: int) -> bool:
+    """Advances past a sampled token; False if the grammar did not allow it (see `error`)."""
+    ok = self._m.consume_token(int(token_id))
+    self.num_tokens += ok
+    return ok
+
+  def accept_all(self, token_ids: Sequence[int]) -> bool:
+    return all(self.accept(t) for t in token_ids)  # Stops at the first token refused.
+
+  @property
+  def can_end(self) -> bool:
+    """The output so far is complete: end-of-sequence tokens are allowed now, and only now."""
+    return self._m.is_accepting()
+
+  @property
+  def is_finished(self) -> bool:
+    """Nothing but an end-of-sequence token can follow (also true in error: the mask then allows
+    only end-of-sequence tokens, so a sequence that broke its grammar stops)."""
+    return self._m.is_stopped()
+
+  @property
+  def error(self) -> str:
+    """Why the matcher failed ('' while it has not): a refused token, or a grammar limit hit."""
+    return self._m.get_error()
+
+  def state(self) -> tuple[bool, bool, str, bytes]:
+    """(can_end, is_finished, error, packed allowed-token mask): equal states compare equal."""
+    return self.can_end, self.is_finished, self.error, self._m.compute_bitmask()
+
+
+class ConstraintCompiler:
+  """Compiles constraints for one tokenizer's vocabulary, caches them, and fills the masks.
+
+  `compile` is thread-safe and meant to run off the event loop (asyncio.to_thread): a schema the
+  cache has not seen costs milliseconds. The cache keeps the `max_grammars` most recently used.
+  """
+
+  def __init__(self, tokenizer: Any, vocab_size: int | None = None, max_grammars: int = 256,
+               num_threads: int | None = None):
+    """`tokenizer`: a jaxserve Tokenizer. `vocab_size`: the model's V, when its logits have rows
+    past the tokenizer's vocabulary (those tokens are never allowed in a constrained row)."""
+    self.vocab_size = vocab_size or tokenizer.vocab_size
+    if self.vocab_size < tokenizer.vocab_size:
+      raise ValueError(f"vocab_size {vocab_size} is less than the tokenizer's {tokenizer.vocab_size}")
+    self.num_words = -(-self.vocab_size // 32)  # W: int32 words per mask row.
+    self._tokenizer = llguidance_tokenizer(tokenizer)
+    self._num_tokenizer_words = -(-tokenizer.vocab_size // 32)
+    self._grammars: collections.OrderedDict[Constraint, Grammar] = collections.OrderedDict()
+    self._lock = threading.Lock()
+    # A matcher's error then names the refused token, without a dump of its parser's state.
+    self._limits = llguidance.LLParserLimits(verbose_errors=False)
+    self._max_grammars = max_grammars
+    # Rows are filled in parallel: most mask time is spent walking the vocabulary's token trie.
+    self._executor = llguidance.LLExecutor(num_threads or min(8, os.cpu_count() or 1))
+    self.num_compiles = 0
+    self.num_cache_hits = 0
+
+  def compile(self, constraint: Constraint) -> Grammar:
+    with self._lock:
+      grammar = self._grammars.get(constraint)
+      if grammar is not None:
+        self._grammars.move_to_end(constraint)
+        self.num_cache_hits += 1
+        return grammar
+      pristine = llguidance.LLMatcher(self._tokenizer, constraint._grammar, log_level=0,
+                                      limits=self._limits)
+      if pristine.is_error():  # What only the vocabulary shows, e.g. an unknown special token.
+        raise ValueError(f"{constraint.kind.value} constraint is invalid: {pristine.get_error()}")
+      grammar = self._grammars[constraint] = Grammar(constraint, pristine)
+      self.num_compiles += 1
+      if len(self._grammars) > self._max_grammars:
+        self._grammars.popitem(last=False)
+      return grammar
+
+  def new_bitmask(self, num_rows: int) -> np.ndarray:
+    """[num_rows, ceil(V/32)] int32, every token allowed: the mask of unconstrained rows."""
+    return np.full((num_rows, self.num_words), ALL_ALLOWED, np.int32)
+
+  def fill_bitmask(self, bitmask: np.ndarray, rows: Sequence[tuple[int, Matcher]]) -> None:
+    """Writes row r of `bitmask` [B, ceil(V/32)] int32 for each (r, matcher); other rows are left
+    as they are (a row whose sequence left must be set back to ALL_ALLOWED by its owner)."""
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != self.num_words:
+      raise ValueError(f"bitmask must be int32 [B, {self.num_words}], got "
+                       f"{bitmask.dtype} {list(bitmask.shape)}")
+    if not rows:
+      return
+    # llguidance writes whole rows of its own vocabulary's width, so into a packed scratch array;
+    # the model's padding tokens past that width stay disallowed.
+    scratch = np.empty((len(rows), self._num_tokenizer_words), np.int32)  # [R, ceil(V_tok/32)]
+    pairs = [(m._m, n) for n, (_, m) in enumerate(rows)]
+    llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, scratch)
+    index = np.fromiter((r for r, _ in rows), np.int64, len(rows))
+    bitmask[index, :scratch.shape[1]] = scratch
+    bitmask[index, scratch.shape[1]:] = 0
