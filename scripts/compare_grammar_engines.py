@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
-from jaxserve import checkpoint
-from jaxserve.constraint import Constraint, ConstraintCompiler
-from jaxserve.constraint_vocab import vocab_bytes
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.loading import checkpoint
+from jaxserve.text.constraint import Constraint, ConstraintCompiler
+from jaxserve.text.constraint_vocab import vocab_bytes
+from jaxserve.text.tokenizer import Tokenizer
 
 NESTED_SCHEMA = {"type": "object", "required": ["id", "customer", "items"], "properties": {
     "id": {"type": "integer", "minimum": 1, "maximum": 99999},

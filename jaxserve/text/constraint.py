@@ -26,7 +26,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from jaxserve.constraint_vocab import llguidance_tokenizer
+from jaxserve.text.constraint_vocab import llguidance_tokenizer
 
 ALL_ALLOWED = -1  # An int32 with all 32 bits set: a mask word that allows every token.
 # JSON is written the way json.dumps writes it by default. Free whitespace would let a small model
