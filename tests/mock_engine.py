@@ -133,7 +133,7 @@ class MockTokenizer:
   def piece(self, i: int) -> str:
     return self.pieces.get(i, f" t{i}")
 
-  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+  def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return "".join(self.piece(i) for i in ids if not (skip_special_tokens and i == self.eos_id))
 
 

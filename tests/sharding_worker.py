@@ -132,11 +132,11 @@ def pallas_per_shard(tp: int, dp: int) -> dict:
     return attention._attend_pallas(q, cache, layer, meta, None)
 
   decode_meta = attention.AttentionMetadata(
-      positions=jnp.array([[4], [15], [8], [0]]), slot_mapping=jnp.zeros((4, 1), jnp.int32),
+      positions=jnp.array([[4], [15], [8], [0]]), cache_index=jnp.zeros((4, 1), jnp.int32),
       page_tables=jnp.array([[1, 2], [3, 4], [5, 6], [7, 8]]), kv_lens=jnp.array([5, 16, 9, 1]),
       q_lens=jnp.ones(4, jnp.int32))
   prefill_meta = attention.AttentionMetadata(
-      positions=(7 + jnp.arange(16))[None], slot_mapping=jnp.zeros((1, 16), jnp.int32),
+      positions=(7 + jnp.arange(16))[None], cache_index=jnp.zeros((1, 16), jnp.int32),
       page_tables=jnp.array([[9, 10, 11, 12]]), kv_lens=jnp.array([20]), q_lens=jnp.array([13]))
   # The mesh is an argument: nothing is read from a global context while tracing.
   step = jax.jit(functools.partial(attention.attend_per_shard, kernel, mesh=placement.make_mesh(tp, dp)))

@@ -28,7 +28,7 @@ def test_the_shipped_workload_is_the_generators_output(tokenizer):
     assert 16 <= len(r["prompt_token_ids"]) <= 256 and 16 <= r["max_tokens"] <= 256
     assert r["ignore_eos"] is True and r["temperature"] == 0
     # The prompt is word-list text: every whole word but the last (maybe cut) is from the list.
-    words = re.findall(r"[a-z]+", tokenizer.decode(r["prompt_token_ids"]).lower())
+    words = re.findall(r"[a-z]+", tokenizer.detokenize(r["prompt_token_ids"]).lower())
     assert set(words[:-1]) <= set(bp.WORDS)
   # Spread over the ranges, not bunched at one end.
   lens = sorted(len(r["prompt_token_ids"]) for r in shipped)

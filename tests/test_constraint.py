@@ -92,17 +92,17 @@ def sample_random(compiler, tokenizer, constraint, rng, max_len=2000, closers=No
   stops, ids = sorted(tokenizer.stop_ids), []
   for _ in range(max_len):
     allowed = allowed_ids(compiler, matcher)
-    assert np.isin(stops, allowed).all() == matcher.can_end, tokenizer.decode(ids)
+    assert np.isin(stops, allowed).all() == matcher.can_end, tokenizer.detokenize(ids)
     assert set(allowed[np.isin(allowed, special)].tolist()) <= set(stops), "a special token"
     if matcher.can_end and (matcher.is_finished or rng.random() < 0.3):
-      return tokenizer.decode(ids)
+      return tokenizer.detokenize(ids)
     allowed = np.setdiff1d(allowed, stops)
     if closers is not None and closers[allowed].any() and rng.random() < 0.5:
       allowed = allowed[closers[allowed]]
     token = int(rng.choice(allowed))
     assert matcher.accept(token), matcher.error
     ids.append(token)
-  raise AssertionError(f"no end after {max_len} tokens: {tokenizer.decode(ids)!r}")
+  raise AssertionError(f"no end after {max_len} tokens: {tokenizer.detokenize(ids)!r}")
 
 
 # Validation.
@@ -169,7 +169,7 @@ def test_vocab_bytes_spell_what_the_tokenizer_decodes(tokenizer):
   assert special == list(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, ...
   assert token_bytes[216] == b" " and len(token_bytes) == tokenizer.vocab_size
   for i in range(17, tokenizer.vocab_size, 7):
-    text = tokenizer.decode([i])
+    text = tokenizer.detokenize([i])
     if "\ufffd" not in text:  # A whole character or more (not part of a multi-byte one).
       assert token_bytes[i] == text.encode(), i
 
@@ -204,8 +204,8 @@ def test_matcher_refuses_a_document_that_breaks_the_schema(compiler, tokenizer):
   ids = tokenizer.encode(json.dumps(doc))
   assert not matcher.accept_all(ids)
   refused = ids[matcher.num_tokens]
-  assert tokenizer.decode(ids[:matcher.num_tokens]).endswith('"age": 12')  # 121 is past 120.
-  assert f'token "{tokenizer.decode([refused])}" doesn\'t satisfy the grammar' in matcher.error
+  assert tokenizer.detokenize(ids[:matcher.num_tokens]).endswith('"age": 12')  # 121 is past 120.
+  assert f'token "{tokenizer.detokenize([refused])}" doesn\'t satisfy the grammar' in matcher.error
   assert matcher.is_finished and allowed_ids(compiler, matcher).tolist() == [0, 2]  # It stops.
 
 

@@ -55,7 +55,7 @@ def test_gemma_byte_fallback_characters_are_held_until_complete(gemma):
   hello, world = gemma.token_to_id("Hello"), gemma.token_to_id("\u2581world")
   ids = ([hello] + _byte_ids(gemma, "é".encode()) + [world] + _byte_ids(gemma, "日".encode()) +
          _byte_ids(gemma, "😀".encode()))
-  assert gemma.decode(ids) == "Helloé world日😀"
+  assert gemma.detokenize(ids) == "Helloé world日😀"
   assert _stream(gemma, ids) == ["Hello", "", "é", " world", "", "", "日", "", "", "", "😀", ""]
   assert "".join(_stream(gemma, ids, chunks=[2, 2, 3, 2, 2])) == "Helloé world日😀"
 
@@ -67,7 +67,7 @@ def test_invalid_and_unfinished_bytes_match_the_full_decode(gemma):
   assert _stream(gemma, stray) == ["", REPLACEMENT + "Hello", ""]
   cut = [hello] + _byte_ids(gemma, "日".encode()[:2])  # Ends mid-character: flush gives it up.
   assert _stream(gemma, cut) == ["Hello", "", "", REPLACEMENT * 2]
-  assert "".join(_stream(gemma, cut)) == gemma.decode(cut)
+  assert "".join(_stream(gemma, cut)) == gemma.detokenize(cut)
 
 
 def test_bpe_emoji_and_cjk(smol):
@@ -88,7 +88,7 @@ def test_prompt_context_keeps_the_first_tokens_space(smol, gemma):
 
 def test_dummy_prefix_space_is_kept_after_the_first_token(llama_style):
   hello, world, again = (llama_style.token_to_id(t) for t in ("Hello", "\u2581world", "\u2581again"))
-  assert llama_style.decode([world]) == "world"  # Alone, the space goes...
+  assert llama_style.detokenize([world]) == "world"  # Alone, the space goes...
   assert _stream(llama_style, [hello, world, again]) == ["Hello", " world", " again", ""]
   assert _stream(llama_style, [world, again]) == ["world", " again", ""]
   # ...but after a prompt it is the space between the prompt and the answer.
@@ -99,7 +99,7 @@ def test_dummy_prefix_space_is_kept_after_the_first_token(llama_style):
 def test_prompt_cut_mid_character(gemma):
   prompt = gemma.encode("Say") + _byte_ids(gemma, "日".encode()[:1])
   output = _byte_ids(gemma, "日".encode()[1:]) + [gemma.token_to_id("Hello")]
-  assert "".join(_stream(gemma, output, prompt_ids=prompt)) == gemma.decode(output)
+  assert "".join(_stream(gemma, output, prompt_ids=prompt)) == gemma.detokenize(output)
 
 
 def test_special_tokens_are_skipped(smol):
@@ -114,9 +114,9 @@ class _WindowSpy:
     self._tok = tok
     self.lengths = []
 
-  def decode(self, ids, skip_special_tokens=True):
+  def detokenize(self, ids, skip_special_tokens=True):
     self.lengths.append(len(ids))
-    return self._tok.decode(ids, skip_special_tokens)
+    return self._tok.detokenize(ids, skip_special_tokens)
 
 
 def test_decode_windows_stay_short(smol):
@@ -124,7 +124,7 @@ def test_decode_windows_stay_short(smol):
   spy = _WindowSpy(smol)
   detok = IncrementalDetokenizer(spy, smol.encode("The prompt is here."))
   text = "".join(detok.add([i]) for i in ids) + detok.flush()
-  assert text == smol.decode(ids)
+  assert text == smol.detokenize(ids)
   assert len(ids) > 400
   assert max(spy.lengths) <= 8  # Not growing with the sequence.
   assert len(spy.lengths) <= 2 * len(ids) + 2
@@ -148,7 +148,7 @@ def _token_stream(draw, vocab):
 def test_property_smollm2_random_ids(smol, data):
   prompt, ids, chunks = data.draw(_token_stream(st.integers(0, smol.vocab_size - 1)))
   deltas = _stream(smol, ids, prompt_ids=prompt, chunks=chunks)
-  full = smol.decode(ids)
+  full = smol.detokenize(ids)
   assert "".join(deltas) == full
   if REPLACEMENT not in full:
     assert not any(REPLACEMENT in d for d in deltas)
@@ -163,7 +163,7 @@ def test_property_gemma_byte_tokens(gemma, data):
                     st.integers(0, gemma.vocab_size - 1))
   prompt, ids, chunks = data.draw(_token_stream(vocab))
   deltas = _stream(gemma, ids, prompt_ids=prompt, chunks=chunks)
-  full = gemma.decode(ids)
+  full = gemma.detokenize(ids)
   assert "".join(deltas) == full
   if REPLACEMENT not in full:
     assert not any(REPLACEMENT in d for d in deltas)
@@ -175,4 +175,4 @@ def test_property_dummy_prefix_random_ids(llama_style, data):
   vocab = st.one_of(st.sampled_from(_byte_ids(llama_style, "é日😀 ".encode())),
                     st.integers(0, llama_style.vocab_size - 1))
   _, ids, chunks = data.draw(_token_stream(vocab))
-  assert "".join(_stream(llama_style, ids, chunks=chunks)) == llama_style.decode(ids)
+  assert "".join(_stream(llama_style, ids, chunks=chunks)) == llama_style.detokenize(ids)

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
 from jaxserve.engine.decode import DecodeState, decode_step
+from jaxserve.model.attention import AttentionSpec
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import Transformer
 from jaxserve.engine.prefill import prefill_step
@@ -29,7 +30,7 @@ ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=32, max_model_len=256
 def export(step, backend, *args):
   platform, _ = TARGETS[backend]
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
-  fn = jax.jit(functools.partial(step, graphdef, backend=backend))
+  fn = jax.jit(functools.partial(step, graphdef, attn=AttentionSpec(backend)))
   exported = jax.export.export(fn, platforms=[platform],
                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(params, *args)
   return set(re.findall(r"stablehlo\.custom_call @([^\(\s]+)\(", exported.mlir_module()))
@@ -54,7 +55,7 @@ def test_prefill_step_lowers_with_the_kernel(backend):
 def test_reference_backend_has_no_kernel():
   """The check can fail: the plain-jnp backend lowers to no kernel custom call."""
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
-  fn = jax.jit(functools.partial(decode_step, graphdef, backend=AttentionBackend.REFERENCE))
+  fn = jax.jit(functools.partial(decode_step, graphdef, attn=AttentionSpec(AttentionBackend.REFERENCE)))
   text = jax.export.export(fn, platforms=["tpu"])(
       params, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256), jnp.arange(4, dtype=jnp.int32),
       jnp.zeros((4, 8), jnp.int32), jnp.array([0])).mlir_module()

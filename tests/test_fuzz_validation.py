@@ -360,7 +360,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def byte_tokens(smol):
   ids = {b: smol.token_to_id(c) for b, c in _bytes_to_unicode().items()}
   ids = {b: i for b, i in ids.items() if i is not None}
-  assert smol.decode([ids[0xC3], ids[0xA9]]) == "é"  # Two byte tokens make one character.
+  assert smol.detokenize([ids[0xC3], ids[0xA9]]) == "é"  # Two byte tokens make one character.
   return ids
 
 
@@ -383,7 +383,7 @@ def test_property_byte_tokens_stream_to_the_full_decode(smol, byte_tokens, data)
     deltas.append(detok.add(ids[pos:pos + size]))
     pos += size
   deltas.append(detok.flush())
-  full = smol.decode(ids, skip_special_tokens=skip)
+  full = smol.detokenize(ids, skip_special_tokens=skip)
   assert "".join(deltas) == full
   if "\ufffd" not in full:  # A character is never sent in two halves.
     assert not any("\ufffd" in d for d in deltas)
@@ -393,7 +393,7 @@ def test_property_byte_tokens_stream_to_the_full_decode(smol, byte_tokens, data)
 @hypothesis.given(data=st.data())
 def test_property_stop_strings_cut_the_stream_before_the_first_stop(smol, byte_tokens, data):
   ids = data.draw(st.lists(_smol_ids(smol, byte_tokens), min_size=1, max_size=30))
-  full = smol.decode(ids)
+  full = smol.detokenize(ids)
   # Stop strings that occur in the text (substrings of it), and some that may not.
   some = st.text(min_size=1, max_size=3)
   cut = st.tuples(st.integers(0, len(full) - 1), st.integers(1, 6)).map(

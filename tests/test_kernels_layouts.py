@@ -180,8 +180,8 @@ def test_engine_cache_decodes_in_place():
                   jnp.float32)
   lens = jnp.array([5, 16], jnp.int32)
   meta = attention.AttentionMetadata(
-      positions=(lens - 1)[:, None], slot_mapping=jnp.zeros((2, 1), jnp.int32),
+      positions=(lens - 1)[:, None], cache_index=jnp.zeros((2, 1), jnp.int32),
       page_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
-  got = attention.attend(q, cache, jnp.int32(1), meta, AttentionBackend.PALLAS)
+  got = attention.attend(q, cache, jnp.int32(1), meta, attention.AttentionSpec(AttentionBackend.PALLAS))
   want = attention.attend_reference(q, cache, 1, meta)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

@@ -142,7 +142,7 @@ def forward_logits(model, ids, layout=KVLayout.PAGED_TOKEN_MAJOR, kv_dtype=KVDty
   pages = n // page_size
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=n, prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
-  meta = AttentionMetadata(positions=jnp.arange(n)[None], slot_mapping=(page_size + jnp.arange(n))[None],
+  meta = AttentionMetadata(positions=jnp.arange(n)[None], cache_index=(page_size + jnp.arange(n))[None],
                            page_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
                            q_lens=jnp.array([n]))
   logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
@@ -179,9 +179,9 @@ def test_pallas_decode_reads_every_layout(layout, kv_dtype):
   q = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, TINY.num_heads, TINY.head_dim)),
                   jnp.float32)
   lens = jnp.array([11, 16], jnp.int32)
-  meta = AttentionMetadata(positions=(lens - 1)[:, None], slot_mapping=jnp.zeros((2, 1), jnp.int32),
+  meta = AttentionMetadata(positions=(lens - 1)[:, None], cache_index=jnp.zeros((2, 1), jnp.int32),
                            page_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
-  got = attention.attend(q, cache, jnp.int32(1), meta, AttentionBackend.PALLAS)
+  got = attention.attend(q, cache, jnp.int32(1), meta, attention.AttentionSpec(AttentionBackend.PALLAS))
   want = attention.attend_reference(q, cache, 1, meta)
   atol = 1e-2 if kv_dtype is KVDtype.BFLOAT16 else 2e-5
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol)
@@ -194,9 +194,9 @@ def test_pallas_prefill_reads_the_contiguous_layout():
   q = jnp.asarray(np.random.default_rng(5).standard_normal((1, 8, TINY.num_heads, TINY.head_dim)),
                   jnp.float32)
   positions = 11 + jnp.arange(8)[None]  # [1, 8]: the last 3 rows are padding.
-  meta = AttentionMetadata(positions=positions, slot_mapping=jnp.zeros((1, 8), jnp.int32),
+  meta = AttentionMetadata(positions=positions, cache_index=jnp.zeros((1, 8), jnp.int32),
                            page_tables=jnp.asarray(tables[:1]), kv_lens=jnp.array([16]),
                            q_lens=jnp.array([5]))
-  got = attention.attend(q, cache, jnp.int32(1), meta, AttentionBackend.PALLAS)[:, :5]
+  got = attention.attend(q, cache, jnp.int32(1), meta, attention.AttentionSpec(AttentionBackend.PALLAS))[:, :5]
   want = attention.attend_reference(q, cache, 1, meta)[:, :5]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

@@ -38,7 +38,7 @@ class _Format:
     self.created = int(time.time())
 
   def _token(self, token_id: int) -> str:
-    return self._service.tokenizer.decode([token_id], skip_special_tokens=False)
+    return self._service.tokenizer.detokenize([token_id], skip_special_tokens=False)
 
   def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": self.id, "object": object_name, "created": self.created,

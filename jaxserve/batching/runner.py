@@ -41,7 +41,7 @@ class Runner:
 
   def __init__(self, engine: Engine, tokenizer: Any, config: SchedulerConfig = SchedulerConfig(),
                detokenizer: Callable[[Any, Sequence[int]], Detokenizer] = IncrementalDetokenizer):
-    """`tokenizer` has `.stop_ids` (the end-of-turn ids) and `.decode`; `detokenizer(tokenizer,
+    """`tokenizer` has `.stop_ids` (the end-of-turn ids) and `.detokenize`; `detokenizer(tokenizer,
     prompt_ids)` makes a request's incremental detokenizer."""
     self.engine = engine
     self.tokenizer = tokenizer

@@ -65,7 +65,7 @@ def decode_step(graphdef, params, cache: KVCache, state: DecodeState, rows, page
   page = jnp.where(active, page, SCRATCH_PAGE)
   meta = AttentionMetadata(
       positions=pos[:, None],
-      slot_mapping=(page * Z + pos % Z)[:, None],
+      cache_index=(page * Z + pos % Z)[:, None],
       page_tables=page_tables,
       kv_lens=jnp.where(active, pos + 1, 0),
       q_lens=jnp.ones(B, jnp.int32))

@@ -25,7 +25,7 @@ def prefill_step(graphdef, params, cache: KVCache, state: DecodeState, tokens, s
   page = jnp.where(real, page_table[jnp.minimum(positions // Z, page_table.shape[0] - 1)], SCRATCH_PAGE)
   meta = AttentionMetadata(
       positions=positions[None],
-      slot_mapping=(page * Z + positions % Z)[None],
+      cache_index=(page * Z + positions % Z)[None],
       page_tables=page_table[None],
       kv_lens=(start_pos + true_len)[None],
       q_lens=true_len[None])

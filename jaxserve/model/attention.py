@@ -25,7 +25,7 @@ _MASKED = -1e30  # Finite, so a fully masked row (an idle slot) gives zeros, nev
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
   positions: jax.Array  # [B, T] absolute position of each query token.
-  slot_mapping: jax.Array  # [B, T] flat cache slot (page * Z + offset) each token's K/V goes to.
+  cache_index: jax.Array  # [B, T] flat cache slot (page * Z + offset) each token's K/V goes to.
   page_tables: jax.Array  # [B, W] pages of each sequence.
   kv_lens: jax.Array  # [B] valid KV positions of each sequence once this step's K/V is written.
   q_lens: jax.Array  # [B] real (unpadded) query tokens of each sequence.

@@ -58,7 +58,7 @@ def encode(x, kv_dtype: KVDtype):
   return x.astype(STORAGE_DTYPES[kv_dtype]), None
 
 
-def decode(values, scale):
+def dequantize(values, scale):
   """Stored values -> float32 (or the stored float type when no decoding is needed)."""
   if scale is not None:
     return values.astype(jnp.float32) * scale
@@ -223,10 +223,10 @@ class KVCache:
   def num_bytes(self) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(self))
 
-  def write(self, layer, slot_mapping, k, v) -> KVCache:
+  def write(self, layer, cache_index, k, v) -> KVCache:
     """Writes k, v [B, T, K, H] of one layer at flat slots [B, T] (page * Z + offset)."""
     lay, Z = _LAYOUTS[self.layout], self.page_size
-    page, offset = slot_mapping // Z, slot_mapping % Z  # [B, T]
+    page, offset = cache_index // Z, cache_index % Z  # [B, T]
     (k, k_scale), (v, v_scale) = encode(k, self.kv_dtype), encode(v, self.kv_dtype)
     new_k, new_v = lay.write(self.k, self.v, layer, page, offset, k, v, Z)
     new_ks, new_vs = self.k_scale, self.v_scale
@@ -239,9 +239,9 @@ class KVCache:
     lay, Z = _LAYOUTS[self.layout], self.page_size
     k, v = lay.gather(self.k, self.v, layer, page_tables, Z)
     if self.k_scale is None:
-      return decode(k, None), decode(v, None)
+      return dequantize(k, None), dequantize(v, None)
     ks, vs = lay.gather(self.k_scale, self.v_scale, layer, page_tables, Z)
-    return decode(k, ks), decode(v, vs)
+    return dequantize(k, ks), dequantize(v, vs)
 
   def decode_pages(self, page_tables):
     """(k, v, k_scale, v_scale, page_tables) of the whole cache as the Pallas decode kernel
@@ -271,8 +271,8 @@ class KVCache:
     k, v = lay.layer_pages(self.k, self.v, layer, Z)  # [P, Z, K, H]
     if self.k_scale is not None:
       ks, vs = lay.layer_pages(self.k_scale, self.v_scale, layer, Z)
-      k, v = decode(k, ks), decode(v, vs)
-    return decode(k, None), decode(v, None), tables, None
+      k, v = dequantize(k, ks), dequantize(v, vs)
+    return dequantize(k, None), dequantize(v, None), tables, None
 
 
 def slot_page_tables(engine: EngineConfig) -> np.ndarray | None:

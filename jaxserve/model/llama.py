@@ -94,7 +94,7 @@ class DecoderLayer(nnx.Module):
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)
-    cache = cache.write(layer, meta.slot_mapping, k, v)
+    cache = cache.write(layer, meta.cache_index, k, v)
     out = attention.attend(q, cache, layer, meta, attn).astype(x.dtype)  # [B, T, N, H]
     x = x + jnp.einsum("BTNH,NHD->BTD", out, self.wo[...])
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)

@@ -217,7 +217,7 @@ class Service:
     self.metrics.observe(record)
     if self.log_prompts:
       logging.info("request %s prompt: %r", stream.request_id,
-                   self.tokenizer.decode(stream.request.prompt_token_ids))
+                   self.tokenizer.detokenize(stream.request.prompt_token_ids))
     return record
 
   def _check_accepting(self) -> None:

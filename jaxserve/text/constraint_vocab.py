@@ -70,11 +70,11 @@ def _special_ids(tokenizer: Any, nul_id: int | None, chunk: int = 4096) -> list[
     ids = range(start, min(start + chunk, tokenizer.vocab_size))
     pieces = None
     if nul_id is not None:
-      pieces = tokenizer.decode([t for i in ids for t in (i, nul_id)], True).split("\0")[:-1]
+      pieces = tokenizer.detokenize([t for i in ids for t in (i, nul_id)], True).split("\0")[:-1]
     if pieces is None or len(pieces) != len(ids):
-      pieces = [tokenizer.decode([i], True) for i in ids]
+      pieces = [tokenizer.detokenize([i], True) for i in ids]
     empty += [i for i, piece in zip(ids, pieces) if not piece]
-  return [i for i in empty if not tokenizer.decode([i], True) and tokenizer.decode([i], False)]
+  return [i for i in empty if not tokenizer.detokenize([i], True) and tokenizer.detokenize([i], False)]
 
 
 def _byte_stand_ins() -> dict[str, int]:

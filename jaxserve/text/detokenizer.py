@@ -10,7 +10,7 @@ delta's first id, so it stays a few tokens long however long the sequence grows.
 A window whose text ends in U+FFFD ends inside a character that later ids may complete, so it is
 held back until they arrive (or until `flush`, at the end of the sequence).
 
-The deltas of a sequence concatenate to `tokenizer.decode(output_ids)`, with one deliberate
+The deltas of a sequence concatenate to `tokenizer.detokenize(output_ids)`, with one deliberate
 exception: given prompt ids, a dummy-prefix SentencePiece tokenizer (Llama 2) keeps the first
 output token's leading space, the space between prompt and answer that decoding the output
 alone drops.
@@ -69,4 +69,4 @@ class IncrementalDetokenizer:
     return delta
 
   def _decode(self, ids: Sequence[int]) -> str:
-    return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+    return self._tokenizer.detokenize(ids, skip_special_tokens=self._skip_special_tokens)

@@ -99,7 +99,7 @@ class Tokenizer:
   @functools.cached_property
   def max_token_chars(self) -> int:
     """The longest text one token stands for (81 characters for SmolLM2, 31 for Gemma 3)."""
-    return max(len(self._backend.decode([i], False)) for i in range(self.vocab_size))
+    return max(len(self._backend.detokenize([i], False)) for i in range(self.vocab_size))
 
   def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
     """Special tokens written in `text` (e.g. "<|im_start|>") become their single ids."""
@@ -108,8 +108,8 @@ class Tokenizer:
       ids.insert(0, self.bos_id)
     return ids
 
-  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    return self._backend.decode([int(i) for i in ids], skip_special_tokens)
+  def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return self._backend.detokenize([int(i) for i in ids], skip_special_tokens)
 
   def token_to_id(self, token: str) -> int | None:
     return self._backend.token_to_id(token)

@@ -23,7 +23,7 @@ class _Backend(Protocol):
   vocab_size: int
 
   def encode(self, text: str) -> list[int]: ...
-  def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
+  def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str: ...
   def token_to_id(self, token: str) -> int | None: ...
   def id_to_token(self, token_id: int) -> str: ...
   def adds_bos(self, bos_id: int | None) -> bool: ...  # The default when no config says.
@@ -40,7 +40,7 @@ class _HFBackend:
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids  # BOS is ours to add.
 
-  def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+  def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
     return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
   def token_to_id(self, token: str) -> int | None:
@@ -89,7 +89,7 @@ class _SentencePieceBackend:
   def encode(self, text: str) -> list[int]:
     return self._sp.encode(text)
 
-  def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+  def detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
     # Ids past the vocab (a model's padded embedding rows) decode to nothing, as in `tokenizers`.
     skipped = self._special_ids if skip_special_tokens else frozenset()
     return self._sp.decode([i for i in ids if 0 <= i < self.vocab_size and i not in skipped])
