@@ -11,9 +11,9 @@ than the GPU variant (whole-page copies instead of per-row gathers), for the sam
 KV layouts. Prefill reads token-major pages: k_pages, v_pages [num_pages, page_size,
 num_kv_heads, head_dim] of float32 or bfloat16. Decode reads every paged layout of the engine in
 place, named by a static `PageLayout` (page_layout.py):
-  TOKEN_MAJOR     k_pages, v_pages [P, B, K, D]
-  HEAD_MAJOR      k_pages, v_pages [K, P, B, D]
-  KV_INTERLEAVED  k_pages [P, 2, B, K, D] holding K then V of each page; v_pages None
+  TOKEN_MAJOR     k_pages, v_pages [P, Z, K, H]
+  HEAD_MAJOR      k_pages, v_pages [K, P, Z, H]
+  KV_INTERLEAVED  k_pages [P, 2, Z, K, H] holding K then V of each page; v_pages None
 stored as float32, bfloat16, float16, float8_e4m3fn or int8; int8 comes with float32 scales per
 position and KV head (k_scale, v_scale: the values' shape with head_dim 1; KV_INTERLEAVED: one
 k_scale), and the kernels decode the values after loading them, so no dequantized copy exists.
@@ -52,12 +52,12 @@ _PREFILL = {Platform.TPU: tpu_prefill.ragged_prefill_attention,
 
 
 def select_layer(k_pages, v_pages, page_tables, layer):
-  """Lets the kernels read one layer of a whole [L, P, B, K, D] cache without copying it out.
+  """Lets the kernels read one layer of a whole [L, P, Z, K, H] cache without copying it out.
 
   `cache.k[layer]` with a traced layer (a scan over layers) is a dynamic slice; a custom call
   cannot fuse it, so XLA materialises the layer's every page as a copy first: a whole-layer
   copy per layer per step. Merging the two leading axes instead is a free reshape, and the
-  layer's pages become pages layer * P + p of one [L * P, B, K, D] pool.
+  layer's pages become pages layer * P + p of one [L * P, Z, K, H] pool.
   """
   if layer is None:
     return k_pages, v_pages, page_tables
@@ -79,12 +79,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, lengths, *, k_scale
                            platform=None, interpret=None, layer=None):
   """Attention of one new token per sequence over its pages.
 
-  q [S, num_heads, head_dim]; page_tables [S, W] int32; lengths [S] int32: the number of valid
+  q [B, num_heads, head_dim]; page_tables [B, W] int32; lengths [B] int32: the number of valid
   KV positions of each sequence, the new token included (its K/V already written). Positions
   >= lengths are masked; a length of 0 gives 0. sm_scale defaults to 1 / sqrt(head_dim).
   k_pages, v_pages, k_scale, v_scale: pages of `layout` (see the module docstring).
   layer: None, or an int32 scalar with the arrays holding every layer (a leading [L] axis).
-  Returns [S, num_heads, head_dim] in q.dtype.
+  Returns [B, num_heads, head_dim] in q.dtype.
   """
   platform, interpret = resolve(platform, interpret)
   return _DECODE[platform](q, k_pages, v_pages, page_tables, lengths, k_scale=k_scale,
@@ -99,7 +99,7 @@ def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_len
   q [T, num_heads, head_dim]: the new tokens of num_seqs sequences back to back, then padding;
   cu_q_lens [num_seqs + 1] int32, cumulative query lengths from 0; kv_lens [num_seqs] int32: each
   sequence's KV length, its new tokens included (already written into the pages). Query i of
-  sequence s sits at position kv_lens[s] - q_len[s] + i and attends to positions <= its own.
+  sequence b sits at position kv_lens[b] - q_len[b] + i and attends to positions <= its own.
   page_tables [num_seqs, W]. Padding rows (past cu_q_lens[-1]) give 0. layer: as for decode.
   Returns [T, num_heads, head_dim] in q.dtype.
   """

@@ -1,9 +1,6 @@
 """What the TPU and GPU kernels share: argument checks, block sizes and the online-softmax step.
 
-Shape letters: S sequences (decode), T packed query tokens (prefill), N sequences (prefill),
-H query heads, K KV heads, G = H // K query heads per KV head (Gp: G padded for the hardware),
-D head_dim, P pages, B page size, W block-table width, Q pages per chunk, L = Q * B KV positions
-of one chunk, R query rows of one kernel block, Tq packed tokens of one query block.
+Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
@@ -121,24 +118,24 @@ def init_softmax(rows: int, width: int):
 
 
 def softmax_step(carry, logits, mask, v):
-  """One flash-attention step over a chunk of L keys; masked entries contribute exactly 0.
+  """One flash-attention step over a chunk of C keys; masked entries contribute exactly 0.
 
-  carry: ([R, 1], [R, 1], [R, Dv]) f32; logits [R, L] f32; mask [R, L] bool; v [L, Dv].
+  carry: ([R, 1], [R, 1], [R, Hv]) f32; logits [R, C] f32; mask [R, C] bool; v [C, Hv].
   """
   m_prev, l_prev, acc_prev = carry
-  logits = jnp.where(mask, logits, MASK_VALUE)  # [R, L]
+  logits = jnp.where(mask, logits, MASK_VALUE)  # [R, C]
   m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))  # [R, 1]
   alpha = jnp.exp(m_prev - m_new)  # [R, 1]
   # The where matters for rows with no valid key yet: there exp(MASK - MASK) would be 1.
-  p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)  # [R, L]
+  p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)  # [R, C]
   l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [R, 1]
   pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                       preferred_element_type=jnp.float32)  # [R, Dv]
+                       preferred_element_type=jnp.float32)  # [R, Hv]
   return m_new, l_new, alpha * acc_prev + pv
 
 
 def qk_logits(q, k, sm_scale: float):
-  """[R, D] x [L, D] -> [R, L] scaled f32 logits (K used untransposed: an NT matmul)."""
+  """[R, Hv] x [C, Hv] -> [R, C] scaled f32 logits (K used untransposed: an NT matmul)."""
   logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   return logits * sm_scale
 
@@ -146,7 +143,7 @@ def qk_logits(q, k, sm_scale: float):
 def finish_softmax(carry):
   """The normalised output; rows that saw no valid key (length 0, padding) come out as 0."""
   _, l, acc = carry
-  return acc / jnp.where(l > 0, l, 1.0)  # [R, Dv]; acc is 0 wherever l is.
+  return acc / jnp.where(l > 0, l, 1.0)  # [R, Hv]; acc is 0 wherever l is.
 
 
 def compute_dtype(q_dtype, kv_dtype):

@@ -4,10 +4,11 @@ Grid: (sequence, KV head, split). A decode batch has too few (sequence, KV head)
 GPU's SMs, so each sequence's pages are also cut into `num_splits` ranges; every program keeps an
 online softmax over its range for the G query heads of its KV head, and the wrapper merges the
 splits' (max, sum, output) triples. Pages are gathered by row index straight from the caller's
-own layout (page_layout.py), its pool viewed as [N * B, Hs, D]: a KV head's rows are strided loads
+own layout (page_layout.py), its pool viewed as [Y * Z, Ks, H]: a KV head's rows are strided loads
 that need no copy, and quantized values are decoded in registers after the load.
 Triton needs power-of-two tensor sizes and matmul sides >= 16: G is padded to Gp >= 16 and the
-page size and head_dim must be powers of two. Shape letters as in common.py.
+page size and head_dim must be powers of two. Shape letters: the key in
+jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
@@ -38,26 +39,26 @@ def chunk_pages(pages_per_chunk: int | None, page_size: int) -> int:
 
 def gather_chunk(tables_ref, seq, first_page, num_pages, pool_refs, head, *, index, page_size,
                  per_chunk, dtype):
-  """K and V [Q * B, D] (dtype, decoded) of pages [first_page, first_page + Q) of `seq` for one
+  """K and V [C, H] (dtype, decoded) of pages [first_page, first_page + Q) of `seq` for one
   KV head; pages past the sequence's last re-read that page (real, finite data; the caller
-  masks them). pool_refs: K, V pools [N * B, Hs, D], then K, V scale pools [N * B, Hs] or none."""
+  masks them). pool_refs: K, V pools [Y * Z, Ks, H], then K, V scale pools [Y * Z, Ks] or none."""
   page_index = jnp.minimum(first_page + jnp.arange(per_chunk), num_pages - 1)  # [Q]
   pages = tables_ref[seq, page_index]  # [Q]
-  offsets = jnp.arange(page_size)[None, :]  # [1, B]
+  offsets = jnp.arange(page_size)[None, :]  # [1, Z]
   col = index.head_in_slab(head)
   out = []
   for kv in (0, 1):
     slabs = index.slab(pages, kv, head)  # [Q]
-    rows = (slabs[:, None] * page_size + offsets).reshape(-1)  # [Q * B]
-    scale = pool_refs[2 + kv][rows, col][:, None] if len(pool_refs) == 4 else None  # [L, 1]
+    rows = (slabs[:, None] * page_size + offsets).reshape(-1)  # [C]
+    scale = pool_refs[2 + kv][rows, col][:, None] if len(pool_refs) == 4 else None  # [C, 1]
     out.append(page_layout.decode_slab(pool_refs[kv][rows, col, :], scale, dtype))
   return out
 
 
 def _decode_kernel(tables_ref, lengths_ref, q_ref, *refs, sm_scale: float, index,
                    page_size: int, per_chunk: int, pages_per_split: int):
-  """tables_ref [S, Wp]; lengths_ref [S]; q_ref [Gp, D] query heads of this KV head; refs: the
-  pools (see gather_chunk), then this split's outputs: o [Gp, D] f32 unnormalised, its running
+  """tables_ref [B, Wp]; lengths_ref [B]; q_ref [Gp, H] query heads of this KV head; refs: the
+  pools (see gather_chunk), then this split's outputs: o [Gp, H] f32 unnormalised, its running
   max m [Gp] and sum l [Gp]."""
   pool_refs, (o_ref, m_ref, l_ref) = refs[:-3], refs[-3:]
   seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -67,16 +68,16 @@ def _decode_kernel(tables_ref, lengths_ref, q_ref, *refs, sm_scale: float, index
   last = jnp.minimum(first + pages_per_split, num_pages)
   end_pos = jnp.minimum(length, last * page_size)  # Positions of this split end here.
   chunk_len = per_chunk * page_size
-  q = q_ref[...]  # [Gp, D]
+  q = q_ref[...]  # [Gp, H]
   rows = q.shape[0]
 
   def body(chunk, carry):
     first_page = first + chunk * per_chunk
     k, v = gather_chunk(tables_ref, seq, first_page, num_pages, pool_refs, head, index=index,
-                        page_size=page_size, per_chunk=per_chunk, dtype=q.dtype)  # [L, D] each
-    kv_pos = first_page * page_size + jnp.arange(chunk_len)  # [L]
-    mask = jnp.broadcast_to((kv_pos < end_pos)[None, :], (rows, chunk_len))  # [Gp, L]
-    logits = common.qk_logits(q, k, sm_scale)  # [Gp, L]
+                        page_size=page_size, per_chunk=per_chunk, dtype=q.dtype)  # [C, H] each
+    kv_pos = first_page * page_size + jnp.arange(chunk_len)  # [C]
+    mask = jnp.broadcast_to((kv_pos < end_pos)[None, :], (rows, chunk_len))  # [Gp, C]
+    logits = common.qk_logits(q, k, sm_scale)  # [Gp, C]
     return common.softmax_step(carry, logits, mask, v)
 
   num_chunks = pl.cdiv(jnp.maximum(last - first, 0), per_chunk)
@@ -87,11 +88,11 @@ def _decode_kernel(tables_ref, lengths_ref, q_ref, *refs, sm_scale: float, index
 
 
 def merge_splits(o, m, l):
-  """[X, ..., Gp, D], [X, ..., Gp] x2 partial results of X splits -> normalised [..., Gp, D]."""
+  """[U, ..., Gp, H], [U, ..., Gp] x2 partial results of U splits -> normalised [..., Gp, H]."""
   m_all = jnp.max(m, axis=0)  # [..., Gp]
-  weight = jnp.exp(m - m_all)  # [X, ..., Gp]
+  weight = jnp.exp(m - m_all)  # [U, ..., Gp]
   l_all = jnp.sum(l * weight, axis=0)  # [..., Gp]
-  o_all = jnp.sum(o * weight[..., None], axis=0)  # [..., Gp, D]
+  o_all = jnp.sum(o * weight[..., None], axis=0)  # [..., Gp, H]
   return o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
 
 
@@ -101,7 +102,7 @@ def _default_splits(num_seqs: int, num_kv_heads: int, num_chunks: int) -> int:
 
 
 def _flat_pools(pools: page_layout.Pools):
-  """The pools as rows [N * B, Hs, D] (scales [N * B, Hs]): free views, gathered by row."""
+  """The pools as rows [Y * Z, Ks, H] (scales [Y * Z, Ks]): free views, gathered by row."""
   arrays = [pools.k, pools.v]
   if pools.k_scale is not None:
     arrays += [pools.k_scale, pools.v_scale]
@@ -114,10 +115,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, lengths, *, k_scale
                            v_scale=None, layout=page_layout.PageLayout.TOKEN_MAJOR, layer=None,
                            sm_scale=None, pages_per_chunk=None, num_splits=None, num_warps=4,
                            interpret=False):
-  """q [S, H, D] attends to positions [0, lengths[s]) of its pages; returns [S, H, D].
+  """q [B, N, H] attends to positions [0, lengths[b]) of its pages; returns [B, N, H].
 
   k_pages, v_pages (k_scale, v_scale, layer): pages of `layout`, see page_layout.to_pools;
-  page_tables [S, W] int32; lengths [S] int32.
+  page_tables [B, W] int32; lengths [B] int32.
   """
   pools = page_layout.to_pools(layout, k_pages, v_pages, k_scale, v_scale, page_tables, layer)
   dims = page_layout.check_decode(q, pools, lengths)
@@ -129,9 +130,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, lengths, *, k_scale
   pages_per_split = -(-num_chunks // splits) * per_chunk
   tables = jnp.pad(pools.tables, ((0, 0), (0, splits * pages_per_split - dims.pages_per_seq)))
   rows = max(16, common.next_pow2(dims.group))
-  q_SKGD = q.reshape(num_seqs, dims.num_kv_heads, dims.group, head_dim)
-  q_SKGD = q_SKGD.astype(pools.dequantized_dtype(q.dtype))
-  q_SKGD = jnp.pad(q_SKGD, ((0, 0), (0, 0), (0, rows - dims.group), (0, 0)))
+  q_BKGH = q.reshape(num_seqs, dims.num_kv_heads, dims.group, head_dim)
+  q_BKGH = q_BKGH.astype(pools.dequantized_dtype(q.dtype))
+  q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, rows - dims.group), (0, 0)))
   flat = _flat_pools(pools)
   kernel = functools.partial(_decode_kernel, sm_scale=common.default_scale(sm_scale, head_dim),
                              index=pools.index, page_size=dims.page_size, per_chunk=per_chunk,
@@ -142,17 +143,17 @@ def paged_decode_attention(q, k_pages, v_pages, page_tables, lengths, *, k_scale
       kernel,
       grid=(num_seqs, dims.num_kv_heads, splits),
       in_specs=[whole(tables.shape), whole(lengths.shape),
-                pl.BlockSpec((None, None, rows, head_dim), lambda s, h, x: (s, h, 0, 0)),
+                pl.BlockSpec((None, None, rows, head_dim), lambda b, k, u: (b, k, 0, 0)),
                 *[whole(x.shape) for x in flat]],
-      out_specs=[pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, x: (x, s, h, 0, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda s, h, x: (x, s, h, 0)),
-                 pl.BlockSpec((None, None, None, rows), lambda s, h, x: (x, s, h, 0))],
+      out_specs=[pl.BlockSpec((None, None, None, rows, head_dim), lambda b, k, u: (u, b, k, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda b, k, u: (u, b, k, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda b, k, u: (u, b, k, 0))],
       out_shape=[jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                  jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
       interpret=interpret,
       name="paged_decode_attention_gpu",
-  )(tables, lengths, q_SKGD, *flat)
-  out = merge_splits(o, m, l)[:, :, :dims.group]  # [S, K, G, D]
+  )(tables, lengths, q_BKGH, *flat)
+  out = merge_splits(o, m, l)[:, :, :dims.group]  # [B, K, G, H]
   return out.reshape(q.shape).astype(q.dtype)

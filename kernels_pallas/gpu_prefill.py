@@ -3,9 +3,9 @@
 Grid: (block of Tq packed tokens, KV head). As on TPU (tpu_prefill.py), a block loops over the
 sequences [seq_lo, seq_hi) that overlap it and, for each, over that sequence's pages up to the
 block's last position, with rows of other sequences masked; one online softmax per row. A
-program's rows are the Gp query heads of its KV head times Tq tokens, laid out [K, Gp, T, D] by
+program's rows are the Gp query heads of its KV head times Tq tokens, laid out [K, Gp, T, H] by
 the wrapper (Gp = G padded to a power of two). Pages are gathered as in gpu_decode.py.
-Shape letters as in common.py.
+Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ from kernels_pallas import common
 from kernels_pallas import gpu_decode
 from kernels_pallas import page_layout
 
-_TARGET_ROWS = 64  # Query rows (Gp * Tq) per program: 64 x D f32 accumulators fit 4 warps.
+_TARGET_ROWS = 64  # Query rows (Gp * Tq) per program: 64 x H f32 accumulators fit 4 warps.
 
 
 def _prefill_kernel(
-    tables_ref,  # [N, Wp] int32
-    cu_q_lens_ref,  # [N + 1] int32
-    kv_lens_ref,  # [N] int32
+    tables_ref,  # [B, Wp] int32
+    cu_q_lens_ref,  # [B + 1] int32
+    kv_lens_ref,  # [B] int32
     seq_lo_ref,  # [T / Tq] int32
     seq_hi_ref,  # [T / Tq] int32
-    q_ref,  # [Gp, Tq, D]
-    k_ref,  # [P * B, K, D]
-    v_ref,  # [P * B, K, D]
-    o_ref,  # [Gp, Tq, D]
+    q_ref,  # [Gp, Tq, H]
+    k_ref,  # [P * Z, K, H]
+    v_ref,  # [P * Z, K, H]
+    o_ref,  # [Gp, Tq, H]
     *,
     sm_scale: float,
     page_size: int,
@@ -43,7 +43,7 @@ def _prefill_kernel(
   group, block_q, head_dim = q_ref.shape
   rows = group * block_q
   chunk_len = per_chunk * page_size
-  q = q_ref[...].reshape(rows, head_dim)  # [R, D]
+  q = q_ref[...].reshape(rows, head_dim)  # [R, H]
   tok = block * block_q + (jnp.arange(rows) % block_q)[:, None]  # [R, 1] packed token of a row
   block_start, block_end = block * block_q, (block + 1) * block_q
 
@@ -61,10 +61,10 @@ def _prefill_kernel(
       k, v = gpu_decode.gather_chunk(
           tables_ref, seq, first_page, num_pages, (k_ref, v_ref), head,
           index=page_layout.TOKEN_MAJOR_INDEX, page_size=page_size, per_chunk=per_chunk,
-          dtype=q.dtype)  # [L, D] each
-      kv_pos = first_page * page_size + jnp.arange(chunk_len)[None, :]  # [1, L]
-      mask = in_seq & (kv_pos <= q_pos)  # [R, L] causal, and only this sequence's rows
-      logits = common.qk_logits(q, k, sm_scale)  # [R, L]
+          dtype=q.dtype)  # [C, H] each
+      kv_pos = first_page * page_size + jnp.arange(chunk_len)[None, :]  # [1, C]
+      mask = in_seq & (kv_pos <= q_pos)  # [R, C] causal, and only this sequence's rows
+      logits = common.qk_logits(q, k, sm_scale)  # [R, C]
       return common.softmax_step(carry, logits, mask, v)
 
     return jax.lax.fori_loop(0, pl.cdiv(num_pages, per_chunk), kv_body, carry)
@@ -79,7 +79,7 @@ def _prefill_kernel(
 def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *,
                              sm_scale=None, pages_per_chunk=None, block_q=None, num_warps=4,
                              interpret=False):
-  """Packed q [T, H, D] of N sequences -> [T, H, D]; see kernels_pallas.ragged_prefill_attention.
+  """Packed q [T, N, H] of B sequences -> [T, N, H]; see kernels_pallas.ragged_prefill_attention.
 
   block_q: packed tokens per program (a power of two; default about 64 / Gp).
   """
@@ -95,26 +95,26 @@ def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_len
   padded = common.round_up(num_tokens, block_q)
   num_blocks = padded // block_q
   dtype = common.compute_dtype(q.dtype, k_pages.dtype)
-  q_TKGD = q.reshape(num_tokens, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
-  q_TKGD = jnp.pad(q_TKGD, ((0, padded - num_tokens), (0, 0), (0, group - dims.group), (0, 0)))
-  q_KGTD = q_TKGD.transpose(1, 2, 0, 3)  # [K, Gp, T, D]
+  q_TKGH = q.reshape(num_tokens, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
+  q_TKGH = jnp.pad(q_TKGH, ((0, padded - num_tokens), (0, 0), (0, group - dims.group), (0, 0)))
+  q_KGTH = q_TKGH.transpose(1, 2, 0, 3)  # [K, Gp, T, H]
   seq_lo, seq_hi = common.block_seq_ranges(cu_q_lens, num_blocks, block_q)
   flat = (dims.num_pages * dims.page_size, dims.num_kv_heads, head_dim)
   kernel = functools.partial(_prefill_kernel, sm_scale=common.default_scale(sm_scale, head_dim),
                              page_size=dims.page_size, per_chunk=per_chunk)
   whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-  q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda j, h: (h, 0, j, 0))
-  o_KGTD = pl.pallas_call(
+  q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda j, k: (k, 0, j, 0))
+  o_KGTH = pl.pallas_call(
       kernel,
       grid=(num_blocks, dims.num_kv_heads),
       in_specs=[whole(tables.shape), whole(cu_q_lens.shape), whole(kv_lens.shape),
                 whole(seq_lo.shape), whole(seq_hi.shape), q_spec, whole(flat), whole(flat)],
       out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q_KGTD.shape, q.dtype),
+      out_shape=jax.ShapeDtypeStruct(q_KGTH.shape, q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
       interpret=interpret,
       name="ragged_prefill_attention_gpu",
-  )(tables, cu_q_lens, kv_lens, seq_lo, seq_hi, q_KGTD, k_pages.reshape(flat),
+  )(tables, cu_q_lens, kv_lens, seq_lo, seq_hi, q_KGTH, k_pages.reshape(flat),
     v_pages.reshape(flat))
-  out = o_KGTD.transpose(2, 0, 1, 3)[:num_tokens, :, :dims.group]  # [T, K, G, D]
+  out = o_KGTH.transpose(2, 0, 1, 3)[:num_tokens, :, :dims.group]  # [T, K, G, H]
   return out.reshape(q.shape)

@@ -1,21 +1,21 @@
 """The engine's paged KV layouts as the decode kernels read them: pools of page slabs.
 
-Every layout is viewed, for free (reshapes only), as one pool of slabs [N, B, Hs, D]: B positions
-of Hs KV heads. A (page, K or V, KV head) triple lives in slab
+Every layout is viewed, for free (reshapes only), as one pool of slabs [Y, Z, Ks, H]: Z positions
+of Ks KV heads. A (page, K or V, KV head) triple lives in slab
     page * page_stride + kv * v_offset + head * head_stride
 of the K pool (kv 0) or the V pool (kv 1), and the kernels copy or gather slabs by that number:
-  TOKEN_MAJOR     k, v [P, B, K, D]     one slab per page holds all K heads (Hs = K)
-  HEAD_MAJOR      k, v [K, P, B, D]     one slab per page and head (Hs = 1, head_stride P)
-  KV_INTERLEAVED  k [P, 2, B, K, D]     K then V of each page; v is None and both pools are k's
+  TOKEN_MAJOR     k, v [P, Z, K, H]     one slab per page holds all K heads (Ks = K)
+  HEAD_MAJOR      k, v [K, P, Z, H]     one slab per page and head (Ks = 1, head_stride P)
+  KV_INTERLEAVED  k [P, 2, Z, K, H]     K then V of each page; v is None and both pools are k's
                                         one array (page_stride 2, v_offset 1)
-With `layer` the arrays carry a leading [L] axis: it merges into the slab axis and the block
+With `layer` the arrays carry a leading [L] axis: it merges into the slab axis and the page
 tables are shifted by the layer's first page, so the layer is read in place, never sliced out
 (a traced slice of a custom call's operand would be a whole-layer copy per step).
 
 Quantized pages are decoded inside the kernel, after the load: int8 (and optionally float8 /
-float16) values times a float32 scale per position and KV head, shaped like the values with D
+float16) values times a float32 scale per position and KV head, shaped like the values with H
 replaced by 1 (k_scale, v_scale; one array for KV_INTERLEAVED, like the values).
-Shape letters as in common.py; N slabs, Hs heads per slab.
+Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ VALUE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.float8_e4m
 
 
 class PageLayout(enum.Enum):
-  TOKEN_MAJOR = "[P, B, K, D]"
-  HEAD_MAJOR = "[K, P, B, D]"
-  KV_INTERLEAVED = "[P, 2, B, K, D]"
+  TOKEN_MAJOR = "[P, Z, K, H]"
+  HEAD_MAJOR = "[K, P, Z, H]"
+  KV_INTERLEAVED = "[P, 2, Z, K, H]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ class SlabIndex:
 
   page_stride: int
   v_offset: int
-  head_stride: int  # 0 when a slab holds every head (Hs = K).
+  head_stride: int  # 0 when a slab holds every head (Ks = K).
 
   @property
   def per_head(self) -> bool:
@@ -61,13 +61,13 @@ TOKEN_MAJOR_INDEX = SlabIndex(page_stride=1, v_offset=0, head_stride=0)
 
 @dataclasses.dataclass(frozen=True)
 class Pools:
-  """The decode kernels' view of the pages: pools [N, B, Hs, D], scale pools [N, B, Hs] or None."""
+  """The decode kernels' view of the pages: pools [Y, Z, Ks, H], scale pools [Y, Z, Ks] or None."""
 
   k: jax.Array
   v: jax.Array
   k_scale: jax.Array | None
   v_scale: jax.Array | None
-  tables: jax.Array  # [S, W] the caller's page tables, shifted to the layer's pages.
+  tables: jax.Array  # [B, W] the caller's page tables, shifted to the layer's pages.
   index: SlabIndex
   num_kv_heads: int
   num_pages: int  # P of one layer.
@@ -123,10 +123,10 @@ def _check_scales(layout, k_pages, k_scale, v_scale):
 
 
 def _pool(x, layout):
-  """Values [(L,) ...layout...] -> [N, B, Hs, D]: merges the leading axes (a free reshape)."""
+  """Values [(L,) ...layout...] -> [Y, Z, Ks, X]: merges the leading axes (a free reshape)."""
   if layout is PageLayout.HEAD_MAJOR:
-    return x.reshape(-1, x.shape[-2], 1, x.shape[-1])  # [L * K * P, B, 1, D]
-  return x.reshape(-1, *x.shape[-3:])  # [L * P (* 2), B, K, D]
+    return x.reshape(-1, x.shape[-2], 1, x.shape[-1])  # [L * K * P, Z, 1, X]
+  return x.reshape(-1, *x.shape[-3:])  # [L * P (* 2), Z, K, X]
 
 
 def to_pools(layout: PageLayout, k_pages, v_pages, k_scale, v_scale, page_tables, layer) -> Pools:
@@ -148,7 +148,7 @@ def to_pools(layout: PageLayout, k_pages, v_pages, k_scale, v_scale, page_tables
     tables = page_tables + (jnp.asarray(layer, jnp.int32) * per_layer).astype(page_tables.dtype)
   k = _pool(k_pages, layout)
   v = k if v_pages is None else _pool(v_pages, layout)
-  as_scales = lambda s: None if s is None else _pool(s, layout)[..., 0]  # [N, B, Hs]
+  as_scales = lambda s: None if s is None else _pool(s, layout)[..., 0]  # [Y, Z, Ks]
   k_s = as_scales(k_scale)
   v_s = k_s if v_scale is None and k_s is not None else as_scales(v_scale)
   return Pools(k, v, k_s, v_s, tables, index, num_kv_heads, num_pages)
@@ -171,7 +171,7 @@ def check_decode(q, pools: Pools, lengths) -> common.PagedDims:
 
 
 def decode_slab(values, scale, dtype):
-  """Loaded values [..., X] (and scale [..., 1] or None) -> dtype: dequantized after the load."""
+  """Loaded values [..., Hv] (and scale [..., 1] or None) -> dtype: dequantized after the load."""
   if scale is None:
     return values.astype(dtype)
   return (values.astype(jnp.float32) * scale).astype(dtype)

@@ -1,6 +1,6 @@
 """Random paged-attention inputs for the kernel tests and the benchmark (numpy, host side).
 
-Each sequence gets its own distinct pages, never page 0 (the engine's scratch page); block-table
+Each sequence gets its own distinct pages, never page 0 (the engine's scratch page); page-table
 entries past a sequence's last page point at page 0, as the engine leaves them.
 """
 
@@ -18,7 +18,7 @@ class PagedShape:
   num_kv_heads: int
   head_dim: int
   page_size: int
-  pages_per_seq: int  # Block-table width W.
+  pages_per_seq: int  # Page-table width W.
   dtype: type = jnp.float32
 
   @property
@@ -27,19 +27,19 @@ class PagedShape:
 
 
 def page_tables(rng: np.random.Generator, kv_lens, shape: PagedShape) -> np.ndarray:
-  """[N, W] int32: sequence s's first cdiv(kv_lens[s], B) entries are distinct pages >= 1."""
+  """[B, W] int32: sequence b's first cdiv(kv_lens[b], Z) entries are distinct pages >= 1."""
   used = [-(-int(n) // shape.page_size) for n in kv_lens]
   pages = rng.permutation(np.arange(1, sum(used) + 1))
   tables = np.zeros((len(kv_lens), shape.pages_per_seq), np.int32)
   start = 0
-  for s, n in enumerate(used):
-    tables[s, :n] = pages[start:start + n]
+  for b, n in enumerate(used):
+    tables[b, :n] = pages[start:start + n]
     start += n
   return tables
 
 
 def kv_pages(rng: np.random.Generator, num_pages: int, shape: PagedShape, scratch_value=1e3):
-  """K and V [P, B, K, D]; page 0 (scratch) holds a large value that must never reach an
+  """K and V [P, Z, K, H]; page 0 (scratch) holds a large value that must never reach an
   output: a kernel that reads it where it should not shows up as a large error."""
   size = (num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim)
   k, v = rng.standard_normal(size), rng.standard_normal(size)

@@ -1,14 +1,14 @@
 """What the two TPU kernels share: lane windows for the KV heads, and the page DMAs.
 
-The kernels see each page as one [B, K * D] slab ([P, B, K, D] reshaped, a free view), so one DMA
+The kernels see each page as one [Z, K * H] slab ([P, Z, K, H] reshaped, a free view), so one DMA
 moves a whole page and the VMEM block's last two dims are the array's own (TPU tiling rule:
-(8, 128)-divisible or full). Picking KV head h out of the K * D lanes would need an unaligned lane
-slice when D is not a multiple of 128 (head_dim 64), which Mosaic may reject. So each head reads a
-128-aligned lane *window* [lo, hi) that covers its D lanes, and Q is laid out in the same window
+(8, 128)-divisible or full). Picking KV head h out of the K * H lanes would need an unaligned lane
+slice when H is not a multiple of 128 (head_dim 64), which Mosaic may reject. So each head reads a
+128-aligned lane *window* [lo, hi) that covers its H lanes, and Q is laid out in the same window
 with zeros on the neighbours' lanes: the window's extra lanes then add exactly 0 to QK^T, and the
-output's extra lanes (other heads' PV) are dropped by the wrapper. For D a multiple of 128 the
-window is the head itself; for D = 64 it costs 2x MXU work on a memory-bound kernel.
-Shape letters as in common.py; C = K * D lanes of a page row, E the widest window.
+output's extra lanes (other heads' PV) are dropped by the wrapper. For H a multiple of 128 the
+window is the head itself; for H = 64 it costs 2x MXU work on a memory-bound kernel.
+Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
@@ -38,23 +38,24 @@ def window_width(windows) -> int:
 
 
 def pack_heads(q_XKGD: jax.Array, windows) -> jax.Array:
-  """[X, K, G, D] -> [X, K, G, E]: head h's D values at lane h * D - lo of its window, zeros
+  """[A, K, G, H] -> [A, K, G, E]: head h's H values at lane h * H - lo of its window, zeros
   elsewhere."""
-  d = q_XKGD.shape[-1]
+  head_dim = q_XKGD.shape[-1]
   e = window_width(windows)
   heads = []
   for h, (lo, _) in enumerate(windows):
-    offset = h * d - lo
-    heads.append(jnp.pad(q_XKGD[:, h], ((0, 0), (0, 0), (offset, e - offset - d))))  # [X, G, E]
+    offset = h * head_dim - lo
+    lanes = (offset, e - offset - head_dim)
+    heads.append(jnp.pad(q_XKGD[:, h], ((0, 0), (0, 0), lanes)))  # [A, G, E]
   return jnp.stack(heads, axis=1)
 
 
 def unpack_heads(o_XKGE: jax.Array, windows, head_dim: int) -> jax.Array:
-  """Inverse of pack_heads: [X, K, G, E] -> [X, K, G, D]."""
+  """Inverse of pack_heads: [A, K, G, E] -> [A, K, G, H]."""
   heads = []
   for h, (lo, _) in enumerate(windows):
     offset = h * head_dim - lo
-    heads.append(o_XKGE[:, h, :, offset:offset + head_dim])  # [X, G, D]
+    heads.append(o_XKGE[:, h, :, offset:offset + head_dim])  # [A, G, H]
   return jnp.stack(heads, axis=1)
 
 
@@ -67,7 +68,7 @@ def chunk_copies(tables_ref, table_start, num_pages, chunk, slot, hbm_refs, buf_
   """The DMAs of K and V pages [chunk * Q, (chunk + 1) * Q) of one sequence into buffer `slot`.
 
   tables_ref: the flat page tables in SMEM, the sequence's row starting at table_start.
-  hbm_refs: (K, V) [P, B, C] in HBM; buf_refs: (K, V) [2, Q, B, C] VMEM; sem_ref: DMA [2, 2].
+  hbm_refs: (K, V) [P, Z, M] in HBM; buf_refs: (K, V) [2, Q, Z, M] VMEM; sem_ref: DMA [2, 2].
   Pages past the sequence's last one re-read that last page: its data is real (finite), and the
   positions are masked, so the chunk never multiplies garbage (0 * nan) into the output.
   """
@@ -116,10 +117,10 @@ def run_chunks(num_chunks, fetch, compute, carry):
 
 
 def load_window(buf_ref, slot, window, dtype) -> jax.Array:
-  """[Q, B, C] buffer slot -> [Q * B, hi - lo] keys (or values) of one head window."""
+  """[Q, Z, M] buffer slot -> [C, Hv] keys (or values) of one head window (Hv = hi - lo)."""
   lo, hi = window
   per_chunk, page_size, _ = buf_ref.shape[1:]
-  chunk = buf_ref[slot, :, :, pl.ds(lo, hi - lo)]  # [Q, B, hi - lo]
+  chunk = buf_ref[slot, :, :, pl.ds(lo, hi - lo)]  # [Q, Z, Hv]
   return chunk.reshape(per_chunk * page_size, hi - lo).astype(dtype)
 
 
@@ -128,18 +129,18 @@ def slab_copies(tables_ref, table_start, num_pages, chunk, slot, hbm_refs, buf_r
   """chunk_copies for any page layout (page_layout.py): the slabs of pages [chunk * Q, (chunk +
   1) * Q) of one sequence, J per page and pool (J = K when a slab holds one head, else 1).
 
-  hbm_refs: K, V pools [N, B, C] (then K, V scale pools [N, B, Hs]) in HBM; buf_refs: likewise
-  [2, Q, J, B, C] VMEM; sem_ref: DMA [len(hbm_refs), 2]. Past-the-end pages as chunk_copies.
+  hbm_refs: K, V pools [Y, Z, M] (then K, V scale pools [Y, Z, Ks]) in HBM; buf_refs: likewise
+  [2, Q, J, Z, M] VMEM; sem_ref: DMA [len(hbm_refs), 2]. Past-the-end pages as chunk_copies.
   """
   per_chunk, num_slabs = buf_refs[0].shape[1:3]
   copies = []
   for i in range(per_chunk):
     page = tables_ref[table_start + jnp.minimum(chunk * per_chunk + i, num_pages - 1)]
     for j in range(num_slabs):
-      for n, (hbm_ref, buf_ref) in enumerate(zip(hbm_refs, buf_refs)):
-        slab = index.slab(page, n % 2, j)  # Pools alternate K, V (values, then scales).
+      for pool, (hbm_ref, buf_ref) in enumerate(zip(hbm_refs, buf_refs)):
+        slab = index.slab(page, pool % 2, j)  # Pools alternate K, V (values, then scales).
         copies.append(pltpu.make_async_copy(hbm_ref.at[slab], buf_ref.at[slot, i, j],
-                                            sem_ref.at[n, slot]))
+                                            sem_ref.at[pool, slot]))
   return copies
 
 
@@ -150,7 +151,7 @@ def scratch_shapes(per_chunk: int, page_size: int, width: int, kv_dtype):
 
 
 def token_major_operands(k_pages, v_pages, dims, per_chunk: int):
-  """The K/V pages [P, B, K, D] as [P, B, K * D] rows (a free view), and their scratch."""
+  """The K/V pages [P, Z, K, H] as [P, Z, K * H] rows (a free view), and their scratch."""
   width = k_pages.shape[-2] * k_pages.shape[-1]
   as_rows = lambda pages: pages.reshape(dims.num_pages, dims.page_size, width)
   scratch = scratch_shapes(per_chunk, dims.page_size, width, k_pages.dtype)

@@ -8,7 +8,7 @@ by scalar prefetch); for each it walks that sequence's pages up to the block's l
 belongs to one sequence, so one online softmax per row serves all of them.
 Q rows are laid out head-group major, [K, G, T, E]: a block's rows for one KV head are then the
 [G, Tq, E] tile, which reshapes to [G * Tq, E] without crossing (8, 128) tiles (Tq % 8 == 0).
-Shape letters as in common.py and tpu_pages.py.
+Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ _TARGET_ROWS = 256  # Query rows (G * Tq) per block: fills the MXU's rows on v5e
 
 
 def _prefill_kernel(
-    tables_ref,  # [N * W] int32, SMEM
-    cu_q_lens_ref,  # [N + 1] int32, SMEM
-    kv_lens_ref,  # [N] int32, SMEM
+    tables_ref,  # [B * W] int32, SMEM
+    cu_q_lens_ref,  # [B + 1] int32, SMEM
+    kv_lens_ref,  # [B] int32, SMEM
     seq_lo_ref,  # [T / Tq] int32, SMEM
     seq_hi_ref,  # [T / Tq] int32, SMEM
     q_ref,  # [K, G, Tq, E]
-    k_hbm_ref,  # [P, B, C] in HBM
-    v_hbm_ref,  # [P, B, C] in HBM
+    k_hbm_ref,  # [P, Z, M] in HBM
+    v_hbm_ref,  # [P, Z, M] in HBM
     o_ref,  # [K, G, Tq, E]
-    k_buf_ref,  # [2, Q, B, C] VMEM
-    v_buf_ref,  # [2, Q, B, C] VMEM
+    k_buf_ref,  # [2, Q, Z, M] VMEM
+    v_buf_ref,  # [2, Q, Z, M] VMEM
     sem_ref,  # DMA semaphores [2, 2]
     *,
     sm_scale: float,
@@ -52,14 +52,14 @@ def _prefill_kernel(
   dtype = q_ref.dtype
   # Packed token index of each row: rows are (g, t) pairs, g major; Tq is a power of two.
   tok = block * block_q + jnp.bitwise_and(
-      lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 0), block_q - 1)  # [R, L]
+      lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 0), block_q - 1)  # [R, C]
   block_start, block_end = block * block_q, (block + 1) * block_q
 
   def seq_body(seq, carry):
     q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
     context = kv_lens_ref[seq] - (q_end - q_start)  # Cached positions before the new tokens.
-    in_seq = (tok >= q_start) & (tok < q_end)  # [R, L]
-    q_pos = context + tok - q_start  # [R, L]
+    in_seq = (tok >= q_start) & (tok < q_end)  # [R, C]
+    q_pos = context + tok - q_start  # [R, C]
     last_tok = jnp.minimum(q_end, block_end)
     kv_end = jnp.where(last_tok > jnp.maximum(q_start, block_start), context + last_tok - q_start, 0)
     num_pages = pl.cdiv(kv_end, page_size)
@@ -69,13 +69,13 @@ def _prefill_kernel(
 
     def compute(chunk, slot, carry):
       kv_pos = chunk * chunk_len + lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 1)
-      mask = in_seq & (kv_pos <= q_pos)  # [R, L] causal, and only this sequence's rows
+      mask = in_seq & (kv_pos <= q_pos)  # [R, C] causal, and only this sequence's rows
       new_carry = []
       for h, window in enumerate(windows):
-        q = q_ref[h, :, :, pl.ds(0, window[1] - window[0])].reshape(rows, -1)  # [R, w]
-        k = tpu_pages.load_window(k_buf_ref, slot, window, dtype)  # [L, w]
-        v = tpu_pages.load_window(v_buf_ref, slot, window, dtype)  # [L, w]
-        logits = common.qk_logits(q, k, sm_scale)  # [R, L]
+        q = q_ref[h, :, :, pl.ds(0, window[1] - window[0])].reshape(rows, -1)  # [R, Hv]
+        k = tpu_pages.load_window(k_buf_ref, slot, window, dtype)  # [C, Hv]
+        v = tpu_pages.load_window(v_buf_ref, slot, window, dtype)  # [C, Hv]
+        logits = common.qk_logits(q, k, sm_scale)  # [R, C]
         new_carry.append(common.softmax_step(carry[h], logits, mask, v))
       return tuple(new_carry)
 
@@ -83,10 +83,10 @@ def _prefill_kernel(
 
   init = tuple(common.init_softmax(rows, hi - lo) for lo, hi in windows)
   carry = lax.fori_loop(seq_lo_ref[block], seq_hi_ref[block], seq_body, init)
-  # A narrower last window (K * D % 128 != 0) leaves lanes [w, E) unwritten: unpack_heads
+  # A narrower last window (K * H % 128 != 0) leaves lanes [Hv, E) unwritten: unpack_heads
   # never reads them.
   for h, (lo, hi) in enumerate(windows):
-    out = common.finish_softmax(carry[h]).astype(o_ref.dtype)  # [R, w]
+    out = common.finish_softmax(carry[h]).astype(o_ref.dtype)  # [R, Hv]
     o_ref[h, :, :, pl.ds(0, hi - lo)] = out.reshape(group, block_q, hi - lo)
 
 
@@ -94,7 +94,7 @@ def _prefill_kernel(
                                              "interpret"))
 def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, *,
                              sm_scale=None, pages_per_chunk=None, block_q=None, interpret=False):
-  """Packed q [T, H, D] of N sequences -> [T, H, D]; see kernels_pallas.ragged_prefill_attention.
+  """Packed q [T, N, H] of B sequences -> [T, N, H]; see kernels_pallas.ragged_prefill_attention.
 
   block_q: packed tokens per grid step (a power of two; default about 256 / G).
   """
@@ -109,9 +109,9 @@ def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_len
   padded = common.round_up(num_tokens, block_q)
   num_blocks = padded // block_q
   windows = tpu_pages.head_windows(dims.num_kv_heads, head_dim)
-  q_TKGD = q.reshape(num_tokens, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
-  q_TKGD = jnp.pad(q_TKGD, ((0, padded - num_tokens), (0, 0), (0, 0), (0, 0)))
-  q_win = tpu_pages.pack_heads(q_TKGD, windows).transpose(1, 2, 0, 3)  # [K, G, T, E]
+  q_TKGH = q.reshape(num_tokens, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
+  q_TKGH = jnp.pad(q_TKGH, ((0, padded - num_tokens), (0, 0), (0, 0), (0, 0)))
+  q_win = tpu_pages.pack_heads(q_TKGH, windows).transpose(1, 2, 0, 3)  # [K, G, T, E]
   seq_lo, seq_hi = common.block_seq_ranges(cu_q_lens, num_blocks, block_q)
   kernel = functools.partial(_prefill_kernel, sm_scale=common.default_scale(sm_scale, head_dim),
                              windows=windows, pages_per_seq=dims.pages_per_seq)
@@ -122,5 +122,5 @@ def ragged_prefill_attention(q, k_pages, v_pages, page_tables, cu_q_lens, kv_len
       kernel, (page_tables.reshape(-1), cu_q_lens, kv_lens, seq_lo, seq_hi), q_win, q_spec,
       hbm_arrays, scratch, out_dtype=q.dtype, grid=(num_blocks,), interpret=interpret,
       name="ragged_prefill_attention_tpu")
-  out = tpu_pages.unpack_heads(o_win.transpose(2, 0, 1, 3), windows, head_dim)  # [T, K, G, D]
+  out = tpu_pages.unpack_heads(o_win.transpose(2, 0, 1, 3), windows, head_dim)  # [T, K, G, H]
   return out[:num_tokens].reshape(q.shape)

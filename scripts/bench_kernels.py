@@ -149,7 +149,7 @@ def run_timings(model: dict, dtype, batches, contexts, iters: int, interpret: bo
       moved = prefill_bytes(shape, kv_lens, batch * 256)
       print(f"  {batch} seqs context {context}")
       print(f"    kernel    {Timing(time_fn(prefill, args, iters), moved).report(peak)}")
-      # The reference gathers every token's whole block table: [T, W * B, K, D] f32.
+      # The reference gathers every token's whole page table: [T, W * Z, K, H] f32.
       if batch * 256 * shape.max_len * model["num_kv_heads"] * model["head_dim"] * 4 > 4e9:
         print("    reference skipped: its per-token gather would not fit")
         continue

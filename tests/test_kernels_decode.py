@@ -15,7 +15,7 @@ VARIANTS = ("tpu", "gpu")
 
 
 def _hand_pages():
-  """Page size 2, one KV head, head_dim 2. The sequence's block table is [3, 1]: positions 0, 1
+  """Page size 2, one KV head, head_dim 2. The sequence's page table is [3, 1]: positions 0, 1
   live in page 3 and 2, 3 in page 1. Position 3 holds huge values and must be masked."""
   k = np.zeros((4, 2, 1, 2), np.float32)
   v = np.zeros((4, 2, 1, 2), np.float32)
@@ -28,7 +28,7 @@ def _hand_pages():
 
 def test_reference_matches_hand_worked_numbers():
   k, v = _hand_pages()
-  q = jnp.asarray([[[1, 0], [0, 1]], [[1, 0], [0, 1]]], jnp.float32)  # [S=2, H=2, D=2]
+  q = jnp.asarray([[[1, 0], [0, 1]], [[1, 0], [0, 1]]], jnp.float32)  # [B=2, N=2, H=2]
   tables = jnp.asarray([[3, 1], [0, 0]], jnp.int32)
   lengths = jnp.asarray([3, 0], jnp.int32)
   out = reference.paged_decode_reference(q, k, v, tables, lengths, sm_scale=1.0)
@@ -58,7 +58,7 @@ SWEEP = [
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("config", SWEEP, ids=lambda c: f"h{c[0]}k{c[1]}d{c[2]}b{c[3]}")
+@pytest.mark.parametrize("config", SWEEP, ids=lambda c: f"n{c[0]}k{c[1]}h{c[2]}z{c[3]}")
 def test_kernel_matches_reference(variant, config):
   num_heads, num_kv_heads, head_dim, page_size, width, dtype, per_chunk = config
   shape = testing.PagedShape(num_heads, num_kv_heads, head_dim, page_size, width, dtype)
@@ -90,7 +90,7 @@ def test_kernel_never_reads_pages_outside_the_valid_page_table(variant):
   (0 * nan), would return NaN."""
   q, k, v, tables, lengths = _smollm2_args(0, num_pages=16)
   expected = reference.paged_decode_reference(q, k, v, tables, lengths)
-  owned = [np.asarray(tables[s, :-(-n // 16)]) for s, n in enumerate(SMOLLM2_LENGTHS)]
+  owned = [np.asarray(tables[b, :-(-n // 16)]) for b, n in enumerate(SMOLLM2_LENGTHS)]
   unowned = np.setdiff1d(np.arange(16), np.concatenate(owned))  # Page 0 and the spare ones.
   assert 0 in unowned and len(unowned) > 1
   k, v = k.at[unowned].set(jnp.nan), v.at[unowned].set(jnp.nan)
@@ -108,9 +108,9 @@ def test_cpu_platform_runs_interpreted_and_matches():
 
 
 def test_layer_of_a_whole_cache_reads_that_layers_pages():
-  """layer= with the [L, P, B, K, D] cache equals passing that layer's [P, B, K, D] pages."""
+  """layer= with the [L, P, Z, K, H] cache equals passing that layer's [P, Z, K, H] pages."""
   q, k, v, tables, lengths = _smollm2_args(2, num_pages=16)
-  k_all = jnp.stack([k + 1.0, k, k - 7.0])  # [L=3, P, B, K, D]; the other layers differ.
+  k_all = jnp.stack([k + 1.0, k, k - 7.0])  # [L=3, P, Z, K, H]; the other layers differ.
   v_all = jnp.stack([v - 3.0, v, v + 9.0])
   out = kernels_pallas.paged_decode_attention(q, k_all, v_all, tables, lengths,
                                               layer=jnp.int32(1))

@@ -45,7 +45,7 @@ def _cache(num_heads, num_kv_heads, head_dim, page_size, dtype, num_pages=64):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}k{s[1]}d{s[2]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}h{s[2]}")
 def test_decode_lowers_to_the_kernel_custom_call(platform, shape):
   num_heads, _, head_dim, _, dtype = shape
   k, v = _cache(*shape)
@@ -58,7 +58,7 @@ def test_decode_lowers_to_the_kernel_custom_call(platform, shape):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}k{s[1]}d{s[2]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}h{s[2]}")
 def test_prefill_lowers_to_the_kernel_custom_call(platform, shape):
   num_heads, _, head_dim, _, dtype = shape
   k, v = _cache(*shape)

@@ -43,9 +43,9 @@ STORED = {"bfloat16": ml_dtypes.bfloat16, "float8": ml_dtypes.float8_e4m3fn}
 
 
 def _quantize(x, kind, rng):
-  """Token-major x [P, B, K, D] -> (stored values, scale [P, B, K, 1] or None, decoded f32)."""
+  """Token-major x [P, Z, K, H] -> (stored values, scale [P, Z, K, 1] or None, decoded f32)."""
   if kind == "int8":
-    amax = np.abs(x).max(-1, keepdims=True)  # [P, B, K, 1]
+    amax = np.abs(x).max(-1, keepdims=True)  # [P, Z, K, 1]
     scale = (amax / 127 * rng.uniform(1, 1.5, amax.shape)).astype(np.float32)
     values = np.clip(np.round(x / scale), -127, 127).astype(np.int8)
     return values, scale, values.astype(np.float32) * scale
@@ -54,11 +54,11 @@ def _quantize(x, kind, rng):
 
 
 def _store(layout, k, v):
-  """Token-major [P, B, K, X] K and V -> the layout's (k_pages, v_pages)."""
+  """Token-major [P, Z, K, X] K and V -> the layout's (k_pages, v_pages)."""
   if layout is PageLayout.HEAD_MAJOR:
-    return np.transpose(k, (2, 0, 1, 3)), np.transpose(v, (2, 0, 1, 3))  # [K, P, B, X]
+    return np.transpose(k, (2, 0, 1, 3)), np.transpose(v, (2, 0, 1, 3))  # [K, P, Z, X]
   if layout is PageLayout.KV_INTERLEAVED:
-    return np.stack([k, v], axis=1), None  # [P, 2, B, K, X]
+    return np.stack([k, v], axis=1), None  # [P, 2, Z, K, X]
   return k, v
 
 
@@ -78,8 +78,8 @@ def _case(layout, kind, shape_cfg, seed):
   size = (num_pages, page_size, num_kv_heads, head_dim)
   (kq, ks, kf), (vq, vs, vf) = (_quantize(2 * rng.standard_normal(size), kind, rng)
                                 for _ in range(2))
-  owned = np.concatenate([np.asarray(tables[s, :-(-n // page_size)])
-                          for s, n in enumerate(lengths)])
+  owned = np.concatenate([np.asarray(tables[b, :-(-n // page_size)])
+                          for b, n in enumerate(lengths)])
   unowned = np.setdiff1d(np.arange(num_pages), owned)
   assert 0 in unowned and len(unowned) == 3
   for x in (ks, vs) if ks is not None else (kq, vq):  # int8 has no NaN: poison its scales.

@@ -16,7 +16,7 @@ VARIANTS = ("tpu", "gpu")
 
 
 def test_reference_matches_hand_worked_numbers():
-  # Page size 2, one head, head_dim 2; sequence 0's block table is [3, 1] (positions 0, 1 in
+  # Page size 2, one head, head_dim 2; sequence 0's page table is [3, 1] (positions 0, 1 in
   # page 3, positions 2, 3 in page 1). Position 0 is cached; the chunk's 2 new tokens sit at
   # positions 1 and 2. Sequence 1 is empty; the last packed row is padding.
   k = np.zeros((4, 2, 1, 2), np.float32)
@@ -25,7 +25,7 @@ def test_reference_matches_hand_worked_numbers():
   k[1, :, 0] = [[math.log(3), 0], [100, 100]]  # Position 3 is past kv_len: masked.
   v[3, :, 0] = [[6, 0], [0, 6]]
   v[1, :, 0] = [[2, 2], [1000, 1000]]
-  q = jnp.asarray([[[1, 0]], [[1, 0]], [[5, 5]]], jnp.float32)  # [T=3, H=1, D=2]
+  q = jnp.asarray([[[1, 0]], [[1, 0]], [[5, 5]]], jnp.float32)  # [T=3, N=1, H=2]
   out = reference.ragged_prefill_reference(
       q, jnp.asarray(k), jnp.asarray(v), jnp.asarray([[3, 1], [0, 0]], jnp.int32),
       jnp.asarray([0, 2, 2], jnp.int32), jnp.asarray([3, 0], jnp.int32), sm_scale=1.0)
@@ -61,7 +61,7 @@ SWEEP = [
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("config", SWEEP, ids=lambda c: f"h{c[0]}k{c[1]}d{c[2]}b{c[3]}")
+@pytest.mark.parametrize("config", SWEEP, ids=lambda c: f"n{c[0]}k{c[1]}h{c[2]}z{c[3]}")
 def test_kernel_matches_reference(variant, config):
   num_heads, num_kv_heads, head_dim, page_size, width, dtype, per_chunk, block_q = config
   shape = testing.PagedShape(num_heads, num_kv_heads, head_dim, page_size, width, dtype)
@@ -95,7 +95,7 @@ def test_kernel_never_reads_pages_outside_the_valid_page_table(variant):
   """NaN in page 0 and unowned pages must not reach any output (see the decode test)."""
   q, k, v, tables, cu_q_lens, kv_lens = _smollm2_args(0, num_pages=16)
   expected = reference.ragged_prefill_reference(q, k, v, tables, cu_q_lens, kv_lens)
-  owned = [np.asarray(tables[s, :-(-int(n) // 16)]) for s, n in enumerate(kv_lens)]
+  owned = [np.asarray(tables[b, :-(-int(n) // 16)]) for b, n in enumerate(kv_lens)]
   unowned = np.setdiff1d(np.arange(16), np.concatenate(owned))
   assert 0 in unowned and len(unowned) > 1
   k, v = k.at[unowned].set(jnp.nan), v.at[unowned].set(jnp.nan)

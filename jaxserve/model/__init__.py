@@ -1,0 +1,19 @@
+"""The model: the Llama-family decoder, its attention and its paged KV cache.
+
+Shape letters, the one key for every comment, einsum and `x_BTD` name of jaxserve and of
+kernels_pallas:
+  B: batch (sequences, or decode rows)   T: query tokens (per sequence, or packed on one axis)
+  S: key/value positions attended to     D: model dim
+  N: query heads    K: KV heads    G: query heads per KV head (N = K * G)    H: head dim
+  F: MLP hidden dim    V: vocabulary    L: layers    P: KV pages    Z: tokens per page
+  W: pages per sequence (page-table width)
+  X: last axis of a stored K or V array: H for values, 1 for their scales
+
+Kernel-only letters (kernels_pallas):
+  Q: pages per chunk    C: KV positions of one chunk (C = Q * Z)    R: query rows of one block
+  Tq: packed tokens of one query block    Gp: G padded for the hardware    Wp: W padded (GPU)
+  U: splits of a sequence's pages (GPU decode)    A: a leading axis, B (decode) or T (prefill)
+  Y: slabs of a page pool    J: slabs per page (K or 1)    Ks: KV heads per slab (K or 1)
+  M: lanes of one slab row (M = Ks * X)    E: lanes of the widest head window (TPU)
+  Hv: lanes of Q, K and V one softmax step reads (H, or one TPU head window)
+"""

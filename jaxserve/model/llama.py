@@ -1,12 +1,6 @@
 """A Llama-family decoder in Flax NNX, reading and writing a paged KV cache.
 
-Shape letters, used in every comment and einsum of jaxserve:
-  B: batch (sequences, or decode slots)    T: query tokens per sequence
-  S: key/value positions attended to        D: model dim
-  N: query heads    K: key/value heads      G: query heads per KV head (N = K * G)
-  H: head dim       F: MLP hidden dim       V: vocabulary
-  L: layers         P: KV pages             Z: tokens per page (block size)
-  W: pages per sequence in a block table
+Shape letters: the key in jaxserve/model/__init__.py.
 
 The same forward serves prefill (B=1, T=bucket) and decode (B=slots, T=1): what differs is the
 `AttentionMetadata` it is handed, never a flag read from a global.
