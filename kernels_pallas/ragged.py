@@ -3,7 +3,7 @@
 The checked entry point: it validates the arguments (ValueError naming the bad one), then runs
 the TPU variant (ragged_tpu.py, Mosaic), the GPU variant (ragged_gpu.py, Triton) or, on CPU, the
 TPU variant in Pallas interpret mode. ragged_reference.py is the jnp reference of the same
-contract. Shape letters as in ragged_layout.py.
+contract. Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
 
   q [T, N, H]; k_new, v_new [T, K, H]: the step's new tokens, sequence b's at packed rows
       [cu_q_lens[b], cu_q_lens[b + 1]), then padding rows.
-  kv_pages [L, P, Z, C] with layer (an int32 scalar), or [P, Z, C] with layer None: pages in the
+  kv_pages [L, P, Z, Cr] with layer (an int32 scalar), or [P, Z, Cr] with layer None: pages in the
       ragged layout (ragged_layout.layout_for(K, H, dtype); float32 or bfloat16).
   page_tables [B, W] int32; cu_q_lens [B + 1] int32 from 0; kv_lens [B] int32: sequence b's KV
       length once this step's tokens are written, so its new tokens sit at positions

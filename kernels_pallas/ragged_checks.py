@@ -1,5 +1,5 @@
 """Argument checks shared by the ragged kernels and their reference: ValueError naming the bad
-argument, and the static sizes of one call. Shape letters as in ragged_layout.py."""
+argument, and the static sizes of one call. Shape letters: the key in jaxserve/model/__init__.py."""
 
 from __future__ import annotations
 

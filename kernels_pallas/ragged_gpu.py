@@ -11,10 +11,10 @@ grid-wide barrier. So, unlike the TPU variant, no program reads what another wri
 Each program loops over the sequences [seq_lo, seq_hi) that overlap its block and, for each,
 over chunks of keys from the sliding window's first (or 0) to the block's last position, with
 an online softmax per row and rows of other sequences masked (as gpu_prefill.py). Page rows are
-gathered from the cache viewed as [L * P * Z, C / H, H] (a free view: C % H == 0 for every
+gathered from the cache viewed as [L * P * Z, Cr / H, H] (a free view: Cr % H == 0 for every
 power-of-two H): KV head h's K is lane group h, its V group K + h.
-Triton needs power-of-two tensor sides >= 16: G is padded to Gp, Gp * Tq >= 16, Lc >= 16.
-Shape letters as in ragged_layout.py; R = Gp * Tq rows, Lc keys per chunk.
+Triton needs power-of-two tensor sides >= 16: G is padded to Gp, Gp * Tq >= 16, C >= 16.
+Shape letters: the key in jaxserve/model/__init__.py; R = Gp * Tq rows, C keys per chunk.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
                    src_ref, dest_ref,  # [Tq] int32: token to store, and its cache row
                    q_ref,  # [Gp, Tq, H]
                    k_new_ref, v_new_ref,  # [T, K, H]
-                   pages_ref,  # [L * P * Z, C / H, H] as given (aliased to pages_out_ref)
+                   pages_ref,  # [L * P * Z, Cr / H, H] as given (aliased to pages_out_ref)
                    o_ref,  # [Gp, Tq, H]
-                   pages_out_ref,  # [L * P * Z, C / H, H]
+                   pages_out_ref,  # [L * P * Z, Cr / H, H]
                    *, sm_scale: float, page_size: int, chunk_len: int,
                    sliding_window: int | None):
   block, head = pl.program_id(0), pl.program_id(1)
@@ -76,21 +76,21 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
     last_page = jnp.maximum(pl.cdiv(kv_len, page_size) - 1, 0)  # Never past the sequence's own.
 
     def kv_body(chunk, carry):
-      key = chunk * chunk_len + jnp.arange(chunk_len)  # [Lc]
-      page = tables_ref[seq, jnp.minimum(key // page_size, last_page)]  # [Lc]
-      cache_row = page * page_size + key % page_size  # [Lc]
-      new_row = jnp.clip(q_start + key - context, 0, last_token)  # [Lc]
-      cached = (key < context)[:, None]  # [Lc, 1]
+      key = chunk * chunk_len + jnp.arange(chunk_len)  # [C]
+      page = tables_ref[seq, jnp.minimum(key // page_size, last_page)]  # [C]
+      cache_row = page * page_size + key % page_size  # [C]
+      new_row = jnp.clip(q_start + key - context, 0, last_token)  # [C]
+      cached = (key < context)[:, None]  # [C, 1]
       live = (key < kv_len)[:, None]  # Zeroing V past the end keeps 0 * garbage out of PV.
       k = jnp.where(cached, pages_ref[cache_row, head, :].astype(q.dtype),
-                    k_new_ref[new_row, head, :].astype(q.dtype))  # [Lc, H]
+                    k_new_ref[new_row, head, :].astype(q.dtype))  # [C, H]
       v = jnp.where(cached, pages_ref[cache_row, num_kv_heads + head, :].astype(q.dtype),
-                    v_new_ref[new_row, head, :].astype(q.dtype))  # [Lc, H]
+                    v_new_ref[new_row, head, :].astype(q.dtype))  # [C, H]
       v = jnp.where(live, v, jnp.zeros_like(v))
-      mask = in_seq & (key[None, :] <= q_pos)  # [R, Lc]
+      mask = in_seq & (key[None, :] <= q_pos)  # [R, C]
       if sliding_window is not None:
         mask &= key[None, :] > q_pos - sliding_window
-      logits = common.qk_logits(q, k, sm_scale)  # [R, Lc]
+      logits = common.qk_logits(q, k, sm_scale)  # [R, C]
       return common.softmax_step(carry, logits, mask, v)
 
     return jax.lax.fori_loop(first_chunk, pl.cdiv(kv_end, chunk_len), kv_body, carry)
@@ -135,7 +135,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
   dtype = common.compute_dtype(q.dtype, kv_pages.dtype)
   q_TKGH = q.reshape(num_tokens, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
   q_TKGH = jnp.pad(q_TKGH, ((0, padded - num_tokens), (0, 0), (0, group - dims.group), (0, 0)))
-  pages = kv_pages.reshape(-1, dims.layout.lanes // head_dim, head_dim)  # [L * P * Z, C / H, H]
+  pages = kv_pages.reshape(-1, dims.layout.lanes // head_dim, head_dim)  # [L * P * Z, Cr / H, H]
   kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, page_size=dims.page_size,
                              chunk_len=chunk_len, sliding_window=sliding_window)
   whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))

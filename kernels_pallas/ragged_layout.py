@@ -1,22 +1,22 @@
 """The ragged kernels' KV page layout: one lane-dense row per token, K heads then V heads.
 
-    kv_pages [L, P, Z, C]   row z of page p of layer l holds one token:
+    kv_pages [L, P, Z, Cr]   row z of page p of layer l holds one token:
                             lanes [h * H, (h + 1) * H)           K of KV head h
                             lanes [(K + h) * H, (K + h + 1) * H)  V of KV head h
-                            lanes [2 * K * H, C)                 padding (zeros), C % 128 == 0
+                            lanes [2 * K * H, Cr)                 padding (zeros), Cr % 128 == 0
 
 Why this shape: a TPU tiles the minor two dims of an array in HBM and VMEM by (sublanes, 128
 lanes), sublanes = 8 for 32-bit and 16 for 16-bit dtypes. The token-major [P, Z, K, H] pages have
 minor dims (K, H) = (3, 64) for SmolLM2, padded to (8, 128) or (16, 128): 5.3x (f32) or 10.7x
-(bf16) the bytes. Here the minor dims are (Z, C): Z is a multiple of the sublane count for every
-page size the engine uses, and C is 2 * K * H rounded up to 128, so the only waste is at most 127
+(bf16) the bytes. Here the minor dims are (Z, Cr): Z is a multiple of the sublane count for every
+page size the engine uses, and Cr is 2 * K * H rounded up to 128, so the only waste is at most 127
 lanes per token, and none where 2 * K * H % 128 == 0 (SmolLM2: 384 lanes; Llama-3-8B: 2,048).
 Padding the lanes at the end never wastes more than padding head_dim would (K = 3, H = 80: 480
 lanes -> 512, where a head_dim padded to 128 would give 768), and keeps each head's lanes at a
 fixed offset the GPU kernel reads with one strided load. One page row holding K and V together
 means one DMA per page moves both.
 
-Shape letters: L layers, P pages, Z page_size, C lanes of a row, K KV heads, H head_dim, T tokens.
+Shape letters: the key in jaxserve/model/__init__.py (Cr: lanes of a page row).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class RaggedLayout:
   num_kv_heads: int
   head_dim: int
   dtype: str  # A jnp dtype name, so the dataclass stays hashable (a static jit argument).
-  lanes: int  # C
+  lanes: int  # Cr
 
   @property
   def used_lanes(self) -> int:
@@ -85,14 +85,14 @@ def layout_for(num_kv_heads: int, head_dim: int, dtype) -> RaggedLayout:
 
 
 def pack_rows(k_new, v_new, lanes: int):
-  """k_new, v_new [T, K, H] -> [T, C] page rows in this layout (padding lanes 0)."""
+  """k_new, v_new [T, K, H] -> [T, Cr] page rows in this layout (padding lanes 0)."""
   t = k_new.shape[0]
   rows = jnp.concatenate([k_new.reshape(t, -1), v_new.reshape(t, -1)], axis=1)  # [T, 2KH]
   return jnp.pad(rows, ((0, 0), (0, lanes - rows.shape[1])))
 
 
 def unpack_rows(rows, num_kv_heads: int, head_dim: int):
-  """[..., C] page rows -> K, V [..., K, H]: the inverse of pack_rows."""
+  """[..., Cr] page rows -> K, V [..., K, H]: the inverse of pack_rows."""
   width = num_kv_heads * head_dim
   shape = (*rows.shape[:-1], num_kv_heads, head_dim)
   return rows[..., :width].reshape(shape), rows[..., width:2 * width].reshape(shape)

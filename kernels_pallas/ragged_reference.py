@@ -3,7 +3,8 @@
 Written for clarity, not speed: each token gathers its own sequence's pages. It reads only the
 pages a sequence uses (page-table entries past a sequence's last page are never gathered) and
 zeroes every masked value, so nothing in a page no sequence owns can reach an output.
-Shape letters as in ragged_layout.py; B sequences, W pages per sequence, N query heads, G = N / K,
+Shape letters: the key in jaxserve/model/__init__.py; B sequences, W pages per sequence,
+N query heads, G = N / K,
 S key positions of one token's sequence (W * Z).
 """
 
@@ -67,14 +68,14 @@ def ragged_paged_attention_reference(q, k_new, v_new, kv_pages, page_tables, cu_
   t, n, h = q.shape
   seq, valid = token_sequences(cu_q_lens, num_seqs, t)
   pos = token_positions(cu_q_lens, kv_lens, seq)  # [T]
-  rows = ragged_layout.pack_rows(k_new, v_new, dims.layout.lanes)  # [T, C]
+  rows = ragged_layout.pack_rows(k_new, v_new, dims.layout.lanes)  # [T, Cr]
   pages = write_new_kv(rows, pages, page_tables, seq, pos, valid, layer)
 
   z = dims.page_size
   key_pos = jnp.arange(page_tables.shape[1] * z, dtype=jnp.int32)  # [S]
   used_pages = jnp.maximum(-(-kv_lens[seq] // z), 1)  # [T]
   slot = jnp.minimum(key_pos[None, :] // z, used_pages[:, None] - 1)  # [T, S] never past the end
-  gathered = pages[layer][page_tables[seq[:, None], slot], key_pos % z]  # [T, S, C]
+  gathered = pages[layer][page_tables[seq[:, None], slot], key_pos % z]  # [T, S, Cr]
   mask = valid[:, None] & (key_pos[None, :] <= pos[:, None])  # [T, S]
   if sliding_window is not None:
     mask &= key_pos[None, :] > pos[:, None] - sliding_window

@@ -3,7 +3,7 @@
 Each live sequence owns distinct pages, never page 0 (the engine's scratch page); page-table
 entries past a sequence's last page point at page 0. Every page no live sequence owns is filled
 with NaN, so a kernel that reads or writes where it should not shows up as NaN.
-Shape letters as in ragged_layout.py.
+Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ The new tokens of every sequence (decode rows, prefill chunks, both) are packed 
 Grid: one step per block of Tq packed tokens, run in order ("arbitrary"), because step 0 first
 writes the step's new K/V into the pages and every later read must see them:
   1. write  For each sequence and each page its new tokens touch: DMA the page into VMEM, move the
-            new rows in, DMA it back. The pages are [Z, C] tiles and a token is one sublane row, so
+            new rows in, DMA it back. The pages are [Z, Cr] tiles and a token is one sublane row, so
             a row cannot be DMAed alone (a bf16 row is half a packed sublane); the page is
-            rewritten whole, its new rows put in place by a one-hot [Z, 2Z] x [2Z, C] matmul of the
+            rewritten whole, its new rows put in place by a one-hot [Z, 2Z] x [2Z, Cr] matmul of the
             two Z-row blocks of new rows that cover it (exact: one 1 per row, f32 accumulation).
   2. attend Each block loops over the sequences [seq_lo, seq_hi) that overlap it; for each, over
             the chunks of its pages from the sliding window's first (or page 0) up to the block's
@@ -15,7 +15,8 @@ writes the step's new K/V into the pages and every later read must see them:
 The cache is read and written through the output ref, aliased to the input, so the kernel works on
 the caller's one copy. Q rows are laid out [K, G, T, E] as in tpu_prefill.py, each KV head's
 queries in the 128-aligned lane window that covers its K lanes (ragged_layout.lane_window).
-Shape letters as in ragged_layout.py; R = G * Tq rows, Qc pages per chunk, Lc = Qc * Z keys.
+Shape letters: the key in jaxserve/model/__init__.py; R = G * Tq rows, Q pages per chunk,
+C = Q * Z keys.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _write_new_kv(scalars, new_hbm_ref, pages_ref, page_buf, new_buf, sem, *, pa
     # f32 needs HIGHEST: the default rounds the operands to bf16 on the MXU.
     exact = lax.Precision.HIGHEST if new_buf.dtype == jnp.float32 else None
     moved = jnp.dot(one_hot, new_buf[...].reshape(2 * page_size, lanes), precision=exact,
-                    preferred_element_type=jnp.float32)  # [Z, C]
+                    preferred_element_type=jnp.float32)  # [Z, Cr]
     pos = p * page_size + lax.broadcasted_iota(jnp.int32, (page_size, lanes), 0)
     is_new = (pos >= context) & (pos < kv_len)
     page_buf[...] = jnp.where(is_new, moved.astype(page_buf.dtype), page_buf[...])
@@ -78,13 +79,13 @@ def _write_new_kv(scalars, new_hbm_ref, pages_ref, page_buf, new_buf, sem, *, pa
 
 def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi_ref,  # SMEM
                    q_ref,  # [K, G, Tq, E] VMEM
-                   new_hbm_ref,  # [T' / Z, Z, C] HBM: the new rows, Z rows of zeros first
+                   new_hbm_ref,  # [T' / Z, Z, Cr] HBM: the new rows, Z rows of zeros first
                    _,  # kv_pages as given: aliased to pages_ref, which the kernel uses
                    o_ref,  # [K, G, Tq, E] VMEM
-                   pages_ref,  # [L * P, Z, C] HBM, the output alias of the cache
-                   kv_buf,  # [2, Qc, Z, C] VMEM
+                   pages_ref,  # [L * P, Z, Cr] HBM, the output alias of the cache
+                   kv_buf,  # [2, Q, Z, Cr] VMEM
                    sem,  # DMA [2]
-                   page_buf, new_buf, write_sem,  # [Z, C], [2, Z, C] VMEM, DMA [3]
+                   page_buf, new_buf, write_sem,  # [Z, Cr], [2, Z, Cr] VMEM, DMA [3]
                    *, sm_scale: float, windows: HeadWindows, pages_per_seq: int,
                    sliding_window: int | None):
   block = pl.program_id(0)
@@ -102,14 +103,14 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
   dtype = q_ref.dtype
   # Packed token of each row: rows are (g, t) pairs, g major; Tq is a power of two.
   tok = block * block_q + jnp.bitwise_and(
-      lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 0), block_q - 1)  # [R, Lc]
+      lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 0), block_q - 1)  # [R, C]
   block_start, block_end = block * block_q, (block + 1) * block_q
 
   def seq_body(seq, carry):
     q_start, q_end = cu_ref[seq], cu_ref[seq + 1]
     context = kv_lens_ref[seq] - (q_end - q_start)
-    in_seq = (tok >= q_start) & (tok < q_end)  # [R, Lc]
-    q_pos = context + tok - q_start  # [R, Lc]
+    in_seq = (tok >= q_start) & (tok < q_end)  # [R, C]
+    q_pos = context + tok - q_start  # [R, C]
     first_tok, last_tok = jnp.maximum(q_start, block_start), jnp.minimum(q_end, block_end)
     kv_end = jnp.where(last_tok > first_tok, context + last_tok - q_start, 0)
     num_pages = pl.cdiv(kv_end, page_size)
@@ -130,7 +131,7 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
     def compute(chunk, slot, carry):
       kv_pos = (first_chunk + chunk) * chunk_len + lax.broadcasted_iota(
           jnp.int32, (rows, chunk_len), 1)
-      mask = in_seq & (kv_pos <= q_pos)  # [R, Lc] causal, this sequence's rows only
+      mask = in_seq & (kv_pos <= q_pos)  # [R, C] causal, this sequence's rows only
       if sliding_window is not None:
         mask &= kv_pos > q_pos - sliding_window
       new_carry = []
@@ -138,7 +139,7 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
         q = q_ref[h, :, :, pl.ds(0, k_hi - k_lo)].reshape(rows, k_hi - k_lo)  # [R, kw]
         k = kv_buf[slot, :, :, pl.ds(k_lo, k_hi - k_lo)].reshape(chunk_len, -1).astype(dtype)
         v = kv_buf[slot, :, :, pl.ds(v_lo, v_hi - v_lo)].reshape(chunk_len, -1).astype(dtype)
-        logits = common.qk_logits(q, k, sm_scale)  # [R, Lc]
+        logits = common.qk_logits(q, k, sm_scale)  # [R, C]
         new_carry.append(common.softmax_step(carry[h], logits, mask, v))
       return tuple(new_carry)
 
@@ -153,9 +154,9 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
 
 
 def _new_row_blocks(k_new, v_new, lanes: int, page_size: int, dtype):
-  """[T, K, H] x2 -> [T' / Z, Z, C] page rows, Z zero rows in front and at least Z behind, so
+  """[T, K, H] x2 -> [T' / Z, Z, Cr] page rows, Z zero rows in front and at least Z behind, so
   the two Z-row blocks that cover any page's new rows always exist."""
-  rows = ragged_layout.pack_rows(k_new, v_new, lanes).astype(dtype)  # [T, C]
+  rows = ragged_layout.pack_rows(k_new, v_new, lanes).astype(dtype)  # [T, Cr]
   total = common.round_up(rows.shape[0] + page_size, page_size) + page_size
   rows = jnp.pad(rows, ((page_size, total - rows.shape[0] - page_size), (0, 0)))
   return rows.reshape(total // page_size, page_size, lanes)
@@ -166,7 +167,7 @@ def _new_row_blocks(k_new, v_new, lanes: int, page_size: int, dtype):
 def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
                            layer, *, dims, sm_scale, sliding_window, pages_per_chunk=None,
                            block_q=None, interpret=False):
-  """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages [L, P, Z, C]); layer: int32."""
+  """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages [L, P, Z, Cr]); layer: int32."""
   num_tokens, _, head_dim = q.shape
   page_size, lanes = dims.page_size, dims.layout.lanes
   if page_size % ragged_layout.sublanes(kv_pages.dtype):
@@ -191,7 +192,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
   seq_hi = jnp.minimum(seq_hi, num_seqs)
   meta = jnp.stack([num_seqs, layer * dims.num_pages]).astype(jnp.int32)
   scalars = (meta, page_tables.reshape(-1), cu_live, kv_lens, seq_lo, seq_hi)
-  pages = kv_pages.reshape(-1, page_size, lanes)  # [L * P, Z, C]: a free view
+  pages = kv_pages.reshape(-1, page_size, lanes)  # [L * P, Z, Cr]: a free view
   new_rows = _new_row_blocks(k_new, v_new, lanes, page_size, kv_pages.dtype)
   kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, windows=windows,
                              pages_per_seq=dims.pages_per_seq, sliding_window=sliding_window)

@@ -4,7 +4,7 @@
 Queries are placed in their head's K window with zeros on the other lanes, so the neighbours'
 lanes add exactly 0 to QK^T; the output of a V window holds the neighbours' PV too, and
 unpack_outputs keeps only the head's own lanes. With head_dim a multiple of 128 the windows are
-the heads themselves. Shape letters as in ragged_layout.py; X rows, E the widest window.
+the heads themselves. Shape letters: the key in jaxserve/model/__init__.py (A rows).
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ class HeadWindows:
   def width(self) -> int:
     return max(hi - lo for lo, hi in self.k + self.v)
 
-  def pack_queries(self, q_XKGH: jax.Array) -> jax.Array:
-    """[X, K, G, H] -> [X, K, G, E]: head h's values at its K offset, zeros elsewhere."""
+  def pack_queries(self, q_AKGH: jax.Array) -> jax.Array:
+    """[A, K, G, H] -> [A, K, G, E]: head h's values at its K offset, zeros elsewhere."""
     e, d = self.width, self.head_dim
-    heads = [jnp.pad(q_XKGH[:, h], ((0, 0), (0, 0), (off, e - off - d)))  # [X, G, E]
+    heads = [jnp.pad(q_AKGH[:, h], ((0, 0), (0, 0), (off, e - off - d)))  # [A, G, E]
              for h, off in enumerate(self.k_offsets)]
     return jnp.stack(heads, axis=1)
 
   def unpack_outputs(self, o_XKGE: jax.Array) -> jax.Array:
-    """[X, K, G, E] -> [X, K, G, H]: each head's own V lanes of its window's output."""
+    """[A, K, G, E] -> [A, K, G, H]: each head's own V lanes of its window's output."""
     d = self.head_dim
     return jnp.stack([o_XKGE[:, h, :, off:off + d] for h, off in enumerate(self.v_offsets)],
                      axis=1)

@@ -16,4 +16,5 @@ Kernel-only letters (kernels_pallas):
   Y: slabs of a page pool    J: slabs per page (K or 1)    Ks: KV heads per slab (K or 1)
   M: lanes of one slab row (M = Ks * X)    E: lanes of the widest head window (TPU)
   Hv: lanes of Q, K and V one softmax step reads (H, or one TPU head window)
+  Cr: lanes of one ragged page row (its K heads, then its V heads: 2 * K * H, rounded up to 128)
 """
