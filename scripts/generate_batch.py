@@ -36,6 +36,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from jaxserve.cli import flags
 from jaxserve.cli import main as cli
 from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.llm import LLM
@@ -295,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("input", type=pathlib.Path, help="JSONL, one request per line")
   p.add_argument("output", type=pathlib.Path, help="JSONL results; an existing file is resumed")
-  cli._add_engine_flags(p)  # --model --dtype --slots --page-size --num-pages --memory-fraction ...
-  cli._add_sampling_flags(p)  # The defaults a line's own fields override.
+  flags.add_engine_flags(p)  # --model --dtype --slots --page-size --num-pages --memory-fraction ...
+  flags.add_sampling_flags(p)  # The defaults a line's own fields override.
   p.add_argument("--max-batched-tokens", type=int, default=512, help="prefill tokens per step")
   p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
   p.add_argument("--chat", action="store_true", help="wrap `prompt` text in the chat template")
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
   work, order, num_skipped = plan(args.input, output)
   if work:
     try:
-      defaults = dataclasses.replace(cli.sampling_params(args), ignore_eos=args.ignore_eos)
+      defaults = dataclasses.replace(flags.sampling_params(args), ignore_eos=args.ignore_eos)
       llm = LLM(args.model, engine_config=cli.engine_config(args),
                 scheduler_config=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens))
     except (ValueError, FileNotFoundError) as e:

@@ -225,6 +225,7 @@ def test_property_http_bodies_run_or_are_refused_by_name(service, chat, data):
 
 @SETTINGS
 @hypothesis.given(text=_ANY_CODE_POINTS, where=st.sampled_from(["prompt", "content", "part"]))
+@hypothesis.example(text="\x16", where="prompt")  # Found by this property: it tokenizes to [].
 def test_property_any_code_points_are_tokenized_or_refused_by_name(service, text, where):
   """Text fields as JSON can spell them, lone surrogates and all."""
   chat = {"content": [{"role": "user", "content": text}],

@@ -116,7 +116,10 @@ class Service:
       gateway.check_token_ids(ids, self.vocab_size, "prompt token_ids")
       return ids
     if prompt.text is not None:
-      return self.tokenizer.encode(self._within_reach(prompt.text, truncate))
+      ids = self.tokenizer.encode(self._within_reach(prompt.text, truncate))
+      if prompt.text and not ids:  # "\x16": characters the vocabulary has no token for.
+        raise gateway.invalid("prompt text has no tokens: the tokenizer drops every character of it")
+      return ids
     try:
       text = self.tokenizer.apply_chat_template(prompt.messages)
     except ValueError as e:  # It names the message and field that are wrong.
