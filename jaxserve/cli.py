@@ -203,12 +203,30 @@ def build_parser() -> argparse.ArgumentParser:
   _add_serve_parser(sub)
   from jaxserve import client
   _add_sampling_flags(client.add_parser(sub))
-  capacity.add_plan_parser(sub)
+  _add_compile_flags(capacity.add_plan_parser(sub))
   return parser
+
+
+def _add_compile_flags(p: argparse.ArgumentParser) -> None:
+  """`plan --compile TARGET`: the engine's programs compiled for a chip (compile_plan.py)."""
+  from jaxserve.targets import TARGETS
+  p.add_argument("--compile", choices=list(TARGETS), default=None, metavar="TARGET",
+                 help=f"compile every engine program for one of {', '.join(TARGETS)} (no chip "
+                 "needed) and size the KV pool to fit it; the flags below apply")
+  p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+  p.add_argument("--slots", type=int, default=8, help="decode slots")
+  p.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: sized to fit)")
+  p.add_argument("--memory-fraction", type=float, default=0.9)
+  p.add_argument("--max-model-len", type=int, default=2048)
+  p.add_argument("--buckets", default="32,64,128,256,512", help="prefill length buckets")
+  p.add_argument("--json", action="store_true", help="print the reports as JSON")
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  if args.command == "plan" and args.compile:
+    from jaxserve import compile_plan
+    return compile_plan.run_compile(args)
   if args.command == "plan":
     return capacity.run_plan(args)
   try:

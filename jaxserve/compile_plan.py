@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any, Callable
 
 import jax
@@ -32,8 +33,7 @@ from jaxserve.sample import SamplingRow
 
 _KERNELS = {targets.Platform.TPU: AttentionBackend.PALLAS_TPU,
             targets.Platform.CUDA: AttentionBackend.PALLAS_GPU}
-_MAX_CONFIRMS = 3  # Compiles at a computed pool before giving up on fitting it.
-_SHRINK = 0.97  # When the confirming compile does not fit, the next try has 3% fewer pages.
+_MAX_CONFIRMS = 3  # Compiles of every program at a computed pool before giving up on fitting.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +86,13 @@ def need_bytes(report: dict[str, Any]) -> int:
   return r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"] - r["alias_bytes"]
 
 
-def compile_programs(target: str, model: ModelConfig, config: EngineConfig) -> list[dict[str, Any]]:
+def compile_programs(target: str, model: ModelConfig, config: EngineConfig,
+                     only: str | None = None) -> list[dict[str, Any]]:
+  """The reports of every warm-up program (or of the one named `only`) compiled for `target`."""
   device = targets.abstract_device(target)
   backend = config.attention_backend or _KERNELS[targets.TARGETS[target].platform]
   return [targets.compile_report(p.fn, p.args, device, donate=p.donate, name=p.name)
-          for p in engine_programs(model, config, backend)]
+          for p in engine_programs(model, config, backend) if only in (None, p.name)]
 
 
 def kv_pool(model: ModelConfig, config: EngineConfig) -> dict[str, int]:
@@ -103,42 +105,61 @@ def kv_pool(model: ModelConfig, config: EngineConfig) -> dict[str, int]:
 
 
 def compile_engine(target: str, model: ModelConfig, config: EngineConfig) -> dict[str, Any]:
-  """Compiles every warm-up program for `target`. With `config.num_blocks` None the pool is
-  sized to fit (see the module docstring). Returns {target, usable_bytes, memory_fraction,
-  fits, programs: [report, ...], kv_pool: {pages, page_size, tokens, bytes}, tries: [pages...]}:
-  `fits` says every program compiled and the largest need is within the fraction."""
+  """Compiles every warm-up program for `target`; with `config.num_blocks` None the pool is sized
+  to fit first (see the module docstring). Returns {target, usable_bytes, memory_fraction, fits,
+  programs: [report, ...], kv_pool: {pages, page_size, tokens, bytes}, tries: [pages, ...]}:
+  `fits` says every program compiled and the largest need is within the fraction; `tries` lists
+  the pools compiled on the way (the last is the one reported)."""
   usable = targets.TARGETS[target].usable_bytes
   budget = int(usable * config.memory_fraction)
-  run = lambda pages: (pages, compile_programs(target, model, _with_pages(config, pages)))
   if config.num_blocks is not None or config.kv_layout is KVLayout.CONTIGUOUS:
-    tries = [run(config.num_blocks or 2)]  # Contiguous: the slots' regions set the pool.
+    pages = config.num_blocks or 2  # Contiguous: the slots' regions set the pool, not this.
+    tries = [(pages, compile_programs(target, model, _with_pages(config, pages)))]
   else:
-    tries = _size_pool(model, config, budget, run)
+    tries = _size_pool(target, model, config, budget)
   pages, reports = tries[-1]
-  final = _with_pages(config, pages)
   return {"target": target, "usable_bytes": usable, "memory_fraction": config.memory_fraction,
-          "fits": _fits(reports, budget), "programs": reports, "kv_pool": kv_pool(model, final),
-          "tries": [p for p, _ in tries]}
+          "fits": _fits(reports, budget), "programs": reports,
+          "kv_pool": kv_pool(model, _with_pages(config, pages)), "tries": [p for p, _ in tries]}
 
 
-def _size_pool(model, config, budget, run) -> list[tuple[int, list]]:
-  # Today's sizing, from the weights alone: the most pages there can be.
+def _size_pool(target, model, config, budget) -> list[tuple[int, list]]:
+  """[(pages, reports), ...]: a probe pool, then pools computed to fit, the last one fitting (or
+  the last one tried)."""
+  run = lambda pages, only=None: compile_programs(target, model, _with_pages(config, pages), only)
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_weights(model, config.dtype)[1]))
+  # Today's engine sizes from the weights alone: the most pages there can be.
   ceiling = capacity.num_kv_blocks(model, budget, 1.0, config.block_size, kv_cache.kv_dtype_of(config), weights)
-  probes = [run(max(2, ceiling // 16)), run(max(3, ceiling // 8))]
-  tries = list(probes)
-  if not all(_compiled(r) for _, r in probes):
-    return tries  # Not a matter of size: the report carries the compiler's message.
-  (p0, r0), (p1, r1) = probes
-  # Each program's need is a + s * pages; the pool is the largest that keeps every one in budget.
-  lines = [(need_bytes(a), (need_bytes(b) - need_bytes(a)) / (p1 - p0)) for a, b in zip(r0, r1)]
-  pages = min(int(p0 + (budget - a) // s) if s > 0 else ceiling for a, s in lines)
+  p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
+  base = run(p0)
+  tries = [(p0, base)]
+  if not _compiled(base):
+    return tries  # Not a matter of size: the reports carry the compiler's messages.
+  # How fast the largest need grows with the pool, from that program at a second pool.
+  worst = max(base, key=need_bytes)
+  p1 = max(p0 + 1, ceiling // 8)
+  probe = run(p1, only=worst["name"])[0]
+  if not probe["compiled"]:
+    return tries + [(p1, [probe])]
+  slope = (need_bytes(probe) - need_bytes(worst)) / (p1 - p0)
+  lines = [(need_bytes(r), slope) for r in base]  # need = a + slope * (pages - p0)
+  pages = _pool_within(lines, p0, budget, ceiling)
   for _ in range(_MAX_CONFIRMS):
-    tries.append(run(max(2, min(pages, ceiling))))
-    if _fits(tries[-1][1], budget) or pages <= 2:
+    reports = run(pages)
+    tries.append((pages, reports))
+    if _fits(reports, budget) or pages <= p0:
       break
-    pages = int(pages * _SHRINK)
+    if _compiled(reports):  # Each program's own line, through both of its compiles.
+      lines = [(need_bytes(a), (need_bytes(b) - need_bytes(a)) / (pages - p0)) for a, b in zip(base, reports)]
+      pages = min(pages - 1, _pool_within(lines, p0, budget, ceiling))
+    else:  # Out of memory after all: halfway back to the probe that compiled.
+      pages = (p0 + pages) // 2
   return tries
+
+
+def _pool_within(lines, p0: int, budget: int, ceiling: int) -> int:
+  """The most pages that keep every need a + s * (pages - p0) within `budget`."""
+  return max(2, min([ceiling] + [p0 + int((budget - a) // s) for a, s in lines if s > 0]))
 
 
 def _compiled(reports) -> bool:
@@ -151,3 +172,35 @@ def _fits(reports, budget: int) -> bool:
 
 def _with_pages(config: EngineConfig, pages: int) -> EngineConfig:
   return dataclasses.replace(config, num_blocks=pages, compilation_cache_dir=None)
+
+
+def format_table(result: dict[str, Any]) -> str:
+  """The result of `compile_engine` as a table, one program a row, sizes in MiB."""
+  mib = lambda n: "-" if n is None else f"{n / 2**20:,.1f}"
+  rows = [f"{'program':<20} {'compiled':>8} {'argument':>10} {'temp':>10} {'output':>10} "
+          f"{'alias':>10}  (MiB)"]
+  for r in result["programs"]:
+    rows.append(f"{r['name']:<20} {'yes' if r['compiled'] else 'NO':>8} {mib(r['argument_bytes']):>10} "
+                f"{mib(r['temp_bytes']):>10} {mib(r['output_bytes']):>10} {mib(r['alias_bytes']):>10}")
+    if r["error"]:
+      rows.append(f"  error: {r['error'][:300]}")
+  pool = result["kv_pool"]
+  rows.append(f"KV pool: {pool['pages']} pages of {pool['page_size']} tokens ({pool['tokens']} tokens), "
+              f"{mib(pool['bytes'])} MiB; pools compiled: {result['tries']}")
+  worst = max((need_bytes(r) for r in result["programs"] if r["compiled"]), default=0)
+  rows.append(f"{result['target']}: largest need {mib(worst)} MiB of {mib(result['usable_bytes'])} MiB "
+              f"x {result['memory_fraction']}: {'fits' if result['fits'] else 'DOES NOT FIT'}")
+  return "\n".join(rows)
+
+
+def run_compile(args) -> int:
+  """`jaxserve plan --compile TARGET`: prints the table (or JSON); 1 when the pool does not fit."""
+  jax.config.update("jax_platforms", "cpu")  # Before anything starts a backend: see targets.py.
+  model = capacity.load_model_config(args.model)
+  config = EngineConfig(num_slots=args.slots, block_size=args.block_size, num_blocks=args.num_blocks,
+                        memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
+                        dtype=args.dtype, prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
+                        compilation_cache_dir=None)
+  result = compile_engine(args.compile, model, config)
+  print(json.dumps(result, indent=1) if args.json else format_table(result))
+  return 0 if result["fits"] else 1

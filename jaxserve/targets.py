@@ -86,7 +86,7 @@ def missing_compiler(target: Target) -> str | None:
   if target.platform is Platform.TPU and importlib.util.find_spec("libtpu") is None:
     return "libtpu is not installed: pip install 'jax[tpu]==<this jax version>'"
   if target.platform is Platform.CUDA:
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
       return "the CUDA plugin is not installed (see README: compiling for GPU)"
     if jax.config.jax_platforms != "cpu":
       return "set jax_platforms='cpu' (JAX_PLATFORMS=cpu) before jax starts, or the CUDA plugin looks for a GPU"
