@@ -6,9 +6,10 @@ compiles (sampling set-up, each prefill bucket, each decode batch bucket x table
 `compile_engine` compiles them for a target (`targets.py`) and sizes the KV pool the way a chip
 must: weights + cache + the largest program's other needs (temp, and outputs not aliased to a
 donated input) within `memory_fraction` of the chip. Today a step's temp grows with the cache
-(issue 14), so the pool is found by compiling: two small probe pools give each program's need as
-a line in the page count, the line gives the pool, and a compile at that pool confirms it (or
-shrinks it). The compiler's verdict is the final word.
+(issue 14), so the pool is found by compiling: every program at a small probe pool, the neediest
+again at a second one, gives each program's need as a line in the page count; the lines give the
+pool, and compiling every program at it confirms it (or refits the lines and shrinks it). The
+compiler's verdict is the final word.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   graphdef, params = abstract_weights(model, config.dtype)
   cache = jax.eval_shape(lambda: KVCache.create(model, config))
   state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
-  row = jax.eval_shape(lambda: SamplingRow.from_params(SamplingParams(), 0, (), (), model.vocab_size).as_state())
-  stop_ids, scalar = _i32(num_stop_ids), _i32()
+  row = jax.eval_shape(
+      lambda: SamplingRow.from_params(SamplingParams(), 0, (), (), model.vocab_size).as_state())
+  stop_ids, scalar = _i32(num_stop_ids), _i32()  # [E]: the tokenizer's stop ids; E sets no memory.
   programs = [Program("set_sampling", _set_sampling, (state, scalar, row), donate=(0,))]
   prefill = functools.partial(prefill_step, graphdef, backend=backend)
   for T in config.prefill_buckets:
@@ -127,9 +129,11 @@ def _size_pool(target, model, config, budget) -> list[tuple[int, list]]:
   """[(pages, reports), ...]: a probe pool, then pools computed to fit, the last one fitting (or
   the last one tried)."""
   run = lambda pages, only=None: compile_programs(target, model, _with_pages(config, pages), only)
-  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_weights(model, config.dtype)[1]))
+  params = abstract_weights(model, config.dtype)[1]
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   # Today's engine sizes from the weights alone: the most pages there can be.
-  ceiling = capacity.num_kv_blocks(model, budget, 1.0, config.block_size, kv_cache.kv_dtype_of(config), weights)
+  ceiling = capacity.num_kv_blocks(model, budget, 1.0, config.block_size,
+                                   kv_cache.kv_dtype_of(config), weights)
   p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
   base = run(p0)
   tries = [(p0, base)]
@@ -150,7 +154,8 @@ def _size_pool(target, model, config, budget) -> list[tuple[int, list]]:
     if _fits(reports, budget) or pages <= p0:
       break
     if _compiled(reports):  # Each program's own line, through both of its compiles.
-      lines = [(need_bytes(a), (need_bytes(b) - need_bytes(a)) / (pages - p0)) for a, b in zip(base, reports)]
+      lines = [(need_bytes(a), (need_bytes(b) - need_bytes(a)) / (pages - p0))
+               for a, b in zip(base, reports)]
       pages = min(pages - 1, _pool_within(lines, p0, budget, ceiling))
     else:  # Out of memory after all: halfway back to the probe that compiled.
       pages = (p0 + pages) // 2

@@ -89,7 +89,8 @@ def missing_compiler(target: Target) -> str | None:
     if importlib.util.find_spec("jax_cuda12_plugin") is None:
       return "the CUDA plugin is not installed (see README: compiling for GPU)"
     if jax.config.jax_platforms != "cpu":
-      return "set jax_platforms='cpu' (JAX_PLATFORMS=cpu) before jax starts, or the CUDA plugin looks for a GPU"
+      return ("set JAX_PLATFORMS=cpu (or jax_platforms='cpu') before jax starts: otherwise the "
+              "CUDA plugin looks for a GPU and offers no compile-only devices")
   return None
 
 

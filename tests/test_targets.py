@@ -125,3 +125,11 @@ def test_plan_compile_sizes_a_pool_that_fits():
   engine_config = EngineConfig(**SMALL)
   assert pool["pages"] < capacity.num_kv_blocks(
       SMOLLM2, budget, 1.0, 16, kv_cache.kv_dtype_of(engine_config), weight_bytes(SMOLLM2))
+
+
+def test_pool_is_the_most_pages_every_programs_line_allows():
+  """Needs a + s * (pages - p0), worked by hand: 10 + 2 * 15 = 40 and 20 + 1 * 20 = 40 reach the
+  budget at 20 and 25 pages, so 20; a flat line (s = 0) leaves the ceiling as the bound."""
+  assert compile_plan._pool_within([(10, 2.0), (20, 1.0)], 5, 40, 100) == 20
+  assert compile_plan._pool_within([(10, 0.0)], 5, 40, 100) == 100
+  assert compile_plan._pool_within([(50, 1.0)], 5, 40, 100) == 2  # Over budget already: the floor.
