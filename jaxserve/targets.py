@@ -75,8 +75,9 @@ TARGETS = types.MappingProxyType({t.name: t for t in (
            151_397_597_184, _XLA_SPEC.format("h200.txtpb"), "1x1x1", "h200.txtpb"),
 )})
 
-# A single-row top_k becomes a CUB radix sort on XLA:GPU, whose set-up queries the CUDA runtime
-# while compiling (cudaErrorInvalidDevice without a GPU); the sort XLA emits itself needs none.
+# A single-row top_k becomes a CUB radix sort on XLA:GPU, whose set-up calls the CUDA runtime
+# while compiling (without a GPU: cudaErrorInvalidDevice, or "Error loading CUDA libraries" with
+# no libcudart installed); the sort XLA emits itself needs no runtime.
 _COMPILER_OPTIONS = {Platform.TPU: {}, Platform.CUDA: {"xla_gpu_enable_cub_radix_sort": False}}
 _PLATFORM_OF_DEVICE = {"tpu": Platform.TPU, "gpu": Platform.CUDA}  # jax.Device.platform
 
