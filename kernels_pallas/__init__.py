@@ -28,9 +28,6 @@ every sequence's new tokens on one axis, their K/V written into the pages inside
 
 from __future__ import annotations
 
-import enum
-
-import jax
 import jax.numpy as jnp
 
 from kernels_pallas import gpu_decode

@@ -91,3 +91,17 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                       max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
                       prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                       tp=args.tp, dp=args.dp)
+
+
+def add_compile_flags(p: argparse.ArgumentParser) -> None:
+  """The engine flags `plan --compile` takes (the planner has its own --model); bfloat16 by
+  default: the chips it compiles for run it, and CPU's float32 default is about CPU speed."""
+  d = lambda name: _default(EngineConfig, name)
+  p.add_argument("--dtype", default=Dtype.BFLOAT16.value, choices=[x.value for x in Dtype])
+  p.add_argument("--slots", type=int, default=d("num_slots"), help="decode slots")
+  p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized to fit)")
+  p.add_argument("--memory-fraction", type=float, default=d("memory_fraction"))
+  p.add_argument("--max-model-len", type=int, default=d("max_model_len"))
+  p.add_argument("--buckets", default=",".join(map(str, d("prefill_buckets"))),
+                 help="prefill length buckets")
+  p.add_argument("--json", action="store_true", help="print the reports as JSON")

@@ -27,7 +27,7 @@ def run_generate(args) -> int:
 
   init_distributed(args)
   if args.seed is None and args.temperature > 0 and jax.process_count() > 1:
-    from jaxserve.engine import multihost
+    from jaxserve.engine.engine import multihost
     args.seed = multihost.shared_seed()  # Every host must sample the same tokens.
 
   params = flags.sampling_params(args)  # Bad flags fail before the model loads.
@@ -164,12 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
   c = client.add_parser(sub)
   flags.add_sampling_flags(c)
   c.set_defaults(run=lambda args: client.run(args, flags.sampling_fields(args)))
-  capacity.add_plan_parser(sub)
+  _add_compile_flags(capacity.add_plan_parser(sub))
   return parser
+
+
+def _add_compile_flags(p: argparse.ArgumentParser) -> None:
+  """`plan --compile TARGET`: the engine's programs compiled for a chip (engine/compile_plan.py)."""
+  from jaxserve.planning.chips import TARGETS
+  p.add_argument("--compile", choices=list(TARGETS), default=None, metavar="TARGET",
+                 help=f"compile every engine program for one of {', '.join(TARGETS)} (no chip "
+                 "needed) and size the KV pool to fit it; the flags below apply")
+  flags.add_compile_flags(p)
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  if args.command == "plan" and args.compile:
+    from jaxserve.engine import compile_plan
+    return compile_plan.run_compile(args)
   if args.command == "plan":
     return capacity.run_plan(args)
   try:
