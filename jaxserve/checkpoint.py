@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import pull, weights
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, ModelFamily
+from jaxserve.gemma3 import Gemma3
 from jaxserve.model import Transformer
 from jaxserve.tokenizer import Tokenizer
 
@@ -88,9 +89,14 @@ def resolve(model: str | None) -> pathlib.Path:
   return pathlib.Path(model)
 
 
-def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32") -> Transformer:
-  """Places `params` (numpy, the layout of `weights.to_params`) into a Transformer."""
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+def model_class(cfg: ModelConfig) -> type[Transformer] | type[Gemma3]:
+  """The module that builds a model of `cfg`'s family."""
+  return {ModelFamily.LLAMA: Transformer, ModelFamily.GEMMA3: Gemma3}[cfg.family]
+
+
+def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32") -> Transformer | Gemma3:
+  """Places `params` (numpy, the layout of `weights.to_params`) into the family's model."""
+  abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
   return nnx.merge(graphdef, state)

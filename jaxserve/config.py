@@ -53,6 +53,13 @@ class KVDtype(enum.Enum):
     self.scale_bytes = scale_bytes
 
 
+class ModelFamily(enum.Enum):
+  """Which decoder a ModelConfig describes, and so which module builds it."""
+
+  LLAMA = "llama"  # SmolLM2, Llama 2/3, Mistral, Qwen2: model.py.
+  GEMMA3 = "gemma3"  # Gemma 3 text models: gemma3.py (configs read by gemma3_config.py).
+
+
 class AttentionBackend(enum.Enum):
   REFERENCE = "reference"  # Plain jnp: gather pages, masked softmax. The fast path on CPU.
   PALLAS = "pallas"  # The kernels of kernels_pallas/ for the running platform (interpret on CPU).
@@ -74,7 +81,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2)."""
+  """A decoder of one of the `ModelFamily`s. The fields after `name` are Gemma 3's only."""
 
   vocab_size: int
   dim: int
@@ -90,6 +97,14 @@ class ModelConfig:
   tie_embeddings: bool = True
   qkv_bias: bool = False
   name: str = "model"
+  family: ModelFamily = ModelFamily.LLAMA
+  sliding_window: int | None = None  # Positions a local layer sees, its own included.
+  local_layers: tuple[bool, ...] = ()  # Per layer: True for a sliding-window (local) layer.
+  rope_local_theta: float | None = None  # Local layers' RoPE base; rope_theta is the global one.
+  rope_linear_factor: float | None = None  # Global layers' positions are divided by this.
+  query_pre_attn_scalar: float | None = None  # Attention scores are scaled by its -1/2 power.
+  attn_logit_softcapping: float | None = None  # Scores become cap * tanh(score / cap).
+  final_logit_softcapping: float | None = None
 
   def __post_init__(self):
     for field in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -99,6 +114,12 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                        f"num_kv_heads ({self.num_kv_heads})")
+    if self.local_layers and len(self.local_layers) != self.num_layers:
+      raise ValueError(f"ModelConfig.local_layers has {len(self.local_layers)} entries for "
+                       f"{self.num_layers} layers")
+    if any(self.local_layers) and not (self.sliding_window or 0) > 0:
+      raise ValueError("ModelConfig.local_layers needs a positive sliding_window, got "
+                       f"{self.sliding_window}")
 
   @property
   def num_params(self) -> int:
@@ -107,23 +128,30 @@ class ModelConfig:
     if self.qkv_bias:
       attn += (self.num_heads + 2 * self.num_kv_heads) * h
     layer = attn + 3 * d * self.hidden_dim + 2 * d
+    if self.family is ModelFamily.GEMMA3:  # Norms after attention and the MLP, and on q and k.
+      layer += 2 * d + 2 * h
     embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * layer + embed + d
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    return {**dataclasses.asdict(self), "family": self.family.value}
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
     d = dict(d)
     if d.get("rope_scaling"):
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["family"] = ModelFamily(d.get("family", ModelFamily.LLAMA.value))
+    d["local_layers"] = tuple(d.get("local_layers", ()))  # JSON gives a list; jit wants hashable.
     return cls(**d)
 
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
     """Builds a config from a Hugging Face `config.json` dict."""
     arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch == "Gemma3ForCausalLM" or hf.get("model_type") == "gemma3_text":
+      from jaxserve import gemma3_config
+      return gemma3_config.from_hf(hf, name)
     if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
       raise ValueError(f"unsupported architecture {arch!r}: jaxserve runs Llama-family models")
     num_heads = hf["num_attention_heads"]
@@ -158,6 +186,9 @@ class ModelConfig:
   def from_gguf(cls, meta: Mapping[str, Any], has_output: bool, name: str = "model") -> ModelConfig:
     """Builds a config from GGUF metadata (`meta` maps key -> python value)."""
     arch = meta["general.architecture"]
+    if arch == "gemma3":
+      from jaxserve import gemma3_config
+      return gemma3_config.from_gguf(meta, has_output, name)
     if arch not in ("llama", "mistral", "qwen2"):
       raise ValueError(f"unsupported GGUF architecture {arch!r}: jaxserve runs Llama-family models")
     p = arch + "."

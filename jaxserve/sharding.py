@@ -119,9 +119,9 @@ def put_numpy(x, sharding: NamedSharding, dtype) -> jax.Array:
 
 def build_sharded_model(cfg: ModelConfig, params: dict, dtype: str, mesh: Mesh):
   """Like checkpoint.build_model, but every weight goes straight to its shards on `mesh`."""
-  from jaxserve.model import Transformer  # model imports attention; keep this module light.
+  from jaxserve.checkpoint import model_class  # It imports the models; keep this module light.
 
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   shardings = nnx.to_pure_dict(param_shardings(mesh, state))
   placed = jax.tree.map(lambda x, s: put_numpy(x, s, jnp.dtype(dtype)), params, shardings)
