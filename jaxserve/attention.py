@@ -34,20 +34,19 @@ class AttentionMetadata:
 
 
 def attend(q, cache: KVCache, layer, meta: AttentionMetadata, backend: AttentionBackend,
-           window=None, softcap: float | None = None):
+           window=None):
   """q [B, T, N, H] -> [B, T, N, H]. `window` (a scalar, may be traced): each query sees only
-  the last `window` positions, its own included. `softcap`: scores become cap * tanh(s / cap)."""
-  # The kernels take neither yet (issue 16): a model that needs them runs on the reference.
-  if backend is AttentionBackend.REFERENCE or window is not None or softcap is not None:
-    return attend_reference(q, cache, layer, meta, window, softcap)
+  the last `window` positions, its own included."""
+  # The kernels do not take a window yet (issue 16): a model with one runs on the reference.
+  if backend is AttentionBackend.REFERENCE or window is not None:
+    return attend_reference(q, cache, layer, meta, window)
   platform = _KERNEL_PLATFORM[backend]
   # On a mesh the kernels run once per device, on its own heads (XLA cannot split a kernel).
   kernel = lambda q, cache, layer, meta: _attend_pallas(q, cache, layer, meta, platform)
   return sharding.attend_per_shard(kernel, q, cache, layer, meta)
 
 
-def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=None,
-                     softcap: float | None = None):
+def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=None):
   """Gathers each sequence's pages and runs a masked softmax: simple, and fast on CPU."""
   B, T, N, H = q.shape
   k, v = cache.gather(layer, meta.block_tables)  # [B, S, K, H] each
@@ -55,8 +54,6 @@ def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=N
   q = q.reshape(B, T, K, N // K, H)
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
   scores = scores * (H ** -0.5)
-  if softcap is not None:
-    scores = softcap * jnp.tanh(scores / softcap)
   kv_pos = jnp.arange(S)
   mask = (kv_pos[None, None, :] <= meta.positions[:, :, None]) & (kv_pos < meta.kv_lens[:, None, None])
   if window is not None:  # [B, T, S]: positions older than the window are out.

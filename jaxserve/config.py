@@ -103,8 +103,7 @@ class ModelConfig:
   rope_local_theta: float | None = None  # Local layers' RoPE base; rope_theta is the global one.
   rope_linear_factor: float | None = None  # Global layers' positions are divided by this.
   query_pre_attn_scalar: float | None = None  # Attention scores are scaled by its -1/2 power.
-  attn_logit_softcapping: float | None = None  # Scores become cap * tanh(score / cap).
-  final_logit_softcapping: float | None = None
+  final_logit_softcapping: float | None = None  # Logits become cap * tanh(logit / cap).
 
   def __post_init__(self):
     for field in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",

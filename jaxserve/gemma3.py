@@ -95,8 +95,7 @@ class Gemma3Block(nnx.Module):
     if ratio != 1.0:
       q = q * jnp.asarray(ratio, q.dtype)
     cache = cache.write(layer, meta.slot_mapping, k, v)
-    out = attention.attend(q, cache, layer, meta, backend, window=window,
-                           softcap=cfg.attn_logit_softcapping).astype(x.dtype)  # [B, T, N, H]
+    out = attention.attend(q, cache, layer, meta, backend, window=window).astype(x.dtype)  # [B, T, N, H]
     x = x + norm(jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), self.post_attn_norm[...], eps)
     h = norm(x, self.mlp_norm[...], eps)
     gate = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]), approximate=True)

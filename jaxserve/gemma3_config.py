@@ -6,6 +6,10 @@ models). Which layers are local is read from the config, never assumed: Hugging 
 `layer_types` (or, in older configs, a period `sliding_window_pattern`: every n-th layer is
 global); GGUF files may carry `<arch>.attention.sliding_window_pattern`, and llama.cpp's period
 of 6 applies when they do not.
+
+Gemma 3 replaced Gemma 2's attention soft-capping with qk-norm: a config's
+`attn_logit_softcapping` is ignored, as transformers' Gemma 3 ignores it. The final-logit cap
+is applied when a config sets one.
 """
 
 from __future__ import annotations
@@ -62,7 +66,6 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
       rope_local_theta=local_theta,
       rope_linear_factor=factor,
       query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-      attn_logit_softcapping=hf.get("attn_logit_softcapping"),
       final_logit_softcapping=hf.get("final_logit_softcapping"),
   )
 
@@ -115,7 +118,6 @@ def from_gguf(meta: Mapping[str, Any], has_output: bool, name: str = "model") ->
       rope_local_theta=meta.get(p + "rope.freq_base_swa", LOCAL_ROPE_THETA),
       rope_linear_factor=factor,
       query_pre_attn_scalar=dim // num_heads if num_layers == _GEMMA3_27B_LAYERS else head_dim,
-      attn_logit_softcapping=meta.get(p + "attn_logit_softcapping"),
       final_logit_softcapping=meta.get(p + "final_logit_softcapping"),
   )
 
