@@ -38,6 +38,8 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
     raise ValueError(f"unsupported Gemma 3 activation {hf['hidden_activation']!r}")
   if hf.get("use_bidirectional_attention"):
     raise ValueError("bidirectional Gemma 3 (an encoder) cannot generate")
+  if hf.get("attention_bias"):
+    raise ValueError("Gemma 3 with attention biases: no released model has them")
   types = hf.get("layer_types")
   if types is None:
     period = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", DEFAULT_PATTERN))
@@ -58,7 +60,6 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
       rope_theta=global_theta,
       max_seq_len=hf.get("max_position_embeddings", 131_072),
       tie_embeddings=hf.get("tie_word_embeddings", True),
-      qkv_bias=hf.get("attention_bias", False),
       name=name,
       family=ModelFamily.GEMMA3,
       sliding_window=hf.get("sliding_window", 4096) if any(local) else None,

@@ -43,7 +43,7 @@ def dequantize(tensor) -> np.ndarray:
 
 
 def load_gguf(path) -> tuple[ModelConfig, dict]:
-  """Reads and dequantizes a Llama-family GGUF file."""
+  """Reads and dequantizes a GGUF file (the Llama family, or Gemma 3)."""
   import gguf
 
   reader = gguf.GGUFReader(str(path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,7 +63,9 @@ def test_tiny_config_from_transformers_dir(tiny):
   assert cfg.local_layers == tuple(t == "sliding_attention" for t in TINY_LAYERS)
   assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_local_theta, cfg.rope_linear_factor) == (8, 1e6, 1e4, 2.0)
   assert (cfg.query_pre_attn_scalar, cfg.final_logit_softcapping) == (24, 3.0)
-  assert cfg.tie_embeddings and "lm_head" not in nnx.to_pure_dict(nnx.state(tiny))
+  params = nnx.to_pure_dict(nnx.state(tiny))
+  assert cfg.tie_embeddings and "lm_head" not in params
+  assert cfg.num_params == sum(x.size for x in jax.tree.leaves(params))  # The capacity planner's count.
 
 
 def test_tiny_logits_match_transformers_at_every_position(tiny, tiny_hf):
@@ -228,3 +231,14 @@ def test_real_greedy_continuations_match_transformers(llm, prompts, reference):
   outs = llm.generate([prompts[k] for k in kinds], SamplingParams(temperature=0, max_tokens=NUM_TOKENS))
   for kind, out in zip(kinds, outs):
     assert list(out.token_ids) == reference[kind][1], kind
+
+
+@pytest.mark.real_model
+def test_checkpoint_round_trip(tiny, llm, tmp_path):
+  """Our checkpoint format keeps the family, the layer pattern and the Gemma turn template."""
+  checkpoint.save(tmp_path / "g", tiny.cfg, nnx.to_pure_dict(nnx.state(tiny)), llm.tokenizer)
+  cfg, params, tokenizer = checkpoint.restore(tmp_path / "g")
+  assert cfg == tiny.cfg and tokenizer.chat_template == llm.tokenizer.chat_template
+  ids = list(range(3, 43))
+  restored = checkpoint.build_model(cfg, params)
+  assert np.array_equal(dense_logits(restored, ids, page_size=4), dense_logits(tiny, ids, page_size=4))
