@@ -45,8 +45,8 @@ def layer_rope(cfg: ModelConfig) -> np.ndarray:
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray:
   """[L] int32: each layer's attention window (NO_WINDOW for a global layer)."""
-  return np.array([cfg.sliding_window if is_local else NO_WINDOW for is_local in _local_layers(cfg)],
-                  np.int32)
+  windows = [cfg.sliding_window if is_local else NO_WINDOW for is_local in _local_layers(cfg)]
+  return np.array(windows, np.int32)
 
 
 def _local_layers(cfg: ModelConfig) -> tuple[bool, ...]:
@@ -95,7 +95,8 @@ class Gemma3Block(nnx.Module):
     if ratio != 1.0:
       q = q * jnp.asarray(ratio, q.dtype)
     cache = cache.write(layer, meta.slot_mapping, k, v)
-    out = attention.attend(q, cache, layer, meta, backend, window=window).astype(x.dtype)  # [B, T, N, H]
+    out = attention.attend(q, cache, layer, meta, backend, window=window)  # [B, T, N, H]
+    out = out.astype(x.dtype)
     x = x + norm(jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), self.post_attn_norm[...], eps)
     h = norm(x, self.mlp_norm[...], eps)
     gate = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]), approximate=True)
@@ -119,7 +120,8 @@ class Gemma3(nnx.Module):
     self.layers = make_layers(rngs)
     self.final_norm = _norm_param((cfg.dim,), ("embed",), dtype)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, fan_in=cfg.dim)
+      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype,
+                            fan_in=cfg.dim)
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                backend: AttentionBackend = AttentionBackend.REFERENCE, last_only: bool = True):

@@ -99,7 +99,8 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
       raw.update({k: np.asarray(sf.get_tensor(k), np.float32) for k in sf.keys()})
   p = "model.layers.{}."
   # Gemma's post_attention_layernorm follows attention; its MLP's pre-norm has its own name.
-  mlp_norm = "pre_feedforward_layernorm" if cfg.family is ModelFamily.GEMMA3 else "post_attention_layernorm"
+  gemma = cfg.family is ModelFamily.GEMMA3
+  mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
   layers = [{
       "attn_norm": raw[p.format(i) + "input_layernorm.weight"],
       "q": raw[p.format(i) + "self_attn.q_proj.weight"],
@@ -113,7 +114,7 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
       **({"bq": raw[p.format(i) + "self_attn.q_proj.bias"], "bk": raw[p.format(i) + "self_attn.k_proj.bias"],
           "bv": raw[p.format(i) + "self_attn.v_proj.bias"]} if cfg.qkv_bias else {}),
       **({key: raw[p.format(i) + hf + ".weight"] for key, (_, hf) in GEMMA3_NORMS.items()}
-         if cfg.family is ModelFamily.GEMMA3 else {}),
+         if gemma else {}),
   } for i in range(cfg.num_layers)]
   head = None if cfg.tie_embeddings else raw["lm_head.weight"]
   return cfg, to_params(cfg, raw["model.embed_tokens.weight"], layers, raw["model.norm.weight"], head)
@@ -143,7 +144,8 @@ def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) 
                             bk=stack("bk", lambda b: b.reshape(K, H)),
                             bv=stack("bv", lambda b: b.reshape(K, H)))
   if cfg.family is ModelFamily.GEMMA3:
-    params["layers"].update({key: stack(key, lambda w: w) for key in GEMMA3_NORMS})  # [L, H] or [L, D]
+    # [L, H] (q_norm, k_norm) and [L, D]
+    params["layers"].update({key: stack(key, lambda w: w) for key in GEMMA3_NORMS})
   if lm_head is not None:
     params["lm_head"] = lm_head.T  # [D, V]
   return params

@@ -61,11 +61,12 @@ def test_tiny_config_from_transformers_dir(tiny):
   cfg = tiny.cfg
   assert cfg.family is ModelFamily.GEMMA3
   assert cfg.local_layers == tuple(t == "sliding_attention" for t in TINY_LAYERS)
-  assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_local_theta, cfg.rope_linear_factor) == (8, 1e6, 1e4, 2.0)
+  assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_local_theta, cfg.rope_linear_factor) == (
+      8, 1e6, 1e4, 2.0)
   assert (cfg.query_pre_attn_scalar, cfg.final_logit_softcapping) == (24, 3.0)
   params = nnx.to_pure_dict(nnx.state(tiny))
   assert cfg.tie_embeddings and "lm_head" not in params
-  assert cfg.num_params == sum(x.size for x in jax.tree.leaves(params))  # The capacity planner's count.
+  assert cfg.num_params == sum(x.size for x in jax.tree.leaves(params))  # The planner's count.
 
 
 def test_tiny_logits_match_transformers_at_every_position(tiny, tiny_hf):
@@ -83,7 +84,8 @@ def test_tiny_chunked_prefill_and_decode_match_transformers(tiny, tiny_hf):
   engine = Engine(tiny, EngineConfig(num_slots=2, block_size=4, num_blocks=40, max_model_len=64,
                                      prefill_buckets=(16,), compilation_cache_dir=None,
                                      attention_backend=AttentionBackend.REFERENCE))
-  prompt, table = [int(i) for i in np.random.default_rng(1).integers(0, 256, 21)], list(range(1, 17))
+  prompt = [int(i) for i in np.random.default_rng(1).integers(0, 256, 21)]
+  table = list(range(1, 17))
   greedy = SamplingParams(temperature=0)
   for start, end in ((0, 16), (16, 21)):
     future = engine.prefill(PrefillChunk("r", 0, prompt[start:end], start, table, end == 21, greedy,
@@ -168,10 +170,11 @@ def reference(gguf_path, prompts, llm):
   out = {}
   with torch.no_grad():
     for kind, ids in prompts.items():
-      x = torch.tensor([ids])
-      greedy = hf.generate(x, max_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0,
-                           eos_token_id=sorted(llm.tokenizer.stop_ids))
-      out[kind] = (hf(x).logits[0, -1].numpy(), greedy[0, len(ids):].tolist())
+      # The raw logits of the first step are the prompt's last-position logits.
+      greedy = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False,
+                           pad_token_id=0, eos_token_id=sorted(llm.tokenizer.stop_ids),
+                           output_logits=True, return_dict_in_generate=True)
+      out[kind] = (greedy.logits[0][0].numpy(), greedy.sequences[0, len(ids):].tolist())
   return out
 
 
@@ -193,7 +196,8 @@ def chunked_last_logits(model, ids, chunk: int, page_size: int):
 def _chunk(model, tokens, cache, table, start, n):
   T, Z = tokens.shape[0], cache.page_size
   positions = start + jnp.arange(T, dtype=jnp.int32)
-  page = jnp.where(jnp.arange(T) < n, table[jnp.minimum(positions // Z, table.shape[0] - 1)], SCRATCH_PAGE)
+  page = table[jnp.minimum(positions // Z, table.shape[0] - 1)]
+  page = jnp.where(jnp.arange(T) < n, page, SCRATCH_PAGE)  # Padding writes to the scratch page.
   meta = AttentionMetadata(positions=positions[None], slot_mapping=(page * Z + positions % Z)[None],
                            block_tables=table[None], kv_lens=(start + n)[None], q_lens=n[None])
   return model(tokens[None], cache, meta)
@@ -205,7 +209,7 @@ def test_real_config_matches_transformers(llm, prompts):
   assert (cfg.family, cfg.sliding_window, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (
       ModelFamily.GEMMA3, 512, 1e4, 256)
   assert cfg.local_layers == gemma3_config.pattern_layers(18, 6)
-  assert len(prompts["long"]) >= 1500 and len(prompts["long"]) + NUM_TOKENS <= REAL_ENGINE.max_model_len
+  assert 1500 <= len(prompts["long"]) <= REAL_ENGINE.max_model_len - NUM_TOKENS
 
 
 @pytest.mark.real_model
@@ -228,7 +232,8 @@ def test_real_greedy_continuations_match_transformers(llm, prompts, reference):
   """32 greedy tokens for all three prompts, batched through the scheduler (the long one in
   chunks of 512)."""
   kinds = ("raw", "chat", "long")
-  outs = llm.generate([prompts[k] for k in kinds], SamplingParams(temperature=0, max_tokens=NUM_TOKENS))
+  greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
+  outs = llm.generate([prompts[k] for k in kinds], greedy)
   for kind, out in zip(kinds, outs):
     assert list(out.token_ids) == reference[kind][1], kind
 
@@ -241,4 +246,4 @@ def test_checkpoint_round_trip(tiny, llm, tmp_path):
   assert cfg == tiny.cfg and tokenizer.chat_template == llm.tokenizer.chat_template
   ids = list(range(3, 43))
   restored = checkpoint.build_model(cfg, params)
-  assert np.array_equal(dense_logits(restored, ids, page_size=4), dense_logits(tiny, ids, page_size=4))
+  assert np.array_equal(dense_logits(restored, ids, 4), dense_logits(tiny, ids, 4))
