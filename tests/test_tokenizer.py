@@ -154,10 +154,29 @@ def test_gemma3_metadata(gemma, hf_gemma):
     assert gemma.encode(marker, add_bos=False) == [hf_gemma.convert_tokens_to_ids(marker)]
 
 
-def test_gemma3_gguf_has_no_chat_template(gemma):
-  assert gemma.chat_template is None
-  with pytest.raises(ValueError, match="no chat template"):
-    gemma.apply_chat_template([{"role": "user", "content": "Hi"}])
+def test_gemma3_gguf_without_template_gets_gemma_turns(gemma, tmp_path):
+  """The GGUF has no tokenizer.chat_template: its turn markers pick Gemma's built-in format
+  (written out by hand from Gemma's documented turns); a template in the files wins."""
+  messages = [{"role": "system", "content": "You are a pirate. "},
+              {"role": "user", "content": " Where is the gold?"},
+              {"role": "assistant", "content": "Buried."}, {"role": "user", "content": "Where?"}]
+  assert gemma.apply_chat_template(messages) == (
+      "<bos><start_of_turn>user\nYou are a pirate.\n\nWhere is the gold?<end_of_turn>\n"
+      "<start_of_turn>model\nBuried.<end_of_turn>\n<start_of_turn>user\nWhere?<end_of_turn>\n"
+      "<start_of_turn>model\n")
+  assert gemma.apply_chat_template(messages[1:2], add_generation_prompt=False) == (
+      "<bos><start_of_turn>user\nWhere is the gold?<end_of_turn>\n")
+  gemma.save(tmp_path)
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'x' }}"}))
+  assert Tokenizer.from_hf_dir(tmp_path).apply_chat_template(messages) == "x"
+
+
+def test_no_fallback_template_without_turn_markers(smol, tmp_path):
+  smol.save(tmp_path)
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+  assert Tokenizer.from_hf_dir(tmp_path).chat_template is None
 
 
 def test_smollm2_chat_template_by_hand(smol):

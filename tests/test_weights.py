@@ -113,9 +113,9 @@ def test_convert_then_restore_gives_the_same_model(tmp_path, default_model):
 
 def test_every_tensor_type_of_both_packaged_ggufs_dequantizes():
   """SmolLM2 (F32, Q8_0, Q4_1) and Gemma 3 (F32, Q8_0, Q5_0, Q4_K, Q6_K): one tensor of each type
-  comes out finite, float32, shaped [out, in] and spread like real weights. (Gemma 3 is not a
-  Llama-family model, so only its tensors are read; the exact check of a dequantized model is
-  SmolLM2's logits against transformers in test_real_model.py.)"""
+  comes out finite, float32, shaped [out, in] and spread like real weights. (The exact checks of
+  the dequantized models are their logits against transformers, in test_real_model.py and
+  test_gemma3.py.)"""
   import gguf
 
   from jaxserve.loading import pull

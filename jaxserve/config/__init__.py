@@ -9,8 +9,8 @@ from __future__ import annotations
 from jaxserve.config.checks import is_int, short
 from jaxserve.config.engine import (AttentionBackend, Dtype, EngineConfig, KVDtype, KVLayout,
                                     QueuePolicy, SchedulerConfig)
-from jaxserve.config.model import ModelConfig, RopeScaling
+from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
 from jaxserve.config.sampling import SamplingParams
 
-__all__ = ["AttentionBackend", "Dtype", "EngineConfig", "KVDtype", "KVLayout", "ModelConfig", "QueuePolicy",
+__all__ = ["AttentionBackend", "Dtype", "EngineConfig", "KVDtype", "KVLayout", "ModelConfig", "ModelFamily", "QueuePolicy",
            "RopeScaling", "SamplingParams", "SchedulerConfig", "is_int", "short"]

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.config import ModelConfig, ModelFamily
 from jaxserve.engine import placement
 from jaxserve.loading import pull, weights
-from jaxserve.config import ModelConfig
+from jaxserve.model.gemma3 import Gemma3
 from jaxserve.model.llama import Transformer
 from jaxserve.text.tokenizer import Tokenizer
 
@@ -89,10 +90,17 @@ def resolve(model: str | None) -> pathlib.Path:
   return pathlib.Path(model)
 
 
-def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32", mesh=None) -> Transformer:
-  """Places `params` (numpy, the layout of `weights.to_params`) into a Transformer: on one device,
-  or with each weight going straight to its shards on `mesh` (no device ever holds a full copy)."""
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+def model_class(cfg: ModelConfig) -> type[Transformer] | type[Gemma3]:
+  """The module that builds a model of `cfg`'s family."""
+  return {ModelFamily.LLAMA: Transformer, ModelFamily.GEMMA3: Gemma3}[cfg.family]
+
+
+def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32",
+                mesh=None) -> Transformer | Gemma3:
+  """Places `params` (numpy, the layout of `weights.to_params`) into the family's model: on one
+  device, or with each weight going straight to its shards on `mesh` (no device ever holds a full
+  copy)."""
+  abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   if mesh is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

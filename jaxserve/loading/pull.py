@@ -42,9 +42,8 @@ GEMMA3 = PackagedModel(
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 )
 DEFAULT_MODEL = SMOLLM2
-# The packaged models jaxserve can run. Gemma 3 (not a Llama-family architecture) is fetched only
-# for its SentencePiece tokenizer, by the tokenizer tests.
-PACKAGED_MODELS = {m.name: m for m in (SMOLLM2,)}
+# The packaged models jaxserve can run (`--model NAME`).
+PACKAGED_MODELS = {m.name: m for m in (SMOLLM2, GEMMA3)}
 
 
 def cache_dir() -> pathlib.Path:

@@ -12,7 +12,16 @@ import pathlib
 import numpy as np
 
 from jaxserve import gguf_metadata
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, ModelFamily
+from jaxserve.config import readers
+
+# Gemma 3's norms beyond the Llama block's two: our name -> (GGUF name, Hugging Face name).
+GEMMA3_NORMS = {
+    "q_norm": ("attn_q_norm", "self_attn.q_norm"),
+    "k_norm": ("attn_k_norm", "self_attn.k_norm"),
+    "post_attn_norm": ("post_attention_norm", "post_attention_layernorm"),
+    "post_mlp_norm": ("post_ffw_norm", "post_feedforward_layernorm"),
+}
 
 
 def gguf_config(path, reader=None) -> ModelConfig:
@@ -21,7 +30,7 @@ def gguf_config(path, reader=None) -> ModelConfig:
 
   reader = reader or gguf.GGUFReader(str(path))
   has_output = any(t.name == "output.weight" for t in reader.tensors)
-  return ModelConfig.from_gguf(gguf_metadata.read_gguf_metadata(path), has_output,
+  return readers.from_gguf(gguf_metadata.read_gguf_metadata(path), has_output,
                                name=pathlib.Path(path).stem)
 
 
@@ -35,7 +44,7 @@ def dequantize(tensor) -> np.ndarray:
 
 
 def load_gguf(path) -> tuple[ModelConfig, dict]:
-  """Reads and dequantizes a Llama-family GGUF file."""
+  """Reads and dequantizes a GGUF file (the Llama family, or Gemma 3)."""
   import gguf
 
   reader = gguf.GGUFReader(str(path))
@@ -63,8 +72,17 @@ def load_gguf(path) -> tuple[ModelConfig, dict]:
       **({"bq": q_rows(get(f"blk.{i}.attn_q.bias")), "bk": k_rows(get(f"blk.{i}.attn_k.bias")),
           "bv": get(f"blk.{i}.attn_v.bias")} if cfg.qkv_bias else {}),
   } for i in range(cfg.num_layers)]
+  final_norm = get("output_norm.weight")
+  if cfg.family is ModelFamily.GEMMA3:
+    # llama.cpp stores Gemma's norm weights as the scale itself, 1 + w; ours (and Hugging
+    # Face's) are w, kept apart from the 1 so a bfloat16 copy keeps its precision. transformers
+    # subtracts the 1 from the same F32 values in the same way.
+    for i, layer in enumerate(layers):
+      layer.update({key: get(f"blk.{i}.{g}.weight") for key, (g, _) in GEMMA3_NORMS.items()})
+      layer.update({key: w - 1 for key, w in layer.items() if key.endswith("norm")})
+    final_norm = final_norm - 1
   head = get("output.weight") if "output.weight" in tensors else None
-  return cfg, to_params(cfg, get("token_embd.weight"), layers, get("output_norm.weight"), head)
+  return cfg, to_params(cfg, get("token_embd.weight"), layers, final_norm, head)
 
 
 def load_hf_dir(path) -> tuple[ModelConfig, dict]:
@@ -72,7 +90,7 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
   from safetensors import safe_open
 
   path = pathlib.Path(path)
-  cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+  cfg = readers.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
   files = sorted(path.glob("*.safetensors"))
   if not files:
     raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -81,18 +99,23 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
     with safe_open(f, framework="flax") as sf:  # flax: reads bfloat16, which numpy cannot.
       raw.update({k: np.asarray(sf.get_tensor(k), np.float32) for k in sf.keys()})
   p = "model.layers.{}."
+  # Gemma's post_attention_layernorm follows attention; its MLP's pre-norm has its own name.
+  gemma = cfg.family is ModelFamily.GEMMA3
+  mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
   layers = [{
       "attn_norm": raw[p.format(i) + "input_layernorm.weight"],
       "q": raw[p.format(i) + "self_attn.q_proj.weight"],
       "k": raw[p.format(i) + "self_attn.k_proj.weight"],
       "v": raw[p.format(i) + "self_attn.v_proj.weight"],
       "o": raw[p.format(i) + "self_attn.o_proj.weight"],
-      "mlp_norm": raw[p.format(i) + "post_attention_layernorm.weight"],
+      "mlp_norm": raw[p.format(i) + mlp_norm + ".weight"],
       "gate": raw[p.format(i) + "mlp.gate_proj.weight"],
       "up": raw[p.format(i) + "mlp.up_proj.weight"],
       "down": raw[p.format(i) + "mlp.down_proj.weight"],
       **({"bq": raw[p.format(i) + "self_attn.q_proj.bias"], "bk": raw[p.format(i) + "self_attn.k_proj.bias"],
           "bv": raw[p.format(i) + "self_attn.v_proj.bias"]} if cfg.qkv_bias else {}),
+      **({key: raw[p.format(i) + hf + ".weight"] for key, (_, hf) in GEMMA3_NORMS.items()}
+         if gemma else {}),
   } for i in range(cfg.num_layers)]
   head = None if cfg.tie_embeddings else raw["lm_head.weight"]
   return cfg, to_params(cfg, raw["model.embed_tokens.weight"], layers, raw["model.norm.weight"], head)
@@ -121,6 +144,9 @@ def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) 
     params["layers"].update(bq=stack("bq", lambda b: b.reshape(N, H)),
                             bk=stack("bk", lambda b: b.reshape(K, H)),
                             bv=stack("bv", lambda b: b.reshape(K, H)))
+  if cfg.family is ModelFamily.GEMMA3:
+    # [L, H] (q_norm, k_norm) and [L, D]
+    params["layers"].update({key: stack(key, lambda w: w) for key in GEMMA3_NORMS})
   if lm_head is not None:
     params["lm_head"] = lm_head.T  # [D, V]
   return params

@@ -45,10 +45,13 @@ class AttentionSpec:
   mesh: Mesh | None = None
 
 
-def attend(q, cache: KVCache, layer, meta: AttentionMetadata, spec: AttentionSpec):
-  """q [B, T, N, H] -> [B, T, N, H]."""
-  if spec.backend is AttentionBackend.REFERENCE:
-    return attend_reference(q, cache, layer, meta)
+def attend(q, cache: KVCache, layer, meta: AttentionMetadata, spec: AttentionSpec, window=None):
+  """q [B, T, N, H] -> [B, T, N, H]. `window` (a scalar, may be traced): each query sees only
+  the last `window` positions, its own included."""
+  # The paged kernels do not take a window (the ragged kernel does; issue 14): a model with one
+  # runs on the reference.
+  if spec.backend is AttentionBackend.REFERENCE or window is not None:
+    return attend_reference(q, cache, layer, meta, window)
   platform = _KERNEL_PLATFORM[spec.backend]
   kernel = lambda q, cache, layer, meta: _attend_pallas(q, cache, layer, meta, platform)
   if spec.mesh is None or axes.MODEL not in spec.mesh.axis_names:
@@ -71,7 +74,7 @@ def attend_per_shard(attend, q, cache: KVCache, layer, meta: AttentionMetadata, 
                        check_vma=False)(q, cache, layer, meta)
 
 
-def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata):
+def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=None):
   """Gathers each sequence's pages and runs a masked softmax: simple, and fast on CPU."""
   B, T, N, H = q.shape
   k, v = cache.gather(layer, meta.page_tables)  # [B, S, K, H] each
@@ -81,6 +84,8 @@ def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata):
   scores = scores * (H ** -0.5)
   kv_pos = jnp.arange(S)
   mask = (kv_pos[None, None, :] <= meta.positions[:, :, None]) & (kv_pos < meta.kv_lens[:, None, None])
+  if window is not None:  # [B, T, S]: positions older than the window are out.
+    mask &= kv_pos[None, None, :] > meta.positions[:, :, None] - window
   scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)

@@ -28,6 +28,7 @@ import sys
 import types
 
 from jaxserve.config import KVDtype, ModelConfig, RopeScaling
+from jaxserve.config import readers
 
 GIB = 2**30
 
@@ -213,7 +214,7 @@ def load_model_config(spec: str) -> ModelConfig:
   d = json.loads(path.read_text())
   # Hugging Face configs name the width `hidden_size`; ours (ModelConfig.to_dict) call it `dim`.
   if "hidden_size" in d:
-    return ModelConfig.from_hf(d, name=path.parent.name or spec)
+    return readers.from_hf(d, name=path.parent.name or spec)
   return ModelConfig.from_dict(d)
 
 

@@ -18,6 +18,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from jaxserve.text import chat_templates
 from jaxserve.gguf_metadata import read_gguf_metadata
 from jaxserve.text.tokenizer_backends import (_Backend, _bpe_from_gguf, _HFBackend, _SentencePieceBackend,
                                          _sentencepiece_from_gguf)
@@ -60,7 +61,8 @@ class Tokenizer:
     extra = (meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"))
     return cls(backend, bos_id=meta.get("tokenizer.ggml.bos_token_id"),
                eos_id=meta.get("tokenizer.ggml.eos_token_id"), add_bos=bool(add_bos),
-               chat_template=meta.get("tokenizer.chat_template"),
+               chat_template=meta.get("tokenizer.chat_template") or chat_templates.fallback(
+                   backend.token_to_id, str(path)),
                extra_stop_ids=[i for i in extra if i is not None])
 
   @classmethod
@@ -80,7 +82,8 @@ class Tokenizer:
     eos_id = _special_id(cfg, token_names, "eos", backend, eos_ids)
     add_bos = cfg.get("add_bos_token", backend.adds_bos(bos_id))
     return cls(backend, bos_id=bos_id, eos_id=eos_id, add_bos=bool(add_bos),
-               chat_template=_hf_chat_template(d, cfg),
+               chat_template=_hf_chat_template(d, cfg) or chat_templates.fallback(
+                   backend.token_to_id, str(d)),
                extra_stop_ids=[*eos_ids, *cfg.get("stop_token_ids", ())])
 
   def save(self, path: str | pathlib.Path) -> None:

@@ -1,0 +1,153 @@
+"""Gemma 3's text decoder in Flax NNX, over the same paged KV cache as model.py's Transformer.
+
+Shape letters as in model.py (B batch, T query tokens, D model dim, N/K query/KV heads, H head
+dim, F MLP hidden dim, V vocabulary, L layers).
+
+What differs from the Llama block: RMSNorm scales by (1 + weight), norms after attention and
+after the MLP as well as before them, RMSNorm on each query and key head (qk-norm), a GeGLU MLP
+(tanh gelu), embeddings scaled by sqrt(D), attention scaled by query_pre_attn_scalar ** -0.5,
+and two kinds of layer: local ones attend to the last `sliding_window` positions with their own
+RoPE base, global ones to everything. Those two differences are per-layer arrays scanned over
+beside the weights, so one `lax.scan` runs every layer and compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.model import attention
+from jaxserve.config import ModelConfig
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.llama import _param, apply_rope, rms_norm
+
+NO_WINDOW = np.iinfo(np.int32).max  # A global layer's window: every position is inside it.
+
+
+def norm(x, weight, eps: float):
+  """Gemma's RMSNorm: the weight is stored zero-centred (as Hugging Face does) and scales by
+  1 + weight in float32, so a bfloat16 weight near 0 keeps its precision."""
+  return rms_norm(x, 1.0 + weight.astype(jnp.float32), eps)
+
+
+def layer_rope(cfg: ModelConfig) -> np.ndarray:
+  """[L, H/2] inverse frequencies: local layers at their own base, global layers at rope_theta
+  divided by the linear factor (Hugging Face and llama.cpp scale only the global layers)."""
+  exponents = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim  # [H/2]
+  local = 1.0 / (np.float32(cfg.rope_local_theta or cfg.rope_theta) ** exponents)
+  full = 1.0 / (np.float32(cfg.rope_theta) ** exponents) / np.float32(cfg.rope_linear_factor or 1.0)
+  return np.stack([local if is_local else full for is_local in _local_layers(cfg)])
+
+
+def layer_windows(cfg: ModelConfig) -> np.ndarray:
+  """[L] int32: each layer's attention window (NO_WINDOW for a global layer)."""
+  windows = [cfg.sliding_window if is_local else NO_WINDOW for is_local in _local_layers(cfg)]
+  return np.array(windows, np.int32)
+
+
+def _local_layers(cfg: ModelConfig) -> tuple[bool, ...]:
+  return cfg.local_layers or (False,) * cfg.num_layers
+
+
+def _norm_param(shape, names, dtype) -> nnx.Param:
+  # Zero-centred: 0 is the identity scale.
+  return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+class Gemma3Block(nnx.Module):
+  """One decoder layer: normed attention with qk-norm, then a normed GeGLU MLP."""
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+    self.cfg = cfg
+    self.attn_norm = _norm_param((D,), ("embed",), dtype)
+    self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), dtype, fan_in=D)
+    self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
+    self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
+    self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, fan_in=N * H)
+    self.q_norm = _norm_param((H,), ("head_dim",), dtype)
+    self.k_norm = _norm_param((H,), ("head_dim",), dtype)
+    self.post_attn_norm = _norm_param((D,), ("embed",), dtype)
+    self.mlp_norm = _norm_param((D,), ("embed",), dtype)
+    self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
+    self.w_up = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
+    self.w_down = _param(rngs, (F, D), ("mlp", "embed"), dtype, fan_in=F)
+    self.post_mlp_norm = _norm_param((D,), ("embed",), dtype)
+
+  def __call__(self, x, layer, cache: KVCache, meta: attention.AttentionMetadata, inv_freq, window,
+               attn: attention.AttentionSpec):
+    """x [B, T, D] -> [B, T, D], with this layer's K/V written into `cache`. inv_freq [H/2] and
+    window (a scalar) are this layer's."""
+    cfg, eps = self.cfg, self.cfg.norm_eps
+    h = norm(x, self.attn_norm[...], eps)
+    q = norm(jnp.einsum("BTD,DNH->BTNH", h, self.wq[...]), self.q_norm[...], eps)
+    k = norm(jnp.einsum("BTD,DKH->BTKH", h, self.wk[...]), self.k_norm[...], eps)
+    v = jnp.einsum("BTD,DKH->BTKH", h, self.wv[...])
+    q = apply_rope(q, meta.positions, inv_freq)
+    k = apply_rope(k, meta.positions, inv_freq)
+    # The attention scales scores by H ** -0.5; Gemma wants query_pre_attn_scalar ** -0.5
+    # (the same number for every Gemma 3 but 27B), so the queries carry the ratio.
+    ratio = math.sqrt(cfg.head_dim / (cfg.query_pre_attn_scalar or cfg.head_dim))
+    if ratio != 1.0:
+      q = q * jnp.asarray(ratio, q.dtype)
+    cache = cache.write(layer, meta.cache_index, k, v)
+    out = attention.attend(q, cache, layer, meta, attn, window=window)  # [B, T, N, H]
+    out = out.astype(x.dtype)
+    x = x + norm(jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), self.post_attn_norm[...], eps)
+    h = norm(x, self.mlp_norm[...], eps)
+    gate = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]), approximate=True)
+    up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
+    down = jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])
+    return x + norm(down, self.post_mlp_norm[...], eps), cache
+
+
+class Gemma3(nnx.Module):
+  """Called like llama.Transformer: (tokens, cache, meta, attn) -> (logits, cache)."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), dtype, fan_in=1)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_layers(rngs: nnx.Rngs):
+      return Gemma3Block(cfg, dtype, rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = _norm_param((cfg.dim,), ("embed",), dtype)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype,
+                            fan_in=cfg.dim)
+
+  def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
+               attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True):
+    """tokens [B, T] -> logits [B, V] at each sequence's last real token (or [B, T, V]), cache."""
+    cfg = self.cfg
+    embed = self.embed[...]
+    # sqrt(D) rounded to the model dtype first, as Hugging Face does (in bfloat16 it is 25.25,
+    # not 25.3, for D = 640): the checkpoints were trained with that rounding.
+    x = embed[tokens] * jnp.asarray(math.sqrt(cfg.dim), embed.dtype)  # [B, T, D]
+    graphdef, layer_state = nnx.split(self.layers)
+
+    def body(carry, xs):
+      x, cache = carry
+      state, layer, inv_freq, window = xs
+      x, cache = nnx.merge(graphdef, state)(x, layer, cache, meta, inv_freq, window, attn)
+      return (x, cache), None
+
+    xs = (layer_state, jnp.arange(cfg.num_layers), jnp.asarray(layer_rope(cfg)),
+          jnp.asarray(layer_windows(cfg)))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
+    if last_only:
+      x = jnp.take_along_axis(x, meta.last_index[:, None, None], axis=1)[:, 0]  # [B, D]
+    x = norm(x, self.final_norm[...], cfg.norm_eps)
+    head = embed.T if cfg.tie_embeddings else self.lm_head[...]  # [D, V]
+    logits = jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32)
+    if cfg.final_logit_softcapping is not None:
+      cap = cfg.final_logit_softcapping
+      logits = cap * jnp.tanh(logits / cap)
+    return logits, cache
