@@ -23,7 +23,7 @@ from flax import nnx
 from jaxserve.model import attention
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.llama import _param, apply_rope, rms_norm
+from jaxserve.model.llama import _param, apply_rope, rms_norm, stacked_layers
 
 NO_WINDOW = np.iinfo(np.int32).max  # A global layer's window: every position is inside it.
 
@@ -111,13 +111,7 @@ class Gemma3(nnx.Module):
   def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), dtype, fan_in=1)
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_layers(rngs: nnx.Rngs):
-      return Gemma3Block(cfg, dtype, rngs)
-
-    self.layers = make_layers(rngs)
+    self.layers = stacked_layers(cfg, lambda rngs: Gemma3Block(cfg, dtype, rngs), rngs)
     self.final_norm = _norm_param((cfg.dim,), ("embed",), dtype)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype,

@@ -56,6 +56,17 @@ def apply_rope(x, positions, inv_freq):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def stacked_layers(cfg: ModelConfig, make_layer, rngs: nnx.Rngs):
+  """cfg.num_layers layers as one module whose parameters carry a leading [L] axis: the model
+  runs them under a scan, so compile time does not grow with depth. `make_layer(rngs)` builds one."""
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make_layers(rngs: nnx.Rngs):
+    return make_layer(rngs)
+
+  return make_layers(rngs)
+
+
 class DecoderLayer(nnx.Module):
   """One decoder layer: pre-norm attention, then a pre-norm SwiGLU MLP."""
 
@@ -101,15 +112,7 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), dtype, fan_in=1)
-
-    # One DecoderLayer whose parameters carry a leading [L] axis: the layers run under a scan, so
-    # compile time does not grow with depth.
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_layers(rngs: nnx.Rngs):
-      return DecoderLayer(cfg, dtype, rngs)
-
-    self.layers = make_layers(rngs)
+    self.layers = stacked_layers(cfg, lambda rngs: DecoderLayer(cfg, dtype, rngs), rngs)
     self.final_norm = _param(rngs, (cfg.dim,), ("embed",), dtype)
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, fan_in=cfg.dim)
