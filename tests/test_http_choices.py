@@ -165,3 +165,23 @@ def test_streamed_echo_puts_the_prompt_first(srv):
   assert offsets == sorted(offsets) and offsets[0] == 0 and len(offsets) == len(
       [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]])
   assert text.startswith(TEXT)
+
+
+def test_grpc_prompt_logprobs_on_the_first_response(srv, engine):
+  import grpc
+
+  from jaxserve.api.proto import jaxserve_pb2 as pb
+
+  _, tokenizer = engine
+  ids = tokenizer.encode(TEXT)
+  ref = offline(engine, ids, temperature=0, max_tokens=2, prompt_logprobs=2)
+  with grpc.insecure_channel(srv.grpc_address) as channel:
+    msgs = list(h.stub(channel).Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), temperature=0, max_tokens=2, prompt_logprobs=2)))
+  first = msgs[0].prompt_logprobs
+  assert [e.token_id for e in first] == ids and not any(m.prompt_logprobs for m in msgs[1:])
+  assert not first[0].HasField("logprob") and first[0].rank == 0
+  for entry, want in zip(first[1:], ref.prompt_logprobs[1:]):
+    assert entry.logprob == pytest.approx(want.logprob, abs=1e-5) and entry.rank == want.rank
+    assert [t.token_id for t in entry.top] == list(want.top_ids)
+  assert [t for m in msgs for t in m.token_ids] == list(ref.token_ids)
