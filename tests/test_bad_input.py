@@ -212,10 +212,10 @@ CASES = [
     post("http-get-not-post", None, "does not take GET", status=405, method="GET"),
     post("http-no-such-path", P, "no endpoint /v1/complete", status=404, path="/v1/complete"),
     # HTTP /v1/completions: fields.
-    post("http-no-prompt", {"max_tokens": 1}, "prompt must be a string or a list of token ids"),
+    post("http-no-prompt", {"max_tokens": 1}, "prompt must be a string, a list of token ids"),
     post("http-prompt-number", {**P, "prompt": 7}, "prompt must be a string"),
     post("http-empty-prompt", {**P, "prompt": ""}, "prompt is empty"),
-    post("http-prompt-two-texts", {**P, "prompt": ["a", "b"]}, "one prompt per request"),
+    post("http-prompt-mixed-list", {**P, "prompt": ["a", 5]}, "or a list of those, got ['a', 5]"),
     post("http-prompt-id-past-vocab", {**P, "prompt": [1, VOCAB]}, "prompt token_ids[1]"),
     post("http-prompt-id-bool", {**P, "prompt": [True, 1]}, "token_ids[0] must be a token id"),
     post("http-max-tokens-negative", {**P, "max_tokens": -5}, "max_tokens must be an int >= 1"),
