@@ -19,7 +19,7 @@ from jaxserve.config import EngineConfig, SamplingParams
 
 pytestmark = [pytest.mark.external_clients, pytest.mark.real_model]
 
-VENV = pathlib.Path(os.environ.get("JAXSERVE_CLIENTS_VENV", ".venv-clients"))
+VENV = pathlib.Path(os.environ.get("JAXSERVE_CLIENTS_VENV", ".venv-clients")).absolute()
 ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=128, max_model_len=512,
                       prefill_buckets=(32, 64), compilation_cache_dir=None)
 LOGLIKELIHOOD = [{"context": "The capital of France is", "continuation": " Paris"},
