@@ -79,3 +79,30 @@ def test_no_request_compiles_after_warmup(llm):
     outs = llm.generate(prompts, params)
   assert len(outs) == 20 and all(o.finish_reason is not None for o in outs)
   assert counts == {"trace": 0, "compile": 0}
+
+
+def test_http_echo_prompt_logprobs_match_transformers(llm, hf_model, prompts):
+  """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0) on a raw, a chat and a
+  chunked (over the largest bucket) prompt: every prompt token's logprob within 1e-3."""
+  import json
+  import urllib.request
+
+  import server_harness as h
+  from jaxserve.api import server
+
+  loaded = server.Loaded(llm.engine, llm.tokenizer, "smollm2")
+  srv = h.ServerThread(server.Server(lambda: loaded, server.ServerConfig(grpc_port=0, http_port=0)))
+  srv.start()
+  try:
+    for ids in (prompts["raw"], prompts["chat"], llm.tokenizer.encode(RAW * 8)):
+      body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+      req = urllib.request.Request(srv.http_url + "/v1/completions", data=json.dumps(body).encode())
+      with urllib.request.urlopen(req, timeout=300) as resp:
+        got = json.loads(resp.read())["choices"][0]["logprobs"]["token_logprobs"]
+      with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1).numpy()
+      assert len(got) == len(ids) and got[0] is None
+      want = ref[np.arange(len(ids) - 1), ids[1:]]
+      assert np.abs(np.array(got[1:]) - want).max() < 1e-3, len(ids)
+  finally:
+    srv.close()

@@ -165,6 +165,8 @@ def generate_input(request: pb.GenerateRequest) -> GenerateInput:
     sampling["stop_token_ids"] = list(request.stop_token_ids)
   if request.ignore_eos:
     sampling["ignore_eos"] = True
+  if request.HasField("prompt_logprobs"):
+    sampling["prompt_logprobs"] = request.prompt_logprobs
   return GenerateInput(
       _prompt(request), sampling,
       max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
@@ -180,6 +182,11 @@ def response(chunk: Chunk) -> pb.GenerateResponse:
     msg.logprobs.append(pb.TokenLogprob(
         token_id=token, logprob=lp.logprob,
         top=[pb.TopLogprob(token_id=i, logprob=p) for i, p in zip(lp.top_ids, lp.top_logprobs)]))
+  for token, lp in zip(chunk.prompt_token_ids, chunk.prompt_logprobs or ()):
+    entry = msg.prompt_logprobs.add(token_id=token)
+    if lp is not None:
+      entry.logprob, entry.rank = lp.logprob, lp.rank
+      entry.top.extend(pb.TopLogprob(token_id=i, logprob=p) for i, p in zip(lp.top_ids, lp.top_logprobs))
   if chunk.record is not None:
     _fill_record(msg, chunk.record)
   return msg

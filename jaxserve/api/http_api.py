@@ -15,17 +15,17 @@ import contextlib
 import dataclasses
 import json
 import ssl
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from absl import logging
 from aiohttp import web
 
-from jaxserve.api import openai_request
+from jaxserve.api import openai_choices, openai_request
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.api.grpc_api import ServiceHost
 from jaxserve.serving.metrics import CONTENT_TYPE, Metrics
 from jaxserve.api.openai_format import ChatFormat, CompletionFormat
-from jaxserve.serving.service import Chunk, Service
+from jaxserve.serving.service import Service
 
 HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.UNAUTHENTICATED: 401,
                Status.RESOURCE_EXHAUSTED: 429, Status.UNAVAILABLE: 503, Status.INTERNAL: 500}
@@ -118,13 +118,13 @@ class _Api:
   async def completions(self, request: web.Request) -> web.StreamResponse:
     async def run(service, key, body):
       req = openai_request.completion_request(body)
-      return await self._respond(request, service, key, req, CompletionFormat(service))
+      return await self._respond(request, service, key, req, CompletionFormat(service, req))
     return await self._handle(request, run)
 
   async def chat_completions(self, request: web.Request) -> web.StreamResponse:
     async def run(service, key, body):
       req = openai_request.chat_request(body)
-      return await self._respond(request, service, key, req, ChatFormat(service))
+      return await self._respond(request, service, key, req, ChatFormat(service, req))
     return await self._handle(request, run)
 
   async def _handle(self, request: web.Request, run: Callable, read_body: bool = True):
@@ -144,33 +144,30 @@ class _Api:
       return error_response(ApiError(Status.INTERNAL, "internal error; see the server log"))
 
   async def _respond(self, request, service: Service, key, req: openai_request.Request, fmt):
-    chunks = service.generate(key, req.input)
-    async with contextlib.aclosing(chunks):
-      first = await anext(chunks)  # Errors before the first token are a plain error response.
+    async with openai_choices.Choices(service, key, req) as choices:
+      await choices.start()  # Errors before the first token are a plain error response.
       if not req.stream:
-        rest = [c async for c in chunks]
-        return web.json_response(fmt.whole([first, *rest]))
-      return await _sse(request, fmt, first, chunks, req.include_usage)
+        return web.json_response(await choices.whole(fmt))
+      return await _sse(request, fmt, choices, req.include_usage)
 
 
-async def _sse(request: web.Request, fmt, first: Chunk, chunks: AsyncIterator[Chunk],
+async def _sse(request: web.Request, fmt, choices: openai_choices.Choices,
                include_usage: bool) -> web.StreamResponse:
-  """Server-sent events. A client that goes away makes a write fail; leaving the loop closes
-  `chunks` (in the caller), which aborts the request."""
+  """Server-sent events, each choice's chunks as they come. A client that goes away makes a
+  write fail; leaving the loop closes the choices (in the caller), which aborts the requests."""
   resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
   await resp.prepare(request)
   send = lambda event: resp.write(f"data: {json.dumps(event)}\n\n".encode())
   try:
-    for event in fmt.start():
+    for event in fmt.start(range(len(choices))):
       await send(event)
-    chunk = first
-    while True:
-      await send(fmt.delta(chunk))
+    records = {}
+    async for index, chunk in choices.events():
+      await send(fmt.delta(chunk, index))
       if chunk.record is not None:
-        break
-      chunk = await anext(chunks)
+        records[index] = chunk.record
     if include_usage:
-      await send(fmt.usage_event(chunk))
+      await send(fmt.usage_event(openai_choices.records_in_order(records)))
   except ApiError as e:  # The engine failed mid-stream.
     await send({"error": {"message": e.message, "type": _ERROR_TYPES[e.status], "code": e.status.value}})
   except (ConnectionError, StopAsyncIteration):

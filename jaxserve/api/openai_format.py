@@ -1,15 +1,18 @@
 """Service chunks in the OpenAI API's JSON shapes: whole responses, and stream events.
 
 `CompletionFormat` writes /v1/completions objects ("text_completion"), `ChatFormat` writes
-/v1/chat/completions ones ("chat.completion" and "chat.completion.chunk").
+/v1/chat/completions ones ("chat.completion" and "chat.completion.chunk"). A response holds one
+choice per (prompt, n) pair, each from its own stream of chunks; `index` tells them apart.
 """
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from typing import Any, Sequence
 
+from jaxserve.api.openai_request import Request
 from jaxserve.serving.metrics import RequestRecord
 from jaxserve.batching.request import FinishReason, TokenLogprobs
 from jaxserve.serving.service import Chunk, Service
@@ -18,11 +21,15 @@ FINISH_REASONS = {None: None, FinishReason.STOP: "stop", FinishReason.LENGTH: "l
                   FinishReason.ABORT: "abort"}
 
 
-def usage(record: RequestRecord) -> dict[str, Any]:
-  return {"prompt_tokens": record.num_prompt_tokens,
-          "completion_tokens": record.num_output_tokens,
-          "total_tokens": record.num_prompt_tokens + record.num_output_tokens,
-          "prompt_tokens_details": {"cached_tokens": record.num_cached_tokens}}
+def usage(records: Sequence[RequestRecord], per_prompt: int = 1,
+          hide_generated: bool = False) -> dict[str, Any]:
+  """`records` in choice order, `per_prompt` runs of each prompt: a prompt counts once."""
+  firsts = records[::per_prompt]
+  prompt = sum(r.num_prompt_tokens for r in firsts)
+  completion = 0 if hide_generated else sum(r.num_output_tokens for r in records)
+  return {"prompt_tokens": prompt, "completion_tokens": completion,
+          "total_tokens": prompt + completion,
+          "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in firsts)}}
 
 
 class _Format:
@@ -32,8 +39,9 @@ class _Format:
   chunk_object_name: str
   id_prefix: str
 
-  def __init__(self, service: Service):
+  def __init__(self, service: Service, request: Request | None = None):
     self._service = service
+    self._request = request or Request(None)
     self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
     self.created = int(time.time())
 
@@ -44,48 +52,131 @@ class _Format:
     return {"id": self.id, "object": object_name, "created": self.created,
             "model": self._service.model_name, "choices": choices}
 
-  def usage_event(self, last: Chunk) -> dict[str, Any]:
-    return {**self._envelope(self.chunk_object_name, []), "usage": usage(last.record)}
+  def usage(self, records: Sequence[RequestRecord]) -> dict[str, Any]:
+    return usage(records, self._request.num_runs, self._request.hide_generated)
 
-  def whole(self, chunks: Sequence[Chunk]) -> dict[str, Any]:
-    last = chunks[-1]
+  def usage_event(self, records: Sequence[RequestRecord]) -> dict[str, Any]:
+    return {**self._envelope(self.chunk_object_name, []), "usage": self.usage(records)}
+
+  def whole(self, runs: Sequence[tuple[int, Sequence[Chunk]]],
+            records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """runs: (index, chunks) of each returned choice; records: of every run, in choice order."""
+    choices = [self.whole_choice(index, chunks) for index, chunks in runs]
+    return {**self._envelope(self.object_name, choices), "usage": self.usage(records)}
+
+  def whole_choice(self, index: int, chunks: Sequence[Chunk]) -> dict[str, Any]:
     text = "".join(c.text for c in chunks)
     logprobs = None
     if any(c.logprobs is not None for c in chunks):
-      logprobs = self._logprobs([t for c in chunks for t in c.token_ids],
+      logprobs = self._logprobs(index, [t for c in chunks for t in c.token_ids],
                                 [lp for c in chunks for lp in c.logprobs or ()])
-    choice = self._choice(text, logprobs, FINISH_REASONS[last.finish_reason], whole=True)
-    return {**self._envelope(self.object_name, [choice]), "usage": usage(last.record)}
+    return self._choice(index, text, logprobs, FINISH_REASONS[chunks[-1].finish_reason], whole=True)
 
-  def delta(self, chunk: Chunk) -> dict[str, Any]:
+  def delta(self, chunk: Chunk, index: int = 0) -> dict[str, Any]:
     logprobs = None
     if chunk.logprobs is not None:
-      logprobs = self._logprobs(chunk.token_ids, chunk.logprobs)
-    choice = self._choice(chunk.text, logprobs, FINISH_REASONS[chunk.finish_reason], whole=False)
+      logprobs = self._logprobs(index, chunk.token_ids, chunk.logprobs)
+    choice = self._choice(index, chunk.text, logprobs, FINISH_REASONS[chunk.finish_reason],
+                          whole=False)
     return self._envelope(self.chunk_object_name, [choice])
 
-  def start(self) -> list[dict[str, Any]]:
+  def start(self, indices: Sequence[int] = (0,)) -> list[dict[str, Any]]:
     return []
 
-  def _choice(self, text: str, logprobs: Any, finish_reason: str | None, whole: bool) -> dict:
+  def _choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None,
+              whole: bool) -> dict:
     raise NotImplementedError
 
-  def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> Any:
+  def _logprobs(self, index: int, token_ids: Sequence[int],
+                logprobs: Sequence[TokenLogprobs | None]) -> Any:
     raise NotImplementedError
 
 
 class CompletionFormat(_Format):
+  """With `echo`, each choice's text and logprobs start with its prompt's (the prompt's first
+  token has no logprob: null); with vLLM's prompt_logprobs, a choice also carries them by id."""
+
   object_name = chunk_object_name = "text_completion"
   id_prefix = "cmpl"
 
-  def _choice(self, text, logprobs, finish_reason, whole):
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+  def __init__(self, service: Service, request: Request | None = None):
+    super().__init__(service, request)
+    self._offsets: dict[int, int] = {}  # Per choice: the text_offset of its next token.
 
-  def _logprobs(self, token_ids, logprobs):
+  def whole_choice(self, index, chunks):
+    head = self._echo(index, chunks[0])  # First: the prompt's tokens come first in text_offset.
+    return self._join(super().whole_choice(index, self._shown(chunks)), head, chunks[0])
+
+  def delta(self, chunk, index=0):
+    first = index not in self._offsets
+    head = self._echo(index, chunk) if first else None
+    self._offsets.setdefault(index, 0)
+    event = super().delta(self._shown([chunk])[0], index)
+    event["choices"][0] = self._join(event["choices"][0], head, chunk if first else None)
+    return event
+
+  def _shown(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+    """echo with max_tokens 0: the one token generated to get the prompt's logprobs is hidden."""
+    if not self._request.hide_generated:
+      return list(chunks)
+    return [Chunk(c.request_id, "", (), None if c.logprobs is None else (), c.finish_reason,
+                  c.record, c.prompt_token_ids, c.prompt_logprobs) for c in chunks]
+
+  def _echo(self, index: int, first: Chunk) -> tuple[str, Any] | None:
+    """The prompt's text and logprobs that come before choice `index`'s own (echo)."""
+    req = self._request
+    if not req.echo:
+      return None
+    prompt = req.prompts[index // req.n] if req.prompts else req.input.prompt
+    text = prompt.text
+    if text is None:
+      text = self._service.tokenizer.detokenize(first.prompt_token_ids, skip_special_tokens=False)
+    logprobs = None
+    if req.want_logprobs and first.prompt_logprobs is not None:
+      num_top = req.input.logprobs
+      logprobs = self._logprobs(index, first.prompt_token_ids, [
+          lp and TokenLogprobs(lp.logprob, lp.top_ids[:num_top], lp.top_logprobs[:num_top], lp.rank)
+          for lp in first.prompt_logprobs])
+    return text, logprobs
+
+  def _join(self, choice: dict, head: tuple[str, Any] | None, first: Chunk | None) -> dict:
+    if head is not None:
+      text, logprobs = head
+      choice["text"] = text + choice["text"]
+      if logprobs is not None:
+        own = choice["logprobs"] or {k: [] for k in logprobs}
+        choice["logprobs"] = {k: logprobs[k] + own[k] for k in logprobs}
+    num_top = self._request.prompt_logprobs
+    if first is not None and num_top is not None and first.prompt_logprobs is not None:
+      choice["prompt_logprobs"] = [lp and self._by_id(t, lp, num_top) for t, lp in
+                                   zip(first.prompt_token_ids, first.prompt_logprobs)]
+    return choice
+
+  def _by_id(self, token_id: int, lp: TokenLogprobs, num_top: int) -> dict[str, Any]:
+    """vLLM's shape: the prompt token and the top `num_top`, by id, with their ranks."""
+    entry = lambda p, rank, i: {"logprob": p, "rank": rank, "decoded_token": self._token(i)}
+    out = {i: entry(p, r, i) for r, (i, p) in enumerate(zip(lp.top_ids[:num_top],
+                                                             lp.top_logprobs[:num_top]), 1)}
+    out[token_id] = entry(lp.logprob, lp.rank, token_id)
+    return out
+
+  def _choice(self, index, text, logprobs, finish_reason, whole):
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+  def _logprobs(self, index, token_ids, logprobs):
     tokens = [self._token(t) for t in token_ids]
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._token(i): p for i, p in zip(lp.top_ids, lp.top_logprobs)}
-                             for lp in logprobs]}
+    start = self._offsets.get(index, 0)
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=start))
+    self._offsets[index] = offsets[-1]
+    return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in logprobs],
+            "top_logprobs": [lp and self._top(t, lp) for t, lp in zip(tokens, logprobs)],
+            "text_offset": offsets[:-1]}
+
+  def _top(self, token: str, lp: TokenLogprobs) -> dict[str, float]:
+    top = {self._token(i): p for i, p in zip(lp.top_ids, lp.top_logprobs)}
+    if lp.rank is not None:  # A prompt token is shown beside the likeliest ones, as in vLLM.
+      top.setdefault(token, lp.logprob)
+    return top
 
 
 class ChatFormat(_Format):
@@ -93,20 +184,20 @@ class ChatFormat(_Format):
   chunk_object_name = "chat.completion.chunk"
   id_prefix = "chatcmpl"
 
-  def start(self):
+  def start(self, indices=(0,)):
     # OpenAI's first event names the role, with empty content.
     return [self._envelope(self.chunk_object_name, [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-         "finish_reason": None}])]
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None}]) for i in indices]
 
-  def _choice(self, text, logprobs, finish_reason, whole):
+  def _choice(self, index, text, logprobs, finish_reason, whole):
     if whole:
-      return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-              "finish_reason": finish_reason}
+      return {"index": index, "message": {"role": "assistant", "content": text},
+              "logprobs": logprobs, "finish_reason": finish_reason}
     delta = {"content": text} if text or finish_reason is None else {}
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-  def _logprobs(self, token_ids, logprobs):
+  def _logprobs(self, index, token_ids, logprobs):
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
       token = self._token(token_id)
       return {"token": token, "logprob": logprob, "bytes": list(token.encode())}

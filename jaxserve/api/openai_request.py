@@ -24,7 +24,8 @@ SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed", "ignore_eos", "stop_t
 _COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "max_tokens", "n", "stream",
                             "stream_options", "stop", "logit_bias", "user", "priority",
                             "truncate_prompt"})
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"}
+MAX_CHOICES = 64  # Prompts x best_of (or n) in one request: each is a request of its own.
 # Unsupported fields that some clients send with their no-op value anyway (vLLM's benchmark
 # sends best_of 1): taken, as long as the value is that one.
 _NO_OP_VALUES = {"best_of": 1, "echo": False}
@@ -38,6 +39,18 @@ class Request:
   input: GenerateInput
   stream: bool = False  # Server-sent events, or one JSON response.
   include_usage: bool = False  # A last stream event with the usage.
+  prompts: tuple[Prompt, ...] = ()  # Several prompts of one completions request (else input's).
+  n: int = 1  # Choices returned per prompt.
+  best_of: int = 1  # Choices generated per prompt; the n likeliest are returned.
+  echo: bool = False  # The prompt (and its logprobs) come before each choice's own.
+  hide_generated: bool = False  # echo with max_tokens 0: the prompt alone.
+  want_logprobs: bool = False  # The client asked for logprobs (best_of reads them regardless).
+  prompt_logprobs: int | None = None  # vLLM's extra, as sent: each choice gets a prompt_logprobs.
+
+  @property
+  def num_runs(self) -> int:
+    """Completions generated per prompt."""
+    return max(self.n, self.best_of)
 
 
 def parse_body(data: bytes) -> dict[str, Any]:
@@ -59,7 +72,34 @@ def parse_body(data: bytes) -> dict[str, Any]:
 
 def completion_request(body: Mapping[str, Any]) -> Request:
   body = _present(body, COMPLETION_FIELDS, "/v1/completions")
-  return _request(body, _completion_prompt(body), body.get("logprobs"), "max_tokens")
+  echo, asked_prompt = body.pop("echo", False), body.get("prompt_logprobs")
+  if not _is_bool(echo):
+    raise invalid(f"echo must be true or false, got {short(echo)}")
+  hide = echo and body.get("max_tokens") == 0 and is_int(body["max_tokens"])
+  if hide:  # The prompt's logprobs alone: one token is generated, and not shown.
+    body["max_tokens"] = 1
+  logprobs = body.get("logprobs")
+  if echo and logprobs is not None:  # The prompt's tokens get as many top logprobs as the rest.
+    asked = body.get("prompt_logprobs", 0)
+    body["prompt_logprobs"] = max(asked, logprobs) if is_int(asked) and is_int(logprobs) else logprobs
+  prompts = _completion_prompts(body)
+  req = _request(body, prompts[0], logprobs, "max_tokens")
+  if "prompt_logprobs" in body:  # SamplingParams checks it.
+    sampling = {**req.input.sampling, "prompt_logprobs": body["prompt_logprobs"]}
+    req = dataclasses.replace(req, input=dataclasses.replace(req.input, sampling=sampling))
+  n, best_of = req.n, body.get("best_of", req.n)
+  if not (is_int(best_of) and n <= best_of):
+    raise invalid(f"best_of must be an int >= n ({n}), got {short(best_of)}")
+  if best_of > 1 and req.stream and best_of != n:
+    raise invalid("best_of cannot be streamed: the best are known only at the end")
+  if len(prompts) * best_of > MAX_CHOICES:
+    raise invalid(f"{len(prompts)} prompts x best_of {best_of} is more than {MAX_CHOICES} "
+                  "completions in one request")
+  want = logprobs is not None
+  if best_of > n and logprobs is None:  # Cumulative logprobs rank the choices.
+    req = dataclasses.replace(req, input=dataclasses.replace(req.input, logprobs=0))
+  return dataclasses.replace(req, prompts=tuple(prompts), best_of=best_of, echo=echo,
+                             hide_generated=hide, want_logprobs=want, prompt_logprobs=asked_prompt)
 
 
 def chat_request(body: Mapping[str, Any]) -> Request:
@@ -90,8 +130,9 @@ def _is_no_op(field: str, value: Any) -> bool:
 
 def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str) -> Request:
   _check_types(body, max_field)
-  if body.get("n", 1) != 1:
-    raise invalid(f"n must be 1 (one completion per request), got {short(body['n'])}")
+  n = body.get("n", 1)
+  if not 1 <= n <= MAX_CHOICES:
+    raise invalid(f"n must be in [1, {MAX_CHOICES}], got {short(n)}")
   if body.get("logit_bias"):
     raise invalid("logit_bias is not supported")
   sampling = {f: body[f] for f in SAMPLING_FIELDS if f in body}
@@ -101,7 +142,8 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
   inp = GenerateInput(prompt, sampling, max_tokens=body.get(max_field), logprobs=logprobs,
                       request_id=None, priority=body.get("priority", 0),
                       model=body.get("model", ""), truncate_prompt=body.get("truncate_prompt", False))
-  return Request(inp, body.get("stream", False), options.get("include_usage", False))
+  return Request(inp, body.get("stream", False), options.get("include_usage", False), n=n,
+                 want_logprobs=logprobs is not None)
 
 
 def _check_types(body: dict[str, Any], max_field: str) -> None:
@@ -120,15 +162,20 @@ def _check_types(body: dict[str, Any], max_field: str) -> None:
     raise invalid(f"stream_options.include_usage must be true or false, got {short(usage)}")
 
 
-def _completion_prompt(body: dict[str, Any]) -> Prompt:
+def _completion_prompts(body: dict[str, Any]) -> list[Prompt]:
+  """A string, a list of token ids, or a list of either (several prompts, choices in order)."""
   prompt = body.get("prompt")
-  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-    prompt = prompt[0]  # A batch of one.
+  if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    return [_completion_prompt(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
+  return [_completion_prompt(prompt, "prompt")]
+
+
+def _completion_prompt(prompt: Any, field: str) -> Prompt:
   if isinstance(prompt, str):
-    return Prompt(text=_unicode(prompt, "prompt"))
+    return Prompt(text=_unicode(prompt, field))
   if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
     return Prompt(token_ids=prompt)  # The service checks them against the vocabulary.
-  raise invalid("prompt must be a string or a list of token ids (one prompt per request), got "
+  raise invalid(f"{field} must be a string, a list of token ids, or a list of those, got "
                 f"{short(prompt)}")
 
 

@@ -80,20 +80,21 @@ class PageAllocator:
       hits.append(page)
     return hits
 
-  def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0) -> bool:
-    """Whether `allocate(token_ids)` would leave at least `num_reserve` pages free."""
-    hits = self.match_prefix(token_ids)
+  def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0, reuse: bool = True) -> bool:
+    """Whether `allocate(token_ids, reuse)` would leave at least `num_reserve` pages free."""
+    hits = self.match_prefix(token_ids) if reuse else []
     num_revived = sum(self._ref[b] == 0 for b in hits)  # Cached hits leave the evictable pool.
     num_new = self.num_pages_for(len(token_ids)) - len(hits)
     return self.num_free_pages - num_revived >= num_new + num_reserve
 
-  def allocate(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-    """A page table covering every position of `token_ids`, reusing the cached prefix.
+  def allocate(self, token_ids: Sequence[int], reuse: bool = True) -> tuple[list[int], int]:
+    """A page table covering every position of `token_ids`, reusing the cached prefix (unless
+    not `reuse`: all fresh pages, for a request that must compute every position).
 
     Returns the table and how many leading tokens already have their KV in it. Check
     `can_allocate` first.
     """
-    hits = self.match_prefix(token_ids)
+    hits = self.match_prefix(token_ids) if reuse else []
     for page in hits:
       if self._ref[page] == 0:
         del self._evictable[page]

@@ -35,6 +35,9 @@ class PrefillChunk:
   # preemption the sequence holds the prompt plus the tokens generated before it.
   prompt_token_ids: Sequence[int] = ()
   output_token_ids: Sequence[int] = ()
+  # Set for a request that asked for prompt logprobs: the token after each of token_ids (one
+  # fewer on the last chunk, whose next token is sampled). The engine then scores them.
+  prompt_logprob_targets: Sequence[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,9 @@ class Engine(Protocol):
   info: EngineInfo
 
   def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    """Writes the chunk's KV; when `chunk.is_last`, returns the first sampled token ([1])."""
+    """Writes the chunk's KV; when `chunk.is_last`, returns the first sampled token ([1]). A
+    chunk with prompt_logprob_targets always returns a future, whose `prompt_logprobs()` gives
+    (chosen [T], ranks [T], top ids [T, N], top logprobs [T, N]) for its positions."""
     ...
 
   def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:

@@ -127,6 +127,7 @@ class TokenLogprobs:
   logprob: float  # Of the chosen token.
   top_ids: tuple[int, ...]  # The top SamplingParams.logprobs ids, most likely first.
   top_logprobs: tuple[float, ...]
+  rank: int | None = None  # 1 + how many tokens were more likely; set for prompt tokens.
 
 
 @dataclasses.dataclass(slots=True)  # Not frozen: one is built per token, and frozen is 3x slower.
@@ -140,6 +141,9 @@ class RequestOutput:
   timings: RequestTimings  # The request's live timings.
   # One per token of token_ids, when the request's SamplingParams.logprobs > 0.
   logprobs: Sequence[TokenLogprobs] | None = None
+  # On the request's first output, when SamplingParams.prompt_logprobs is set: one per prompt
+  # token, None for the first (nothing comes before it).
+  prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
 
   @property
   def finished(self) -> bool:
@@ -158,3 +162,4 @@ class Completion:
   stop_reason: int | str | None
   num_cached_tokens: int
   timings: RequestTimings
+  prompt_logprobs: Sequence[TokenLogprobs | None] | None = None  # As RequestOutput's.

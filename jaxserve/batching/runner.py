@@ -35,6 +35,8 @@ class _Dispatched:
   prefills: list[tuple[TokenFuture, Request, int]]  # (future, request, epoch)
   decode: TokenFuture | None
   decodes: list[tuple[int, Request, int]]  # (slot, request, epoch)
+  # Chunks that score their prompt positions: (future, request, epoch, chunk start, chunk length).
+  prompts: list[tuple[TokenFuture, Request, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 class Runner:
@@ -52,6 +54,9 @@ class Runner:
     self._texts: dict[str, OutputText] = {}
     self._in_flight: _Dispatched | None = None
     self._outbox: list[RequestOutput] = []  # Aborts, reported by the next step().
+    # Requests that asked for prompt logprobs: one entry per prompt position, filled as their
+    # prefill chunks come back, handed out with the first output.
+    self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
 
   @property
   def engine_info(self) -> EngineInfo:
@@ -79,6 +84,8 @@ class Runner:
     self._requests[req.request_id] = req
     detokenizer = self._detokenizer(self.tokenizer, req.prompt_token_ids)
     self._texts[req.request_id] = OutputText(detokenizer, req.sampling, self.tokenizer.stop_ids)
+    if req.sampling.prompt_logprobs is not None:
+      self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
 
   def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                   request_id: str | None = None, priority: int = 0) -> Request:
@@ -109,32 +116,41 @@ class Runner:
     checked before any runs."""
     reqs = [self.new_request(ids, sampling) for ids, sampling in prompts]
     texts = {r.request_id: [] for r in reqs}
+    prompt_logprobs = {}
     queued = collections.deque(reqs)
     while queued or self.has_unfinished:
       while queued and len(self.scheduler.waiting) < self.scheduler.config.max_queue_len:
         self.submit(queued.popleft())
       for out in self.step():
         texts.get(out.request_id, []).append(out.text)
-    return [r.completion("".join(texts[r.request_id])) for r in reqs]
+        if out.prompt_logprobs is not None:
+          prompt_logprobs[out.request_id] = out.prompt_logprobs
+    return [dataclasses.replace(r.completion("".join(texts[r.request_id])),
+                                prompt_logprobs=prompt_logprobs.get(r.request_id)) for r in reqs]
 
   def _dispatch(self, scheduled: ScheduledStep) -> _Dispatched | None:
     for slot in scheduled.free_slots:
       self.engine.free(slot)
     plan = scheduled.plan
-    prefills = []
+    prefills, prompts = [], []
     for chunk, req in zip(plan.prefills, scheduled.prefill_requests):
       future = self.engine.prefill(chunk)
+      if chunk.prompt_logprob_targets is not None:
+        prompts.append((future, req, req.epoch, chunk.start_pos, len(chunk.token_ids)))
       if chunk.is_last:
         prefills.append((future, req, req.epoch))
     decode, decodes = None, []
     if plan.decode_slots:
       decode = self.engine.decode(plan.decode_slots, plan.page_tables)
       decodes = [(r.slot, r, r.epoch) for r in scheduled.decode_requests]
-    return _Dispatched(prefills, decode, decodes) if prefills or decodes else None
+    return _Dispatched(prefills, decode, decodes, prompts) if prefills or decodes or prompts else None
 
   def _collect(self, step: _Dispatched) -> list[RequestOutput]:
     """Reads a step's sampled tokens and applies them; stale ones are dropped unread."""
     outputs = []
+    for future, req, epoch, start, length in step.prompts:
+      if req.epoch == epoch:  # Before the step's first tokens, which hand these out.
+        self._store_prompt_logprobs(req, future.prompt_logprobs(), start, length)
     for future, req, epoch in step.prefills:
       if req.epoch == epoch:
         arrays = future.logprobs() if req.sampling.logprobs else None
@@ -151,8 +167,25 @@ class Runner:
                   for slot, req in live]
     return outputs
 
+  def _store_prompt_logprobs(self, req: Request, arrays, start: int, length: int) -> None:
+    """Position start + 1 + i is scored by chunk row i; the last chunk's last row scores the
+    sampled token, whose logprobs come with it."""
+    chosen, ranks, top_ids, top_logprobs = arrays
+    num_top, entries = req.sampling.prompt_logprobs, self._prompt_logprobs[req.request_id]
+    for i in range(min(length, req.num_prompt_tokens - 1 - start)):
+      entries[start + 1 + i] = TokenLogprobs(
+          float(chosen[i]), tuple(top_ids[i, :num_top].tolist()),
+          tuple(top_logprobs[i, :num_top].tolist()), int(ranks[i]))
+
   def _apply_token(self, req: Request, token: int, now: float,
                    logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+    out = self._apply(req, token, now, logprobs)
+    if req.num_output_tokens == 1 and req.request_id in self._prompt_logprobs:
+      out.prompt_logprobs = self._prompt_logprobs.pop(req.request_id)
+    return out
+
+  def _apply(self, req: Request, token: int, now: float,
+             logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
     self.scheduler.append_token(req, token)
     timings = req.timings
     timings.token_times.append(now)
@@ -178,6 +211,10 @@ class Runner:
     req.finish_reason = reason
     req.timings.finish = now
     del self._requests[req.request_id], self._texts[req.request_id]
+    prompt_logprobs = self._prompt_logprobs.pop(req.request_id, None)
+    if req.num_output_tokens == 1 and prompt_logprobs is not None:
+      return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs,
+                           prompt_logprobs)
     return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs)
 
 

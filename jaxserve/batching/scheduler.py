@@ -190,10 +190,12 @@ class Scheduler:
   def _can_admit(self, req: Request) -> bool:
     # The reserve is headroom for other requests' decode; alone, a request may use every page.
     reserve = self.config.reserve_pages if self.running else 0
-    return bool(self._free_slots) and self.pages.can_allocate(req.all_token_ids, reserve)
+    return bool(self._free_slots) and self.pages.can_allocate(
+        req.all_token_ids, reserve, reuse=not _wants_prompt_logprobs(req))
 
   def _admit(self, req: Request) -> None:
-    table, num_cached = self.pages.allocate(req.all_token_ids)
+    # Prompt logprobs need every position computed: the cache keeps KV, not logits (as vLLM).
+    table, num_cached = self.pages.allocate(req.all_token_ids, reuse=not _wants_prompt_logprobs(req))
     req.slot = heapq.heappop(self._free_slots)
     req.page_table = table
     req.num_prefill_tokens = len(req.all_token_ids)
@@ -213,11 +215,13 @@ class Scheduler:
       start = req.num_computed_tokens
       end = start + min(req.num_prefill_tokens - start, budget, self.max_prefill_len)
       is_last = end == req.num_prefill_tokens
+      targets = tuple(req.all_token_ids[start + 1:end + 1]) if _wants_prompt_logprobs(req) else None
       chunks.append(PrefillChunk(
           req.request_id, req.slot, tuple(req.all_token_ids[start:end]), start,
           tuple(req.page_table), is_last, req.sampling, req.seed,
           prompt_token_ids=req.prompt_token_ids if is_last else (),
-          output_token_ids=tuple(req.output_token_ids) if is_last else ()))
+          output_token_ids=tuple(req.output_token_ids) if is_last else (),
+          prompt_logprob_targets=targets))
       reqs.append(req)
       budget -= end - start
       self.num_prefill_tokens += end - start
@@ -247,3 +251,9 @@ class Scheduler:
     longest = max(len(r.page_table) for r in decodes)
     width = next(w for w in self._decode_widths if w >= longest)
     return self._tables[:, :width].copy()
+
+
+def _wants_prompt_logprobs(req: Request) -> bool:
+  """Asked for, and not delivered yet: once an output token is out, its prompt's logprobs went
+  with it, so a preempted request recomputes (and may reuse the cache) like any other."""
+  return req.sampling.prompt_logprobs is not None and not req.output_token_ids

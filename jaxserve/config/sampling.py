@@ -25,6 +25,9 @@ class SamplingParams:
   stop_token_ids: Sequence[int] = ()
   ignore_eos: bool = False
   logprobs: int = 0  # How many top logprobs to report per token (0: only the chosen token's).
+  # Set: every prompt token's logprob (but the first's) and its top `prompt_logprobs`; such a
+  # request skips the prefix cache, since a cached page's logprobs were never kept.
+  prompt_logprobs: int | None = None
 
   # The settings that shape each token's choice, all per-slot device arrays (engine/sample.py).
   # The front ends, the command line and the device state derive their lists from this one.
@@ -58,6 +61,9 @@ class SamplingParams:
     check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
     check(is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
           f"must be in [0, {self.MAX_LOGPROBS}]")
+    check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
+                                           and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
+          "prompt_logprobs", f"must be None or in [0, {self.MAX_LOGPROBS}]")
     self._check_stops()
     object.__setattr__(self, "stop", tuple(self.stop))
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

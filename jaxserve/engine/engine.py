@@ -30,7 +30,7 @@ from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 from jaxserve.model.attention import AttentionSpec
 from jaxserve.model.llama import Transformer
 from jaxserve.batching.plan import EngineInfo, PrefillChunk
-from jaxserve.engine.prefill import prefill_step
+from jaxserve.engine.prefill import PromptLogprobs, prefill_step, prompt_logprobs_step
 from jaxserve.engine.sample import Sampled, SamplingRow, SamplingState
 
 
@@ -66,6 +66,22 @@ class TokenFuture:
     return np.asarray(s.logprobs), np.asarray(s.top_ids), np.asarray(s.top_logprobs)
 
 
+class PromptLogprobsFuture(TokenFuture):
+  """A prefill chunk's sampled token and its positions' prompt logprobs, copied together."""
+
+  def __init__(self, sampled: Sampled, prompt: PromptLogprobs):
+    super().__init__(sampled)
+    self._prompt = prompt
+    for x in jax.tree.leaves(prompt):
+      x.copy_to_host_async()
+
+  def prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen [T], ranks [T], top ids [T, 20], top logprobs [T, 20]) of the padded chunk."""
+    p = self._prompt
+    return (np.asarray(p.logprobs), np.asarray(p.ranks), np.asarray(p.top_ids),
+            np.asarray(p.top_logprobs))
+
+
 class PrefillArgs(NamedTuple):
   """The host arrays of one prefill step (see `prefill_step`)."""
 
@@ -76,6 +92,8 @@ class PrefillArgs(NamedTuple):
   slot: np.int32
   is_last: np.bool_
   row: SamplingState | None  # The slot's sampling settings (numpy leaves); set when is_last.
+  # [T] int32, the prompt token after each position: set for a chunk that wants prompt logprobs.
+  targets: np.ndarray | None = None
 
 
 class DecodeArgs(NamedTuple):
@@ -127,6 +145,9 @@ class Engine:
     # The cache and decode state are donated: each step updates them in place.
     self._prefill = jax.jit(functools.partial(prefill_step, graphdef, attn=attn),
                             donate_argnums=(1, 2), **step_out)
+    lp_out = {"out_shardings": (*s.step_out, s.replicated)} if mesh is not None else {}
+    self._prefill_logprobs = jax.jit(functools.partial(prompt_logprobs_step, graphdef, attn=attn),
+                                     donate_argnums=(1, 2), **lp_out)
     self._decode = jax.jit(functools.partial(decode_step, graphdef, attn=attn, in_place=config.dp > 1),
                            donate_argnums=(1, 2), **step_out)
     self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,), **state_out)
@@ -154,16 +175,23 @@ class Engine:
     if chunk.is_last:
       row = SamplingRow.from_params(chunk.sampling, chunk.seed, chunk.prompt_token_ids,
                                     chunk.output_token_ids, self.model_config.vocab_size).as_state()
+    targets = None
+    if chunk.prompt_logprob_targets is not None:
+      targets = np.zeros(bucket, np.int32)
+      targets[:len(chunk.prompt_logprob_targets)] = chunk.prompt_logprob_targets
     return PrefillArgs(tokens, np.int32(chunk.start_pos), np.int32(n),
                        self._page_table_row(chunk.page_table, chunk.slot), np.int32(chunk.slot),
-                       np.bool_(chunk.is_last), row)
+                       np.bool_(chunk.is_last), row, targets)
 
   def run_prefill(self, args: PrefillArgs) -> TokenFuture | None:
     if args.row is not None:
       self.state = self._set_sampling(self.state, args.slot, args.row)
-    self.cache, self.state, sampled = self._prefill(
-        self.params, self.cache, self.state, args.tokens, args.start_pos, args.true_len,
-        args.page_table, args.slot, args.is_last, self.stop_ids)
+    inputs = (self.params, self.cache, self.state, args.tokens, args.start_pos, args.true_len,
+              args.page_table, args.slot, args.is_last, self.stop_ids)
+    if args.targets is not None:
+      self.cache, self.state, sampled, prompt = self._prefill_logprobs(*inputs, args.targets)
+      return PromptLogprobsFuture(sampled, prompt)
+    self.cache, self.state, sampled = self._prefill(*inputs)
     return TokenFuture(sampled) if args.is_last else None
 
   def decode_args(self, slots: Sequence[int], page_tables: np.ndarray,
@@ -187,13 +215,17 @@ class Engine:
     """Nothing to do on the device: a slot decodes only when the plan lists it."""
 
   def warmup(self) -> None:
-    """Compiles every prefill bucket and decode width. Writes only to the scratch page."""
+    """Compiles every prefill bucket (both variants) and decode width. Writes only to the
+    scratch page."""
     row = SamplingRow.from_params(SamplingParams(), 0, (), (), self.model_config.vocab_size)
     self.state = self._set_sampling(self.state, np.int32(0), row.as_state())
     for bucket in self.config.prefill_buckets:
-      self.cache, self.state, _ = self._prefill(
-          self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),
-          np.int32(bucket), self._page_table_row([]), np.int32(0), np.bool_(False), self.stop_ids)
+      inputs = (self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),
+                np.int32(bucket), self._page_table_row([]), np.int32(0), np.bool_(False),
+                self.stop_ids)
+      self.cache, self.state, _ = self._prefill(*inputs)
+      inputs = (self.params, self.cache, self.state, *inputs[3:])
+      self.cache, self.state, _, _ = self._prefill_logprobs(*inputs, np.zeros(bucket, np.int32))
     for batch in self.config.decode_batch_buckets:
       rows = np.full(batch, self.num_slots, np.int32)  # All padding: nothing is written.
       for width in self.config.decode_width_buckets:

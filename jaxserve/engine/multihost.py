@@ -46,8 +46,9 @@ class Kind(enum.IntEnum):
   DECODE = 2
 
 
-# The header, [kind, size, extra] int32: a prefill's bucket (tokens) and is_last, or a decode's
-# width (pages per slot) and batch bucket (rows); they set every shape of the arrays that follow.
+# The header, [kind, size, extra] int32: a prefill's bucket (tokens) and flags (_prefill_extra),
+# or a decode's width (pages per slot) and batch bucket (rows); they set every shape of the arrays
+# that follow.
 _HEADER_SHAPE = (3,)
 
 _SETTINGS = ("num_slots", "page_size", "num_pages", "max_model_len", "vocab_size", "tp", "dp",
@@ -84,7 +85,7 @@ class LeaderEngine:
 
   def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
     args = self.engine.prefill_args(chunk)  # Raises on a bad chunk before anything is sent.
-    _send(Kind.PREFILL, args.tokens.shape[0], bool(args.is_last), args)
+    _send(Kind.PREFILL, args.tokens.shape[0], _prefill_extra(args), args)
     self.num_calls += 1
     return self.engine.run_prefill(args)
 
@@ -119,7 +120,7 @@ def follow(engine: Engine) -> int:
       logging.info("follower %d: stop after %d steps", jax.process_index(), num_steps)
       return num_steps
     if kind == Kind.PREFILL:
-      engine.run_prefill(broadcast_one_to_all(_prefill_template(engine, size, bool(extra))))
+      engine.run_prefill(broadcast_one_to_all(_prefill_template(engine, size, extra)))
     elif kind == Kind.DECODE:
       engine.run_decode(broadcast_one_to_all(_decode_template(engine, size, extra)))
     else:
@@ -150,10 +151,17 @@ def _check_same_engine(engine: Engine) -> None:
                      "give every host the same engine flags")
 
 
-def _prefill_template(engine: Engine, bucket: int, is_last: bool) -> PrefillArgs:
+def _prefill_extra(args: PrefillArgs) -> int:
+  """A prefill header's extra: bit 0 is_last, bit 1 prompt logprobs asked (both set shapes)."""
+  return int(args.is_last) | (args.targets is not None) << 1
+
+
+def _prefill_template(engine: Engine, bucket: int, extra: int) -> PrefillArgs:
   """Arrays of the shapes and dtypes of a prefill of `bucket` tokens, built by the engine itself
   (so they follow any change to its arguments); the broadcast fills in process 0's values."""
-  chunk = PrefillChunk("", 0, [0] * bucket, 0, (), is_last, SamplingParams(), 0)
+  targets = [0] * bucket if extra & 2 else None
+  chunk = PrefillChunk("", 0, [0] * bucket, 0, (), bool(extra & 1), SamplingParams(), 0,
+                       prompt_logprob_targets=targets)
   return engine.prefill_args(chunk)
 
 

@@ -26,7 +26,8 @@ from jaxserve.serving import gateway
 from jaxserve.config import SamplingParams
 from jaxserve.serving.gateway import ApiError, ApiKey, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
-from jaxserve.batching.request import FinishReason, QueueFull, RequestRejected, RequestOutput, TokenLogprobs
+from jaxserve.batching.request import (FinishReason, QueueFull, Request, RequestRejected,
+                                       RequestOutput, TokenLogprobs)
 from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
 
 
@@ -60,6 +61,10 @@ class Chunk:
   logprobs: Sequence[TokenLogprobs] | None  # Cut to the top n the client asked for.
   finish_reason: FinishReason | None
   record: RequestRecord | None  # On the last chunk: usage and timings.
+  prompt_token_ids: Sequence[int] = ()  # The ids the request ran (for echo).
+  # On the first chunk, when the sampling asked for prompt_logprobs: one per prompt token
+  # (None for the first), cut to that many top entries.
+  prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
 
 
 class Prepared(NamedTuple):
@@ -177,7 +182,7 @@ class Service:
         if reason is FinishReason.ABORT and stream.request_id in self._cut:
           raise ApiError(Status.UNAVAILABLE, "the server shut down before this request finished "
                          f"({num_out} tokens generated); retry on another replica")
-        yield _chunk(stream.request_id, outputs, inp.logprobs, record)
+        yield _chunk(stream.request, outputs, inp.logprobs, record)
     except ApiError:
       failed = True
       raise
@@ -248,12 +253,14 @@ class Service:
       stream.abort()
 
 
-def _chunk(request_id: str, outputs: Sequence[RequestOutput], num_top: int | None,
+def _chunk(request: Request, outputs: Sequence[RequestOutput], num_top: int | None,
            record: RequestRecord | None) -> Chunk:
   logprobs = None
   if num_top is not None:
     logprobs = [dataclasses.replace(lp, top_ids=lp.top_ids[:num_top],
                                     top_logprobs=lp.top_logprobs[:num_top])
                 for o in outputs for lp in (o.logprobs or ())]
-  return Chunk(request_id, "".join(o.text for o in outputs),
-               [t for o in outputs for t in o.token_ids], logprobs, outputs[-1].finish_reason, record)
+  prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+  return Chunk(request.request_id, "".join(o.text for o in outputs),
+               [t for o in outputs for t in o.token_ids], logprobs, outputs[-1].finish_reason, record,
+               request.prompt_token_ids, prompt_logprobs)
