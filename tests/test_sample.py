@@ -63,6 +63,18 @@ def test_top_k_top_p_min_p_keep_exactly_the_expected_tokens():
   assert seen(SamplingParams()) == {0, 1, 2, 3}
 
 
+def test_top_k_keeps_exactly_k_tokens_in_rows_with_inf_or_a_huge_range():
+  """The k-th logit is found exactly whatever the row's range: ignore_eos's -inf, and a range of
+  1e38 (float halvings of it stop 1e28 wide and kept every token)."""
+  logits = [5.0, 1.0, 0.9, 0.8, 0.7]  # Token 0 is the stop id here.
+  seen = lambda row, p: set(draw(row, p, n=400).tolist())
+  assert seen(logits, SamplingParams(top_k=1, ignore_eos=True)) == {1}
+  assert seen(logits, SamplingParams(top_k=2, ignore_eos=True)) == {1, 2}
+  assert seen([-np.inf, -1e38, 0.0, 1.0, 1.5], SamplingParams(top_k=2)) == {3, 4}
+  assert seen([-1e38, 0.0, 1.0, 1.5], SamplingParams(top_k=2)) == {2, 3}
+  assert seen([-3e38, 3e38, 3e38, -np.inf], SamplingParams(top_k=1)) <= {1, 2}  # A tie: both kept.
+
+
 def test_temperature_sampling_follows_the_softmax():
   probs = np.array([0.5, 0.25, 0.15, 0.1])
   n = 4000

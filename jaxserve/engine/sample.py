@@ -139,21 +139,50 @@ def _penalize(logits, st: SamplingState):
 def _filter(logits, st: SamplingState, iters: int = 32):
   """Masks to -inf what top-k, then top-p, then min-p remove. logits [B, V] (temperature-scaled).
 
-  Thresholds are found by bisection (`iters` halvings of the value range) rather than a sort: on
-  CPU a 49k-wide sort per row costs ~10x more. Tokens tied at a threshold are all kept.
+  Thresholds are found by bisection rather than a sort: on CPU a 49k-wide sort per row costs
+  ~10x more. Tokens tied at a threshold are all kept.
   """
   k = jnp.where(st.top_k > 0, st.top_k, logits.shape[-1])[:, None]  # [B, 1]
-  lo, hi = jnp.min(logits, -1, keepdims=True), jnp.max(logits, -1, keepdims=True)
-  # top-k: the largest t with at least k logits >= t is the k-th largest logit.
-  kth = _bisect(lambda t: jnp.sum(logits >= t, -1, keepdims=True) >= k, lo, hi, iters)
-  probs = jax.nn.softmax(jnp.where(logits >= kth, logits, -jnp.inf), axis=-1)  # [B, V]
+  # top-k bisects over the logits' order-preserving uint32 keys, not their values: 32 halvings
+  # of [0, 2**32) end on the k-th largest key exactly, whatever the row holds (-inf from
+  # ignore_eos or a logit bias, or a range of 1e38 that float halvings would not resolve).
+  keys = _order_keys(logits)  # [B, V] uint32
+  lo = jnp.zeros_like(keys[:, :1])  # [B, 1]: every key is >= 0, so ok(lo) holds.
+  hi = jnp.max(keys, -1, keepdims=True)
+  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi, iters)
+  in_top_k = keys >= kth  # [B, V]
+  probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)  # [B, V]
   top = jnp.max(probs, -1, keepdims=True)
   # top-p: the largest t whose tokens (probability >= t) hold at least p of the mass.
   mass = lambda t: jnp.sum(jnp.where(probs >= t, probs, 0), -1, keepdims=True)
   nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
-  keep = (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
+  # in_top_k again: when the kept mass rounds below top_p (1.0 is enough), nucleus ends at 0,
+  # which the probability 0 of every token top-k removed would pass.
+  keep = in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
   needs_filter = ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))[:, None]
   return jnp.where(needs_filter & ~keep, -jnp.inf, logits)
+
+
+def _order_keys(x):
+  """float32 [...] -> uint32 [...] in the same order (-inf lowest): IEEE bits, with negatives'
+  bits flipped and positives' sign bit set."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  negative = (bits >> 31) == 1
+  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _bisect_int(ok, lo, hi, iters: int):
+  """The largest integer t in [lo, hi] with ok(t), for ok true at lo and monotone decreasing in
+  t; exact after `iters` >= log2(hi - lo + 1) halvings. Unsigned: hi - lo never overflows."""
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    span = hi - lo
+    mid = lo + span // 2 + (span & 1)  # The upper middle, so lo = mid always makes progress.
+    good = ok(mid) & (span > 0)
+    return jnp.where(good, mid, lo), jnp.where(good | (span == 0), hi, mid - 1)
+
+  return jax.lax.fori_loop(0, iters, halve, (lo, hi))[0]
 
 
 def _bisect(ok, lo, hi, iters: int):
