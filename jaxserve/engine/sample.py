@@ -1,6 +1,6 @@
 """On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
 
-Penalties, then greedy or temperature sampling with top-k / top-p / min-p filtering. Filtering
+Penalties and the logit bias, then greedy or temperature sampling with top-k / top-p / min-p filtering. Filtering
 and random draws run only when some row asks for them (a `lax.cond`, not a Python branch).
 Randomness comes from (seed, position), so a seeded request samples the same tokens whatever else
 shares its batch, and again after a preemption.
@@ -36,6 +36,9 @@ class SamplingState:
   want_logprobs: jax.Array  # [S] bool
   prompt_mask: jax.Array  # [S, V] bool: token ids in the prompt (repetition penalty)
   output_counts: jax.Array  # [S, V] int32: times each token was generated (all penalties)
+  # [S, V] float32: added to the logits (logit_bias; -inf outside allowed_token_ids). Zeros for
+  # a request without either, and x + 0.0 == x, so its tokens are those of no bias at all.
+  logit_bias: jax.Array
 
   @classmethod
   def create(cls, num_slots: int, vocab_size: int) -> SamplingState:
@@ -74,10 +77,25 @@ class SamplingRow:
         values,
         seed=np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32),
         ignore_eos=np.bool_(p.ignore_eos), want_logprobs=np.bool_(p.logprobs > 0),
-        prompt_mask=prompt_mask, output_counts=counts[:vocab_size]))
+        prompt_mask=prompt_mask, output_counts=counts[:vocab_size],
+        logit_bias=_bias_row(p, vocab_size)))
 
   def as_state(self) -> SamplingState:
     return SamplingState(**self.values)
+
+
+def _bias_row(p: SamplingParams, vocab_size: int) -> np.ndarray:
+  """[V] float32: p.logit_bias at its ids, -inf outside p.allowed_token_ids (ids past the
+  vocabulary are the gateway's to refuse; here they are dropped)."""
+  row = np.zeros(vocab_size, np.float32)
+  if p.allowed_token_ids is not None:
+    row[:] = -np.inf
+    allowed = np.asarray(p.allowed_token_ids, np.int64)
+    row[allowed[allowed < vocab_size]] = 0.0
+  for token, bias in p.logit_bias:
+    if token < vocab_size:
+      row[token] += np.float32(bias)
+  return row
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +110,7 @@ class Sampled:
 def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
   """logits [B, V] float32, one state row per b, positions [B], stop_ids [E] -> Sampled."""
   raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-  logits = _penalize(logits, st)
+  logits = _penalize(logits, st) + st.logit_bias
   # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn.
   eos = jnp.zeros(logits.shape[-1], bool).at[stop_ids].set(True)  # [V]
   logits = jnp.where(st.ignore_eos[:, None] & eos[None, :], -jnp.inf, logits)
