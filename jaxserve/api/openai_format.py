@@ -11,6 +11,7 @@ import time
 from typing import Any, Sequence
 
 from jaxserve.serving.metrics import RequestRecord
+from jaxserve.text.constraint_vocab import spelling_bytes
 from jaxserve.batching.request import FinishReason, TokenLogprobs
 from jaxserve.serving.service import Chunk, Service
 
@@ -81,9 +82,18 @@ class CompletionFormat(_Format):
   def _choice(self, text, logprobs, finish_reason, whole):
     return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
+  def __init__(self, service: Service):
+    super().__init__(service)
+    self._text_offset = 0  # Characters of the token texts so far: the next token's text_offset.
+
   def _logprobs(self, token_ids, logprobs):
     tokens = [self._token(t) for t in token_ids]
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+    offsets = []
+    for token in tokens:
+      offsets.append(self._text_offset)
+      self._text_offset += len(token)
+    return {"tokens": tokens, "text_offset": offsets,
+            "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{self._token(i): p for i, p in zip(lp.top_ids, lp.top_logprobs)}
                              for lp in logprobs]}
 
@@ -109,9 +119,15 @@ class ChatFormat(_Format):
   def _logprobs(self, token_ids, logprobs):
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
       token = self._token(token_id)
-      return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+      return {"token": token, "logprob": logprob, "bytes": list(self._bytes(token_id, token))}
 
     return {"content": [
         {**entry(t, lp.logprob),
          "top_logprobs": [entry(i, p) for i, p in zip(lp.top_ids, lp.top_logprobs)]}
         for t, lp in zip(token_ids, logprobs)]}
+
+  def _bytes(self, token_id: int, token: str) -> bytes:
+    if "\ufffd" not in token:
+      return token.encode()
+    # Part of a multi-byte character: its text is U+FFFD, its own bytes are in its spelling.
+    return spelling_bytes(self._service.tokenizer.id_to_token(token_id))
