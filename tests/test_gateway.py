@@ -130,7 +130,7 @@ def test_a_request_without_max_tokens_is_cut_to_the_tokens_left_not_refused(keys
   assert lease.max_tokens == 70  # 30 + 70 = the key's 100.
   lease.settle(10)  # 40 used: 60 left.
   assert g.admit(c, 20, 4000, can_shorten=True).max_tokens == 40
-  e = status_of(g.admit, c, 5, 4000, can_shorten=True)
+  e = status_of(g.admit, c, 5, 4000, True)
   assert e.status is Status.RESOURCE_EXHAUSTED and "max_tokens" not in e.message
   assert "0 tokens key 'c' has left" in e.message
   assert g.admit(g.authenticate("sk-a"), 30, 4000, can_shorten=True).max_tokens == 4000
