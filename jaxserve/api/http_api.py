@@ -8,7 +8,8 @@ same checks and limits, and errors in OpenAI's shape ({"error": {"message", "typ
 with 400 / 404 / 401 / 429 / 503 / 500 for INVALID_ARGUMENT / NOT_FOUND (another model) /
 UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL; aiohttp's own refusals (404, 405, and 413 for a body over 8 MiB) come
 in the same shape. Besides OpenAI's fields, vLLM's extras are read: top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, priority, truncate_prompt (openai_request.py).
+repetition_penalty, ignore_eos, stop_token_ids, allowed_token_ids, priority, truncate_prompt
+(openai_request.py).
 """
 
 from __future__ import annotations
