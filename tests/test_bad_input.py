@@ -227,6 +227,9 @@ CASES = [
     post("http-prompt-two-texts", {**P, "prompt": ["a", "b"]}, "one prompt per request"),
     post("http-prompt-id-past-vocab", {**P, "prompt": [1, VOCAB]}, "prompt token_ids[1]"),
     post("http-prompt-id-bool", {**P, "prompt": [True, 1]}, "token_ids[0] must be a token id"),
+    post("http-prompt-id-string", {**P, "prompt": [1, "a"]}, "token_ids[1] must be a token id"),
+    post("http-too-many-token-ids-checked-before-each-id", {**P, "prompt": [1, "a", VOCAB] * 100},
+         "cannot fit in the context window"),  # The length is refused before any id is read.
     post("http-max-tokens-negative", {**P, "max_tokens": -5}, "max_tokens must be an int >= 1"),
     post("http-max-tokens-huge", {**P, "max_tokens": 10**30}, "max_tokens must be in [1, 128)"),
     post("http-max-tokens-string", {**P, "max_tokens": "5"}, "max_tokens must be an int"),

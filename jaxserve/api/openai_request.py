@@ -139,8 +139,10 @@ def _completion_prompt(body: dict[str, Any]) -> Prompt:
     prompt = prompt[0]  # A batch of one.
   if isinstance(prompt, str):
     return Prompt(text=_unicode(prompt, "prompt"))
-  if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
-    return Prompt(token_ids=prompt)  # The service checks them against the vocabulary.
+  if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+    # The service checks the length first, then each id (type and vocabulary): 2M ids are not
+    # read one by one here, on the event loop, before their length is known to be too long.
+    return Prompt(token_ids=prompt)
   raise invalid("prompt must be a string or a list of token ids (one prompt per request), got "
                 f"{short(prompt)}")
 
