@@ -6,8 +6,8 @@ serves, 503 otherwise; no key needed, as for a load balancer's probe), /version,
 Requests go through the same service and gateway as gRPC: `Authorization: Bearer <key>`, the
 same checks and limits, and errors in OpenAI's shape ({"error": {"message", "type", "code"}})
 with 400 / 404 / 401 / 429 / 503 / 500 for INVALID_ARGUMENT / NOT_FOUND (another model) /
-UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL; aiohttp's own refusals (404, 405, and 413 for a body over 8 MiB) come
-in the same shape. Besides OpenAI's fields, vLLM's extras are read: top_k, min_p,
+UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL; aiohttp's own refusals (404,
+405, and 413 for a body over 8 MiB) come in the same shape. Besides OpenAI's fields, vLLM's extras are read: top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, allowed_token_ids, priority, truncate_prompt
 (openai_request.py).
 """

@@ -1,7 +1,8 @@
 """On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
 
-Penalties and the logit bias, then greedy or temperature sampling with top-k / top-p / min-p filtering. Filtering
-and random draws run only when some row asks for them (a `lax.cond`, not a Python branch).
+Penalties and the logit bias, then greedy or temperature sampling with top-k / top-p / min-p
+filtering. Filtering and random draws run only when some row asks for them (a `lax.cond`, not a
+Python branch).
 Randomness comes from (seed, position), so a seeded request samples the same tokens whatever else
 shares its batch, and again after a preemption.
 """
