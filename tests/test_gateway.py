@@ -121,6 +121,21 @@ def test_tokens_per_minute_reserve_then_settle(keys):
   g.admit(c, 20, 5)
 
 
+def test_a_request_without_max_tokens_is_cut_to_the_tokens_left_not_refused(keys):
+  """Defect: an unset max_tokens reserved the whole window, so a key whose limit is below it
+  could never send one; the refusal named a max_tokens the client never sent."""
+  g = Gateway(keys, Clock())
+  c = g.authenticate("sk-c")  # 100 tokens per minute.
+  lease = g.admit(c, 30, 4000, can_shorten=True)
+  assert lease.max_tokens == 70  # 30 + 70 = the key's 100.
+  lease.settle(10)  # 40 used: 60 left.
+  assert g.admit(c, 20, 4000, can_shorten=True).max_tokens == 40
+  e = status_of(g.admit, c, 5, 4000, True)
+  assert e.status is Status.RESOURCE_EXHAUSTED and "max_tokens" not in e.message
+  assert "0 tokens key 'c' has left" in e.message
+  assert g.admit(g.authenticate("sk-a"), 30, 4000, can_shorten=True).max_tokens == 4000
+
+
 def test_a_refund_after_the_minute_is_harmless(keys):
   clock = Clock()
   g = Gateway(keys, clock)
@@ -143,6 +158,8 @@ def test_fit_to_context():
   assert "empty" in status_of(gateway.fit_to_context, [], None, 128, False).message
   long = list(range(300))
   assert gateway.fit_to_context(long, None, 128, True) == (long[-127:], 1)
+  assert gateway.fit_to_context(ids, None, 128, False, default=16) == (ids, 16)  # Completions.
+  assert gateway.fit_to_context(list(range(120)), None, 128, False, default=16)[1] == 8
 
 
 def test_sampling_params():

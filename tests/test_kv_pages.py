@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.batching.kv_pages import PageAllocator
+from jaxserve.batching.kv_pages import PageAllocator, page_hash
 
 
 def all_free(a: PageAllocator) -> bool:
@@ -167,3 +167,17 @@ def test_no_hits_when_prefix_caching_is_off():
   fill(a, [1, 2, 3, 4, 5])
   assert a.num_cached_pages == 0
   assert a.allocate([1, 2, 3, 4, 5])[1] == 0
+
+
+def test_page_keys_are_sha256_of_the_parent_key_and_the_page_tokens():
+  """A cryptographic key (vLLM's CVE-2025-25183 was Python hash() collisions): SHA-256 over the
+  parent's 32-byte key, then the ids as little-endian int32s; the first page's parent is zeros."""
+  import hashlib
+  import struct
+  a = PageAllocator(8, page_size=2)
+  fill(a, [5, 6, 7, 8, 9])
+  first = hashlib.sha256(bytes(32) + struct.pack("<2i", 5, 6)).digest()
+  second = hashlib.sha256(first + struct.pack("<2i", 7, 8)).digest()
+  assert page_hash(bytes(32), (5, 6)) == first and page_hash(first, (7, 8)) == second
+  assert a.match_prefix([5, 6, 7, 8, 1]) == [a._cached[first], a._cached[second]]
+  assert page_hash(bytes(32), (5, 6)) != page_hash(bytes(31) + b"\1", (5, 6))

@@ -9,8 +9,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxserve", "kernels_pallas")
 

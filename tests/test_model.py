@@ -95,3 +95,14 @@ def test_bfloat16_model_tracks_float32(tiny_model):
   f32, b16 = dense_logits(tiny_model, ids), dense_logits(bf16, ids)
   assert b16.dtype == jnp.float32  # Logits always come out in float32.
   assert float(jnp.max(jnp.abs(f32 - b16))) < 0.1 * float(jnp.max(jnp.abs(f32)))
+
+
+def test_a_pool_smaller_than_the_window_serves_the_window_it_holds(tiny_model, caplog):
+  """Defect: the server advertised max_model_len 128 with 4 pages of 8 tokens, and every request
+  without max_tokens was then refused. The engine now serves the 32 tokens the pool holds."""
+  small = dataclasses.replace(TINY_ENGINE, num_pages=5)  # Page 0 is scratch: 4 x 8 tokens.
+  with caplog.at_level("WARNING"):
+    engine = Engine(tiny_model, small)
+  assert engine.info.max_model_len == 32
+  assert "serving max_model_len 32" in caplog.text
+  assert Engine(tiny_model, TINY_ENGINE).info.max_model_len == 128  # 47 x 8 hold 128.

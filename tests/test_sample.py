@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,18 @@ def test_top_k_top_p_min_p_keep_exactly_the_expected_tokens():
   assert seen(SamplingParams()) == {0, 1, 2, 3}
 
 
+def test_top_k_keeps_exactly_k_tokens_in_rows_with_inf_or_a_huge_range():
+  """The k-th logit is found exactly whatever the row's range: ignore_eos's -inf, and a range of
+  1e38 (float halvings of it stop 1e28 wide and kept every token)."""
+  logits = [5.0, 1.0, 0.9, 0.8, 0.7]  # Token 0 is the stop id here.
+  seen = lambda row, p: set(draw(row, p, n=400).tolist())
+  assert seen(logits, SamplingParams(top_k=1, ignore_eos=True)) == {1}
+  assert seen(logits, SamplingParams(top_k=2, ignore_eos=True)) == {1, 2}
+  assert seen([-np.inf, -1e38, 0.0, 1.0, 1.5], SamplingParams(top_k=2)) == {3, 4}
+  assert seen([-1e38, 0.0, 1.0, 1.5], SamplingParams(top_k=2)) == {2, 3}
+  assert seen([-3e38, 3e38, 3e38, -np.inf], SamplingParams(top_k=1)) <= {1, 2}  # A tie: both kept.
+
+
 def test_temperature_sampling_follows_the_softmax():
   probs = np.array([0.5, 0.25, 0.15, 0.1])
   n = 4000
@@ -103,8 +117,58 @@ def test_logprobs_are_those_of_the_raw_model_distribution():
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")),
-                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
                                          ("min_p", 2.0), ("max_tokens", 0), ("stop", "x")])
 def test_bad_sampling_params_name_the_field(field, value):
   with pytest.raises(ValueError, match=field):
     SamplingParams(**{field: value})
+
+
+def test_logit_bias_moves_greedy_and_bans_and_allowed_token_ids_limit_the_draw():
+  logits = [0.0, 2.0, 1.0, 0.5]
+  assert draw(logits, SamplingParams(temperature=0, logit_bias={2: 1.5}))[0] == 2  # 2.5 > 2.0
+  assert draw(logits, SamplingParams(temperature=0, logit_bias={"1": -100}))[0] == 2
+  banned = SamplingParams(logit_bias={1: -100, 2: -100})
+  assert set(draw(logits, banned, n=300).tolist()) == {0, 3}
+  assert set(draw(logits, SamplingParams(allowed_token_ids=[0, 3]), n=300).tolist()) == {0, 3}
+  both = SamplingParams(temperature=0, allowed_token_ids=[0, 3], logit_bias={0: 1.0})
+  assert draw(logits, both)[0] == 0  # 0 + 1.0 > 0.5, and 1 and 2 are not allowed.
+
+
+def test_a_zero_bias_row_samples_the_tokens_of_no_bias():
+  """x + 0.0 == x: a request without a bias (its row all zeros) draws what it drew before there
+  was a bias. A bias of exactly 0 on some ids is such a row too."""
+  logits = jnp.asarray(np.random.default_rng(1).normal(size=(8, 50)) * 4, jnp.float32)
+  for p in (SamplingParams(temperature=0.8, top_k=10, top_p=0.9), SamplingParams(temperature=0)):
+    plain = sample(logits, state([p] * 8, 50), jnp.arange(8), STOP)
+    zero = sample(logits, state([dataclasses.replace(p, logit_bias={3: 0.0, 7: 0.0})] * 8, 50),
+                  jnp.arange(8), STOP)
+    np.testing.assert_array_equal(plain.tokens, zero.tokens)
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"logit_bias": {i: 1 for i in range(301)}}, "at most 300 token ids"),
+    ({"logit_bias": {5: 101}}, "logit_bias[5] must be a number in [-100, 100]"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias[5]"),
+    ({"logit_bias": {"five": 1}}, "keys must be token ids"),
+    ({"logit_bias": {-1: 1}}, "keys must be token ids"),
+    ({"logit_bias": [1, 2]}, "must be an object"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+    ({"allowed_token_ids": [1, "a"]}, "allowed_token_ids[1]"),
+    ({"seed": 2**63}, "signed 64-bit"),
+])
+def test_bad_bias_and_seed_name_the_field(fields, named):
+  with pytest.raises(ValueError) as e:
+    SamplingParams(**fields)
+  assert named in str(e.value)
+
+
+def test_vllm_top_k_minus_one_is_off_and_any_signed_64_bit_seed_is_taken():
+  assert SamplingParams(top_k=-1).top_k == 0
+  for seed in (-1, -2**63, 2**63 - 1):
+    assert SamplingParams(seed=seed).seed == seed
+  logits = jnp.asarray(np.random.default_rng(2).normal(size=(1, 50)), jnp.float32)
+  p = SamplingParams()
+  draws = {int(sample(logits, state([p], 50, seeds=[s]), jnp.array([3]), STOP).tokens[0])
+           for s in range(-20, 0)}
+  assert len(draws) > 1  # Negative seeds are distinct streams.

@@ -341,3 +341,19 @@ def test_abort_frees_in_every_state(checked):
   assert prefilling.status is RequestStatus.ABORTED
   out = step(s)
   assert out.free_slots == (0,) and out.plan.is_empty
+
+
+def test_cached_tokens_count_the_first_admission_only_never_more_than_the_prompt(checked):
+  """A preempted request comes back to its own cached pages (prompt and outputs): those hits
+  spare recompute (the scheduler counts them) but are no prompt tokens the cache held."""
+  s = sched(checked, num_slots=2, num_pages=7)  # 6 pages of 4: not enough for both.
+  a, b = make(4, max_tokens=16), make(4, max_tokens=16)
+  s.add(a)
+  s.add(b)
+  drain(s)
+  assert b.num_preemptions >= 1 and s.num_cached_tokens > 0  # Its re-admission hit its pages.
+  assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
+  c = make(9, max_tokens=1, first=a.prompt_token_ids[0])  # a's first 4 tokens are cached.
+  s.add(c)
+  drain(s)
+  assert c.num_cached_tokens == 4

@@ -11,6 +11,8 @@ import grpc
 import jax
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 from prometheus_client.parser import text_string_to_metric_families
@@ -162,10 +164,9 @@ ids_of = lambda ids: dict(token_ids=pb.TokenIds(ids=ids))
     (dict(text="Hi", top_k=-2), "top_k"),
     (dict(text="Hi", presence_penalty=3.0), "presence_penalty"),
     (dict(text="Hi", max_tokens=0), "max_tokens"),
-    (dict(text="Hi", seed=2**63), "seed"),
+    (dict(text="Hi", logit_bias={3: 500.0}), "logit_bias[3]"),
     (dict(text="Hi", logprobs=21), "logprobs"),
     (dict(text="Hi", chunk_tokens=100_000), "chunk_tokens"),
-    (dict(text="Hi", model="gpt-4"), "model"),
     (dict(text=""), "prompt"),
     (dict(), "prompt"),
     (dict(**ids_of([5, 49152])), "token_ids[1]"),
@@ -177,6 +178,26 @@ def test_a_bad_field_is_invalid_argument_naming_it(stub, fields, named):
   e = error_of(stub, pb.GenerateRequest(**fields))
   assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
   assert named in e.details()
+
+
+def test_another_model_is_not_found(stub):
+  e = error_of(stub, pb.GenerateRequest(text="Hi", model="gpt-4"))
+  assert e.code() == grpc.StatusCode.NOT_FOUND and "model 'gpt-4'" in e.details()
+
+
+def test_a_negative_seed_and_top_k_minus_one_are_taken(stub):
+  msgs = generate(stub, pb.GenerateRequest(text="Hi", seed=-12, top_k=-1, max_tokens=2,
+                                           ignore_eos=True))
+  assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_logit_bias_and_allowed_token_ids_over_grpc(stub):
+  biased = generate(stub, pb.GenerateRequest(text="Hi", max_tokens=4, temperature=0.0,
+                                             ignore_eos=True, logit_bias={321: 100.0}))
+  assert [t for m in biased for t in m.token_ids] == [321] * 4
+  allowed = generate(stub, pb.GenerateRequest(text="Hi", max_tokens=6, seed=3, ignore_eos=True,
+                                              allowed_token_ids=[7, 8]))
+  assert set(t for m in allowed for t in m.token_ids) <= {7, 8}
 
 
 def test_truncation_keeps_the_prompts_last_tokens(stub):
@@ -278,6 +299,27 @@ def test_reflection_lists_and_describes_the_service(channel):
   generate_method = service.methods_by_name["Generate"]
   assert generate_method.server_streaming and not generate_method.client_streaming
   assert generate_method.input_type.fields_by_name["chunk_tokens"].number == 18
+
+
+def test_reflection_v1_lists_and_describes_the_service_too(channel):
+  """grpcurl asks grpc.reflection.v1 first; its messages are v1alpha's under another package."""
+  call = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                               request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                               response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+  listed, described, v1_file = call(iter([
+      reflection_pb2.ServerReflectionRequest(list_services=""),
+      reflection_pb2.ServerReflectionRequest(file_containing_symbol="jaxserve.v1.Jaxserve"),
+      reflection_pb2.ServerReflectionRequest(
+          file_containing_symbol="grpc.reflection.v1.ServerReflection")]), timeout=10)
+  names = {s.name for s in listed.list_services_response.service}
+  assert {"jaxserve.v1.Jaxserve", "grpc.reflection.v1.ServerReflection",
+          "grpc.reflection.v1alpha.ServerReflection"} <= names
+  files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+           for b in described.file_descriptor_response.file_descriptor_proto]
+  assert "jaxserve.v1" in {f.package for f in files}
+  v1 = descriptor_pb2.FileDescriptorProto.FromString(
+      v1_file.file_descriptor_response.file_descriptor_proto[0])
+  assert v1.package == "grpc.reflection.v1" and v1.service[0].name == "ServerReflection"
 
 
 def _scrape(srv) -> dict[tuple[str, tuple], float]:

@@ -28,6 +28,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
 
 STATUS_CODES = {
     Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
@@ -151,7 +152,7 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
   if kind == "text":
     return Prompt(text=request.text)
   if kind == "token_ids":
-    return Prompt(token_ids=list(request.token_ids.ids))
+    return Prompt(token_ids=request.token_ids.ids)  # Not copied: its length is checked first.
   if kind == "chat":
     return Prompt(messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
   return Prompt()
@@ -167,6 +168,10 @@ def generate_input(request: pb.GenerateRequest) -> GenerateInput:
     sampling["ignore_eos"] = True
   if request.HasField("prompt_logprobs"):
     sampling["prompt_logprobs"] = request.prompt_logprobs
+  if request.logit_bias:
+    sampling["logit_bias"] = dict(request.logit_bias)
+  if request.allowed_token_ids:
+    sampling["allowed_token_ids"] = list(request.allowed_token_ids)
   return GenerateInput(
       _prompt(request), sampling,
       max_tokens=request.max_tokens if request.HasField("max_tokens") else None,

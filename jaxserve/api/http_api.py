@@ -1,18 +1,22 @@
 """The OpenAI-compatible HTTP front end (aiohttp): /v1/completions, /v1/chat/completions (both
-with `stream` true, as server-sent events, or false), /v1/models, and /metrics.
+with `stream` true, as server-sent events, or false), /v1/models and /v1/models/{id}, vLLM's
+/tokenize, /detokenize and /tokenizer_info (openai_tokenize.py), /health (200 while the engine
+serves, 503 otherwise; no key needed, as for a load balancer's probe), /version, and /metrics.
 
 Requests go through the same service and gateway as gRPC: `Authorization: Bearer <key>`, the
 same checks and limits, and errors in OpenAI's shape ({"error": {"message", "type", "code"}})
-with 400 / 401 / 429 / 503 / 500 for INVALID_ARGUMENT / UNAUTHENTICATED / RESOURCE_EXHAUSTED /
-UNAVAILABLE / INTERNAL; aiohttp's own refusals (404, 405, and 413 for a body over 8 MiB) come
-in the same shape. Besides OpenAI's fields, vLLM's extras are read: top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, priority, truncate_prompt (openai_request.py).
+with 400 / 404 / 401 / 429 / 503 / 500 for INVALID_ARGUMENT / NOT_FOUND (another model) /
+UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL; aiohttp's own refusals (404,
+405, and 413 for a body over 8 MiB) come in the same shape. Besides OpenAI's fields, vLLM's extras are read: top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, allowed_token_ids, priority, truncate_prompt
+(openai_request.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import ssl
 from typing import Callable
@@ -20,16 +24,17 @@ from typing import Callable
 from absl import logging
 from aiohttp import web
 
-from jaxserve.api import openai_choices, openai_request
+from jaxserve.api import openai_choices, openai_request, openai_tokenize
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.api.grpc_api import ServiceHost
 from jaxserve.serving.metrics import CONTENT_TYPE, Metrics
 from jaxserve.api.openai_format import ChatFormat, CompletionFormat
 from jaxserve.serving.service import Service
 
-HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.UNAUTHENTICATED: 401,
+HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.NOT_FOUND: 404, Status.UNAUTHENTICATED: 401,
                Status.RESOURCE_EXHAUSTED: 429, Status.UNAVAILABLE: 503, Status.INTERNAL: 500}
 _ERROR_TYPES = {Status.INVALID_ARGUMENT: "invalid_request_error",
+                Status.NOT_FOUND: "invalid_request_error",
                 Status.UNAUTHENTICATED: "authentication_error",
                 Status.RESOURCE_EXHAUSTED: "rate_limit_error",
                 Status.UNAVAILABLE: "service_unavailable", Status.INTERNAL: "internal_error"}
@@ -66,8 +71,14 @@ def build_app(host: ServiceHost, metrics: Metrics | None) -> web.Application:
   app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
   api = _Api(host)
   app.router.add_get("/v1/models", api.models)
+  app.router.add_get("/v1/models/{model:.+}", api.model)
   app.router.add_post("/v1/completions", api.completions)
   app.router.add_post("/v1/chat/completions", api.chat_completions)
+  app.router.add_post("/tokenize", api.tokenize)
+  app.router.add_post("/detokenize", api.detokenize)
+  app.router.add_get("/tokenizer_info", api.tokenizer_info)
+  app.router.add_get("/health", api.health)
+  app.router.add_get("/version", api.version)
   if metrics is not None:
     app.router.add_get("/metrics", _metrics_handler(metrics))
   return app
@@ -98,8 +109,9 @@ async def _errors_as_json(request: web.Request, handler) -> web.StreamResponse:
 
 
 def error_response(e: ApiError) -> web.Response:
+  code = "model_not_found" if e.status is Status.NOT_FOUND else e.status.value  # OpenAI's code.
   body = {"error": {"message": e.message, "type": _ERROR_TYPES[e.status], "param": None,
-                    "code": e.status.value}}
+                    "code": code}}
   return web.json_response(body, status=HTTP_STATUS[e.status])
 
 
@@ -110,10 +122,42 @@ class _Api:
 
   async def models(self, request: web.Request) -> web.Response:
     async def run(service, key, body):
-      return web.json_response({"object": "list", "data": [
-          {"id": service.model_name, "object": "model", "created": 0, "owned_by": "jaxserve",
-           "max_model_len": service.max_model_len}]})
+      return web.json_response({"object": "list", "data": [_model_card(service)]})
     return await self._handle(request, run, read_body=False)
+
+  async def model(self, request: web.Request) -> web.Response:
+    async def run(service, key, body):
+      service.check_model(request.match_info["model"])
+      return web.json_response(_model_card(service))
+    return await self._handle(request, run, read_body=False)
+
+  async def tokenize(self, request: web.Request) -> web.Response:
+    async def run(service, key, body):
+      return web.json_response(openai_tokenize.tokenize(service, body))
+    return await self._handle(request, run)
+
+  async def detokenize(self, request: web.Request) -> web.Response:
+    async def run(service, key, body):
+      return web.json_response(openai_tokenize.detokenize(service, body))
+    return await self._handle(request, run)
+
+  async def tokenizer_info(self, request: web.Request) -> web.Response:
+    async def run(service, key, body):
+      return web.json_response(openai_tokenize.tokenizer_info(service))
+    return await self._handle(request, run, read_body=False)
+
+  async def health(self, request: web.Request) -> web.Response:
+    """200 only while requests are served: not warming up, draining or with a dead engine."""
+    try:
+      refusing = self._host.current_service().refusing
+    except ApiError as e:  # Warming up.
+      refusing = e.message
+    if refusing is not None:
+      return error_response(ApiError(Status.UNAVAILABLE, refusing))
+    return web.Response(status=200)
+
+  async def version(self, request: web.Request) -> web.Response:
+    return web.json_response({"version": importlib.metadata.version("jaxserve")})
 
   async def completions(self, request: web.Request) -> web.StreamResponse:
     async def run(service, key, body):
@@ -175,6 +219,11 @@ async def _sse(request: web.Request, fmt, choices: openai_choices.Choices,
   await resp.write(b"data: [DONE]\n\n")
   await resp.write_eof()
   return resp
+
+
+def _model_card(service: Service) -> dict:
+  return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "jaxserve",
+          "max_model_len": service.max_model_len}
 
 
 def _bearer(request: web.Request) -> str | None:

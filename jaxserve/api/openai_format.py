@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from jaxserve.api.openai_request import Request
 from jaxserve.serving.metrics import RequestRecord
+from jaxserve.text.constraint_vocab import spelling_bytes
 from jaxserve.batching.request import FinishReason, TokenLogprobs
 from jaxserve.serving.service import Chunk, Service
 
@@ -200,9 +201,15 @@ class ChatFormat(_Format):
   def _logprobs(self, index, token_ids, logprobs):
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
       token = self._token(token_id)
-      return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+      return {"token": token, "logprob": logprob, "bytes": list(self._bytes(token_id, token))}
 
     return {"content": [
         {**entry(t, lp.logprob),
          "top_logprobs": [entry(i, p) for i, p in zip(lp.top_ids, lp.top_logprobs)]}
         for t, lp in zip(token_ids, logprobs)]}
+
+  def _bytes(self, token_id: int, token: str) -> bytes:
+    if "\ufffd" not in token:
+      return token.encode()
+    # Part of a multi-byte character: its text is U+FFFD, its own bytes are in its spelling.
+    return spelling_bytes(self._service.tokenizer.id_to_token(token_id))

@@ -4,7 +4,8 @@ What is checked here is what the gateway and SamplingParams cannot see: the body
 JSON, OpenAI's field names and JSON types, and fields the endpoint does not know. A field sent as
 null counts as not sent, as OpenAI's clients send unset fields that way; any other unknown field
 is refused, as OpenAI does, so that a misspelt `temprature` is not silently ignored (but for
-best_of 1 and echo false, which change nothing).
+best_of 1, echo false and response_format text, which change nothing, and OpenAI's fields that
+mean nothing here: store, metadata, service_tier, parallel_tool_calls, user).
 
 Every function here is pure and raises only `ApiError` (INVALID_ARGUMENT) naming the field.
 """
@@ -20,15 +21,20 @@ from jaxserve.serving.gateway import invalid
 from jaxserve.serving.service import GenerateInput, Prompt
 
 # OpenAI's sampling fields and vLLM's extras, passed on to SamplingParams as they are.
-SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed", "ignore_eos", "stop_token_ids")
+SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed", "ignore_eos", "stop_token_ids",
+                   "logit_bias", "allowed_token_ids")
+# OpenAI's fields about storage, billing and tools that change nothing about the tokens: taken
+# and dropped, so that clients which always send them work.
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls", "user"})
 _COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "max_tokens", "n", "stream",
-                            "stream_options", "stop", "logit_bias", "user", "priority",
-                            "truncate_prompt"})
+                            "stream_options", "stop", "priority", "truncate_prompt",
+                            "response_format"})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"}
 MAX_CHOICES = 64  # Prompts x best_of (or n) in one request: each is a request of its own.
 # Unsupported fields that some clients send with their no-op value anyway (vLLM's benchmark
 # sends best_of 1): taken, as long as the value is that one.
-_NO_OP_VALUES = {"best_of": 1, "echo": False}
+_NO_OP_VALUES = {"best_of": 1, "echo": False, "response_format": {"type": "text"}}
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's and vLLM's max_tokens for /v1/completions.
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
 
@@ -83,7 +89,7 @@ def completion_request(body: Mapping[str, Any]) -> Request:
     asked = body.get("prompt_logprobs", 0)
     body["prompt_logprobs"] = max(asked, logprobs) if is_int(asked) and is_int(logprobs) else logprobs
   prompts = _completion_prompts(body)
-  req = _request(body, prompts[0], logprobs, "max_tokens")
+  req = _request(body, prompts[0], logprobs, "max_tokens", DEFAULT_COMPLETION_TOKENS)
   if "prompt_logprobs" in body:  # SamplingParams checks it.
     sampling = {**req.input.sampling, "prompt_logprobs": body["prompt_logprobs"]}
     req = dataclasses.replace(req, input=dataclasses.replace(req.input, sampling=sampling))
@@ -107,6 +113,8 @@ def chat_request(body: Mapping[str, Any]) -> Request:
   want = body.get("logprobs", False)
   if not isinstance(want, bool):
     raise invalid(f"logprobs must be true or false, got {short(want)}")
+  if body.get("top_logprobs", 0) != 0 and want is not True:  # OpenAI refuses it too.
+    raise invalid("top_logprobs needs logprobs: true")
   top = body.get("top_logprobs", 0)
   if not (is_int(top) and 0 <= top <= SamplingParams.MAX_LOGPROBS):
     raise invalid(f"top_logprobs must be an int in [0, {SamplingParams.MAX_LOGPROBS}], got {short(top)}")
@@ -115,7 +123,8 @@ def chat_request(body: Mapping[str, Any]) -> Request:
 
 
 def _present(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> dict[str, Any]:
-  body = {k: v for k, v in body.items() if v is not None and not _is_no_op(k, v)}
+  body = {k: v for k, v in body.items()
+          if v is not None and k not in IGNORED_FIELDS and not _is_no_op(k, v)}
   unknown = sorted(set(body) - known)
   if unknown:
     raise invalid(f"{endpoint} does not take {', '.join(short(k, 40) for k in unknown[:8])}; "
@@ -128,18 +137,21 @@ def _is_no_op(field: str, value: Any) -> bool:
   return want is not None and type(value) is type(want) and value == want  # 1, not true.
 
 
-def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str) -> Request:
+def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str,
+             default_max_tokens: int | None = None) -> Request:
   _check_types(body, max_field)
   n = body.get("n", 1)
-  if not 1 <= n <= MAX_CHOICES:
+  if not (is_int(n) and 1 <= n <= MAX_CHOICES):
     raise invalid(f"n must be in [1, {MAX_CHOICES}], got {short(n)}")
-  if body.get("logit_bias"):
-    raise invalid("logit_bias is not supported")
+  if "response_format" in body:  # {"type": "text"} was dropped as a no-op.
+    raise invalid(f"response_format {short(body['response_format'])} is not supported yet: only "
+                  '{"type": "text"} (plain text) is')
   sampling = {f: body[f] for f in SAMPLING_FIELDS if f in body}
   if "stop" in body:
     sampling["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
   options = body.get("stream_options", {})
-  inp = GenerateInput(prompt, sampling, max_tokens=body.get(max_field), logprobs=logprobs,
+  inp = GenerateInput(prompt, sampling, max_tokens=body.get(max_field),
+                      default_max_tokens=default_max_tokens, logprobs=logprobs,
                       request_id=None, priority=body.get("priority", 0),
                       model=body.get("model", ""), truncate_prompt=body.get("truncate_prompt", False))
   return Request(inp, body.get("stream", False), options.get("include_usage", False), n=n,
@@ -173,8 +185,10 @@ def _completion_prompts(body: dict[str, Any]) -> list[Prompt]:
 def _completion_prompt(prompt: Any, field: str) -> Prompt:
   if isinstance(prompt, str):
     return Prompt(text=_unicode(prompt, field))
-  if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
-    return Prompt(token_ids=prompt)  # The service checks them against the vocabulary.
+  if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+    # The service checks the length first, then each id (type and vocabulary): 2M ids are not
+    # read one by one here, on the event loop, before their length is known to be too long.
+    return Prompt(token_ids=prompt)
   raise invalid(f"{field} must be a string, a list of token ids, or a list of those, got "
                 f"{short(prompt)}")
 
@@ -189,7 +203,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
       raise invalid(f"messages[{n}] must be an object, got {short(m)}")
     if not isinstance(m.get("role"), str):  # The tokenizer checks which roles there are.
       raise invalid(f"messages[{n}].role must be a string, got {short(m.get('role'))}")
-    out.append({"role": m["role"], "content": _content(m.get("content"), f"messages[{n}].content")})
+    role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's new name for it.
+    out.append({"role": role, "content": _content(m.get("content"), f"messages[{n}].content")})
   return out
 
 
@@ -229,3 +244,8 @@ def _is_bool(x: Any) -> bool:
 
 def _is_dict(x: Any) -> bool:
   return isinstance(x, dict)
+
+
+# For the tokenizer routes (openai_tokenize.py): the same message and text checks as chat.
+messages = _messages
+unicode_text = _unicode

@@ -29,9 +29,7 @@ from typing import Any, Callable
 from absl import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from jaxserve.api import http_api
+from jaxserve.api import http_api, reflection_v1
 from jaxserve.config import SchedulerConfig
 from jaxserve.serving.gateway import ApiError, Gateway, Status, load_keys
 from jaxserve.api.grpc_api import SERVICE_NAME, Servicer
@@ -174,8 +172,7 @@ class Server:
     self._grpc = grpc.aio.server(options=options)
     Servicer(self).add_to(self._grpc)
     health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
+    reflection_v1.enable((SERVICE_NAME, health.SERVICE_NAME), self._grpc)
     address = _address(self.config.host, self.config.grpc_port)
     if self.config.tls_cert is not None:
       with open(self.config.tls_key, "rb") as k, open(self.config.tls_cert, "rb") as c:

@@ -7,8 +7,10 @@ page tables point at it). A page is in exactly one of three states:
   cached     ref count 0 but its KV is still valid and findable by hash (evictable, LRU order)
   free       ref count 0, no valid contents
 
-Automatic prefix caching: a full page is keyed by a chained hash of its token ids and its parent
-page's key, so one key names the whole prefix up to that page. A new request walks its prompt page
+Automatic prefix caching: a full page is keyed by SHA-256 of its parent page's key and its token
+ids, so one key names the whole prefix up to that page. The hash is cryptographic because pages
+are shared across tenants: with Python's hash() a crafted collision would let one prompt reuse
+another's KV (the class of vLLM's CVE-2025-25183); a page's own tokens are still compared too. A new request walks its prompt page
 by page and reuses every page whose key is cached; only the rest is prefilled. When no free page is
 left, the least recently freed cached page is evicted.
 """
@@ -16,13 +18,17 @@ left, the least recently freed cached page is evicted.
 from __future__ import annotations
 
 import collections
+import hashlib
 from typing import Sequence
 
-_ROOT_HASH = 0  # The parent key of a sequence's first page.
+import numpy as np
+
+_ROOT_HASH = bytes(32)  # The parent key of a sequence's first page.
 
 
-def page_hash(parent: int, token_ids: tuple[int, ...]) -> int:
-  return hash((parent, token_ids))
+def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+  """SHA-256 of the parent's 32-byte key, then the ids as little-endian int32s."""
+  return hashlib.sha256(parent + np.asarray(token_ids, "<i4").tobytes()).digest()
 
 
 class PageAllocator:
@@ -36,9 +42,9 @@ class PageAllocator:
     self._free = collections.deque(range(1, num_pages))
     self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first.
     self._ref = [0] * num_pages
-    self._hash: list[int | None] = [None] * num_pages
+    self._hash: list[bytes | None] = [None] * num_pages
     self._tokens: list[tuple[int, ...] | None] = [None] * num_pages  # Guards against collisions.
-    self._cached: dict[int, int] = {}  # hash -> page
+    self._cached: dict[bytes, int] = {}  # key -> page
     self.num_query_tokens = 0  # Tokens looked up in the prefix cache at allocation.
     self.num_hit_tokens = 0  # ...of which were found there.
     self.num_evictions = 0

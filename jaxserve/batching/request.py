@@ -81,7 +81,9 @@ class Request:
   # Bumped by every preemption and abort: a token sampled under an older epoch is discarded.
   epoch: int = 0
   num_preemptions: int = 0
-  num_cached_tokens: int = 0  # Prompt tokens whose prefill the prefix cache skipped, all admissions.
+  # Prompt tokens the prefix cache held at the first admission (usage's cached_tokens; never
+  # more than the prompt: a preempted request's later hits are its own recomputed KV).
+  num_cached_tokens: int = 0
   timings: RequestTimings = dataclasses.field(default_factory=lambda: RequestTimings(time.monotonic()))
   # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.
   max_num_tokens: int = dataclasses.field(init=False)

@@ -201,7 +201,8 @@ class Scheduler:
     req.num_prefill_tokens = len(req.all_token_ids)
     req.num_computed_tokens = num_cached
     req.num_cached_pages = num_cached // self.page_size
-    req.num_cached_tokens += num_cached
+    if req.num_preemptions == 0:  # A re-admission's hits are its own recomputed tokens.
+      req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
     req.status = RequestStatus.RUNNING
     if req.timings.admitted is None:
       req.timings.admitted = time.monotonic()

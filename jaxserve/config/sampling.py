@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from jaxserve.config.checks import is_int, short
 
@@ -13,7 +13,7 @@ class SamplingParams:
   """How one request picks its tokens and when it stops. Every field is a value, never a shape."""
 
   temperature: float = 1.0  # 0 means greedy.
-  top_k: int = 0  # 0 means off.
+  top_k: int = 0  # 0 (or -1, vLLM's spelling, taken as 0) means off.
   top_p: float = 1.0
   min_p: float = 0.0
   repetition_penalty: float = 1.0  # Hugging Face style, over prompt and output tokens.
@@ -28,6 +28,10 @@ class SamplingParams:
   # Set: every prompt token's logprob (but the first's) and its top `prompt_logprobs`; such a
   # request skips the prefix cache, since a cached page's logprobs were never kept.
   prompt_logprobs: int | None = None
+  # OpenAI's {token id: bias}, added to the logits before sampling (JSON's string keys are
+  # taken); kept as sorted (id, bias) pairs, so the params stay hashable.
+  logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
+  allowed_token_ids: Sequence[int] | None = None  # vLLM's: only these may be sampled; None: all.
 
   # The settings that shape each token's choice, all per-slot device arrays (engine/sample.py).
   # The front ends, the command line and the device state derive their lists from this one.
@@ -40,13 +44,16 @@ class SamplingParams:
   MAX_STOP_CHARS = 256
   MAX_STOP_TOKEN_IDS = 256
   MAX_LOGPROBS = 20  # The most top logprobs per token a request may ask for.
+  MAX_LOGIT_BIAS = 300  # OpenAI's limits: 300 token ids, each biased by at most 100.
+  MAX_BIAS = 100.0
   FLOAT32_MAX = 3.4028234663852886e38  # The largest float the device's sampling state holds.
 
   def __post_init__(self):
     check, finite = self._check, self._is_finite
     check(finite(self.temperature) and self.temperature >= 0, "temperature",
           "must be >= 0 and finite (at most 3.4e38)")
-    check(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0")
+    check(is_int(self.top_k) and self.top_k >= -1, "top_k", "must be an int >= 0 (or -1: off)")
+    object.__setattr__(self, "top_k", max(self.top_k, 0))
     check(finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
     check(finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
     check(finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
@@ -55,8 +62,9 @@ class SamplingParams:
           "must be in [-2, 2]")
     check(finite(self.frequency_penalty) and abs(self.frequency_penalty) <= 2, "frequency_penalty",
           "must be in [-2, 2]")
-    check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
-          "must be None or an int in [0, 2**63)")
+    # OpenAI and vLLM take any signed 64-bit seed; the device keeps its 64 bits as two words.
+    check(self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
+          "must be None or a signed 64-bit int, in [-2**63, 2**63)")
     check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1")
     check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
     check(is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
@@ -65,6 +73,7 @@ class SamplingParams:
                                            and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
           "prompt_logprobs", f"must be None or in [0, {self.MAX_LOGPROBS}]")
     self._check_stops()
+    self._check_bias()
     object.__setattr__(self, "stop", tuple(self.stop))
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
@@ -81,6 +90,31 @@ class SamplingParams:
     check(len(ids) <= n_ids, "stop_token_ids", f"must hold at most {n_ids} ids, not {len(ids)}")
     for n, i in enumerate(ids):
       check(is_int(i) and i >= 0, f"stop_token_ids[{n}]", "must be an int >= 0", i)
+
+  def _check_bias(self) -> None:
+    """Vocabulary bounds are the gateway's (it knows the vocabulary): here the types and limits."""
+    check, bias = self._check, self.logit_bias
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+    check(isinstance(pairs, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                    for p in pairs),
+          "logit_bias", "must be an object {token id: bias}")
+    check(len(pairs) <= self.MAX_LOGIT_BIAS, "logit_bias",
+          f"must hold at most {self.MAX_LOGIT_BIAS} token ids, not {len(pairs)}")
+    normal = {}
+    for key, value in pairs:
+      token = int(key) if isinstance(key, str) and key.isdecimal() and len(key) < 12 else key
+      check(is_int(token) and token >= 0, "logit_bias", "keys must be token ids (ints >= 0)", key)
+      check(self._is_finite(value) and abs(value) <= self.MAX_BIAS, f"logit_bias[{token}]",
+            f"must be a number in [-{self.MAX_BIAS:g}, {self.MAX_BIAS:g}]", value)
+      normal[token] = float(value)
+    object.__setattr__(self, "logit_bias", tuple(sorted(normal.items())))
+    ids = self.allowed_token_ids
+    if ids is not None:
+      check(isinstance(ids, (list, tuple)) and len(ids) > 0, "allowed_token_ids",
+            "must be a non-empty list of token ids")
+      for n, i in enumerate(ids):
+        check(is_int(i) and i >= 0, f"allowed_token_ids[{n}]", "must be an int >= 0", i)
+      object.__setattr__(self, "allowed_token_ids", tuple(ids))
 
   @classmethod
   def _is_finite(cls, x: Any) -> bool:

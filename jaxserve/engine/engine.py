@@ -137,6 +137,7 @@ class Engine:
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
+    self.max_model_len = fit_to_pool(self.max_model_len, self.num_pages, self.page_size)
     self._slot_page_tables = kv_cache.slot_page_tables(config)
     self.can_share_pages = self._slot_page_tables is None  # A slot's own region holds no one else's KV.
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
@@ -251,6 +252,21 @@ class Engine:
     else:
       tables[:page_tables.shape[0], :page_tables.shape[1]] = page_tables
     return tables[rows]
+
+
+def fit_to_pool(max_model_len: int, num_pages: int, page_size: int) -> int:
+  """The context window the KV pool can hold for one sequence, with a warning when that is
+  less than asked (as vLLM does). Clamped rather than refused: a small pool still serves
+  shorter requests (the preemption tests and scripts run on one on purpose), and the window
+  advertised (GetModelInfo, /v1/models, the default max_tokens) is then one a request can use."""
+  pool_len = (num_pages - 1) * page_size  # Page 0 is the scratch page.
+  if max_model_len <= pool_len:
+    return max_model_len
+  logging.warning("max_model_len %d is more than the KV pool holds for one sequence (%d pages "
+                  "of %d tokens): serving max_model_len %d; give more pages (--num-pages, "
+                  "--memory-fraction) for the full window", max_model_len, num_pages - 1,
+                  page_size, pool_len)
+  return pool_len
 
 
 def device_memory_bytes(device: jax.Device) -> int:

@@ -1,7 +1,8 @@
 """On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
 
-Penalties, then greedy or temperature sampling with top-k / top-p / min-p filtering. Filtering
-and random draws run only when some row asks for them (a `lax.cond`, not a Python branch).
+Penalties and the logit bias, then greedy or temperature sampling with top-k / top-p / min-p
+filtering. Filtering and random draws run only when some row asks for them (a `lax.cond`, not a
+Python branch).
 Randomness comes from (seed, position), so a seeded request samples the same tokens whatever else
 shares its batch, and again after a preemption.
 """
@@ -36,6 +37,9 @@ class SamplingState:
   want_logprobs: jax.Array  # [S] bool
   prompt_mask: jax.Array  # [S, V] bool: token ids in the prompt (repetition penalty)
   output_counts: jax.Array  # [S, V] int32: times each token was generated (all penalties)
+  # [S, V] float32: added to the logits (logit_bias; -inf outside allowed_token_ids). Zeros for
+  # a request without either, and x + 0.0 == x, so its tokens are those of no bias at all.
+  logit_bias: jax.Array
 
   @classmethod
   def create(cls, num_slots: int, vocab_size: int) -> SamplingState:
@@ -74,10 +78,25 @@ class SamplingRow:
         values,
         seed=np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32),
         ignore_eos=np.bool_(p.ignore_eos), want_logprobs=np.bool_(p.logprobs > 0),
-        prompt_mask=prompt_mask, output_counts=counts[:vocab_size]))
+        prompt_mask=prompt_mask, output_counts=counts[:vocab_size],
+        logit_bias=_bias_row(p, vocab_size)))
 
   def as_state(self) -> SamplingState:
     return SamplingState(**self.values)
+
+
+def _bias_row(p: SamplingParams, vocab_size: int) -> np.ndarray:
+  """[V] float32: p.logit_bias at its ids, -inf outside p.allowed_token_ids (ids past the
+  vocabulary are the gateway's to refuse; here they are dropped)."""
+  row = np.zeros(vocab_size, np.float32)
+  if p.allowed_token_ids is not None:
+    row[:] = -np.inf
+    allowed = np.asarray(p.allowed_token_ids, np.int64)
+    row[allowed[allowed < vocab_size]] = 0.0
+  for token, bias in p.logit_bias:
+    if token < vocab_size:
+      row[token] += np.float32(bias)
+  return row
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +111,7 @@ class Sampled:
 def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
   """logits [B, V] float32, one state row per b, positions [B], stop_ids [E] -> Sampled."""
   raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-  logits = _penalize(logits, st)
+  logits = _penalize(logits, st) + st.logit_bias
   # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn.
   eos = jnp.zeros(logits.shape[-1], bool).at[stop_ids].set(True)  # [V]
   logits = jnp.where(st.ignore_eos[:, None] & eos[None, :], -jnp.inf, logits)
@@ -139,21 +158,50 @@ def _penalize(logits, st: SamplingState):
 def _filter(logits, st: SamplingState, iters: int = 32):
   """Masks to -inf what top-k, then top-p, then min-p remove. logits [B, V] (temperature-scaled).
 
-  Thresholds are found by bisection (`iters` halvings of the value range) rather than a sort: on
-  CPU a 49k-wide sort per row costs ~10x more. Tokens tied at a threshold are all kept.
+  Thresholds are found by bisection rather than a sort: on CPU a 49k-wide sort per row costs
+  ~10x more. Tokens tied at a threshold are all kept.
   """
   k = jnp.where(st.top_k > 0, st.top_k, logits.shape[-1])[:, None]  # [B, 1]
-  lo, hi = jnp.min(logits, -1, keepdims=True), jnp.max(logits, -1, keepdims=True)
-  # top-k: the largest t with at least k logits >= t is the k-th largest logit.
-  kth = _bisect(lambda t: jnp.sum(logits >= t, -1, keepdims=True) >= k, lo, hi, iters)
-  probs = jax.nn.softmax(jnp.where(logits >= kth, logits, -jnp.inf), axis=-1)  # [B, V]
+  # top-k bisects over the logits' order-preserving uint32 keys, not their values: 32 halvings
+  # of [0, 2**32) end on the k-th largest key exactly, whatever the row holds (-inf from
+  # ignore_eos or a logit bias, or a range of 1e38 that float halvings would not resolve).
+  keys = _order_keys(logits)  # [B, V] uint32
+  lo = jnp.zeros_like(keys[:, :1])  # [B, 1]: every key is >= 0, so ok(lo) holds.
+  hi = jnp.max(keys, -1, keepdims=True)
+  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi, iters)
+  in_top_k = keys >= kth  # [B, V]
+  probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)  # [B, V]
   top = jnp.max(probs, -1, keepdims=True)
   # top-p: the largest t whose tokens (probability >= t) hold at least p of the mass.
   mass = lambda t: jnp.sum(jnp.where(probs >= t, probs, 0), -1, keepdims=True)
   nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
-  keep = (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
+  # in_top_k again: when the kept mass rounds below top_p (1.0 is enough), nucleus ends at 0,
+  # which the probability 0 of every token top-k removed would pass.
+  keep = in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
   needs_filter = ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))[:, None]
   return jnp.where(needs_filter & ~keep, -jnp.inf, logits)
+
+
+def _order_keys(x):
+  """float32 [...] -> uint32 [...] in the same order (-inf lowest): IEEE bits, with negatives'
+  bits flipped and positives' sign bit set."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  negative = (bits >> 31) == 1
+  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _bisect_int(ok, lo, hi, iters: int):
+  """The largest integer t in [lo, hi] with ok(t), for ok true at lo and monotone decreasing in
+  t; exact after `iters` >= log2(hi - lo + 1) halvings. Unsigned: hi - lo never overflows."""
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    span = hi - lo
+    mid = lo + span // 2 + (span & 1)  # The upper middle, so lo = mid always makes progress.
+    good = ok(mid) & (span > 0)
+    return jnp.where(good, mid, lo), jnp.where(good | (span == 0), hi, mid - 1)
+
+  return jax.lax.fori_loop(0, iters, halve, (lo, hi))[0]
 
 
 def _bisect(ok, lo, hi, iters: int):

@@ -11,7 +11,9 @@ Keys file (JSON); a limit left out or 0 is no limit:
 
 Tokens per minute count prompt plus completion tokens. Admission reserves prompt + max_tokens
 over a sliding minute, and the unused part is handed back when the request ends, so a key never
-goes over its limit, even with many long requests in flight.
+goes over its limit, even with many long requests in flight. A request that did not set
+max_tokens (it would run to the end of the context window) is not refused for the window it
+might use: its max_tokens shrinks to what the key has left (finish reason "length" there).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 class Status(enum.Enum):
   INVALID_ARGUMENT = "invalid_argument"
+  NOT_FOUND = "not_found"  # A model this server does not serve (OpenAI and vLLM: 404).
   UNAUTHENTICATED = "unauthenticated"
   RESOURCE_EXHAUSTED = "resource_exhausted"
   UNAVAILABLE = "unavailable"  # Warming up or draining.
@@ -111,10 +114,11 @@ class Lease:
   it if the request never ran. Only the first call counts."""
 
   def __init__(self, usage: collections.deque[_Charge] | None, charge: _Charge | None,
-               num_prompt_tokens: int):
+               num_prompt_tokens: int, max_tokens: int):
     self._usage = usage
     self._charge = charge
     self._num_prompt_tokens = num_prompt_tokens
+    self.max_tokens = max_tokens  # What the request may generate: admit may have shortened it.
 
   def settle(self, num_completion_tokens: int) -> None:
     if self._charge is not None:
@@ -152,10 +156,15 @@ class Gateway:
       raise ApiError(Status.UNAUTHENTICATED, "invalid API key")
     return match
 
-  def admit(self, key: ApiKey, num_prompt_tokens: int, max_tokens: int) -> Lease:
-    """Charges one request to `key`; raises RESOURCE_EXHAUSTED naming the limit it would pass."""
+  def admit(self, key: ApiKey, num_prompt_tokens: int, max_tokens: int,
+            can_shorten: bool = False) -> Lease:
+    """Charges one request to `key`; raises RESOURCE_EXHAUSTED naming the limit it would pass.
+
+    `can_shorten`: the client never set max_tokens, so the request is cut to the tokens the key
+    has left (at least 1) rather than refused for a window it may never use.
+    """
     if not (key.requests_per_minute or key.tokens_per_minute):
-      return Lease(None, None, num_prompt_tokens)
+      return Lease(None, None, num_prompt_tokens, max_tokens)
     now = self._clock()
     usage = self._usage[key.name]
     while usage and usage[0].time <= now - WINDOW_S:
@@ -165,16 +174,23 @@ class Gateway:
       raise ApiError(Status.RESOURCE_EXHAUSTED,
                      f"key {key.name!r} is over its limit of {rpm} requests per minute; retry in "
                      f"{usage[0].time + WINDOW_S - now:.0f} s")
-    need = num_prompt_tokens + max_tokens
     used = sum(c.tokens for c in usage)
+    left = max(tpm - used, 0)
+    if tpm and can_shorten:
+      max_tokens = min(max_tokens, left - num_prompt_tokens)
+      if max_tokens < 1:
+        raise ApiError(Status.RESOURCE_EXHAUSTED,
+                       f"the prompt ({num_prompt_tokens} tokens) and one output token do not fit "
+                       f"in the {left} tokens key {key.name!r} has left of its limit of {tpm} "
+                       "tokens per minute")
+    need = num_prompt_tokens + max_tokens
     if tpm and used + need > tpm:
       raise ApiError(Status.RESOURCE_EXHAUSTED,
                      f"prompt ({num_prompt_tokens}) plus max_tokens ({max_tokens}) is {need} tokens; "
-                     f"key {key.name!r} has {max(tpm - used, 0)} of its limit of {tpm} tokens per "
-                     "minute left")
+                     f"key {key.name!r} has {left} of its limit of {tpm} tokens per minute left")
     charge = _Charge(now, need)
     usage.append(charge)
-    return Lease(usage, charge, num_prompt_tokens)
+    return Lease(usage, charge, num_prompt_tokens, max_tokens)
 
 
 # Request fields -> what the engine runs.
@@ -206,6 +222,16 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
       raise invalid(f"{field}[{n}] is {short(i)}, outside the vocabulary [0, {vocab_size})")
 
 
+def check_bias_ids(sampling: SamplingParams, vocab_size: int) -> None:
+  """logit_bias' and allowed_token_ids' ids against the vocabulary (SamplingParams checked
+  their types and counts)."""
+  for token, _ in sampling.logit_bias:
+    if token >= vocab_size:
+      raise invalid(f"logit_bias has token id {token}, outside the vocabulary [0, {vocab_size})")
+  if sampling.allowed_token_ids is not None:
+    check_token_ids(sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
+
+
 def check_stop_token_ids(ids: Any, vocab_size: int) -> None:
   """The vocabulary bound SamplingParams cannot know; it checks the rest (the type, the count)."""
   if isinstance(ids, (list, tuple)) and len(ids) <= SamplingParams.MAX_STOP_TOKEN_IDS:
@@ -220,11 +246,11 @@ def check_request_id(request_id: str) -> None:
 
 
 def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: int,
-                   truncate: bool) -> tuple[Sequence[int], int]:
+                   truncate: bool, default: int | None = None) -> tuple[Sequence[int], int]:
   """(prompt ids, max_tokens) that fit the context window.
 
-  max_tokens None takes what the window leaves after the prompt. A prompt that leaves no room is
-  refused, or with `truncate`, loses its first tokens.
+  max_tokens None takes what the window leaves after the prompt, or at most `default` when one
+  is given. A prompt that leaves no room is refused, or with `truncate`, loses its first tokens.
   """
   if not ids:
     raise invalid("prompt is empty")
@@ -237,7 +263,9 @@ def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: in
                     f"the context window of {max_model_len} tokens; shorten it or set "
                     "truncate_prompt")
     ids = ids[len(ids) - room:]
-  return ids, max_tokens if max_tokens is not None else max_model_len - len(ids)
+  if max_tokens is None:
+    max_tokens = max_model_len - len(ids) if default is None else min(default, max_model_len - len(ids))
+  return ids, max_tokens
 
 
 def check_chunk_tokens(chunk_tokens: int) -> int:

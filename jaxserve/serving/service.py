@@ -44,7 +44,9 @@ class Prompt:
 class GenerateInput:
   prompt: Prompt
   sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # SamplingParams fields.
-  max_tokens: int | None = None  # None: what the context window leaves.
+  max_tokens: int | None = None  # None: what the context window leaves, or default_max_tokens.
+  # At most this many when max_tokens is None (OpenAI's completions: 16); None: no such cap.
+  default_max_tokens: int | None = None
   logprobs: int | None = None  # None: none; n: the chosen token's and the top n.
   chunk_tokens: int = 1
   request_id: str | None = None
@@ -109,27 +111,44 @@ class Service:
 
   def check_model(self, model: str) -> None:
     if model and model != self.model_name:
-      raise gateway.invalid(f"model {model!r} is not served here; this server runs {self.model_name!r}")
+      raise ApiError(Status.NOT_FOUND,
+                     f"model {model!r} is not served here; this server runs {self.model_name!r}")
 
-  def encode(self, prompt: Prompt, truncate: bool = False) -> list[int]:
-    """The prompt's ids; `truncate`: text too long for the context is cut to its tail first."""
+  def encode(self, prompt: Prompt, truncate: bool = False, add_special_tokens: bool | None = None,
+             add_generation_prompt: bool = True) -> list[int]:
+    """The prompt's ids; `truncate`: text too long for the context is cut to its tail first.
+    `add_special_tokens`: the BOS of text (None: the tokenizer's default; chat never: the
+    template writes its own); `add_generation_prompt`: chat ends with the assistant's turn."""
     given = [x for x in (prompt.text, prompt.token_ids, prompt.messages) if x is not None]
     if len(given) != 1:
       raise gateway.invalid("prompt: give exactly one of text, token ids or chat messages")
     if prompt.token_ids is not None:
-      ids = list(prompt.token_ids)
-      gateway.check_token_ids(ids, self.vocab_size, "prompt token_ids")
-      return ids
+      return self._checked_ids(prompt.token_ids, truncate)
     if prompt.text is not None:
-      ids = self.tokenizer.encode(self._within_reach(prompt.text, truncate))
+      ids = self.tokenizer.encode(self._within_reach(prompt.text, truncate), add_special_tokens)
       if prompt.text and not ids:  # "\x16": characters the vocabulary has no token for.
-        raise gateway.invalid("prompt text has no tokens: the tokenizer drops every character of it")
+        raise gateway.invalid("prompt is empty once tokenized: the tokenizer drops every "
+                              "character of it")
       return ids
     try:
-      text = self.tokenizer.apply_chat_template(prompt.messages)
+      text = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt)
     except ValueError as e:  # It names the message and field that are wrong.
       raise gateway.invalid(str(e)) from e
     return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
+
+  def _checked_ids(self, ids: Sequence[int], truncate: bool) -> list[int]:
+    # The length first: checking 2M ids one by one holds the event loop for 0.2 s, and ids that
+    # cannot fit are refused (or cut) whatever they are.
+    room = self.max_model_len - 1  # At least one output token.
+    if len(ids) > room:
+      if not truncate:
+        raise gateway.invalid(
+            f"prompt: {len(ids):,} token ids cannot fit in the context window of "
+            f"{self.max_model_len} tokens; shorten it, or set truncate_prompt to keep its end")
+      ids = ids[len(ids) - room:]
+    ids = list(ids)
+    gateway.check_token_ids(ids, self.vocab_size, "prompt token_ids")
+    return ids
 
   def _within_reach(self, text: str, truncate: bool) -> str:
     if len(text) <= self.max_prompt_chars:
@@ -153,14 +172,17 @@ class Service:
     ids = self.encode(inp.prompt, inp.truncate_prompt)
     tokenize = time.monotonic() - start
     ids, max_tokens = gateway.fit_to_context(ids, inp.max_tokens, self.max_model_len,
-                                             inp.truncate_prompt)
-    return Prepared(ids, gateway.sampling_params(inp.sampling, max_tokens, inp.logprobs), tokenize,
-                    chunk_tokens)
+                                             inp.truncate_prompt, inp.default_max_tokens)
+    sampling = gateway.sampling_params(inp.sampling, max_tokens, inp.logprobs)
+    gateway.check_bias_ids(sampling, self.vocab_size)
+    return Prepared(ids, sampling, tokenize, chunk_tokens)
 
   async def generate(self, key: ApiKey, inp: GenerateInput) -> AsyncIterator[Chunk]:
     received = time.monotonic()
     ids, sampling, tokenize, chunk_tokens = self.prepare(inp)
-    lease = self.gateway.admit(key, len(ids), sampling.max_tokens)
+    lease = self.gateway.admit(key, len(ids), sampling.max_tokens, can_shorten=inp.max_tokens is None)
+    if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
+      sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
     try:
       stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority)
     except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.

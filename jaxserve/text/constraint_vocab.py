@@ -9,6 +9,7 @@ not the end-of-turn token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import llguidance
@@ -77,6 +78,18 @@ def _special_ids(tokenizer: Any, nul_id: int | None, chunk: int = 4096) -> list[
   return [i for i in empty if not tokenizer.detokenize([i], True) and tokenizer.detokenize([i], False)]
 
 
+def spelling_bytes(spelling: str) -> bytes:
+  """The bytes one token's vocabulary spelling stands for, either kind of vocabulary (for a
+  token whose text alone cannot say: a piece of a multi-byte character decodes to U+FFFD)."""
+  if spelling.startswith("<0x") and len(spelling) == 6:
+    return _sentencepiece_bytes(spelling)
+  stand_in = _byte_stand_ins()
+  if all(c in stand_in for c in spelling):
+    return bytes(stand_in[c] for c in spelling)
+  return _sentencepiece_bytes(spelling)
+
+
+@functools.cache
 def _byte_stand_ins() -> dict[str, int]:
   """GPT-2's byte-to-character table, inverted: printable Latin-1 bytes stand for themselves,
   the other 68 (controls, space, a few Latin-1 gaps) for U+0100, U+0101, ... in byte order."""

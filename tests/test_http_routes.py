@@ -1,0 +1,166 @@
+"""What real OpenAI / vLLM clients send beyond the basics (issue 17): the health, model and
+tokenizer routes, OpenAI's fields that do not apply here, logit_bias, and the defaults and
+logprob details clients read; outputs checked against the offline Runner on the same engine."""
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from conftest import count_compiles
+from jaxserve.batching.runner import Runner
+from jaxserve.config import SamplingParams
+import server_harness as h
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+EMOJI = "\U0001F600"  # Four UTF-8 bytes: SmolLM2 spells it as byte-level pieces.
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_checkpoint, tmp_path_factory):
+  st = h.start_tiny(str(tiny_checkpoint), h.write_keys(tmp_path_factory.mktemp("keys") / "k.json"))
+  yield st
+  st.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+  return h.warm_engine(str(tiny_checkpoint))[1]
+
+
+def client(srv, key="alice") -> openai.OpenAI:
+  return openai.OpenAI(base_url=srv.http_url + "/v1", api_key=h.KEYS[key], max_retries=0,
+                       timeout=60)
+
+
+def call(srv, path, body=None, method=None, key="alice"):
+  """(status, parsed JSON or raw text) of one request to `path`."""
+  data = None if body is None else json.dumps(body).encode()
+  req = urllib.request.Request(srv.http_url + path, data=data, method=method,
+                               headers={"Authorization": f"Bearer {h.KEYS[key]}"})
+  try:
+    with urllib.request.urlopen(req, timeout=60) as r:
+      status, raw = r.status, r.read().decode()
+  except urllib.error.HTTPError as e:
+    status, raw = e.code, e.read().decode()
+  try:
+    return status, json.loads(raw)
+  except ValueError:
+    return status, raw
+
+
+def test_completions_default_to_16_tokens_and_chat_to_the_rest_of_the_window(srv):
+  """Defect: /v1/completions without max_tokens ran to the end of the window (OpenAI: 16)."""
+  out = client(srv).completions.create(model="tiny", prompt="Once", extra_body={"ignore_eos": True})
+  assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (16, "length")
+  chat = client(srv).chat.completions.create(model="tiny", messages=CHAT,
+                                             extra_body={"ignore_eos": True})
+  assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 128  # The whole window.
+
+
+def test_a_small_token_limit_cuts_a_request_without_max_tokens_instead_of_refusing_it(srv):
+  """Defect: a 60 tokens/minute key got 429 for any chat without max_tokens (its admission
+  reserved the whole 128-token window), with a message naming a max_tokens never sent."""
+  out = client(srv, "carol").chat.completions.create(model="tiny", messages=CHAT,
+                                                     extra_body={"ignore_eos": True})
+  assert out.usage.prompt_tokens + out.usage.completion_tokens == 60
+  assert out.choices[0].finish_reason == "length"
+  with pytest.raises(openai.RateLimitError) as e:  # The minute's 60 tokens are spent.
+    client(srv, "carol").chat.completions.create(model="tiny", messages=CHAT)
+  assert "max_tokens" not in str(e.value) and "tokens per minute" in str(e.value)
+
+
+def test_openai_fields_that_do_not_apply_are_taken_and_developer_acts_as_system(srv):
+  c = client(srv)
+  base = dict(model="tiny", max_tokens=6, temperature=0)
+  plain = c.chat.completions.create(messages=CHAT, **base).choices[0].message.content
+  extras = dict(store=False, metadata={"team": "a"}, service_tier="auto",
+                parallel_tool_calls=False, user="u-1", response_format={"type": "text"})
+  assert c.chat.completions.create(messages=CHAT, **base, **extras).choices[0].message.content == plain
+  developer = [{"role": "developer", "content": CHAT[0]["content"]}, CHAT[1]]
+  assert c.chat.completions.create(messages=developer, **base).choices[0].message.content == plain
+  assert c.completions.create(prompt="Hi", user="u-1", **base).choices[0].finish_reason
+  status, body = call(srv, "/v1/chat/completions", {"messages": CHAT, "temprature": 1})
+  assert status == 400 and "does not take 'temprature'" in body["error"]["message"]
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_tokens(srv, tokenizer):
+  token = tokenizer.encode(" banana", add_bos=False)[-1]
+  out = client(srv).completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0,
+                                       logit_bias={str(token): 100},
+                                       extra_body={"ignore_eos": True})
+  assert tokenizer.encode(out.choices[0].text, add_bos=False) == [token] * 5
+  allowed = [token, token + 1]
+  status, body = call(srv, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8, "seed": -7,
+                                               "allowed_token_ids": allowed, "ignore_eos": True,
+                                               "logprobs": 0})
+  assert status == 200, body
+  assert set(tokenizer.encode(body["choices"][0]["text"], add_bos=False)) <= set(allowed)
+
+
+def test_no_bias_or_allowed_ids_compiles_anything(tiny_checkpoint):
+  engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
+  runner = Runner(engine, tokenizer)
+  prompts = [[5, 6, 7], list(range(40, 75))]
+  settings = [SamplingParams(max_tokens=4, logit_bias={9: 5.0, 100: -100}),
+              SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=[1, 2, 3]),
+              SamplingParams(max_tokens=4, top_k=-1, seed=-3, logit_bias={"11": 50})]
+  with count_compiles() as counts:
+    runner.generate([(p, s) for p in prompts for s in settings])
+  assert counts == {"trace": 0, "compile": 0}
+
+
+def test_chat_logprob_bytes_are_each_token_s_own_bytes_even_inside_a_character(srv, tokenizer):
+  """Defect: every piece of a multi-byte character reported the bytes of U+FFFD."""
+  pieces = tokenizer.encode(EMOJI, add_bos=False)
+  assert len(pieces) > 1  # The test needs a character split over tokens.
+  status, body = call(srv, "/v1/chat/completions", {
+      "messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 1,
+      "allowed_token_ids": [pieces[0]]})
+  assert status == 200, body
+  entry = body["choices"][0]["logprobs"]["content"][0]
+  assert bytes(entry["bytes"]) == EMOJI.encode()[:len(bytes(entry["bytes"]))] != b""
+  assert bytes(entry["bytes"]) != "\ufffd".encode()
+
+
+def test_completion_logprobs_have_text_offsets_whole_and_streamed(srv):
+  body = {"prompt": "The cat", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+          "ignore_eos": True}
+  status, whole = call(srv, "/v1/completions", body)
+  lp = whole["choices"][0]["logprobs"]
+  lengths = [len(t) for t in lp["tokens"]]
+  assert lp["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
+  stream = client(srv).completions.create(model="tiny", stream=True, **{
+      k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True})
+  streamed = [o for e in stream if e.choices[0].logprobs for o in e.choices[0].logprobs.text_offset]
+  assert streamed == lp["text_offset"]
+
+
+def test_health_models_version_and_tokenizer_routes(srv, tokenizer):
+  assert call(srv, "/health") == (200, "")
+  assert call(srv, "/v1/models/tiny")[1]["id"] == "tiny"
+  status, body = call(srv, "/v1/models/gpt-4o")
+  assert status == 404 and body["error"]["code"] == "model_not_found"
+  assert isinstance(call(srv, "/version")[1]["version"], str)
+  status, body = call(srv, "/tokenize", {"prompt": "Hello there", "return_token_strs": True})
+  assert body["tokens"] == tokenizer.encode("Hello there") and body["count"] == len(body["tokens"])
+  assert body["max_model_len"] == 128 and len(body["token_strs"]) == body["count"]
+  status, chat = call(srv, "/tokenize", {"model": "tiny", "messages": CHAT})
+  assert chat["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(CHAT), add_bos=False)
+  assert call(srv, "/detokenize", {"tokens": body["tokens"]}) == (200, {"prompt": "Hello there"})
+  status, info = call(srv, "/tokenizer_info")
+  assert status == 200 and info["eos_token_id"] == tokenizer.eos_id
+  assert info["chat_template"] == tokenizer.chat_template
+
+
+def test_health_is_503_once_draining(tiny_checkpoint):
+  st = h.start_tiny(str(tiny_checkpoint))
+  try:
+    assert call(st, "/health")[0] == 200
+    st.call(st.server.drain())
+    status, body = call(st, "/health")
+    assert status == 503 and "shutting down" in body["error"]["message"]
+  finally:
+    st.close()
