@@ -20,9 +20,8 @@ from jaxserve.serving.gateway import ApiError, ApiKey, Status
 from jaxserve.serving.metrics import RequestRecord
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
-from jaxserve.batching.request import FinishReason
 from jaxserve.config import SamplingParams
-from jaxserve.serving.service import Chunk, GenerateInput, Prompt, Service
+from jaxserve.serving.service import Chunk, FinishReason, GenerateInput, Prompt, Service
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
 

@@ -26,6 +26,7 @@ from jaxserve.serving import gateway
 from jaxserve.config import SamplingParams
 from jaxserve.serving.gateway import ApiError, ApiKey, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
+# FinishReason and TokenLogprobs are fields of a Chunk: the front ends take them from here.
 from jaxserve.batching.request import (FinishReason, QueueFull, Request, RequestRejected,
                                        RequestOutput, TokenLogprobs)
 from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
