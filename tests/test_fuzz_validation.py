@@ -37,7 +37,7 @@ from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.serving.metrics import Metrics
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.engine.sample import SamplingRow
-from jaxserve.serving.service import Service
+from jaxserve.serving.service import Prompt, Service
 from jaxserve.batching.stop import OutputText
 from jaxserve.text.tokenizer import Tokenizer
 
@@ -427,3 +427,11 @@ def test_property_stop_strings_cut_the_stream_before_the_first_stop(smol, byte_t
     assert text == full
   else:
     assert out.stop_string in stops and full[len(text):].startswith(out.stop_string)
+
+
+def test_a_developer_message_is_a_system_one_from_either_front_end(service):
+  """OpenAI's `developer` role: the service maps it, so gRPC chat gets it as HTTP does."""
+  def ids(role):
+    return service.encode(Prompt(messages=[{"role": role, "content": "Be brief."},
+                                           {"role": "user", "content": "Hi"}]))
+  assert ids("developer") == ids("system") != ids("user")

@@ -203,8 +203,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
       raise invalid(f"messages[{n}] must be an object, got {short(m)}")
     if not isinstance(m.get("role"), str):  # The tokenizer checks which roles there are.
       raise invalid(f"messages[{n}].role must be a string, got {short(m.get('role'))}")
-    role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's new name for it.
-    out.append({"role": role, "content": _content(m.get("content"), f"messages[{n}].content")})
+    out.append({"role": m["role"], "content": _content(m.get("content"), f"messages[{n}].content")})
   return out
 
 

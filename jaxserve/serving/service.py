@@ -131,8 +131,10 @@ class Service:
         raise gateway.invalid("prompt is empty once tokenized: the tokenizer drops every "
                               "character of it")
       return ids
+    # OpenAI's new name for the system role, from either front end.
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in prompt.messages]
     try:
-      text = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt)
+      text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
     except ValueError as e:  # It names the message and field that are wrong.
       raise gateway.invalid(str(e)) from e
     return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
