@@ -31,7 +31,7 @@ DEFAULT_PATTERN = 6  # Five local layers, then one global, in every released Gem
 _GEMMA3_27B_LAYERS = 62
 
 
-# transformers' Gemma3TextConfig() defaults (checked against it by tests/test_gemma3_serving.py).
+# transformers' Gemma3TextConfig() defaults (checked against it by tests/test_capacity.py).
 # RoPE and the layer pattern are left out: their keys' absence picks a spelling (see _hf_rope).
 TEXT_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,

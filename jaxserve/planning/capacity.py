@@ -203,8 +203,9 @@ def load_model_config(spec: str) -> ModelConfig:
     raise ValueError(f"{spec!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a "
                      "config.json or a checkpoint directory holding model_config.json")
   d = json.loads(path.read_text())
-  # Hugging Face configs name the width `hidden_size`; ours (ModelConfig.to_dict) call it `dim`.
-  if "hidden_size" in d:
+  # Hugging Face configs name the width `hidden_size` (a multimodal one under `text_config`);
+  # ours (ModelConfig.to_dict) call it `dim`.
+  if "hidden_size" in d or "text_config" in d:
     return readers.from_hf(d, name=path.parent.name or spec)
   return ModelConfig.from_dict(d)
 
