@@ -116,7 +116,9 @@ def _requests(tokenizer):
       "seeded": (text_ids, SamplingParams(**SEEDED)),
       "other_seed": (text_ids, SamplingParams(**{**SEEDED, "seed": 8})),
       "chat": (chat_ids, SamplingParams(temperature=0, max_tokens=16)),
-      "chat_penalized": (chat_ids, SamplingParams(temperature=0, max_tokens=16, frequency_penalty=1.5)),
+      # The model copies the prompt back: a repetition penalty (over prompt and output) stops it.
+      "chat_penalized": (chat_ids, SamplingParams(temperature=0, max_tokens=16,
+                                                  repetition_penalty=1.5, frequency_penalty=1.5)),
   }
 
 
@@ -219,7 +221,8 @@ def _client(srv) -> openai.OpenAI:
 @pytest.mark.real_model
 def test_http_chat_and_completions_match_the_offline_runner(srv, offline):
   chat = _client(srv).chat.completions.create(model=NAME, messages=CHAT, max_tokens=16,
-                                              temperature=0.0, frequency_penalty=1.5)
+                                              temperature=0.0, frequency_penalty=1.5,
+                                              extra_body={"repetition_penalty": 1.5})
   assert chat.choices[0].message.content == offline["chat_penalized"].text
   stopped = _client(srv).completions.create(model=NAME, prompt=TEXT, max_tokens=24, temperature=0.0,
                                             stop=[STOP], logprobs=2)
@@ -241,7 +244,7 @@ def test_jaxserve_generate_with_the_packaged_name(checkpoints, loaded, offline):
       [sys.executable, "-m", "jaxserve.cli", "generate", "--model", NAME, *ENGINE_FLAGS,
        "--max-tokens", "16", CHAT[0]["content"]], env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-2000:]
-  assert run.stdout.rstrip("\n") == offline["chat"].text
+  assert run.stdout == offline["chat"].text + "\n"  # The text, then a newline.
   assert "[16 tokens, finish: length" in run.stderr
 
 
@@ -254,9 +257,10 @@ def end_of_turn_srv(loaded):
   tokenizer = loaded[1]
   model = tiny_gemma3(tokenizer.vocab_size)
   for norm in (model.layers.post_attn_norm, model.layers.post_mlp_norm):
-    norm.value = jnp.full_like(norm.value, -1.0)
+    norm[...] = jnp.full_like(norm[...], -1.0)
   newline, end_of_turn = tokenizer.token_to_id("\n"), tokenizer.token_to_id("<end_of_turn>")
-  model.embed.value = model.embed.value.at[end_of_turn].set(3 * model.embed.value[newline])
+  embed = model.embed[...]
+  model.embed[...] = embed.at[end_of_turn].set(3 * embed[newline])
   engine = Engine(model, EngineConfig(num_slots=2, page_size=16, num_pages=16, max_model_len=128,
                                       prefill_buckets=(32,), compilation_cache_dir=None),
                   stop_ids=tokenizer.stop_ids)
