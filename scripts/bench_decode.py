@@ -1,6 +1,11 @@
 """Decode step time, prefill throughput and the memory-bandwidth roofline, on the default model.
 
-  python scripts/bench_decode.py [--batches 1,8,32] [--context 256] [--startup]
+  python scripts/bench_decode.py [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
+  python scripts/bench_decode.py --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
+
+`--compare` runs each model in its own fresh process, one after the other in the same run (no
+model's compiled programs or memory linger into the next one's), then prints them side by side
+with the ratios to the first model: on a loaded machine the ratios are the figures to keep.
 
 Decode is memory-bound: each step reads every weight once plus each slot's KV cache. The roofline
 is that byte count divided by the copy bandwidth this same machine shows in this same run (a large
@@ -11,6 +16,7 @@ array copied by XLA), so the fraction holds even when the machine is slower or b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -97,16 +103,56 @@ def startup_seconds() -> tuple[float, float]:
     return run(), run()
 
 
+def measure(args) -> dict:
+  """One model's figures, in this process."""
+  model, _ = checkpoint.load_model(args.model)
+  rows = []
+  for batch in (int(b) for b in args.batches.split(",")):
+    ms = decode_ms(model, batch, args.context, args.steps)
+    rows.append({"batch": batch, "ms": ms, "bytes": step_bytes(model, batch, args.context)})
+  return {"model": args.model or "default", "rows": rows,
+          "prefill_tokens_per_s": prefill_tokens_per_s(model, args.prefill)}
+
+
+def compare(args) -> None:
+  """Each model in a fresh process (`--json`), then one table with ratios to the first."""
+  results = []
+  for name in args.compare.split(","):
+    cmd = [sys.executable, __file__, "--json", "--model", name, "--batches", args.batches,
+           "--context", str(args.context), "--steps", str(args.steps), "--prefill", str(args.prefill)]
+    load = os.getloadavg()[0]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    results.append({**json.loads(out.strip().splitlines()[-1]), "load": load})
+  base = results[0]
+  print("| model | load avg at start | " + " | ".join(
+      f"batch {r['batch']} ms/step (x first)" for r in base["rows"]) + " | prefill tokens/s (x first) |")
+  print("|---" * (3 + len(base["rows"])) + "|")
+  for r in results:
+    steps = [f"{row['ms']:.1f} ({row['ms'] / b['ms']:.2f}x)" for row, b in zip(r["rows"], base["rows"])]
+    prefill = r["prefill_tokens_per_s"]
+    print(f"| {r['model']} | {r['load']:.1f} | " + " | ".join(steps) +
+          f" | {prefill:.0f} ({prefill / base['prefill_tokens_per_s']:.2f}x) |")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default=None, help="a packaged name or a path (default: the default model)")
+  parser.add_argument("--compare", default=None, help="comma-separated models, each in a fresh process")
+  parser.add_argument("--json", action="store_true", help="print one JSON line of this model's figures")
   parser.add_argument("--batches", default="1,8,32")
   parser.add_argument("--context", type=int, default=256, help="tokens already cached per slot")
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tokens/s")
   parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
   args = parser.parse_args()
+  if args.compare:
+    compare(args)
+    return
+  if args.json:
+    print(json.dumps(measure(args)))
+    return
 
-  model, _ = checkpoint.load_model(None)
+  model, _ = checkpoint.load_model(args.model)
   bandwidth = copy_bandwidth()
   load = os.getloadavg()[0]
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "

@@ -238,3 +238,108 @@ def test_a_context_shorter_than_the_prefill_chunk_caps_the_chunk():
   # = 19,660,800; sum 21,480,000.
   plan = capacity.plan_capacity(SMOLLM2, GIB, 100, prefill_tokens=512, overhead_bytes=0)
   assert plan.min_reserve_bytes == 21_480_000
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3: sliding-window (local) layers, and window-only pages.
+
+GEMMA3_270M = capacity.KNOWN_MODELS["gemma-3-270m"]
+GEMMA3_4B = capacity.KNOWN_MODELS["gemma-3-4b"]
+GEMMA3_12B = capacity.KNOWN_MODELS["gemma-3-12b"]
+# google/gemma-3-4b-it's config.json as published: the text model's keys nested, heads left to
+# transformers' defaults.
+GEMMA3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+    "image_token_index": 262144, "mm_tokens_per_image": 256,
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model",
+                      "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14}}
+
+
+def test_gemma3_param_counts_are_the_published_ones():
+  # 270M: layer 640*256*(4+4+1+1) + 3*640*2048 + 4 norms 4*640 + q/k norms 2*256
+  #   = 1,638,400 + 3,932,160 + 2,560 + 512 = 5,573,632; * 18 = 100,325,376;
+  #   + tied embed 262144*640 = 167,772,160; + 640 -> 268,098,176 (Google: 268M).
+  assert GEMMA3_270M.num_params == 268_098_176
+  # 4B text: layer 2560*256*(8+8+4+4) + 3*2560*10240 + 4*2560 + 2*256
+  #   = 15,728,640 + 78,643,200 + 10,752 = 94,382,592; * 34 = 3,209,008,128 (the report's
+  #   3,209M non-embedding); + 262208*2560 = 671,252,480; + 2560 -> 3,880,263,168.
+  assert GEMMA3_4B.num_params == 3_880_263_168
+  # 12B text: layer 3840*256*48 + 3*3840*15360 + 4*3840 + 2*256 = 47,185,920 + 176,947,200
+  #   + 15,872 = 224,148,992; * 48 = 10,759,151,616 (10,759M); + 262208*3840 + 3840.
+  assert GEMMA3_12B.num_params == 11_766_034_176
+
+
+def test_gemma3_known_models_read_their_layer_pattern():
+  for cfg, layers, window in ((GEMMA3_270M, 18, 512), (GEMMA3_4B, 34, 1024), (GEMMA3_12B, 48, 1024)):
+    assert cfg.local_layers == tuple((i + 1) % 6 != 0 for i in range(layers))
+    assert cfg.sliding_window == window
+  assert (GEMMA3_4B.num_heads, GEMMA3_4B.num_kv_heads, GEMMA3_4B.head_dim) == (8, 4, 256)
+  assert (GEMMA3_12B.num_heads, GEMMA3_12B.num_kv_heads, GEMMA3_12B.rope_linear_factor) == (16, 8, 8.0)
+
+
+def test_window_pages_count_the_page_a_window_straddles():
+  # 512 positions from position 1 to 512 touch pages 0..32 of 16: 33; one more than they fill.
+  assert capacity.window_pages(GEMMA3_270M, 16) == 33  # 1 + ceil(511 / 16)
+  assert capacity.window_pages(GEMMA3_270M, 512) == 2  # 1 + ceil(511 / 512)
+  assert capacity.window_pages(GEMMA3_4B, 16) == 65  # 1 + ceil(1023 / 16)
+  assert capacity.window_pages(dataclasses.replace(GEMMA3_270M, sliding_window=1), 16) == 1
+
+
+def test_window_only_pages_by_hand():
+  # 270M at 32,768 tokens in pages of 16: 2,048 pages per layer. Today every one of 18 layers
+  # keeps them: 36,864 layer-pages; window-only, 3 global * 2,048 + 15 local * 33 = 6,639.
+  # One layer's page is 16 tokens * 2 (K, V) * 1 KV head * 256 * 2 B = 16,384 B.
+  assert capacity.layer_pages_per_conversation(GEMMA3_270M, 32768, 16) == 36_864
+  assert capacity.layer_pages_per_conversation(GEMMA3_270M, 32768, 16, window_only=True) == 6_639
+  assert capacity.kv_bytes_per_conversation(
+      GEMMA3_270M, 32768, 16, KVDtype.BFLOAT16, window_only=True) == 6_639 * 16_384
+  # A context inside the window: a local layer keeps every page, as today (16 pages of 16).
+  assert capacity.layer_pages_per_conversation(GEMMA3_270M, 256, 16, window_only=True) == 18 * 16
+  # A model without local layers is unchanged.
+  assert capacity.kv_bytes_per_conversation(LLAMA2_7B, 8192, 16, KVDtype.BFLOAT16,
+                                            window_only=True) == 4 * GIB
+
+
+def test_gemma3_4b_conversations_with_and_without_window_only_pages():
+  # 4B at 8,192 tokens on 16 GiB, no reserve: weights 3,880,263,168 * 2 B = 7,760,526,336, so
+  # 17,179,869,184 - 7,760,526,336 = 9,419,342,848 B for KV. One layer's page: 16 * 2 * 4 * 256
+  # * 2 B = 65,536 B. Today: 34 * 512 pages = 17,408 -> 1,140,850,688 B, 8 conversations
+  # (8.26). Window-only: 5 * 512 + 29 * 65 = 4,445 -> 291,307,520 B, 32 conversations (32.3).
+  plan = lambda window_only: capacity.plan_capacity(GEMMA3_4B, 16 * GIB, 8192, prefill_tokens=0,
+                                                     overhead_bytes=0, window_only=window_only)
+  today, windowed = plan(False), plan(True)
+  assert today.weight_bytes == 7_760_526_336
+  assert (today.kv_bytes_per_conversation, today.max_conversations) == (1_140_850_688, 8)
+  assert (windowed.kv_bytes_per_conversation, windowed.max_conversations) == (291_307_520, 32)
+  assert windowed.reserve_bytes == 9_419_342_848 - 32 * 291_307_520
+
+
+def test_gemma3_text_defaults_are_transformers_own():
+  transformers = pytest.importorskip("transformers")
+  from jaxserve.config import gemma3
+  hf = transformers.Gemma3TextConfig().to_dict()
+  assert {k: hf[k] for k in gemma3.TEXT_DEFAULTS} == gemma3.TEXT_DEFAULTS
+
+
+def test_plan_reads_a_multimodal_gemma3_config_as_its_text_model(tmp_path, capsys):
+  path = tmp_path / "gemma-3-4b-it" / "config.json"
+  path.parent.mkdir()
+  path.write_text(json.dumps(GEMMA3_4B_IT))
+  assert capacity.load_model_config(str(path.parent)) == dataclasses.replace(
+      GEMMA3_4B, name="gemma-3-4b-it")
+  assert capacity.run_plan(_args(model=str(path), memory_gib=16.0, context=8192,
+                                 prefill_tokens=0, overhead_gib=0.0)) == 0
+  out = capsys.readouterr().out
+  assert "conversations       8 at 8192 tokens" in out
+  assert "29 of 34 layers are local (1024-token window): each keeps 65 pages" in out
+  assert "KV per conversation 277.81 MiB (every layer every page: 1.06 GiB)" in out  # 291,307,520 B
+  assert "conversations       32 at 8192 tokens (4.00x)" in out
+
+
+def test_plan_of_a_model_without_local_layers_prints_no_window_lines(capsys):
+  assert capacity.run_plan(_args()) == 0
+  assert "window-only" not in capsys.readouterr().out

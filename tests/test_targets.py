@@ -37,8 +37,9 @@ LLAMA3_8B_2L = dataclasses.replace(capacity.KNOWN_MODELS["llama-3-8b"], num_laye
 # The fewest programs that cover both steps: sampling set-up, prefill T=32, decode B=1 W=8.
 SMALL = dict(num_slots=1, max_model_len=128, prefill_buckets=(32,), dtype="bfloat16",
              compilation_cache_dir=None)
+GEMMA3_270M = capacity.KNOWN_MODELS["gemma-3-270m"]
 CASES = {"smollm2-v5e": ("v5e", SMOLLM2, 512), "llama-3-8b-v6e": ("v6e", LLAMA3_8B_2L, 4096),
-         "smollm2-h100": ("h100", SMOLLM2, 512)}
+         "smollm2-h100": ("h100", SMOLLM2, 512), "gemma-3-270m-v5e": ("v5e", GEMMA3_270M, 512)}
 
 
 def skip_without(target: str):
@@ -131,6 +132,21 @@ def test_plan_compile_sizes_a_pool_that_fits():
   engine_config = EngineConfig(**SMALL)
   assert pool["pages"] < capacity.num_kv_pages(
       SMOLLM2, budget, 1.0, 16, kv_cache.kv_dtype_of(engine_config), weight_bytes(SMOLLM2))
+
+
+@skip_without("v5e")
+def test_plan_compile_builds_gemma3_for_v5e():
+  """`jaxserve plan --compile v5e --model gemma-3-270m` on a small pool: Gemma 3's programs (its
+  own model class, on abstract weights) compile, and the pool is 64 pages of 16 tokens * 18 KiB
+  (2 * 18 layers * 1 KV head * 256 * 2 B) = 18 MiB."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    code = cli.main(["plan", "--compile", "v5e", "--model", "gemma-3-270m", "--slots", "1",
+                     "--buckets", "32", "--max-model-len", "128", "--num-pages", "64", "--json"])
+  result = json.loads(out.getvalue())
+  assert code == 0 and result["fits"] and all(r["compiled"] for r in result["programs"])
+  assert result["kv_pool"]["bytes"] == 64 * 16 * 18 * 1024
+  assert min(r["argument_bytes"] for r in result["programs"][1:]) >= weight_bytes(GEMMA3_270M)
 
 
 def test_pool_is_the_most_pages_every_programs_line_allows():

@@ -7,6 +7,11 @@ models). Which layers are local is read from the config, never assumed: Hugging 
 global); GGUF files may carry `<arch>.attention.sliding_window_pattern`, and llama.cpp's period
 of 6 applies when they do not.
 
+The multimodal Gemma 3 models (4B, 12B, 27B: `Gemma3ForConditionalGeneration`) nest their
+text model's keys under `text_config`, and their published configs give only the keys that differ
+from transformers' `Gemma3TextConfig` defaults (the 4B's has no head counts), so a missing key
+takes that default (`TEXT_DEFAULTS`), as transformers reads it. Only the text model is read.
+
 Gemma 3 replaced Gemma 2's attention soft-capping with qk-norm: a config's
 `attn_logit_softcapping` is ignored, as transformers' Gemma 3 ignores it. The final-logit cap
 is applied when a config sets one.
@@ -26,13 +31,30 @@ DEFAULT_PATTERN = 6  # Five local layers, then one global, in every released Gem
 _GEMMA3_27B_LAYERS = 62
 
 
+# transformers' Gemma3TextConfig() defaults (checked against it by tests/test_capacity.py).
+# RoPE and the layer pattern are left out: their keys' absence picks a spelling (see _hf_rope).
+TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "tie_word_embeddings": True,
+}
+
+
+def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The text model's keys, defaults filled in: a multimodal config's `text_config`, or `hf`."""
+  return {**TEXT_DEFAULTS, **hf.get("text_config", hf)}
+
+
 def pattern_layers(num_layers: int, period: int) -> tuple[bool, ...]:
   """Local (True) unless the layer closes a period: (i + 1) % period == 0 is global."""
   return tuple(bool((i + 1) % period) for i in range(num_layers))
 
 
 def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
-  """A `Gemma3ForCausalLM` / `gemma3_text` config.json (transformers 4 or 5 spelling)."""
+  """A `Gemma3ForCausalLM` / `gemma3_text` config.json (transformers 4 or 5 spelling), or a
+  `Gemma3ForConditionalGeneration` one, read as its text model."""
+  hf = text_config(hf)
   num_layers, num_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
   if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
     raise ValueError(f"unsupported Gemma 3 activation {hf['hidden_activation']!r}")
@@ -47,26 +69,26 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
   else:
     local = tuple(t == "sliding_attention" for t in types)
   global_theta, factor, local_theta = _hf_rope(hf)
-  head_dim = hf.get("head_dim", 256)
+  head_dim = hf["head_dim"]
   return ModelConfig(
-      vocab_size=hf.get("vocab_size", 262_208),
+      vocab_size=hf["vocab_size"],
       dim=hf["hidden_size"],
       num_layers=num_layers,
       num_heads=num_heads,
-      num_kv_heads=hf.get("num_key_value_heads", num_heads),
+      num_kv_heads=hf["num_key_value_heads"],
       head_dim=head_dim,
       hidden_dim=hf["intermediate_size"],
-      norm_eps=hf.get("rms_norm_eps", 1e-6),
+      norm_eps=hf["rms_norm_eps"],
       rope_theta=global_theta,
-      max_seq_len=hf.get("max_position_embeddings", 131_072),
-      tie_embeddings=hf.get("tie_word_embeddings", True),
+      max_seq_len=hf["max_position_embeddings"],
+      tie_embeddings=hf["tie_word_embeddings"],
       name=name,
       family=ModelFamily.GEMMA3,
-      sliding_window=hf.get("sliding_window", 4096) if any(local) else None,
+      sliding_window=hf["sliding_window"] if any(local) else None,
       local_layers=local,
       rope_local_theta=local_theta,
       rope_linear_factor=factor,
-      query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+      query_pre_attn_scalar=hf["query_pre_attn_scalar"],
       final_logit_softcapping=hf.get("final_logit_softcapping"),
   )
 

@@ -10,11 +10,14 @@ from typing import Any, Mapping
 from jaxserve.config import gemma3
 from jaxserve.config.model import ModelConfig, RopeScaling
 
+# The text-only model, and the multimodal one (4B, 12B, 27B), read as its text model.
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+
 
 def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
   """Builds a config from a Hugging Face `config.json` dict."""
   arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-  if arch == "Gemma3ForCausalLM" or hf.get("model_type") == "gemma3_text":
+  if arch in GEMMA3_ARCHITECTURES or hf.get("model_type") in ("gemma3_text", "gemma3"):
     return gemma3.from_hf(hf, name)
   if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
     raise ValueError(f"unsupported architecture {arch!r}: jaxserve runs Llama-family models")

@@ -33,7 +33,7 @@ from jaxserve.engine.decode import DecodeState, decode_step
 from jaxserve.engine.engine import _set_sampling
 from jaxserve.model.attention import AttentionSpec
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.llama import Transformer
+from jaxserve.model.families import model_class
 from jaxserve.engine.prefill import prefill_step
 from jaxserve.engine.sample import SamplingRow
 
@@ -56,7 +56,7 @@ def _i32(*shape):
 
 def abstract_weights(model: ModelConfig, dtype: str):
   """(graphdef, params) of the model with ShapeDtypeStruct leaves: no weight is ever made."""
-  abstract = nnx.eval_shape(lambda: Transformer(model, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: model_class(model)(model, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
   return nnx.split(abstract)
 
 

@@ -17,11 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig, ModelFamily
+from jaxserve.config import ModelConfig
 from jaxserve.engine import placement
 from jaxserve.loading import pull, weights
-from jaxserve.model.gemma3 import Gemma3
-from jaxserve.model.llama import Transformer
+from jaxserve.model.families import Model, model_class
 from jaxserve.text.tokenizer import Tokenizer
 
 
@@ -90,13 +89,8 @@ def resolve(model: str | None) -> pathlib.Path:
   return pathlib.Path(model)
 
 
-def model_class(cfg: ModelConfig) -> type[Transformer] | type[Gemma3]:
-  """The module that builds a model of `cfg`'s family."""
-  return {ModelFamily.LLAMA: Transformer, ModelFamily.GEMMA3: Gemma3}[cfg.family]
-
-
 def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32",
-                mesh=None) -> Transformer | Gemma3:
+                mesh=None) -> Model:
   """Places `params` (numpy, the layout of `weights.to_params`) into the family's model: on one
   device, or with each weight going straight to its shards on `mesh` (no device ever holds a full
   copy)."""
@@ -112,7 +106,7 @@ def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32",
   return nnx.merge(graphdef, state)
 
 
-def load_model(model: str | None = None, dtype: str = "float32", mesh=None) -> tuple[Transformer, Tokenizer]:
+def load_model(model: str | None = None, dtype: str = "float32", mesh=None) -> tuple[Model, Tokenizer]:
   """`mesh` (placement.mesh_for(engine_config)): each weight goes straight to its shards."""
   cfg, params, tokenizer = read_source(resolve(model))
   return build_model(cfg, params, dtype, mesh), tokenizer

@@ -13,6 +13,17 @@ The published worked example, a Llama-2-7B-class model at 8,192 tokens in 16-bit
   KV per token  2 (K, V) * 32 layers * 32 heads * 128 * 2 B  = 512 KiB
   conversation  8,192 tokens * 512 KiB                       =  4.00 GiB
   16 of them: 80 - 12.55 - 64 = 3.45 GiB left for activations and overhead; a 17th needs 4.
+
+Window-only pages (Gemma 3, and any model with sliding-window layers): a local layer attends to
+its last `sliding_window` positions only, so it need keep only the pages those can touch,
+1 + ceil((window - 1) / page_size) (a window that straddles a page boundary spans one more page
+than it fills), while a global layer keeps the whole context. Per conversation, in pages of
+one layer:  global_layers * ceil(context / page_size) + local_layers * window_pages.
+Gemma 3 270M at 32,768 tokens, pages of 16: 3 * 2,048 + 15 * 33 = 6,639 instead of
+18 * 2,048 = 36,864 (5.6x less). The engine keeps every layer's whole context today (issue 16's
+page freeing comes after the ragged step); `plan_capacity(window_only=True)` is what it will hold.
+A prefill chunk of T tokens briefly needs T - 1 more positions in each local layer: the per-chunk
+pages are left to the reserve's overhead.
 The engine sizes its page pool with the same arithmetic (`num_kv_pages`); `jaxserve plan`
 prints a plan (`add_plan_parser`, `run_plan`).
 """
@@ -27,8 +38,9 @@ import pathlib
 import sys
 import types
 
-from jaxserve.config import KVDtype, ModelConfig, RopeScaling
+from jaxserve.config import KVDtype, ModelConfig
 from jaxserve.config import readers
+from jaxserve.planning.known_models import KNOWN_MODELS
 
 GIB = 2**30
 
@@ -62,46 +74,6 @@ class WeightDtype(enum.Enum):
 WEIGHT_DTYPES = types.MappingProxyType({d.label: d for d in WeightDtype})
 KV_DTYPES = types.MappingProxyType({d.label: d for d in KVDtype})
 
-# Known public models, from each one's published Hugging Face config.json.
-KNOWN_MODELS = types.MappingProxyType({
-    # meta-llama/Llama-2-7b-hf config.json
-    "llama-2-7b": ModelConfig(
-        vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-        hidden_dim=11008, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096,
-        tie_embeddings=False, name="llama-2-7b"),
-    # meta-llama/Llama-2-13b-hf config.json
-    "llama-2-13b": ModelConfig(
-        vocab_size=32000, dim=5120, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
-        hidden_dim=13824, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096,
-        tie_embeddings=False, name="llama-2-13b"),
-    # meta-llama/Meta-Llama-3-8B config.json
-    "llama-3-8b": ModelConfig(
-        vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-        hidden_dim=14336, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192,
-        tie_embeddings=False, name="llama-3-8b"),
-    # meta-llama/Llama-3.1-8B config.json
-    "llama-3.1-8b": ModelConfig(
-        vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-        hidden_dim=14336, norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_seq_len=131072,
-        tie_embeddings=False, name="llama-3.1-8b"),
-    # mistralai/Mistral-7B-v0.3 config.json (v0.3: no sliding window, so the KV is full length)
-    "mistral-7b": ModelConfig(
-        vocab_size=32768, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-        hidden_dim=14336, norm_eps=1e-5, rope_theta=1000000.0, max_seq_len=32768,
-        tie_embeddings=False, name="mistral-7b"),
-    # Qwen/Qwen2-7B-Instruct config.json
-    "qwen2-7b": ModelConfig(
-        vocab_size=152064, dim=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-        hidden_dim=18944, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
-        tie_embeddings=False, qkv_bias=True, name="qwen2-7b"),
-    # HuggingFaceTB/SmolLM2-135M config.json
-    "smollm2-135m": ModelConfig(
-        vocab_size=49152, dim=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-        hidden_dim=1536, norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192,
-        tie_embeddings=True, name="smollm2-135m"),
-})
-
 DEFAULT_PREFILL_TOKENS = 512  # SchedulerConfig.max_num_batched_tokens: the largest chunk.
 DEFAULT_OVERHEAD_BYTES = GIB // 2  # Compiled programs, XLA scratch, the runtime's own buffers.
 
@@ -119,9 +91,26 @@ def pages_per_conversation(context: int, page_size: int) -> int:
   return -(-context // page_size)  # The last page is allocated whole, used or not.
 
 
+def window_pages(cfg: ModelConfig, page_size: int) -> int:
+  """Pages a local layer's window can touch at once: `sliding_window` consecutive positions
+  start anywhere in a page, so they span up to one page more than they fill."""
+  return 1 + -(-(cfg.sliding_window - 1) // page_size)
+
+
+def layer_pages_per_conversation(cfg: ModelConfig, context: int, page_size: int,
+                                 window_only: bool = False) -> int:
+  """Pages, summed over the layers, one conversation of `context` tokens holds. Without
+  `window_only` (today's engine) every layer keeps the whole context."""
+  full = pages_per_conversation(context, page_size)
+  num_local = sum(cfg.local_layers) if window_only else 0
+  local = min(full, window_pages(cfg, page_size)) if num_local else 0
+  return (cfg.num_layers - num_local) * full + num_local * local
+
+
 def kv_bytes_per_conversation(cfg: ModelConfig, context: int, page_size: int,
-                              dtype: KVDtype) -> int:
-  return pages_per_conversation(context, page_size) * page_size * kv_bytes_per_token(cfg, dtype)
+                              dtype: KVDtype, window_only: bool = False) -> int:
+  per_layer_token = kv_bytes_per_token(cfg, dtype) // cfg.num_layers  # Exact: L is a factor.
+  return layer_pages_per_conversation(cfg, context, page_size, window_only) * page_size * per_layer_token
 
 
 def activation_bytes(cfg: ModelConfig, num_tokens: int, context: int, dtype: WeightDtype) -> int:
@@ -155,20 +144,22 @@ class CapacityPlan:
   min_reserve_bytes: int  # Must fit beside the weights and the conversations.
   max_conversations: int
   reserve_bytes: int  # What is left for activations and overhead with max_conversations.
+  window_only: bool = False  # Local layers keep only their window's pages.
 
 
 def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
                   weight_dtype: WeightDtype = WeightDtype.BFLOAT16,
                   kv_dtype: KVDtype = KVDtype.BFLOAT16, page_size: int = 16,
                   prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
-                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> CapacityPlan:
+                  overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                  window_only: bool = False) -> CapacityPlan:
   if memory_bytes <= 0 or context <= 0 or page_size <= 0:
     raise ValueError(f"memory ({memory_bytes}), context ({context}) and page size "
                      f"({page_size}) must be positive")
   if prefill_tokens < 0 or overhead_bytes < 0:
     raise ValueError("prefill_tokens and overhead_bytes must be >= 0")
   weights = weight_bytes(cfg, weight_dtype)
-  conversation = kv_bytes_per_conversation(cfg, context, page_size, kv_dtype)
+  conversation = kv_bytes_per_conversation(cfg, context, page_size, kv_dtype, window_only)
   min_reserve = activation_bytes(cfg, min(prefill_tokens, context), context,
                                  weight_dtype) + overhead_bytes
   fits = max(0, (memory_bytes - weights - min_reserve) // conversation)
@@ -177,7 +168,7 @@ def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
       weight_dtype=weight_dtype, kv_dtype=kv_dtype, weight_bytes=weights,
       kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype), kv_bytes_per_conversation=conversation,
       min_reserve_bytes=min_reserve, max_conversations=fits,
-      reserve_bytes=memory_bytes - weights - fits * conversation)
+      reserve_bytes=memory_bytes - weights - fits * conversation, window_only=window_only)
 
 
 def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: float,
@@ -212,8 +203,9 @@ def load_model_config(spec: str) -> ModelConfig:
     raise ValueError(f"{spec!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a "
                      "config.json or a checkpoint directory holding model_config.json")
   d = json.loads(path.read_text())
-  # Hugging Face configs name the width `hidden_size`; ours (ModelConfig.to_dict) call it `dim`.
-  if "hidden_size" in d:
+  # Hugging Face configs name the width `hidden_size` (a multimodal one under `text_config`);
+  # ours (ModelConfig.to_dict) call it `dim`.
+  if "hidden_size" in d or "text_config" in d:
     return readers.from_hf(d, name=path.parent.name or spec)
   return ModelConfig.from_dict(d)
 
@@ -249,6 +241,23 @@ def format_plan(p: CapacityPlan) -> str:
   return "\n".join(lines)
 
 
+def format_window_gain(today: CapacityPlan, windowed: CapacityPlan) -> str:
+  """The lines that set the window-only plan beside today's (every layer keeps every page)."""
+  m, z = windowed.model, windowed.page_size
+  num_local = sum(m.local_layers)
+  kept = min(window_pages(m, z), pages_per_conversation(windowed.context, z))
+  gain = (f"{windowed.max_conversations / today.max_conversations:.2f}x"
+          if today.max_conversations else "none fit without")
+  return "\n".join([
+      f"window-only pages   {num_local} of {m.num_layers} layers are local ({m.sliding_window}-token "
+      f"window): each keeps {kept} pages, the {m.num_layers - num_local} global layers every page",
+      f"  KV per conversation {_fmt(windowed.kv_bytes_per_conversation)} (every layer every page: "
+      f"{_fmt(today.kv_bytes_per_conversation)})",
+      f"  conversations       {windowed.max_conversations} at {windowed.context} tokens ({gain}); "
+      "the engine keeps every page today (issue 16)",
+  ])
+
+
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
   parser = subparsers.add_parser(
       "plan", help="how many full-length conversations fit on one accelerator",
@@ -275,13 +284,16 @@ def run_plan(args: argparse.Namespace) -> int:
   """Prints the plan; returns 1 when no full-length conversation fits (or the input is bad)."""
   try:
     cfg = load_model_config(args.model)
-    plan = plan_capacity(
+    plan = lambda window_only: plan_capacity(
         cfg, round(args.memory_gib * GIB), args.context or cfg.max_seq_len,
         weight_dtype=WEIGHT_DTYPES[args.weight_dtype], kv_dtype=KV_DTYPES[args.kv_dtype],
         page_size=args.page_size, prefill_tokens=args.prefill_tokens,
-        overhead_bytes=round(args.overhead_gib * GIB))
+        overhead_bytes=round(args.overhead_gib * GIB), window_only=window_only)
+    today = plan(False)
   except ValueError as e:
     print(f"jaxserve plan: {e}", file=sys.stderr)
     return 1
-  print(format_plan(plan))
-  return 0 if plan.max_conversations else 1
+  print(format_plan(today))
+  if any(cfg.local_layers):
+    print(format_window_gain(today, plan(True)))
+  return 0 if today.max_conversations else 1
