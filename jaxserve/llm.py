@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
-from jaxserve.loading import checkpoint
-
-from jaxserve.engine import placement
-from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
-from jaxserve.engine.engine import Engine
+from jaxserve.api.server import Loaded
 from jaxserve.batching.request import Completion
 from jaxserve.batching.runner import Runner
-from jaxserve.api.server import Loaded
+from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
+from jaxserve.engine import placement
+from jaxserve.engine.engine import Engine
+from jaxserve.loading import checkpoint
 
 Prompt = Union[str, Sequence[int]]
 

@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import gpu_decode
-from kernels_pallas import gpu_prefill
-from kernels_pallas import tpu_decode
-from kernels_pallas import tpu_prefill
+from kernels_pallas import gpu_decode, gpu_prefill, tpu_decode, tpu_prefill
 from kernels_pallas.page_layout import PageLayout
 from kernels_pallas.platform import Platform, resolve
 from kernels_pallas.ragged import ragged_paged_attention
-from kernels_pallas.ragged_layout import RaggedLayout, layout_for as ragged_layout_for
-
+from kernels_pallas.ragged_layout import RaggedLayout
+from kernels_pallas.ragged_layout import layout_for as ragged_layout_for
 
 _DECODE = {Platform.TPU: tpu_decode.paged_decode_attention,
            Platform.GPU: gpu_decode.paged_decode_attention,

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas import common
-from kernels_pallas import page_layout
+from kernels_pallas import common, page_layout
 
 
 def check_triton_sizes(page_size: int, head_dim: int):

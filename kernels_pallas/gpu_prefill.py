@@ -17,9 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas import common
-from kernels_pallas import gpu_decode
-from kernels_pallas import page_layout
+from kernels_pallas import common, gpu_decode, page_layout
 
 _TARGET_ROWS = 64  # Query rows (Gp * Tq) per program: 64 x H f32 accumulators fit 4 warps.
 

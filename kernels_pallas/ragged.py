@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas import ragged_checks
+from kernels_pallas import ragged_checks, ragged_gpu, ragged_tpu
 from kernels_pallas.platform import resolve
-from kernels_pallas import ragged_gpu
-from kernels_pallas import ragged_tpu
 
 
 def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs,

@@ -26,9 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas import common
-from kernels_pallas import gpu_decode
-from kernels_pallas import ragged_reference
+from kernels_pallas import common, gpu_decode, ragged_reference
 
 _TARGET_ROWS = 64  # Query rows per program: 64 x H f32 accumulators fit 4 warps.
 

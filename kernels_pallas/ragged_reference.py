@@ -15,8 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import ragged_checks
-from kernels_pallas import ragged_layout
+from kernels_pallas import ragged_checks, ragged_layout
 
 
 def token_sequences(cu_q_lens, num_seqs, num_tokens: int):

@@ -29,9 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas import common
-from kernels_pallas import ragged_layout
-from kernels_pallas import tpu_pages
+from kernels_pallas import common, ragged_layout, tpu_pages
 from kernels_pallas.ragged_windows import HeadWindows
 
 _TARGET_ROWS = 256  # Query rows (G * Tq) per block: fills the MXU's rows on v5e/v6e.

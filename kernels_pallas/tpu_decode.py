@@ -20,9 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas import common
-from kernels_pallas import page_layout
-from kernels_pallas import tpu_pages
+from kernels_pallas import common, page_layout, tpu_pages
 
 
 def _load(buf_ref, slot, slab: int, lo: int, hi: int) -> jax.Array:

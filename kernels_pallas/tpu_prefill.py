@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas import common
-from kernels_pallas import tpu_pages
+from kernels_pallas import common, tpu_pages
 
 _TARGET_ROWS = 256  # Query rows (G * Tq) per block: fills the MXU's rows on v5e/v6e.
 

@@ -32,18 +32,24 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from jaxserve.planning import capacity
-
-from jaxserve.loading import checkpoint
-from jaxserve.model.attention import AttentionMetadata
-from jaxserve.config import (AttentionBackend, EngineConfig, KVDtype, KVLayout, ModelConfig,
-                             SamplingParams, SchedulerConfig)
-from jaxserve.engine.engine import Engine
 from jaxserve.batching.kv_pages import PageAllocator
-from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.llama import Transformer
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.batching.runner import Runner
+from jaxserve.config import (
+  AttentionBackend,
+  EngineConfig,
+  KVDtype,
+  KVLayout,
+  ModelConfig,
+  SamplingParams,
+  SchedulerConfig,
+)
+from jaxserve.engine.engine import Engine
+from jaxserve.loading import checkpoint
+from jaxserve.model.attention import AttentionMetadata
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.llama import Transformer
+from jaxserve.planning import capacity
 
 
 @dataclasses.dataclass(frozen=True)

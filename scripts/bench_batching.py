@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
+from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
 from jaxserve.llm import LLM
-from jaxserve.batching.runner import Runner
 
 
 def workload(num: int, seed: int, vocab: int):

@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.loading import checkpoint
+from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.engine import Engine
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.loading import checkpoint
 
 
 def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:

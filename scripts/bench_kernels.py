@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
-from kernels_pallas import reference
-from kernels_pallas import testing
+from kernels_pallas import reference, testing
 
 # Peak HBM bandwidth in bytes/s by jax device_kind (vendor datasheets).
 PEAK_HBM = {

@@ -27,10 +27,10 @@ import json
 import sys
 from typing import Sequence
 
-from jaxserve.loading import checkpoint
+from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
 from jaxserve.engine.engine import Engine
-from jaxserve.batching.runner import Runner
+from jaxserve.loading import checkpoint
 
 CONDITIONS = ("batch", "prefix", "chunked", "preempted")
 _TOPICS = ["the sea", "a lighthouse keeper", "prime numbers", "bread", "a lost key", "winter",

@@ -36,11 +36,11 @@ import sys
 import time
 from typing import Any, TextIO
 
+from jaxserve.batching.request import Completion, FinishReason, Request
 from jaxserve.cli import flags
 from jaxserve.cli import main as cli
 from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.llm import LLM
-from jaxserve.batching.request import Completion, FinishReason, Request
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"logprobs"}

@@ -40,12 +40,12 @@ import random
 import re
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
-from typing import Callable
 import urllib.request
+from typing import Callable
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families

@@ -14,9 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.batching.runner import Runner
+from jaxserve.config import SamplingParams, SchedulerConfig
 
 
 class _Done:

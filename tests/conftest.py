@@ -13,8 +13,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src import dispatch
 from flax import nnx
+from jax._src import dispatch
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.llama import Transformer

@@ -31,9 +31,9 @@ def _engine(args: dict):
 
 
 def _serve(engine, args: dict) -> dict:
-  from jaxserve.engine import multihost
-  from jaxserve.config import SamplingParams, SchedulerConfig
   from jaxserve.batching.runner import Runner
+  from jaxserve.config import SamplingParams, SchedulerConfig
+  from jaxserve.engine import multihost
   from mock_engine import MockTokenizer
 
   leader = multihost.LeaderEngine(engine) if "coordinator" in args else None

@@ -10,13 +10,12 @@ import threading
 
 import grpc
 
-from jaxserve.loading import checkpoint
-
 from jaxserve.api import server
-from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import Engine
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.loading import checkpoint
 
 # Small enough to compile in seconds: one prefill bucket, one decode width (128 / 16 = 8 pages).
 ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=40, max_model_len=128,

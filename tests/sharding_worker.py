@@ -22,9 +22,9 @@ def _setup(args: dict) -> None:
 
 
 def _model(args: dict, tp: int, dp: int):
-  from jaxserve.loading import checkpoint
-  from jaxserve.engine import placement
   from jaxserve.config import ModelConfig
+  from jaxserve.engine import placement
+  from jaxserve.loading import checkpoint
 
   if args["model"] == "default":
     cfg, params, _ = checkpoint.read_source(checkpoint.resolve(None))
@@ -55,8 +55,8 @@ def _greedy(engine, prompts, steps: int) -> dict:
   """Each prompt prefilled into its own slot, then `steps` decode steps of all of them."""
   import numpy as np
 
-  from jaxserve.config import SamplingParams
   from jaxserve.batching.plan import PrefillChunk
+  from jaxserve.config import SamplingParams
 
   width = -(-(max(map(len, prompts)) + steps + 1) // engine.page_size)
   tables = np.arange(1, 1 + len(prompts) * width, dtype=np.int32).reshape(len(prompts), width)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
 from conftest import TINY_ENGINE
+
+from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, SamplingParams
 from jaxserve.engine.engine import Engine, default_backend
-from jaxserve.batching.plan import PrefillChunk
 
 GREEDY = SamplingParams(temperature=0)
 

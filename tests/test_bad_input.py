@@ -12,11 +12,11 @@ import urllib.request
 from typing import Any, Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.api.proto import jaxserve_pb2 as pb
 import server_harness as h
+from jaxserve.api.proto import jaxserve_pb2 as pb
 
 VOCAB = 49152  # The tiny checkpoint has the default model's (SmolLM2's) tokenizer.
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-import server_harness
 import script_loader
+import server_harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

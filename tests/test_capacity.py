@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from jaxserve.config import ModelConfig
 from jaxserve.planning import capacity
 from jaxserve.planning.capacity import GIB, KVDtype, WeightDtype
-from jaxserve.config import ModelConfig
 
 LLAMA2_7B = capacity.KNOWN_MODELS["llama-2-7b"]
 SMOLLM2 = capacity.KNOWN_MODELS["smollm2-135m"]

@@ -4,9 +4,9 @@ the engine builds for a step, and one slot decoded alone giving the tokens it ge
 import dataclasses
 
 import numpy as np
+from conftest import TINY, TINY_ENGINE
 from flax import nnx
 
-from conftest import TINY, TINY_ENGINE
 from jaxserve.config import EngineConfig, KVLayout
 from jaxserve.engine.engine import Engine
 from jaxserve.model.kv_cache import SCRATCH_PAGE
@@ -46,8 +46,8 @@ def test_contiguous_rows_read_their_own_regions():
 def test_a_slot_decodes_the_same_alone_and_among_others():
   """Three slots decode 6 steps together (batch bucket 4), then the same prompts in a fresh
   engine decode with slot 1 alone (bucket 1): slot 1's tokens and logprobs must agree."""
-  from jaxserve.config import SamplingParams
   from jaxserve.batching.plan import PrefillChunk
+  from jaxserve.config import SamplingParams
 
   def run(slots):
     e = engine()

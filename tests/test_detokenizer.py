@@ -1,8 +1,8 @@
 """Streaming deltas concatenate to exactly the full decode and never split a character."""
 
 import hypothesis
-from hypothesis import strategies as st
 import pytest
+from hypothesis import strategies as st
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
 from jaxserve.loading import pull

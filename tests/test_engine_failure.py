@@ -9,11 +9,11 @@ import urllib.error
 import urllib.request
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.api import server
 import server_harness as h
+from jaxserve.api import server
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING

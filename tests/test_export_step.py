@@ -13,10 +13,10 @@ from flax import nnx
 
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
 from jaxserve.engine.decode import DecodeState, decode_step
+from jaxserve.engine.prefill import prefill_step
 from jaxserve.model.attention import AttentionSpec
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import Transformer
-from jaxserve.engine.prefill import prefill_step
 
 TRITON = "__gpu$xla.gpu.triton"
 TARGETS = {AttentionBackend.PALLAS_TPU: ("tpu", "tpu_custom_call"),

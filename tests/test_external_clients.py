@@ -73,6 +73,7 @@ def hf_tokenizer(tmp_path_factory):
   """The default model's tokenizer as a Hugging Face directory (lm-eval counts context tokens
   with it), made from the GGUF: nothing is downloaded."""
   import transformers
+
   from jaxserve.loading import pull
 
   path = pull.gguf_path()

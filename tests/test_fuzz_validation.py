@@ -21,24 +21,22 @@ import types
 from typing import Any, Callable
 
 import hypothesis
-from hypothesis import strategies as st
 import numpy as np
 import pytest
-
-from jaxserve.serving import gateway
-from jaxserve.batching.plan import EngineInfo
+from hypothesis import strategies as st
 
 from jaxserve.api import grpc_api, openai_request
-
-from jaxserve.loading import pull
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.batching.plan import EngineInfo
+from jaxserve.batching.stop import OutputText
 from jaxserve.config import SamplingParams
-from jaxserve.text.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.sample import SamplingRow
+from jaxserve.loading import pull
+from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.serving.metrics import Metrics
-from jaxserve.api.proto import jaxserve_pb2 as pb
-from jaxserve.engine.sample import SamplingRow
 from jaxserve.serving.service import Prompt, Service
-from jaxserve.batching.stop import OutputText
+from jaxserve.text.detokenizer import IncrementalDetokenizer
 from jaxserve.text.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 128

@@ -10,17 +10,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import dense_logits
 from flax import nnx
 
-from conftest import dense_logits
-from jaxserve.loading import checkpoint, pull, weights
-from jaxserve.config import gemma3 as gemma3_config
-from jaxserve.config import readers
-from jaxserve.model.attention import AttentionMetadata
-from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, ModelFamily, SamplingParams
-from jaxserve.engine.engine import Engine
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 from jaxserve.batching.plan import PrefillChunk
+from jaxserve.config import (
+  AttentionBackend,
+  EngineConfig,
+  ModelConfig,
+  ModelFamily,
+  SamplingParams,
+  readers,
+)
+from jaxserve.config import gemma3 as gemma3_config
+from jaxserve.engine.engine import Engine
+from jaxserve.loading import checkpoint, pull, weights
+from jaxserve.model.attention import AttentionMetadata
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from conftest import count_compiles, dense_logits
 from flax import nnx
 
 import server_harness as h
-from conftest import count_compiles, dense_logits
 from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching.runner import Runner

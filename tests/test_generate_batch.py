@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from jaxserve.planning import capacity
 import script_loader
+from jaxserve.planning import capacity
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 gb = script_loader.load("generate_batch")

@@ -9,9 +9,9 @@ import urllib.request
 import openai
 import pytest
 
-from jaxserve.config import SamplingParams
-from jaxserve.batching.runner import Runner
 import server_harness as h
+from jaxserve.batching.runner import Runner
+from jaxserve.config import SamplingParams
 
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is a prime number?"}]

@@ -10,9 +10,9 @@ import urllib.request
 import numpy as np
 import pytest
 
+import server_harness as h
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams
-import server_harness as h
 
 TEXT = "Roses are red, violets are"
 

@@ -8,11 +8,11 @@ import urllib.request
 
 import openai
 import pytest
-
 from conftest import count_compiles
+
+import server_harness as h
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams
-import server_harness as h
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
 EMOJI = "\U0001F600"  # Four UTF-8 bytes: SmolLM2 spells it as byte-level pieces.

@@ -17,17 +17,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
 from test_kv_layouts import TINY, _written_cache  # A cache with two sequences written.
 
 import kernels_pallas
-from jaxserve.model import attention
 from jaxserve.config import AttentionBackend, KVDtype, KVLayout
-from kernels_pallas import PageLayout
-from kernels_pallas import gpu_decode
-from kernels_pallas import reference
-from kernels_pallas import testing
-from kernels_pallas import tpu_decode
+from jaxserve.model import attention
+from kernels_pallas import PageLayout, gpu_decode, reference, testing, tpu_decode
 
 # Token-major float32/bfloat16 pages are tests/test_kernels_decode.py's. float32 reads like
 # bfloat16 (a cast), so bfloat16 stands for both.

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas
-from kernels_pallas import reference
-from kernels_pallas import testing
+from kernels_pallas import reference, testing
 
 VARIANTS = ("tpu", "gpu")
 

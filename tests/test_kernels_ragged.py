@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 
 import kernels_pallas
-from kernels_pallas import ragged_checks
-from kernels_pallas import ragged_gpu
-from kernels_pallas import ragged_layout
-from kernels_pallas import ragged_reference
-from kernels_pallas import ragged_testing
-from kernels_pallas import ragged_tpu
-from kernels_pallas import reference
+from kernels_pallas import (
+  ragged_checks,
+  ragged_gpu,
+  ragged_layout,
+  ragged_reference,
+  ragged_testing,
+  ragged_tpu,
+  reference,
+)
 
 
 @pytest.mark.parametrize("heads,dim,dtype,lanes,padding", [

@@ -16,8 +16,8 @@ import time
 import grpc
 import pytest
 
-import server_harness as h
 import script_loader
+import server_harness as h
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STALLED = 2

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import numpy as np
-
 from test_sharding import PROMPTS, WORKER, run_worker
 
 # 8 KV heads, so tp=8 splits the model across both processes and its all-reduces cross them.

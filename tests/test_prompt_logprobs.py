@@ -9,8 +9,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
 from conftest import TINY_ENGINE, count_compiles, dense_logits
+
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.engine.engine import Engine

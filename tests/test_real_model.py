@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import count_compiles, dense_logits
-from jaxserve.loading import pull
+
 from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.loading import pull
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

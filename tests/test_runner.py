@@ -5,11 +5,10 @@ import collections
 
 import pytest
 
-from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.batching.request import FinishReason, RequestRejected, RequestStatus
 from jaxserve.batching.runner import Runner
-from mock_engine import (MockEngine, MockTokenizer, checked,  # noqa: F401  (a fixture)
-                         reference_generate, weighted_sum)
+from jaxserve.config import SamplingParams, SchedulerConfig
+from mock_engine import MockEngine, MockTokenizer, checked, reference_generate, weighted_sum  # noqa: F401  (a fixture)
 
 _ENGINE_ARGS = ("num_slots", "page_size", "num_pages", "max_model_len", "max_prefill_len",
                 "next_token")

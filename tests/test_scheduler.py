@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxserve.config import QueuePolicy, SamplingParams, SchedulerConfig
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.scheduler import Scheduler
+from jaxserve.config import QueuePolicy, SamplingParams, SchedulerConfig
 from mock_engine import MockEngine, checked  # noqa: F401  (checked is a fixture)
 
 _ids = itertools.count()

@@ -11,17 +11,18 @@ import grpc
 import jax
 import numpy as np
 import pytest
+from conftest import dense_logits
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
-    ProtoReflectionDescriptorDatabase)
+  ProtoReflectionDescriptorDatabase,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.config import SamplingParams, SchedulerConfig
+import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching.runner import Runner
-import server_harness as h
-from conftest import dense_logits
+from jaxserve.config import SamplingParams, SchedulerConfig
 
 SEEDED = dict(temperature=1.0, repetition_penalty=5.0)  # The tiny model repeats itself without.
 CHAT = [{"role": "user", "content": "Name three colours."}]

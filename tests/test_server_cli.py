@@ -9,14 +9,13 @@ import sys
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.loading import checkpoint
-
-from jaxserve.cli import main as cli
-from jaxserve.api.proto import jaxserve_pb2 as pb
 import server_harness as h
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.cli import main as cli
+from jaxserve.loading import checkpoint
 
 QUESTION = "What is the capital of France?"
 HEALTH = health_pb2.HealthCheckResponse

@@ -11,12 +11,12 @@ import urllib.error
 import urllib.request
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import server_harness as h
 from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
-import server_harness as h
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

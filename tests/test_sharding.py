@@ -15,11 +15,12 @@ import sys
 
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
+from jaxserve.config import EngineConfig, KVLayout, ModelConfig
 from jaxserve.model import axes
 from jaxserve.planning.capacity import KNOWN_MODELS
-from jaxserve.config import EngineConfig, KVLayout, ModelConfig
 
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
 # 8 heads over 4 KV heads, MLP 96 and vocabulary 128: every split up to tp=4 divides.

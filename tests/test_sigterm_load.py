@@ -10,8 +10,8 @@ import threading
 import time
 
 import grpc
-
 from test_server_cli import HEALTH, health
+
 import server_harness as h
 
 NUM_REQUESTS = 16

@@ -4,12 +4,11 @@ import asyncio
 
 import pytest
 
-from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.batching.request import FinishReason, RequestRejected, RequestStatus
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.stream import AsyncRunner
-from mock_engine import (MockEngine, MockTokenizer, assert_all_free,
-                         reference_generate, weighted_sum)
+from jaxserve.config import SamplingParams, SchedulerConfig
+from mock_engine import MockEngine, MockTokenizer, assert_all_free, reference_generate, weighted_sum
 
 
 def greedy(n, **kwargs):

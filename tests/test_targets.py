@@ -18,14 +18,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.planning import capacity
-
 from jaxserve.cli import main as cli
-
-from jaxserve.engine import compile_plan, targets
-
-from jaxserve.model import kv_cache
 from jaxserve.config import EngineConfig
+from jaxserve.engine import compile_plan, targets
+from jaxserve.model import kv_cache
+from jaxserve.planning import capacity
 
 MIB = 2**20
 SMOLLM2 = capacity.KNOWN_MODELS["smollm2-135m"]

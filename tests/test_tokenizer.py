@@ -12,8 +12,8 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxserve.loading import pull
 from jaxserve.gguf_metadata import read_gguf_metadata
+from jaxserve.loading import pull
 from jaxserve.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -11,16 +11,16 @@ import contextlib
 import dataclasses
 from typing import Any, AsyncIterator, Callable, Protocol
 
+import grpc
 from absl import logging
 from google.protobuf.message import DecodeError
-import grpc
 
-from jaxserve.serving import gateway
-from jaxserve.serving.gateway import ApiError, ApiKey, Status
-from jaxserve.serving.metrics import RequestRecord
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
 from jaxserve.config import SamplingParams
+from jaxserve.serving import gateway
+from jaxserve.serving.gateway import ApiError, ApiKey, Status
+from jaxserve.serving.metrics import RequestRecord
 from jaxserve.serving.service import Chunk, FinishReason, GenerateInput, Prompt, Service
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name

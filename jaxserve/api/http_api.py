@@ -25,10 +25,10 @@ from absl import logging
 from aiohttp import web
 
 from jaxserve.api import openai_choices, openai_request, openai_tokenize
-from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.api.grpc_api import ServiceHost
-from jaxserve.serving.metrics import CONTENT_TYPE, Metrics
 from jaxserve.api.openai_format import ChatFormat, CompletionFormat
+from jaxserve.serving.gateway import ApiError, Status
+from jaxserve.serving.metrics import CONTENT_TYPE, Metrics
 from jaxserve.serving.service import Service
 
 HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.NOT_FOUND: 404, Status.UNAUTHENTICATED: 401,

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 from jaxserve.api.openai_request import Request
 from jaxserve.serving.metrics import RequestRecord
-from jaxserve.text.constraint_vocab import spelling_bytes
 from jaxserve.serving.service import Chunk, FinishReason, Service, TokenLogprobs
+from jaxserve.text.constraint_vocab import spelling_bytes
 
 FINISH_REASONS = {None: None, FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORT: "abort"}

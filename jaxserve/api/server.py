@@ -26,17 +26,18 @@ import ssl
 import threading
 from typing import Any, Callable
 
-from absl import logging
 import grpc
+from absl import logging
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from jaxserve.api import http_api, reflection_v1
+from jaxserve.api.grpc_api import SERVICE_NAME, Servicer
+from jaxserve.batching.runner import Runner
+from jaxserve.batching.stream import AsyncRunner
 from jaxserve.config import SchedulerConfig
 from jaxserve.serving.gateway import ApiError, Gateway, Status, load_keys
-from jaxserve.api.grpc_api import SERVICE_NAME, Servicer
 from jaxserve.serving.metrics import Metrics
-from jaxserve.batching.runner import Runner
 from jaxserve.serving.service import Service
-from jaxserve.batching.stream import AsyncRunner
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -10,8 +10,8 @@ from __future__ import annotations
 import heapq
 from typing import Iterator
 
-from jaxserve.config import QueuePolicy
 from jaxserve.batching.request import Request
+from jaxserve.config import QueuePolicy
 
 
 def order_key(req: Request, policy: QueuePolicy) -> tuple[int, int]:

@@ -20,12 +20,18 @@ import secrets
 import time
 from typing import Any, Callable, Sequence
 
-from jaxserve.config import SamplingParams, SchedulerConfig
-from jaxserve.text.detokenizer import IncrementalDetokenizer
 from jaxserve.batching.plan import Engine, EngineInfo, TokenFuture
-from jaxserve.batching.request import Completion, FinishReason, Request, RequestOutput, TokenLogprobs
+from jaxserve.batching.request import (
+  Completion,
+  FinishReason,
+  Request,
+  RequestOutput,
+  TokenLogprobs,
+)
 from jaxserve.batching.scheduler import ScheduledStep, Scheduler
 from jaxserve.batching.stop import Detokenizer, OutputText
+from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass

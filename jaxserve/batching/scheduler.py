@@ -26,11 +26,11 @@ import time
 
 import numpy as np
 
-from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.batching.kv_pages import PageAllocator
 from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
+from jaxserve.config import SamplingParams, SchedulerConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,10 +14,10 @@ import queue
 import threading
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from jaxserve.config import SamplingParams
-from jaxserve.batching.request import Request, RequestOutput
 from jaxserve.batching.plan import EngineInfo
+from jaxserve.batching.request import Request, RequestOutput
 from jaxserve.batching.runner import Runner
+from jaxserve.config import SamplingParams
 
 
 class EngineDead(RuntimeError):

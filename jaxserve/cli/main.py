@@ -10,6 +10,7 @@ import time
 from jaxserve.cli import flags
 from jaxserve.planning import capacity
 
+
 def engine_config(args):
   import jax
   return flags.engine_config(args, jax.default_backend())
@@ -57,14 +58,13 @@ def run_serve(args) -> int:
   import asyncio
   import signal
 
-  from absl import logging
-
   import jax
+  from absl import logging
 
   from jaxserve import llm
   from jaxserve.api import server
-  from jaxserve.engine import multihost
   from jaxserve.config import QueuePolicy, SchedulerConfig
+  from jaxserve.engine import multihost
 
   init_distributed(args)
   logging.set_verbosity(logging.INFO)

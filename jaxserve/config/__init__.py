@@ -7,8 +7,15 @@ Each is a frozen dataclass, validated once in `__post_init__`, and handed whole 
 from __future__ import annotations
 
 from jaxserve.config.checks import is_int, short
-from jaxserve.config.engine import (AttentionBackend, Dtype, EngineConfig, KVDtype, KVLayout,
-                                    QueuePolicy, SchedulerConfig)
+from jaxserve.config.engine import (
+                                    AttentionBackend,
+                                    Dtype,
+                                    EngineConfig,
+                                    KVDtype,
+                                    KVLayout,
+                                    QueuePolicy,
+                                    SchedulerConfig,
+)
 from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
 from jaxserve.config.sampling import SamplingParams
 

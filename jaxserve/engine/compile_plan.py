@@ -23,19 +23,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.planning import capacity
-
-from jaxserve.model import kv_cache
-
-from jaxserve.engine import targets
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, SamplingParams
+from jaxserve.engine import targets
 from jaxserve.engine.decode import DecodeState, decode_step
 from jaxserve.engine.engine import _set_sampling
-from jaxserve.model.attention import AttentionSpec
-from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.families import model_class
 from jaxserve.engine.prefill import prefill_step
 from jaxserve.engine.sample import SamplingRow
+from jaxserve.model import kv_cache
+from jaxserve.model.attention import AttentionSpec
+from jaxserve.model.families import model_class
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.planning import capacity
 
 _KERNELS = {targets.Platform.TPU: AttentionBackend.PALLAS_TPU,
             targets.Platform.CUDA: AttentionBackend.PALLAS_GPU}

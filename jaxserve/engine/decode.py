@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.engine.sample import SamplingState, sample
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
-from jaxserve.engine.sample import SamplingState, sample
 
 
 @jax.tree_util.register_dataclass

@@ -19,19 +19,17 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxserve.planning import capacity
-
-from jaxserve.model import kv_cache
-
-from jaxserve.engine import placement
-from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
-from jaxserve.engine.decode import DecodeState, decode_step
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
-from jaxserve.model.attention import AttentionSpec
-from jaxserve.model.llama import Transformer
 from jaxserve.batching.plan import EngineInfo, PrefillChunk
+from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
+from jaxserve.engine import placement
+from jaxserve.engine.decode import DecodeState, decode_step
 from jaxserve.engine.prefill import PromptLogprobs, prefill_step, prompt_logprobs_step
 from jaxserve.engine.sample import Sampled, SamplingRow, SamplingState
+from jaxserve.model import kv_cache
+from jaxserve.model.attention import AttentionSpec
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
+from jaxserve.model.llama import Transformer
+from jaxserve.planning import capacity
 
 
 def enable_compilation_cache(path: str | None) -> None:

@@ -35,9 +35,9 @@ import numpy as np
 from absl import logging
 from jax.experimental.multihost_utils import broadcast_one_to_all, process_allgather
 
+from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import SamplingParams
 from jaxserve.engine.engine import DecodeArgs, Engine, PrefillArgs, TokenFuture
-from jaxserve.batching.plan import PrefillChunk
 
 
 class Kind(enum.IntEnum):

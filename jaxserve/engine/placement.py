@@ -11,7 +11,8 @@ import dataclasses
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model import axes

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model.attention import AttentionMetadata, AttentionSpec
 from jaxserve.engine.decode import DecodeState
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS, sample
+from jaxserve.model.attention import AttentionMetadata, AttentionSpec
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 
 
 @jax.tree_util.register_dataclass

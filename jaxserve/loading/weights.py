@@ -12,8 +12,7 @@ import pathlib
 import numpy as np
 
 from jaxserve import gguf_metadata
-from jaxserve.config import ModelConfig, ModelFamily
-from jaxserve.config import readers
+from jaxserve.config import ModelConfig, ModelFamily, readers
 
 # Gemma 3's norms beyond the Llama block's two: our name -> (GGUF name, Hugging Face name).
 GEMMA3_NORMS = {

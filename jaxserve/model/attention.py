@@ -11,8 +11,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import AttentionBackend, KVLayout
 from jaxserve.model import axes

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model import attention
 from jaxserve.config import ModelConfig
+from jaxserve.model import attention
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import _param, apply_rope, rms_norm, stacked_layers
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model import attention
 from jaxserve.config import ModelConfig
+from jaxserve.model import attention
 from jaxserve.model.kv_cache import KVCache
 
 

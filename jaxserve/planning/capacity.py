@@ -38,8 +38,7 @@ import pathlib
 import sys
 import types
 
-from jaxserve.config import KVDtype, ModelConfig
-from jaxserve.config import readers
+from jaxserve.config import KVDtype, ModelConfig, readers
 from jaxserve.planning.known_models import KNOWN_MODELS
 
 GIB = 2**30

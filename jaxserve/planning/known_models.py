@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import types
 
-from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.config import readers
+from jaxserve.config import ModelConfig, RopeScaling, readers
 
 _GEMMA3_LINEAR_8 = {"factor": 8.0, "rope_type": "linear"}
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Sequence
 
-from absl import logging
 import prometheus_client
+from absl import logging
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.batching.request import FinishReason, Request

@@ -22,14 +22,20 @@ from typing import Any, AsyncIterator, Mapping, NamedTuple, Sequence
 
 from absl import logging
 
-from jaxserve.serving import gateway
+# FinishReason and TokenLogprobs are fields of a Chunk: the front ends take them from here.
+from jaxserve.batching.request import (
+  FinishReason,
+  QueueFull,
+  Request,
+  RequestOutput,
+  RequestRejected,
+  TokenLogprobs,
+)
+from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
 from jaxserve.config import SamplingParams
+from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, ApiKey, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
-# FinishReason and TokenLogprobs are fields of a Chunk: the front ends take them from here.
-from jaxserve.batching.request import (FinishReason, QueueFull, Request, RequestRejected,
-                                       RequestOutput, TokenLogprobs)
-from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
 
 
 @dataclasses.dataclass(frozen=True)

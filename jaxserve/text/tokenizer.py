@@ -18,10 +18,15 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from jaxserve.text import chat_templates
 from jaxserve.gguf_metadata import read_gguf_metadata
-from jaxserve.text.tokenizer_backends import (_Backend, _bpe_from_gguf, _HFBackend, _SentencePieceBackend,
-                                         _sentencepiece_from_gguf)
+from jaxserve.text import chat_templates
+from jaxserve.text.tokenizer_backends import (
+  _Backend,
+  _bpe_from_gguf,
+  _HFBackend,
+  _sentencepiece_from_gguf,
+  _SentencePieceBackend,
+)
 
 # Tokens that end a chat turn (or a document) in the model families we serve; generation stops
 # on any of them that the vocab has, not just on the one EOS id the metadata names.

@@ -11,13 +11,14 @@ import dataclasses
 import pathlib
 from typing import Any, Mapping, Protocol, Sequence
 
-from absl import logging
 import gguf
 import numpy as np
 import sentencepiece as spm
-from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 import tokenizers
+from absl import logging
+from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 from tokenizers import decoders, pre_tokenizers
+
 
 class _Backend(Protocol):
   vocab_size: int
