@@ -58,6 +58,10 @@ class TokenFuture(Protocol):
     """Blocks until the copy lands; returns int32 token ids."""
     ...
 
+  def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen [n], top ids [n, k], top logprobs [n, k]), rows as result()'s."""
+    ...
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineInfo:
@@ -81,12 +85,9 @@ class Engine(Protocol):
 
   info: EngineInfo
 
-  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    """Writes the chunk's KV; when `chunk.is_last`, returns the first sampled token ([1])."""
-    ...
-
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
-    """One token for each of `slots`; returns [num_slots] tokens (entries of other slots are junk)."""
+  def step(self, plan: StepPlan) -> TokenFuture:
+    """Runs the whole plan in one call: writes every chunk's KV, decodes every slot. The future
+    holds one token per `plan.decode_slots` entry, then one per chunk with `is_last`, in order."""
     ...
 
   def free(self, slot: int) -> None:

@@ -1,6 +1,7 @@
 """The engine loop: plan a step, run it on the engine, turn sampled tokens into request outputs.
 
-`step()` overlaps host and device. It dispatches step n+1 before it reads step n's tokens:
+Each step is one engine call (`Engine.step(plan)`: every prefill chunk and decode token of the
+plan). `step()` overlaps host and device. It dispatches step n+1 before it reads step n's tokens:
 
   schedule(n+1) -> dispatch(n+1) -> read tokens of n (TokenFuture.result) -> outputs of n
 
@@ -32,9 +33,8 @@ from jaxserve.batching.stop import Detokenizer, OutputText
 class _Dispatched:
   """One step in flight: where its sampled tokens will land, and for whom."""
 
-  prefills: list[tuple[TokenFuture, Request, int]]  # (future, request, epoch)
-  decode: TokenFuture | None
-  decodes: list[tuple[int, Request, int]]  # (slot, request, epoch)
+  future: TokenFuture
+  samples: list[tuple[Request, int]]  # (request, epoch) of each of the future's rows
 
 
 class Runner:
@@ -121,35 +121,26 @@ class Runner:
     for slot in scheduled.free_slots:
       self.engine.free(slot)
     plan = scheduled.plan
-    prefills = []
-    for chunk, req in zip(plan.prefills, scheduled.prefill_requests):
-      future = self.engine.prefill(chunk)
-      if chunk.is_last:
-        prefills.append((future, req, req.epoch))
-    decode, decodes = None, []
-    if plan.decode_slots:
-      decode = self.engine.decode(plan.decode_slots, plan.page_tables)
-      decodes = [(r.slot, r, r.epoch) for r in scheduled.decode_requests]
-    return _Dispatched(prefills, decode, decodes) if prefills or decodes else None
+    if plan.is_empty:
+      return None
+    # The future's rows: the decode slots, then the chunks that end their prompts.
+    samples = [(r, r.epoch) for r in scheduled.decode_requests]
+    samples += [(req, req.epoch) for chunk, req in zip(plan.prefills, scheduled.prefill_requests)
+                if chunk.is_last]
+    future = self.engine.step(plan)
+    return _Dispatched(future, samples) if samples else None
 
   def _collect(self, step: _Dispatched) -> list[RequestOutput]:
     """Reads a step's sampled tokens and applies them; stale ones are dropped unread."""
-    outputs = []
-    for future, req, epoch in step.prefills:
-      if req.epoch == epoch:
-        arrays = future.logprobs() if req.sampling.logprobs else None
-        logprobs = _token_logprobs(arrays, 0, req.sampling.logprobs)
-        outputs.append(self._apply_token(req, int(future.result()[0]), time.monotonic(), logprobs))
-    live = [(slot, req) for slot, req, epoch in step.decodes if req.epoch == epoch]
-    if live:
-      tokens = step.decode.result().tolist()
-      # One read of the logprob arrays for the whole step, and none when nobody asked.
-      arrays = step.decode.logprobs() if any(r.sampling.logprobs for _, r in live) else None
-      now = time.monotonic()
-      outputs += [self._apply_token(req, tokens[slot], now,
-                                    _token_logprobs(arrays, slot, req.sampling.logprobs))
-                  for slot, req in live]
-    return outputs
+    live = [(i, req) for i, (req, epoch) in enumerate(step.samples) if req.epoch == epoch]
+    if not live:
+      return []
+    tokens = step.future.result().tolist()
+    # One read of the logprob arrays for the whole step, and none when nobody asked.
+    arrays = step.future.logprobs() if any(r.sampling.logprobs for _, r in live) else None
+    now = time.monotonic()
+    return [self._apply_token(req, tokens[i], now, _token_logprobs(arrays, i, req.sampling.logprobs))
+            for i, req in live]
 
   def _apply_token(self, req: Request, token: int, now: float,
                    logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:

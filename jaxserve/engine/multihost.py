@@ -5,12 +5,12 @@ must make the same jitted calls, in the same order, on the same inputs, or the c
 them wait forever. Offline `generate` gets that for free (every host runs the same workload);
 `serve` does not, since only process 0 takes requests. So:
 
-  process 0    Runner -> LeaderEngine.prefill(chunk)
-                 builds the step's host arrays (Engine.prefill_args)
-                 broadcasts a header [kind, size, extra], then the arrays
-                 runs the step (Engine.run_prefill)
-  process 1..n follow(engine): receives the header, then arrays of the shapes it names (built by
-                 the engine itself from a dummy call of that size), and runs the same step
+  process 0    Runner -> LeaderEngine.step(plan)
+                 builds the step's host arrays (Engine.step_args)
+                 broadcasts a header [kind, decode rows, prefill tokens, width], then the arrays
+                 runs the step (Engine.run_step)
+  process 1..n follow(engine): receives the header, then arrays of the shape it names (built by
+                 the engine itself: Packer.template), and runs the same step
 
 Both broadcasts go through `multihost_utils.broadcast_one_to_all`, a jitted psum over every
 device: it needs the same shapes on every process, hence the fixed-size header first. A STOP
@@ -35,20 +35,19 @@ import numpy as np
 from absl import logging
 from jax.experimental.multihost_utils import broadcast_one_to_all, process_allgather
 
-from jaxserve.config import SamplingParams
-from jaxserve.engine.engine import DecodeArgs, Engine, PrefillArgs, TokenFuture
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.engine.engine import Engine, TokenFuture
+from jaxserve.engine.step_args import StepArgs, StepShape
+from jaxserve.batching.plan import StepPlan
 
 
 class Kind(enum.IntEnum):
   STOP = 0
-  PREFILL = 1
-  DECODE = 2
+  STEP = 1
 
 
-# The header, [kind, size, extra] int32: a prefill's bucket (tokens) and is_last, or a decode's
-# width (pages per slot) and batch bucket (rows); they set every shape of the arrays that follow.
-_HEADER_SHAPE = (3,)
+# The header, [kind, D, Tp, W] int32: the step's StepShape, which sets every shape of the arrays
+# that follow.
+_HEADER_SHAPE = (4,)
 
 _SETTINGS = ("num_slots", "page_size", "num_pages", "max_model_len", "vocab_size", "tp", "dp",
              "prefill_buckets")
@@ -82,17 +81,12 @@ class LeaderEngine:
     self.num_calls = 0  # Engine steps sent to the followers.
     self._stopped = False
 
-  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    args = self.engine.prefill_args(chunk)  # Raises on a bad chunk before anything is sent.
-    _send(Kind.PREFILL, args.tokens.shape[0], bool(args.is_last), args)
+  def step(self, plan: StepPlan) -> TokenFuture:
+    args, rows = self.engine.step_args(plan)  # Raises on a bad plan before anything is sent.
+    shape = (args.decode_slots.shape[0], args.prefill_tokens.shape[0], args.decode_tables.shape[1])
+    _send(Kind.STEP, shape, args)
     self.num_calls += 1
-    return self.engine.run_prefill(args)
-
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
-    args = self.engine.decode_args(slots, page_tables)
-    _send(Kind.DECODE, args.page_tables.shape[1], args.rows.shape[0], args)
-    self.num_calls += 1
-    return self.engine.run_decode(args)
+    return self.engine.run_step(args, rows)
 
   def free(self, slot: int) -> None:
     self.engine.free(slot)  # No device work, so nothing to broadcast.
@@ -100,7 +94,7 @@ class LeaderEngine:
   def stop(self) -> None:
     """Tells the followers to return from `follow`. Call once no engine call can follow it."""
     if not self._stopped:
-      _send(Kind.STOP, 0, False, None)
+      _send(Kind.STOP, (0, 0, 0), None)
       self._stopped = True
 
 
@@ -112,25 +106,22 @@ def follow(engine: Engine) -> int:
   _check_same_engine(engine)
   num_steps = 0
   while True:
-    kind, size, extra = (int(x) for x in broadcast_one_to_all(np.zeros(_HEADER_SHAPE, np.int32)))
+    kind, *shape = (int(x) for x in broadcast_one_to_all(np.zeros(_HEADER_SHAPE, np.int32)))
     # Process 0's numpy scalars come back as 0-d arrays: the same shapes and dtypes to `jit`, so
     # no step recompiles.
     if kind == Kind.STOP:
       logging.info("follower %d: stop after %d steps", jax.process_index(), num_steps)
       return num_steps
-    if kind == Kind.PREFILL:
-      engine.run_prefill(broadcast_one_to_all(_prefill_template(engine, size, bool(extra))))
-    elif kind == Kind.DECODE:
-      engine.run_decode(broadcast_one_to_all(_decode_template(engine, size, extra)))
-    else:
+    if kind != Kind.STEP:
       raise ValueError(f"unknown engine call {kind} from process 0")
+    engine.run_step(broadcast_one_to_all(engine.packer.template(StepShape(*shape))), [])
     num_steps += 1
 
 
-def _send(kind: Kind, size: int, extra: int, args: PrefillArgs | DecodeArgs | None) -> None:
+def _send(kind: Kind, shape: tuple[int, int, int], args: StepArgs | None) -> None:
   """Process 0's side of one call. Its own args are used as they are: the broadcast is only
   for the others."""
-  broadcast_one_to_all(np.array([kind, size, extra], np.int32))
+  broadcast_one_to_all(np.array([kind, *shape], np.int32))
   if args is not None:
     broadcast_one_to_all(args)
 
@@ -148,14 +139,3 @@ def _check_same_engine(engine: Engine) -> None:
   if differ:
     raise ValueError(f"the processes built different engines ({'; '.join(differ)} by process): "
                      "give every host the same engine flags")
-
-
-def _prefill_template(engine: Engine, bucket: int, is_last: bool) -> PrefillArgs:
-  """Arrays of the shapes and dtypes of a prefill of `bucket` tokens, built by the engine itself
-  (so they follow any change to its arguments); the broadcast fills in process 0's values."""
-  chunk = PrefillChunk("", 0, [0] * bucket, 0, (), is_last, SamplingParams(), 0)
-  return engine.prefill_args(chunk)
-
-
-def _decode_template(engine: Engine, width: int, batch: int) -> DecodeArgs:
-  return engine.decode_args((), np.zeros((0, width), np.int32), batch)

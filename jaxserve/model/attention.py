@@ -24,16 +24,30 @@ _MASKED = -1e30  # Finite, so a fully masked row (an idle slot) gives zeros, nev
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-  positions: jax.Array  # [B, T] absolute position of each query token.
-  cache_index: jax.Array  # [B, T] flat cache slot (page * Z + offset) each token's K/V goes to.
+  """Where every query of one packed step sits: T tokens on one axis, B sequences.
+
+  Sequence b's new tokens are the packed rows [cu_q_lens[b], cu_q_lens[b + 1]); the first
+  `num_decode_rows` sequences are decode rows of one token each (engine/step_args.py)."""
+
+  positions: jax.Array  # [1, T] absolute position of each token.
+  cache_index: jax.Array  # [1, T] flat cache slot (page * Z + offset) each token's K/V goes to.
   page_tables: jax.Array  # [B, W] pages of each sequence.
   kv_lens: jax.Array  # [B] valid KV positions of each sequence once this step's K/V is written.
-  q_lens: jax.Array  # [B] real (unpadded) query tokens of each sequence.
+  cu_q_lens: jax.Array  # [B + 1] int32 from 0: cumulative new tokens per sequence.
+  sample_rows: jax.Array  # [B] the packed row of each sequence's last token (its logits).
+  block_rows: jax.Array  # [nb, Tb] packed rows of each prefill query block (T: none).
+  block_seq: jax.Array  # [nb] the sequence of each block.
+  num_decode_rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # D
 
-  @property
-  def last_index(self):
-    """[B] index in T of each sequence's last real query token."""
-    return jnp.maximum(self.q_lens - 1, 0)
+  @classmethod
+  def one_sequence(cls, n: int, page_size: int) -> AttentionMetadata:
+    """A step of one sequence of n new tokens at positions 0.. in pages 1, 2, ... (one query
+    block): a full forward, for tests and teacher-forced scripts."""
+    pages = -(-n // page_size)
+    return cls(positions=jnp.arange(n)[None], cache_index=(page_size + jnp.arange(n))[None],
+               page_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
+               cu_q_lens=jnp.array([0, n], jnp.int32), sample_rows=jnp.array([n - 1]),
+               block_rows=jnp.arange(n)[None], block_seq=jnp.zeros(1, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,93 +59,82 @@ class AttentionSpec:
   mesh: Mesh | None = None
 
 
-def attend(q, cache: KVCache, layer, meta: AttentionMetadata, spec: AttentionSpec):
-  """q [B, T, N, H] -> [B, T, N, H]."""
+def attend(q, k, v, cache: KVCache, layer, meta: AttentionMetadata, spec: AttentionSpec):
+  """q [1, T, N, H], the step's new k, v [1, T, K, H] -> (out [1, T, N, H], cache with k, v
+  written)."""
   if spec.backend is AttentionBackend.REFERENCE:
-    return attend_reference(q, cache, layer, meta)
+    cache = cache.write(layer, meta.cache_index, k, v)  # One scatter (per array) for the step.
+    return attend_reference(q, cache, layer, meta), cache
   platform = _KERNEL_PLATFORM[spec.backend]
-  kernel = lambda q, cache, layer, meta: _attend_pallas(q, cache, layer, meta, platform)
+  kernel = lambda q, k, v, cache, layer, meta: _attend_pallas(q, k, v, cache, layer, meta, platform)
   if spec.mesh is None or axes.MODEL not in spec.mesh.axis_names:
-    return kernel(q, cache, layer, meta)
-  return attend_per_shard(kernel, q, cache, layer, meta, spec.mesh)
+    return kernel(q, k, v, cache, layer, meta)
+  return attend_per_shard(kernel, q, k, v, cache, layer, meta, spec.mesh)
 
 
-def attend_per_shard(attend, q, cache: KVCache, layer, meta: AttentionMetadata, mesh: Mesh):
-  """`attend(q, cache, layer, meta)` -> [B, T, N, H], run once per device on its own heads (and
-  slots, when B splits over `data`) under shard_map. For the Pallas kernels, which XLA cannot
-  partition: left to GSPMD they would be run whole, on gathered copies of the cache."""
-  batch = axes.DATA if q.shape[0] % mesh.shape[axes.DATA] == 0 else None  # Prefill's B=1 stays whole.
-  heads = P(batch, None, axes.MODEL, None)  # [B, T, N, H]: a device's query heads use its KV heads.
+def attend_per_shard(attend, q, k, v, cache: KVCache, layer, meta: AttentionMetadata, mesh: Mesh):
+  """`attend(q, k, v, cache, layer, meta)` run once per device on its own heads under shard_map.
+  For the Pallas kernels, which XLA cannot partition: left to GSPMD they would be run whole, on
+  gathered copies of the cache. The packed token axis stays whole on every device."""
+  heads = P(None, None, axes.MODEL, None)  # [1, T, N, H]: a device's query heads use its KV heads.
   # Only the KV-head split: page tables name pages of the whole cache, so each device needs
   # every page (of its own heads).
   kv = axes.cache_spec(cache.axes, only_model=True)
-  in_specs = (heads, jax.tree.map(lambda _: kv, cache), P(),
-              jax.tree.map(lambda _: P(batch), meta))  # Every metadata field is [B, ...].
-  return jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=heads,
-                       check_vma=False)(q, cache, layer, meta)
+  cache_specs = jax.tree.map(lambda _: kv, cache)
+  in_specs = (heads, heads, heads, cache_specs, P(), jax.tree.map(lambda _: P(), meta))
+  return jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=(heads, cache_specs),
+                       check_vma=False)(q, k, v, cache, layer, meta)
 
 
 def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata):
-  """Gathers each sequence's pages and runs a masked softmax: simple, and fast on CPU."""
-  B, T, N, H = q.shape
-  k, v = cache.gather(layer, meta.page_tables)  # [B, S, K, H] each
+  """Each decode row reads its own sequence's pages; each prefill query block of Tb tokens
+  reads its sequence's pages once. Simple, and fast on CPU. q [1, T, N, H] -> [1, T, N, H]."""
+  q = q[0]
+  out = jnp.zeros_like(q)
+  D = meta.num_decode_rows
+  if D:
+    out = _attend_blocks(out, q, cache, layer, jnp.arange(D)[:, None], meta.page_tables[:D],
+                         meta.kv_lens[:D], meta.positions[0])
+  if meta.block_rows.shape[0]:
+    seq = meta.block_seq
+    out = _attend_blocks(out, q, cache, layer, meta.block_rows, meta.page_tables[seq],
+                         meta.kv_lens[seq], meta.positions[0])
+  return out[None]
+
+
+def _attend_blocks(out, q, cache: KVCache, layer, rows, tables, kv_lens, positions):
+  """out, q [T, N, H]; rows [A, R] packed rows (T: none), tables [A, W] and kv_lens [A] of each
+  block's one sequence -> out with the blocks' rows set."""
+  T, N, H = q.shape
+  safe = jnp.minimum(rows, T - 1)
+  qb, pos = q[safe], positions[safe]  # [A, R, N, H], [A, R]
+  k, v = cache.gather(layer, tables)  # [A, S, K, H] each
+  A, R = rows.shape
   S, K = k.shape[1], k.shape[2]
-  q = q.reshape(B, T, K, N // K, H)
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+  qb = qb.reshape(A, R, K, N // K, H)
+  scores = jnp.einsum("ARKGH,ASKH->AKGRS", qb, k, preferred_element_type=jnp.float32)
   scores = scores * (H ** -0.5)
   kv_pos = jnp.arange(S)
-  mask = (kv_pos[None, None, :] <= meta.positions[:, :, None]) & (kv_pos < meta.kv_lens[:, None, None])
-  scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [B, K, G, T, S]
+  mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
+  scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [A, K, G, R, S]
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-  return out.reshape(B, T, N, H)
+  ob = jnp.einsum("AKGRS,ASKH->ARKGH", probs, v).reshape(A, R, N, H)
+  return out.at[rows].set(ob.astype(out.dtype), mode="drop")
 
 
 _KERNEL_PLATFORM = {AttentionBackend.PALLAS: None, AttentionBackend.PALLAS_TPU: "tpu",
                     AttentionBackend.PALLAS_GPU: "gpu"}
 
 
-def _attend_pallas(q, cache: KVCache, layer, meta: AttentionMetadata, platform: str | None):
+def _attend_pallas(q, k, v, cache: KVCache, layer, meta: AttentionMetadata, platform: str | None):
+  """The ragged kernel: writes the step's K/V into the pages and attends, in one call per layer,
+  over the cache in place (the RAGGED layout)."""
   import kernels_pallas  # The kernels import Pallas; the reference path does not need it.
 
-  B, T, N, H = q.shape
-  if T == 1:  # Decode: one query per slot, over the cache as stored (any layout and dtype).
-    k, v, k_scale, v_scale, tables = cache.decode_pages(meta.page_tables)
-    out = kernels_pallas.paged_decode_attention(
-        q[:, 0], k, v, tables, meta.kv_lens, k_scale=k_scale, v_scale=v_scale,
-        layout=_decode_layout(cache.layout), layer=layer, platform=platform)
-    return out[:, None]
-  # Prefill reads token-major pages: the cache hands them over in place where its layout
-  # allows, else rearranged for this one layer (KVCache.kernel_pages). It runs once per
-  # prompt chunk, decode once per token: the copy only matters for decode.
-  k_pages, v_pages, tables, layer = cache.kernel_pages(layer, meta.page_tables)
-  # Prefill: B sequences packed back to back as one ragged batch.
-  cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(meta.q_lens)]).astype(jnp.int32)
-  packed = _pack(q, meta.q_lens, cu_q_lens)  # [B * T, N, H]
-  out = kernels_pallas.ragged_prefill_attention(packed, k_pages, v_pages, tables,
-                                                cu_q_lens, meta.kv_lens, layer=layer, platform=platform)
-  return _unpack(out, cu_q_lens, T)
-
-
-def _decode_layout(layout: KVLayout):
-  """The decode kernel's name for the cache's layout (contiguous is viewed as token-major)."""
-  from kernels_pallas import PageLayout
-
-  return {KVLayout.PAGED_TOKEN_MAJOR: PageLayout.TOKEN_MAJOR,
-          KVLayout.CONTIGUOUS: PageLayout.TOKEN_MAJOR,
-          KVLayout.PAGED_HEAD_MAJOR: PageLayout.HEAD_MAJOR,
-          KVLayout.PAGED_KV_INTERLEAVED: PageLayout.KV_INTERLEAVED}[layout]
-
-
-def _pack(q, q_lens, cu_q_lens):
-  B, T = q.shape[:2]
-  t = jnp.arange(B * T)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
-  idx = t - cu_q_lens[seq]
-  valid = t < cu_q_lens[-1]
-  return jnp.where(valid[:, None, None], q[seq, jnp.minimum(idx, T - 1)], 0)
-
-
-def _unpack(out, cu_q_lens, T):
-  rows = jnp.minimum(cu_q_lens[:-1, None] + jnp.arange(T)[None, :], out.shape[0] - 1)  # [B, T]
-  return out[rows]
+  if cache.layout is not KVLayout.RAGGED:
+    raise ValueError(f"the Pallas backend runs on the ragged KV layout, not {cache.layout.value}")
+  out, pages = kernels_pallas.ragged_paged_attention(
+      q[0], k[0].astype(cache.k.dtype), v[0].astype(cache.k.dtype), cache.k, meta.page_tables,
+      meta.cu_q_lens, meta.kv_lens, jnp.int32(meta.page_tables.shape[0]), layer=layer,
+      platform=platform)
+  return out[None], dataclasses.replace(cache, k=pages)
