@@ -175,9 +175,7 @@ def _forward(model, ids, layout, kv_dtype, page_size):
   pages = n // page_size
   cfg = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1, max_model_len=n,
                      prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
-  meta = AttentionMetadata(positions=jnp.arange(n)[None], cache_index=(page_size + jnp.arange(n))[None],
-                           page_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
-                           q_lens=jnp.array([n]))
+  meta = AttentionMetadata.one_sequence(n, page_size)
   logits, _ = model(ids[None], KVCache.create(model.cfg, cfg), meta, last_only=False)
   return logits[0]  # [T, V]
 

@@ -73,9 +73,7 @@ def dense_forward(model: Transformer, ids, page_size: int):
   pages = n // page_size
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=pages * page_size, prefill_buckets=(page_size,), dtype=_dtype(model))
-  meta = AttentionMetadata(positions=jnp.arange(n)[None], cache_index=(page_size + jnp.arange(n))[None],
-                           page_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
-                           q_lens=jnp.array([n]))
+  meta = AttentionMetadata.one_sequence(n, page_size)
   logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
   return logits[0]
 

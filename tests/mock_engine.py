@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 import pytest
 
-from jaxserve.batching.plan import EngineInfo, PrefillChunk
+from jaxserve.batching.plan import EngineInfo, PrefillChunk, StepPlan
 from jaxserve.config.engine import width_buckets
 
 
@@ -45,6 +45,10 @@ class MockFuture:
     self._engine.events.append(("result", self.label))
     return self._tokens
 
+  def logprobs(self):
+    n = len(self._tokens)
+    return np.zeros(n, np.float32), np.zeros((n, 20), np.int32), np.zeros((n, 20), np.float32)
+
 
 class MockEngine:
 
@@ -66,10 +70,23 @@ class MockEngine:
     self.page_writes = np.zeros(num_pages, np.int64)  # Positions written, per page.
     self.num_prefill_tokens = 0  # Prompt tokens whose KV the engine computed.
     self.num_decode_steps = 0
+    self.num_steps = 0  # Engine calls: one per plan.
     self.chunks: list[PrefillChunk] = []
     self.events: list[tuple] = []  # ("prefill", id, start, n) ("decode", slots) ("free", slot) ...
     self._token = [None] * num_slots  # Decode state: the slot's next input token and position.
     self._pos = [None] * num_slots
+
+  def step(self, plan: StepPlan) -> MockFuture:
+    """One call for the whole plan: its chunks' KV and first tokens, then its decodes. Tokens in
+    the engine's order: one per decode slot, then one per chunk that ends its prompt."""
+    self.num_steps += 1
+    firsts = [self.prefill(chunk) for chunk in plan.prefills]
+    out = []
+    if plan.decode_slots:
+      tokens = self.decode(plan.decode_slots, plan.page_tables)._tokens
+      out = [tokens[s] for s in plan.decode_slots]
+    out += [int(f._tokens[0]) for f in firsts if f is not None]
+    return MockFuture(np.array(out, np.int32), self, f"step:{self.num_steps}")
 
   def prefill(self, chunk: PrefillChunk) -> MockFuture | None:
     n = len(chunk.token_ids)

@@ -50,8 +50,8 @@ def _serve(engine, args: dict) -> dict:
 
 
 def _num_compiled(engine) -> list[int]:
-  """Compiled versions of each jitted step (prefill, decode, set sampling)."""
-  steps = (engine._prefill, engine._decode, engine._set_sampling)
+  """Compiled versions of the jitted step (one per StepShape)."""
+  steps = (engine._step,)
   jitted = lambda f: f if hasattr(f, "_cache_size") else f.__wrapped__  # in_mesh wraps the jit.
   return [jitted(f)._cache_size() for f in steps]
 

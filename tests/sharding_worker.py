@@ -83,9 +83,12 @@ def _device0_param_bytes(params) -> int:
 def _collectives(engine, tables) -> dict:
   import numpy as np
 
-  args = engine.decode_args(range(engine.num_slots), np.asarray(tables, np.int32))
-  hlo = engine._decode.lower(engine.params, engine.cache, engine.state, args.rows, args.page_tables,
-                             engine.stop_ids).compile().as_text()
+  from jaxserve.batching.plan import StepPlan
+
+  plan = StepPlan(decode_slots=tuple(range(engine.num_slots)), page_tables=np.asarray(tables, np.int32))
+  args, _ = engine.step_args(plan)
+  hlo = engine._step.lower(engine.params, engine.cache, engine.state, args,
+                           engine.stop_ids).compile().as_text()
   ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
   return {op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(") for op in ops}
 
@@ -108,54 +111,11 @@ def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major
   return result
 
 
-def pallas_per_shard(tp: int, dp: int) -> dict:
-  """The Pallas kernels (interpret mode) under `attend_per_shard` on a [dp, tp] mesh against the
-  jnp reference on whole arrays: decode (4 slots split over `data`) and a padded prefill chunk."""
-  import functools
-
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  from jaxserve.engine import placement
-  from jaxserve.model import attention
-  from jaxserve.model.kv_cache import KVCache
-
-  rng = np.random.default_rng(1)
-  L, P, Z, K, N, H = 2, 16, 8, 4, 8, 16
-  cache = KVCache(k=jnp.asarray(rng.standard_normal((L, P, Z, K, H)), jnp.float32),
-                  v=jnp.asarray(rng.standard_normal((L, P, Z, K, H)), jnp.float32))
-  seen = []
-
-  def kernel(q, cache, layer, meta):
-    seen.append((q.shape[0], q.shape[2], cache.k.shape[3]))  # Per-device B, N, K at trace time.
-    return attention._attend_pallas(q, cache, layer, meta, None)
-
-  decode_meta = attention.AttentionMetadata(
-      positions=jnp.array([[4], [15], [8], [0]]), cache_index=jnp.zeros((4, 1), jnp.int32),
-      page_tables=jnp.array([[1, 2], [3, 4], [5, 6], [7, 8]]), kv_lens=jnp.array([5, 16, 9, 1]),
-      q_lens=jnp.ones(4, jnp.int32))
-  prefill_meta = attention.AttentionMetadata(
-      positions=(7 + jnp.arange(16))[None], cache_index=jnp.zeros((1, 16), jnp.int32),
-      page_tables=jnp.array([[9, 10, 11, 12]]), kv_lens=jnp.array([20]), q_lens=jnp.array([13]))
-  # The mesh is an argument: nothing is read from a global context while tracing.
-  step = jax.jit(functools.partial(attention.attend_per_shard, kernel, mesh=placement.make_mesh(tp, dp)))
-  errors = {}
-  for name, meta, B, T, real in (("decode", decode_meta, 4, 1, 1), ("prefill", prefill_meta, 1, 16, 13)):
-    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
-    out = step(q, cache, jnp.int32(1), meta)
-    want = attention.attend_reference(q, cache, 1, meta)
-    errors[name] = float(jnp.max(jnp.abs(out[:, :real] - want[:, :real])))
-  return {"errors": errors, "traced_shapes": seen}
-
-
 def main() -> None:
   args = json.loads(sys.argv[1])
   _setup(args)
   import jax
   out = {"process": jax.process_index(), "num_devices": jax.device_count(), "layouts": {}}
-  if "pallas" in args:
-    out["pallas"] = pallas_per_shard(*args["pallas"])
   for tp, dp, *kv_layout in args["layouts"]:  # [tp, dp] or [tp, dp, KVLayout value]
     start = time.perf_counter()
     name = "-".join([f"{tp}x{dp}", *kv_layout])

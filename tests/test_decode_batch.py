@@ -7,6 +7,7 @@ import numpy as np
 from conftest import TINY, TINY_ENGINE
 from flax import nnx
 
+from jaxserve.batching.plan import StepPlan
 from jaxserve.config import EngineConfig, KVLayout
 from jaxserve.engine.engine import Engine
 from jaxserve.model.kv_cache import SCRATCH_PAGE
@@ -28,19 +29,20 @@ def engine(**changes) -> Engine:
 def test_rows_name_the_decoding_slots_then_padding():
   e = engine()  # 4 slots: buckets 1 and 4; 128 / 8 = 16 pages: widths 8 and 16.
   tables = np.arange(4 * 3, dtype=np.int32).reshape(4, 3) + 1  # Row s: slot s's pages.
-  one = e.decode_args([2], tables)
-  np.testing.assert_array_equal(one.rows, [2])
-  np.testing.assert_array_equal(one.page_tables, [[7, 8, 9] + [SCRATCH_PAGE] * 5])
-  two = e.decode_args([3, 0], tables)
-  np.testing.assert_array_equal(two.rows, [3, 0, 4, 4])  # 4 = num_slots: padding.
-  np.testing.assert_array_equal(two.page_tables[:, :3], [[10, 11, 12], [1, 2, 3], [0] * 3, [0] * 3])
-  assert (two.page_tables[2:] == SCRATCH_PAGE).all()
+  one, rows = e.step_args(StepPlan(decode_slots=(2,), page_tables=tables))
+  np.testing.assert_array_equal(one.decode_slots, [2])
+  np.testing.assert_array_equal(one.decode_tables, [[7, 8, 9] + [SCRATCH_PAGE] * 5])
+  assert rows == [0] and one.prefill_tokens.shape == (0,)  # Decode only: no prefill part.
+  two, rows = e.step_args(StepPlan(decode_slots=(3, 0), page_tables=tables))
+  np.testing.assert_array_equal(two.decode_slots, [3, 0, 4, 4])  # 4 = num_slots: padding.
+  np.testing.assert_array_equal(two.decode_tables[:, :3], [[10, 11, 12], [1, 2, 3], [0] * 3, [0] * 3])
+  assert (two.decode_tables[2:] == SCRATCH_PAGE).all() and rows == [0, 1]
 
 
 def test_contiguous_rows_read_their_own_regions():
   e = engine(kv_layout=KVLayout.CONTIGUOUS)
-  args = e.decode_args([1], np.zeros((4, 1), np.int32))
-  np.testing.assert_array_equal(args.page_tables[0], 1 + 16 + np.arange(8))  # Slot 1's pages.
+  args, _ = e.step_args(StepPlan(decode_slots=(1,), page_tables=np.zeros((4, 1), np.int32)))
+  np.testing.assert_array_equal(args.decode_tables[0], 1 + 16 + np.arange(8))  # Slot 1's pages.
 
 
 def test_a_slot_decodes_the_same_alone_and_among_others():

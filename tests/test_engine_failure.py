@@ -21,7 +21,7 @@ LONG = dict(max_tokens=100, ignore_eos=True)
 
 
 class FaultyEngine:
-  """The real engine, whose decode raises once armed (before touching the device state, so the
+  """The real engine, whose step raises once armed (before touching the device state, so the
   shared test engine stays usable). The other side of the runner's interface, not a mock of it."""
 
   def __init__(self, engine, armed: bool = False):
@@ -33,10 +33,10 @@ class FaultyEngine:
   def __getattr__(self, name):
     return getattr(self._engine, name)
 
-  def decode(self, slots, page_tables):
+  def step(self, plan):
     if self.armed.is_set():
-      raise FloatingPointError("injected fault in decode")
-    return self._engine.decode(slots, page_tables)
+      raise FloatingPointError("injected fault in step")
+    return self._engine.step(plan)
 
 
 def health(channel):

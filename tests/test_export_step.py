@@ -1,5 +1,6 @@
-"""The model's whole decode and prefill steps, with the Pallas backend, lower for TPU and for CUDA
-on this CPU-only machine: the steps hold the kernels as Mosaic / Triton custom calls."""
+"""The engine's whole step (decode rows, prefill chunks, or both in one call), with the Pallas
+backend, lowers for TPU and for CUDA on this CPU-only machine: the step holds the ragged kernel
+as a Mosaic / Triton custom call, over the ragged KV layout."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
-from jaxserve.engine.decode import DecodeState, decode_step
-from jaxserve.engine.prefill import prefill_step
+from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
+from jaxserve.engine.step import DecodeState, step
+from jaxserve.engine.step_args import Packer, StepShape
 from jaxserve.model.attention import AttentionSpec
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import Transformer
@@ -24,39 +25,29 @@ TARGETS = {AttentionBackend.PALLAS_TPU: ("tpu", "tpu_custom_call"),
 # SmolLM2's attention shape (GQA 9:3, head_dim 64), two layers.
 MODEL = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
                     hidden_dim=256, max_seq_len=256)
-ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=32, max_model_len=256, prefill_buckets=(32,))
+ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=32, max_model_len=256, prefill_buckets=(32,),
+                      kv_layout=KVLayout.RAGGED)
+SHAPES = {"decode": StepShape(4, 0, 8), "prefill": StepShape(0, 32, 16), "mixed": StepShape(1, 32, 8)}
 
 
-def export(step, backend, *args):
-  platform, _ = TARGETS[backend]
+def export(backend, shape: StepShape) -> str:
+  platform, _ = TARGETS.get(backend, ("tpu", None))
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   fn = jax.jit(functools.partial(step, graphdef, attn=AttentionSpec(backend)))
+  args = Packer(ENGINE, MODEL.vocab_size, None).template(shape)
   exported = jax.export.export(fn, platforms=[platform],
-                               disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(params, *args)
-  return set(re.findall(r"stablehlo\.custom_call @([^\(\s]+)\(", exported.mlir_module()))
+                               disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+      params, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256), args, jnp.array([0]))
+  return exported.mlir_module()
 
 
+@pytest.mark.parametrize("kind", list(SHAPES))
 @pytest.mark.parametrize("backend", list(TARGETS), ids=lambda b: b.value)
-def test_decode_step_lowers_with_the_kernel(backend):
-  calls = export(decode_step, backend, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256),
-                 jnp.arange(4, dtype=jnp.int32), jnp.zeros((4, 8), jnp.int32), jnp.array([0]))
-  assert TARGETS[backend][1] in calls
-
-
-@pytest.mark.parametrize("backend", list(TARGETS), ids=lambda b: b.value)
-def test_prefill_step_lowers_with_the_kernel(backend):
-  i32 = lambda x: jnp.int32(x)
-  calls = export(prefill_step, backend, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256),
-                 jnp.zeros(32, jnp.int32), i32(0), i32(20), jnp.zeros(16, jnp.int32), i32(0),
-                 jnp.bool_(True), jnp.array([0]))
+def test_step_lowers_with_the_ragged_kernel(backend, kind):
+  calls = set(re.findall(r"stablehlo\.custom_call @([^\(\s]+)\(", export(backend, SHAPES[kind])))
   assert TARGETS[backend][1] in calls
 
 
 def test_reference_backend_has_no_kernel():
   """The check can fail: the plain-jnp backend lowers to no kernel custom call."""
-  graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
-  fn = jax.jit(functools.partial(decode_step, graphdef, attn=AttentionSpec(AttentionBackend.REFERENCE)))
-  text = jax.export.export(fn, platforms=["tpu"])(
-      params, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256), jnp.arange(4, dtype=jnp.int32),
-      jnp.zeros((4, 8), jnp.int32), jnp.array([0])).mlir_module()
-  assert "tpu_custom_call" not in text
+  assert "tpu_custom_call" not in export(AttentionBackend.REFERENCE, SHAPES["mixed"])

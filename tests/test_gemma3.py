@@ -188,7 +188,7 @@ def reference(gguf_path, prompts, llm):
 
 def chunked_last_logits(model, ids, chunk: int, page_size: int):
   """[V] logits after `ids`, prefilled `chunk` tokens at a time into a paged cache, with the
-  metadata prefill_step builds (each chunk attends to the pages of the ones before it)."""
+  metadata an engine step builds (each chunk attends to the pages of the ones before it)."""
   pages = REAL_ENGINE.max_model_len // page_size  # The same shapes for every prompt: one compile.
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=pages * page_size, prefill_buckets=(chunk,))
@@ -206,8 +206,12 @@ def _chunk(model, tokens, cache, table, start, n):
   positions = start + jnp.arange(T, dtype=jnp.int32)
   page = table[jnp.minimum(positions // Z, table.shape[0] - 1)]
   page = jnp.where(jnp.arange(T) < n, page, SCRATCH_PAGE)  # Padding writes to the scratch page.
+  rows = jnp.arange(T, dtype=jnp.int32)
   meta = AttentionMetadata(positions=positions[None], cache_index=(page * Z + positions % Z)[None],
-                           page_tables=table[None], kv_lens=(start + n)[None], q_lens=n[None])
+                           page_tables=table[None], kv_lens=(start + n)[None],
+                           cu_q_lens=jnp.stack([0, n]).astype(jnp.int32), sample_rows=(n - 1)[None],
+                           block_rows=jnp.where(rows < n, rows, T)[None],
+                           block_seq=jnp.zeros(1, jnp.int32))
   return model(tokens[None], cache, meta)
 
 

@@ -17,11 +17,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_kv_layouts import TINY, _written_cache  # A cache with two sequences written.
 
 import kernels_pallas
-from jaxserve.config import AttentionBackend, KVDtype, KVLayout
-from jaxserve.model import attention
 from kernels_pallas import PageLayout, gpu_decode, reference, testing, tpu_decode
 
 # Token-major float32/bfloat16 pages are tests/test_kernels_decode.py's. float32 reads like
@@ -163,20 +160,3 @@ def test_decode_lowers_to_the_kernel_custom_call(case, platform):
       q, k, v, tables, lengths, ks, vs, jax.ShapeDtypeStruct((), jnp.int32))
   calls = set(re.findall(r"stablehlo\.custom_call @([^\(\s]+)\(", exported.mlir_module()))
   assert call in calls
-
-
-# An engine cache through attention.attend (decode, Pallas backend) against the reference
-# backend: KVCache.decode_pages hands the cache to the kernel as stored. Contiguous int8 is the
-# case tests/test_kv_layouts.py leaves out (it runs head-major float32, contiguous bfloat16 and
-# interleaved int8): its scales too are viewed as token-major pages.
-def test_engine_cache_decodes_in_place():
-  cache, tables, _, _ = _written_cache(KVLayout.CONTIGUOUS, KVDtype.INT8, np.random.default_rng(6))
-  q = jnp.asarray(np.random.default_rng(7).standard_normal((2, 1, TINY.num_heads, TINY.head_dim)),
-                  jnp.float32)
-  lens = jnp.array([5, 16], jnp.int32)
-  meta = attention.AttentionMetadata(
-      positions=(lens - 1)[:, None], cache_index=jnp.zeros((2, 1), jnp.int32),
-      page_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
-  got = attention.attend(q, cache, jnp.int32(1), meta, attention.AttentionSpec(AttentionBackend.PALLAS))
-  want = attention.attend_reference(q, cache, 1, meta)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

@@ -1,10 +1,10 @@
 """Every KV layout and KV dtype against the float32 token-major reference.
 
-Cache level: what is written at a slot is what gather (and the kernels' view) read back, within
-the storage type's rounding, and padding writes to the scratch page never show. Engine level: each
-layout through chunked prefill + decode gives the reference's tokens and logprobs. Quantized
-dtypes: teacher-forced logits of a full forward against the float32 cache's. Pallas: the decode
-kernel (interpret mode) on every layout against the reference attention.
+Cache level: what is written at a slot is what gather reads back, within the storage type's
+rounding, and padding writes to the scratch page never show. Engine level: each layout through
+chunked prefill + decode (the jnp step) gives the reference's tokens and logprobs. Quantized
+dtypes: teacher-forced logits of a full forward against the float32 cache's. Pallas: the ragged
+kernel runs on the RAGGED layout only, and the engine says so for any other.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from flax import nnx
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
 from jaxserve.engine.engine import Engine
-from jaxserve.model import attention
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, slot_page_tables
 
@@ -54,19 +53,19 @@ def _written_cache(layout, kv_dtype, rng):
   return cache, tables, k, v
 
 
+RAGGED_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16)
+
+
 @pytest.mark.parametrize("kv_dtype", list(KVDtype))
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_write_then_gather_round_trips(layout, kv_dtype):
+  if layout is KVLayout.RAGGED and kv_dtype not in RAGGED_DTYPES:
+    pytest.skip("the ragged layout stores float32 and bfloat16 only (test_ragged_layout_stores_only_floats)")
   cache, tables, k, v = _written_cache(layout, kv_dtype, np.random.default_rng(0))
   tol = ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(k))
   gk, gv = cache.gather(1, jnp.asarray(tables))
   assert np.all(np.abs(np.asarray(gk, np.float32) - k) <= tol)
   assert np.all(np.abs(np.asarray(gv, np.float32) - v) <= ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(v)))
-  kp, vp, kt, layer = cache.kernel_pages(jnp.int32(1), jnp.asarray(tables))
-  if layer is not None:  # The kernels' view of the whole cache: pick the layer as they would.
-    kp, vp = kp[layer], vp[layer]
-  np.testing.assert_array_equal(np.asarray(kp)[np.asarray(kt)].reshape(k.shape), np.asarray(gk))
-  np.testing.assert_array_equal(np.asarray(vp)[np.asarray(kt)].reshape(v.shape), np.asarray(gv))
 
 
 def test_int8_scale_is_per_token_and_head():
@@ -125,7 +124,8 @@ def reference_run(tiny_model):
 
 
 @pytest.mark.parametrize("layout, page_size", [
-    (KVLayout.PAGED_HEAD_MAJOR, 16), (KVLayout.PAGED_KV_INTERLEAVED, 32), (KVLayout.CONTIGUOUS, 8)])
+    (KVLayout.PAGED_HEAD_MAJOR, 16), (KVLayout.PAGED_KV_INTERLEAVED, 32), (KVLayout.CONTIGUOUS, 8),
+    (KVLayout.RAGGED, 8)])
 def test_engine_layouts_match_the_reference(tiny_model, reference_run, layout, page_size):
   """Contiguous: the engine swaps the given tables for the slots' own regions."""
   config = dataclasses.replace(ENGINE, kv_layout=layout, page_size=page_size)
@@ -142,9 +142,7 @@ def forward_logits(model, ids, layout=KVLayout.PAGED_TOKEN_MAJOR, kv_dtype=KVDty
   pages = n // page_size
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=n, prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
-  meta = AttentionMetadata(positions=jnp.arange(n)[None], cache_index=(page_size + jnp.arange(n))[None],
-                           page_tables=jnp.arange(1, pages + 1)[None], kv_lens=jnp.array([n]),
-                           q_lens=jnp.array([n]))
+  meta = AttentionMetadata.one_sequence(n, page_size)
   logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
   return logits[0]
 
@@ -167,36 +165,16 @@ def test_quantized_kv_logits_stay_close(tiny_model, kv_dtype, max_err, min_agree
   assert agree >= min_agree
 
 
-# Token-major float32 is tests/test_backend_pallas.py's. The decode kernel reads every layout and
-# dtype in place (KVCache.decode_pages); prefill still reads a per-layer token-major copy.
-@pytest.mark.parametrize("layout, kv_dtype", [
-    (KVLayout.PAGED_HEAD_MAJOR, KVDtype.FLOAT32), (KVLayout.CONTIGUOUS, KVDtype.BFLOAT16),
-    (KVLayout.PAGED_KV_INTERLEAVED, KVDtype.INT8)])
-def test_pallas_decode_reads_every_layout(layout, kv_dtype):
-  """The Pallas decode kernel (interpret mode) on each layout equals the reference attention
-  (which rounds its softmax to bf16 for a bf16 cache, the kernel does not: hence the tolerance)."""
-  cache, tables, _, _ = _written_cache(layout, kv_dtype, np.random.default_rng(1))
-  q = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, TINY.num_heads, TINY.head_dim)),
-                  jnp.float32)
-  lens = jnp.array([11, 16], jnp.int32)
-  meta = AttentionMetadata(positions=(lens - 1)[:, None], cache_index=jnp.zeros((2, 1), jnp.int32),
-                           page_tables=jnp.asarray(tables), kv_lens=lens, q_lens=jnp.ones(2, jnp.int32))
-  got = attention.attend(q, cache, jnp.int32(1), meta, attention.AttentionSpec(AttentionBackend.PALLAS))
-  want = attention.attend_reference(q, cache, 1, meta)
-  atol = 1e-2 if kv_dtype is KVDtype.BFLOAT16 else 2e-5
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol)
+# The Pallas backend is the ragged kernel, which reads and writes the RAGGED layout in place
+# (tests/test_backend_pallas.py); the other layouts run on the jnp path only.
+@pytest.mark.parametrize("layout", [KVLayout.PAGED_HEAD_MAJOR, KVLayout.CONTIGUOUS])
+def test_pallas_backend_refuses_other_layouts(tiny_model, layout):
+  engine = Engine(tiny_model, dataclasses.replace(ENGINE, kv_layout=layout,
+                                                  attention_backend=AttentionBackend.PALLAS))
+  with pytest.raises(ValueError, match="ragged KV layout"):
+    engine.prefill(_chunk(0, [3, 4, 5], 0, [1], True, [3, 4, 5]))
 
 
-def test_pallas_prefill_reads_the_contiguous_layout():
-  """Prefill (ragged kernel, interpret mode) through the contiguous layout's shifted page view:
-  5 new tokens at positions 11..15 of the sequence in slot 2, causal over the slot's region."""
-  cache, tables, _, _ = _written_cache(KVLayout.CONTIGUOUS, KVDtype.FLOAT32, np.random.default_rng(4))
-  q = jnp.asarray(np.random.default_rng(5).standard_normal((1, 8, TINY.num_heads, TINY.head_dim)),
-                  jnp.float32)
-  positions = 11 + jnp.arange(8)[None]  # [1, 8]: the last 3 rows are padding.
-  meta = AttentionMetadata(positions=positions, cache_index=jnp.zeros((1, 8), jnp.int32),
-                           page_tables=jnp.asarray(tables[:1]), kv_lens=jnp.array([16]),
-                           q_lens=jnp.array([5]))
-  got = attention.attend(q, cache, jnp.int32(1), meta, attention.AttentionSpec(AttentionBackend.PALLAS))[:, :5]
-  want = attention.attend_reference(q, cache, 1, meta)[:, :5]
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+def test_ragged_layout_stores_only_floats():
+  with pytest.raises(ValueError, match="float32 or bfloat16"):
+    KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.RAGGED, kv_dtype=KVDtype.INT8))

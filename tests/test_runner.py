@@ -58,10 +58,10 @@ def test_overlap_dispatches_the_next_step_before_reading_tokens(checked):
   assert r.engine.events == [
       ("prefill", rid, 0, 3),
       ("decode", (0,)),  # Step 2 is on its way before step 1's token is read.
-      ("result", f"prefill:{rid}"),
+      ("result", "step:1"),  # One engine call per step: step 1 is the prefill.
       ("decode", (0,)),
-      ("result", "decode:1"),
-      ("result", "decode:2"),  # max_tokens is a count: no decode is wasted on it.
+      ("result", "step:2"),
+      ("result", "step:3"),  # max_tokens is a count: no decode is wasted on it.
   ]
   assert tokens(outs[rid]) == [8, 9, 10]
 
@@ -75,7 +75,7 @@ def test_a_token_sampled_after_the_finish_is_discarded_unread(checked):
   # The third decode was dispatched before eos was seen; its token is never read.
   assert r.engine.num_decode_steps == 3
   assert [e for e in r.engine.events if e[0] == "result"] == [
-      ("result", f"prefill:{req.request_id}"), ("result", "decode:1"), ("result", "decode:2")]
+      ("result", "step:1"), ("result", "step:2"), ("result", "step:3")]
   assert r.engine.events[-1] == ("free", 0)
 
 

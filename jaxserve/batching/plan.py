@@ -61,6 +61,15 @@ class TokenFuture(Protocol):
     """Blocks until the copy lands; returns int32 token ids."""
     ...
 
+  def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen [n], top ids [n, k], top logprobs [n, k]), rows as result()'s."""
+    ...
+
+  def prompt_logprobs(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For plan.prefills[chunk], one with prompt_logprob_targets: (chosen [n], ranks [n],
+    top ids [n, k], top logprobs [n, k]) of its n positions."""
+    ...
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineInfo:
@@ -84,14 +93,9 @@ class Engine(Protocol):
 
   info: EngineInfo
 
-  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    """Writes the chunk's KV; when `chunk.is_last`, returns the first sampled token ([1]). A
-    chunk with prompt_logprob_targets always returns a future, whose `prompt_logprobs()` gives
-    (chosen [T], ranks [T], top ids [T, N], top logprobs [T, N]) for its positions."""
-    ...
-
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
-    """One token for each of `slots`; returns [num_slots] tokens (entries of other slots are junk)."""
+  def step(self, plan: StepPlan) -> TokenFuture:
+    """Runs the whole plan: writes every chunk's KV, decodes every decode slot. The future holds
+    one sample per `plan.decode_slots` entry, then one per chunk with `is_last`, in plan order."""
     ...
 
   def free(self, slot: int) -> None:

@@ -1,6 +1,7 @@
 """The engine loop: plan a step, run it on the engine, turn sampled tokens into request outputs.
 
-`step()` overlaps host and device. It dispatches step n+1 before it reads step n's tokens:
+Each step is one engine call (`Engine.step(plan)`: every prefill chunk and decode token of the
+plan). `step()` overlaps host and device. It dispatches step n+1 before it reads step n's tokens:
 
   schedule(n+1) -> dispatch(n+1) -> read tokens of n (TokenFuture.result) -> outputs of n
 
@@ -38,11 +39,10 @@ from jaxserve.text.detokenizer import IncrementalDetokenizer
 class _Dispatched:
   """One step in flight: where its sampled tokens will land, and for whom."""
 
-  prefills: list[tuple[TokenFuture, Request, int]]  # (future, request, epoch)
-  decode: TokenFuture | None
-  decodes: list[tuple[int, Request, int]]  # (slot, request, epoch)
-  # Chunks that score their prompt positions: (future, request, epoch, chunk start, chunk length).
-  prompts: list[tuple[TokenFuture, Request, int, int, int]] = dataclasses.field(default_factory=list)
+  future: TokenFuture
+  samples: list[tuple[Request, int]]  # (request, epoch) of each of the future's rows
+  # Chunks that score their prompt positions: (plan index, request, epoch, chunk start, length).
+  prompts: list[tuple[int, Request, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 class Runner:
@@ -138,40 +138,32 @@ class Runner:
     for slot in scheduled.free_slots:
       self.engine.free(slot)
     plan = scheduled.plan
-    prefills, prompts = [], []
-    for chunk, req in zip(plan.prefills, scheduled.prefill_requests):
-      future = self.engine.prefill(chunk)
-      if chunk.prompt_logprob_targets is not None:
-        prompts.append((future, req, req.epoch, chunk.start_pos, len(chunk.token_ids)))
-      if chunk.is_last:
-        prefills.append((future, req, req.epoch))
-    decode, decodes = None, []
-    if plan.decode_slots:
-      decode = self.engine.decode(plan.decode_slots, plan.page_tables)
-      decodes = [(r.slot, r, r.epoch) for r in scheduled.decode_requests]
-    return _Dispatched(prefills, decode, decodes, prompts) if prefills or decodes or prompts else None
+    if plan.is_empty:
+      return None
+    # The future's rows: the decode slots, then the chunks that end their prompts.
+    samples = [(r, r.epoch) for r in scheduled.decode_requests]
+    samples += [(req, req.epoch) for chunk, req in zip(plan.prefills, scheduled.prefill_requests)
+                if chunk.is_last]
+    prompts = [(i, req, req.epoch, chunk.start_pos, len(chunk.token_ids))
+               for i, (chunk, req) in enumerate(zip(plan.prefills, scheduled.prefill_requests))
+               if chunk.prompt_logprob_targets is not None]
+    future = self.engine.step(plan)
+    return _Dispatched(future, samples, prompts) if samples or prompts else None
 
   def _collect(self, step: _Dispatched) -> list[RequestOutput]:
     """Reads a step's sampled tokens and applies them; stale ones are dropped unread."""
-    outputs = []
-    for future, req, epoch, start, length in step.prompts:
+    for i, req, epoch, start, length in step.prompts:
       if req.epoch == epoch:  # Before the step's first tokens, which hand these out.
-        self._store_prompt_logprobs(req, future.prompt_logprobs(), start, length)
-    for future, req, epoch in step.prefills:
-      if req.epoch == epoch:
-        arrays = future.logprobs() if req.sampling.logprobs else None
-        logprobs = _token_logprobs(arrays, 0, req.sampling.logprobs)
-        outputs.append(self._apply_token(req, int(future.result()[0]), time.monotonic(), logprobs))
-    live = [(slot, req) for slot, req, epoch in step.decodes if req.epoch == epoch]
-    if live:
-      tokens = step.decode.result().tolist()
-      # One read of the logprob arrays for the whole step, and none when nobody asked.
-      arrays = step.decode.logprobs() if any(r.sampling.logprobs for _, r in live) else None
-      now = time.monotonic()
-      outputs += [self._apply_token(req, tokens[slot], now,
-                                    _token_logprobs(arrays, slot, req.sampling.logprobs))
-                  for slot, req in live]
-    return outputs
+        self._store_prompt_logprobs(req, step.future.prompt_logprobs(i), start, length)
+    live = [(i, req) for i, (req, epoch) in enumerate(step.samples) if req.epoch == epoch]
+    if not live:
+      return []
+    tokens = step.future.result().tolist()
+    # One read of the logprob arrays for the whole step, and none when nobody asked.
+    arrays = step.future.logprobs() if any(r.sampling.logprobs for _, r in live) else None
+    now = time.monotonic()
+    return [self._apply_token(req, tokens[i], now, _token_logprobs(arrays, i, req.sampling.logprobs))
+            for i, req in live]
 
   def _store_prompt_logprobs(self, req: Request, arrays, start: int, length: int) -> None:
     """Position start + 1 + i is scored by chunk row i; the last chunk's last row scores the

@@ -27,6 +27,10 @@ class KVLayout(enum.Enum):
   # each slot owns max_len adjacent positions; the engine hands slot s the identity page table
   # of its own region, so the scheduler must run it without prefix caching.
   CONTIGUOUS = "contiguous"
+  # [layers, pages, page_size, lanes]: one lane-dense row per token, its K heads then its V heads,
+  # padded to a multiple of 128 lanes (kernels_pallas/ragged_layout.py): what the ragged kernel
+  # reads and writes in place, and what TPUs tile without padding. float32 / bfloat16 only.
+  RAGGED = "ragged"
 
 
 class KVDtype(enum.Enum):
@@ -69,7 +73,8 @@ class EngineConfig:
   max_model_len: int = 2048  # Longest sequence (prompt + output) a slot can hold.
   prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)  # Padded prefill chunk lengths.
   dtype: Dtype = Dtype.FLOAT32  # Parameters, activations and KV cache (a name is taken too).
-  kv_layout: KVLayout = KVLayout.PAGED_TOKEN_MAJOR
+  # None: picked with the backend (the kernels need RAGGED; the jnp path reads every layout).
+  kv_layout: KVLayout | None = None
   kv_dtype: KVDtype | None = None  # None: the same as `dtype`.
   attention_backend: AttentionBackend | None = None  # None: picked from the platform.
   compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None turns it off.

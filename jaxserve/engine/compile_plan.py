@@ -2,14 +2,14 @@
 
 The engine is built on abstract weights (`nnx.eval_shape`: shapes only, no memory), so
 Llama-3-8B compiles for a v6e from a laptop. `engine_programs` lists what `Engine.warmup`
-compiles (sampling set-up, each prefill bucket, each decode batch bucket x table width);
+compiles (one program per step shape: decode rows x prefill tokens x table width);
 `compile_engine` compiles them for a target (`targets.py`) and sizes the KV pool the way a chip
 must: weights + cache + the largest program's other needs (temp, and outputs not aliased to a
-donated input) within `memory_fraction` of the chip. Today a step's temp grows with the cache
-(issue 14), so the pool is found by compiling: every program at a small probe pool, the neediest
-again at a second one, gives each program's need as a line in the page count; the lines give the
-pool, and compiling every program at it confirms it (or refits the lines and shrinks it). The
-compiler's verdict is the final word.
+donated input) within `memory_fraction` of the chip. The pool is found by compiling: every
+program at a small probe pool, the neediest again at a second one, gives each program's need as
+a line in the page count (flat, now that the kernels write the cache in place); the lines give
+the pool, and compiling every program at it confirms it (or refits the lines and shrinks it).
+The compiler's verdict is the final word.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, SamplingParams
+from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
 from jaxserve.engine import targets
-from jaxserve.engine.decode import DecodeState, decode_step
-from jaxserve.engine.engine import _set_sampling
-from jaxserve.engine.prefill import prefill_step
-from jaxserve.engine.sample import SamplingRow
+from jaxserve.engine.engine import engine_config_for
+from jaxserve.engine.step import DecodeState, step
+from jaxserve.engine.step_args import Packer
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionSpec
 from jaxserve.model.families import model_class
@@ -60,27 +59,25 @@ def abstract_weights(model: ModelConfig, dtype: str):
 
 def engine_programs(model: ModelConfig, config: EngineConfig, backend: AttentionBackend,
                     num_stop_ids: int = 1) -> list[Program]:
-  """The programs `Engine.warmup` compiles, on abstract arguments (single device: tp = dp = 1)."""
+  """The programs `Engine.warmup` compiles, on abstract arguments (single device: tp = dp = 1):
+  one per step shape (Packer.shapes), and the scoring variant of the prefill-only ones."""
   if config.tp * config.dp > 1:
     raise ValueError("compiling for a target covers one device (tp = dp = 1) so far")
+  config = engine_config_for(config, backend)
   graphdef, params = abstract_weights(model, config.dtype.value)
   cache = jax.eval_shape(lambda: KVCache.create(model, config))
   state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
-  row = jax.eval_shape(
-      lambda: SamplingRow.from_params(SamplingParams(), 0, (), (), model.vocab_size).as_state())
-  stop_ids, scalar = _i32(num_stop_ids), _i32()  # [E]: the tokenizer's stop ids; E sets no memory.
-  programs = [Program("set_sampling", _set_sampling, (state, scalar, row), donate=(0,))]
-  prefill = functools.partial(prefill_step, graphdef, attn=AttentionSpec(backend))
-  for T in config.prefill_buckets:
-    programs.append(Program(
-        f"prefill T={T}", prefill, (params, cache, state, _i32(T), scalar, scalar,
-                                    _i32(config.max_pages_per_seq), scalar,
-                                    jax.ShapeDtypeStruct((), jnp.bool_), stop_ids), donate=(1, 2)))
-  decode = functools.partial(decode_step, graphdef, attn=AttentionSpec(backend), in_place=False)
-  for B in config.decode_batch_buckets:
-    for W in config.decode_width_buckets:
-      programs.append(Program(f"decode B={B} W={W}", decode,
-                              (params, cache, state, _i32(B), _i32(B, W), stop_ids), donate=(1, 2)))
+  stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
+  fn = functools.partial(step, graphdef, attn=AttentionSpec(backend))
+  packer = Packer(config, model.vocab_size, None, backend)
+  abstract = lambda args: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+  programs = []
+  for scored, shapes in ((False, packer.shapes()), (True, packer.scored_shapes())):
+    for shape in shapes:
+      D, T, W = shape
+      name = f"step D={D} T={T} W={W}" + (" scored" if scored else "")
+      args = abstract(packer.template(shape, scored=scored))
+      programs.append(Program(name, fn, (params, cache, state, args, stop_ids), donate=(1, 2)))
   return programs
 
 

@@ -1,8 +1,9 @@
-"""The device side of jaxserve: parameters, the KV cache, the decode state, and compiled steps.
+"""The device side of jaxserve: parameters, the KV cache, the decode state, and the compiled step.
 
-It implements `plan.Engine`: the runner calls `prefill` for each chunk of a plan and `decode` for
-the decode slots, and gets tokens back as futures (async device-to-host copies). Every shape the
-engine compiles for comes from `EngineConfig` and is compiled by `warmup()`.
+It implements `plan.Engine`: the runner hands each plan to `step`, one compiled call that runs
+every prefill chunk and decode token of it (engine/step.py), and gets the sampled tokens back as
+one future (one async device-to-host copy). Every shape the engine compiles for comes from
+`EngineConfig` (step_args.Packer.shapes) and is compiled by `warmup()`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +20,16 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxserve.batching.plan import EngineInfo, PrefillChunk
-from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, SamplingParams
+from jaxserve.batching.plan import EngineInfo, PrefillChunk, StepPlan
+from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
 from jaxserve.engine import placement
-from jaxserve.engine.decode import DecodeState, decode_step
-from jaxserve.engine.prefill import PromptLogprobs, prefill_step, prompt_logprobs_step
-from jaxserve.engine.sample import Sampled, SamplingRow, SamplingState
+from jaxserve.engine.sample import NUM_TOP_LOGPROBS
+from jaxserve.engine.step import DecodeState
+from jaxserve.engine.step import step as step_fn
+from jaxserve.engine.step_args import Packer, StepArgs
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionSpec
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
+from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import Transformer
 from jaxserve.planning import capacity
 
@@ -49,60 +51,131 @@ def default_backend() -> AttentionBackend:
 
 
 class TokenFuture:
-  """Sampled tokens on their way to the host: the copy starts now, `result()` waits for it."""
+  """The sampled values of one step on their way to the host: the one copy starts now.
 
-  def __init__(self, sampled: Sampled):
-    self._sampled = sampled
-    sampled.tokens.copy_to_host_async()
+  `result()` and `logprobs()` give the plan's samples in its order: one per decode slot, then one
+  per prompt that ends in the step. `by_slot` instead gives decode samples at their slot's row of
+  [S] arrays (rows of other slots are 0)."""
+
+  def __init__(self, packed: jax.Array, rows: list[int], by_slot: Sequence[int] | None = None,
+               num_slots: int = 0):
+    self._packed, self._rows, self._by_slot, self._num_slots = packed, rows, by_slot, num_slots
+    self._host = None
+    packed.copy_to_host_async()
+
+  def _take(self) -> np.ndarray:
+    if self._host is None:
+      host = np.asarray(self._packed)[self._rows]
+      if self._by_slot is not None:
+        full = np.zeros((self._num_slots, host.shape[1]), host.dtype)
+        full[list(self._by_slot)] = host
+        host = full
+      self._host = host
+    return self._host
 
   def result(self) -> np.ndarray:
-    return np.asarray(self._sampled.tokens)
+    return self._take()[:, 0].copy()
 
   def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(chosen [B], top ids [B, 20], top logprobs [B, 20])."""
-    s = self._sampled
-    return np.asarray(s.logprobs), np.asarray(s.top_ids), np.asarray(s.top_logprobs)
+    x, n = self._take(), NUM_TOP_LOGPROBS
+    as_float = lambda a: np.ascontiguousarray(a).view(np.float32)
+    return as_float(x[:, 1]), x[:, 2:2 + n].copy(), as_float(x[:, 2 + n:])
+
+  def prompt_logprobs(self, chunk: int):
+    raise ValueError(f"chunk {chunk} of this step did not ask for prompt logprobs")
 
 
-class PromptLogprobsFuture(TokenFuture):
-  """A prefill chunk's sampled token and its positions' prompt logprobs, copied together."""
+class ScoredFuture(TokenFuture):
+  """A prefill-only step that also scored its prompt positions (engine/prompt_logprobs.py).
+  `spans[i]`: (first packed row, length) of the plan's chunk i."""
 
-  def __init__(self, sampled: Sampled, prompt: PromptLogprobs):
-    super().__init__(sampled)
-    self._prompt = prompt
+  def __init__(self, packed, rows, prompt, spans: dict[int, tuple[int, int]]):
+    super().__init__(packed, rows)
+    self._prompt, self._spans = prompt, spans
     for x in jax.tree.leaves(prompt):
       x.copy_to_host_async()
 
-  def prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(chosen [T], ranks [T], top ids [T, 20], top logprobs [T, 20]) of the padded chunk."""
+  def prompt_logprobs(self, chunk: int):
+    """(chosen [n], ranks [n], top ids [n, 20], top logprobs [n, 20]) of the chunk's positions."""
+    at, n = self._spans[chunk]
     p = self._prompt
-    return (np.asarray(p.logprobs), np.asarray(p.ranks), np.asarray(p.top_ids),
-            np.asarray(p.top_logprobs))
+    return tuple(np.asarray(x)[at:at + n] for x in (p.logprobs, p.ranks, p.top_ids, p.top_logprobs))
 
 
-class PrefillArgs(NamedTuple):
-  """The host arrays of one prefill step (see `prefill_step`)."""
+class StepFutures:
+  """The futures of one plan run as several calls, read as one (rows in the plan's order)."""
 
-  tokens: np.ndarray  # [T] int32, padded to a prefill bucket
-  start_pos: np.int32
-  true_len: np.int32
-  page_table: np.ndarray  # [W] int32
-  slot: np.int32
-  is_last: np.bool_
-  row: SamplingState | None  # The slot's sampling settings (numpy leaves); set when is_last.
-  # [T] int32, the prompt token after each position: set for a chunk that wants prompt logprobs.
-  targets: np.ndarray | None = None
+  def __init__(self, parts: Sequence[tuple[TokenFuture, list[int], list[int]]], num_samples: int):
+    self._parts, self._n = parts, num_samples  # (future, its rows' plan sample indices, chunks)
+
+  def _gather(self, read):
+    out = None
+    for future, rows, _ in self._parts:
+      if rows:
+        values = read(future)
+        if out is None:
+          out = [np.zeros((self._n,) + v.shape[1:], v.dtype) for v in values]
+        for o, v in zip(out, values):
+          o[rows] = v
+    return out
+
+  def result(self) -> np.ndarray:
+    out = self._gather(lambda f: (f.result(),))
+    return out[0] if out else np.zeros(0, np.int32)
+
+  def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(self._gather(lambda f: f.logprobs()))
+
+  def prompt_logprobs(self, chunk: int):
+    return next(f for f, _, chunks in self._parts if chunk in chunks).prompt_logprobs(chunk)
 
 
-class DecodeArgs(NamedTuple):
-  """The host arrays of one decode step (see `decode_step`)."""
+def split_plan(plan: StepPlan, max_tokens: int) -> list[tuple[StepPlan, list[int]]]:
+  """The plan as the calls that run it, each (part, indices of its chunks in plan.prefills).
 
-  rows: np.ndarray  # [B] int32: the decoding slots, then num_slots as padding; B a batch bucket
-  page_tables: np.ndarray  # [B, W] int32, W a compiled decode width
+  One call, unless the plan holds more prefill tokens than the largest bucket (then one call per
+  bucketful; the decodes ride with the first) or chunks that score their prompt positions (those
+  go in prefill-only calls of their own: the scoring variant is compiled without decode rows)."""
+  parts = []
+  for scored in (False, True):
+    ids = [i for i, ch in enumerate(plan.prefills)
+           if (ch.prompt_logprob_targets is not None) == scored]
+    groups, size = [[]], 0
+    for i in ids:
+      n = len(plan.prefills[i].token_ids)
+      if groups[-1] and size + n > max_tokens:
+        groups.append([])
+        size = 0
+      groups[-1].append(i)
+      size += n
+    for group in groups:
+      decodes = not scored and not parts and bool(plan.decode_slots)
+      if group or decodes:
+        parts.append((StepPlan(prefills=tuple(plan.prefills[i] for i in group),
+                               decode_slots=tuple(plan.decode_slots) if decodes else (),
+                               page_tables=plan.page_tables if decodes else None), group))
+  return parts
+
+
+
+
+def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> EngineConfig:
+  """`config` with what the backend decides filled in: the KV layout (the kernels read and write
+  the ragged one in place; the jnp path reads every layout, token-major by default)."""
+  if config.kv_layout is None:
+    layout = KVLayout.PAGED_TOKEN_MAJOR if backend is AttentionBackend.REFERENCE else KVLayout.RAGGED
+    config = dataclasses.replace(config, kv_layout=layout)
+  if backend is not AttentionBackend.REFERENCE and config.tp > 1:
+    raise ValueError(f"--tp {config.tp} with the Pallas backend: the ragged KV layout keeps "
+                     "every KV head in one page row, which does not split by head yet")
+  return config
 
 
 class Engine:
   def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = ()):
+    backend = config.attention_backend or default_backend()
+    config = engine_config_for(config, backend)
     if config.num_pages is None:
       config = size_kv_pool(config, model)
     self.model_config: ModelConfig = model.cfg
@@ -112,7 +185,7 @@ class Engine:
     self.num_pages = config.num_pages
     self.max_model_len = min(config.max_model_len, model.cfg.max_seq_len)
     self.max_prefill_len = config.prefill_buckets[-1]
-    self.backend = config.attention_backend or default_backend()
+    self.backend = backend
     mesh = placement.mesh_for(config)
     attn = AttentionSpec(self.backend, mesh)
     enable_compilation_cache(config.compilation_cache_dir)
@@ -120,7 +193,7 @@ class Engine:
     graphdef, self.params = nnx.split(model)
     self.state = DecodeState.create(config.num_slots, model.cfg.vocab_size)
     self.stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)  # [E]
-    self.shardings, step_out, state_out = None, {}, {}
+    self.shardings, step_out = None, {}
     if mesh is not None:
       # One SPMD program over the mesh: the state goes to its shardings, and the steps return it
       # in the same shardings, so donation aliases the buffers and no step recompiles.
@@ -129,9 +202,13 @@ class Engine:
       self.params, self.state = s.place(self.params, s.params), s.place(self.state, s.state)
       self.stop_ids = s.place(self.stop_ids, s.replicated)
       self.cache = s.create_cache(model.cfg, config)
-      step_out, state_out = {"out_shardings": s.step_out}, {"out_shardings": s.state}
+      step_out = {"out_shardings": s.step_out}
     else:
-      self.cache = KVCache.create(model.cfg, config)
+      # Committed to the device, as every step's outputs are: an uncommitted first input would
+      # make the first shape warm-up compiles a different program from the one serving calls.
+      device = jax.local_devices()[0]
+      self.cache = jax.device_put(KVCache.create(model.cfg, config), device)
+      self.state = jax.device_put(self.state, device)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
@@ -140,116 +217,83 @@ class Engine:
     self.can_share_pages = self._slot_page_tables is None  # A slot's own region holds no one else's KV.
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                            self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
-                           config.decode_width_buckets, config.prefill_buckets, config.dtype.value)
+                           Packer.widths_for(config, backend), config.prefill_buckets,
+                           config.dtype.value)
+    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables, backend)
     # The cache and decode state are donated: each step updates them in place.
-    self._prefill = jax.jit(functools.partial(prefill_step, graphdef, attn=attn),
-                            donate_argnums=(1, 2), **step_out)
-    lp_out = {"out_shardings": (*s.step_out, s.replicated)} if mesh is not None else {}
-    self._prefill_logprobs = jax.jit(functools.partial(prompt_logprobs_step, graphdef, attn=attn),
-                                     donate_argnums=(1, 2), **lp_out)
-    self._decode = jax.jit(functools.partial(decode_step, graphdef, attn=attn, in_place=config.dp > 1),
-                           donate_argnums=(1, 2), **step_out)
-    self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,), **state_out)
+    self._step = jax.jit(functools.partial(step_fn, graphdef, attn=attn),
+                         donate_argnums=(1, 2), **step_out)
+    # Prefill-only steps that also score their prompt positions: the same function, whose
+    # args carry the targets (one more output, so its own jit).
+    scored_out = {"out_shardings": (*s.step_out, s.replicated)} if mesh is not None else {}
+    self._step_scored = jax.jit(functools.partial(step_fn, graphdef, attn=attn),
+                                donate_argnums=(1, 2), **scored_out)
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
 
+  def step(self, plan: StepPlan, run=None) -> TokenFuture | StepFutures:
+    """Runs the whole plan, in one call unless `split_plan` says otherwise; the future holds one
+    sample per decode slot, then one per prompt that ends in this step (in plan order). `run`
+    (multihost's) makes each call in place of `run_step`."""
+    run = run or self.run_step
+    parts = split_plan(plan, self.max_prefill_len)
+    if len(parts) == 1 and all(ch.prompt_logprob_targets is None for ch in plan.prefills):
+      return run(*self.step_args(plan))
+    num_decodes = len(plan.decode_slots)
+    ends = [i for i, ch in enumerate(plan.prefills) if ch.is_last]
+    sample_of = {i: num_decodes + k for k, i in enumerate(ends)}  # Chunk -> its plan sample.
+    futures = []
+    for part, chunks in parts:
+      rows = list(range(len(part.decode_slots)))
+      rows += [sample_of[i] for i in chunks if plan.prefills[i].is_last]
+      lens = [len(plan.prefills[i].token_ids) for i in chunks]
+      at = np.cumsum([0] + lens).tolist()  # Chunks are packed in plan order.
+      spans = {i: (at[k], n) for k, (i, n) in enumerate(zip(chunks, lens))}
+      futures.append((run(*self.step_args(part), spans=spans), rows, chunks))
+    return StepFutures(futures, num_decodes + len(ends))
+
   def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    return self.run_prefill(self.prefill_args(chunk))
+    """A plan of one chunk: its first sampled token ([1]) when it ends its prompt."""
+    future = self.step(StepPlan(prefills=(chunk,)))
+    return future if chunk.is_last or chunk.prompt_logprob_targets is not None else None
 
   def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
-    return self.run_decode(self.decode_args(slots, page_tables))
+    """A plan of decodes only: [num_slots] tokens, row s for slot s."""
+    args, rows = self.step_args(StepPlan(decode_slots=tuple(slots), page_tables=page_tables))
+    return self.run_step(args, rows, by_slot=slots)
 
-  # The host inputs of each compiled step are built apart from the call, so that `multihost` can
+  # The host inputs of the compiled step are built apart from the call, so that `multihost` can
   # broadcast them from process 0 and make every other process run the same call on them.
 
-  def prefill_args(self, chunk: PrefillChunk) -> PrefillArgs:
-    n = len(chunk.token_ids)
-    if not 0 < n <= self.max_prefill_len:
-      raise ValueError(f"prefill chunk of {n} tokens: must be 1..{self.max_prefill_len}")
-    bucket = next(b for b in self.config.prefill_buckets if b >= n)
-    tokens = np.zeros(bucket, np.int32)
-    tokens[:n] = chunk.token_ids
-    row = None
-    if chunk.is_last:
-      row = SamplingRow.from_params(chunk.sampling, chunk.seed, chunk.prompt_token_ids,
-                                    chunk.output_token_ids, self.model_config.vocab_size).as_state()
-    targets = None
-    if chunk.prompt_logprob_targets is not None:
-      targets = np.zeros(bucket, np.int32)
-      targets[:len(chunk.prompt_logprob_targets)] = chunk.prompt_logprob_targets
-    return PrefillArgs(tokens, np.int32(chunk.start_pos), np.int32(n),
-                       self._page_table_row(chunk.page_table, chunk.slot), np.int32(chunk.slot),
-                       np.bool_(chunk.is_last), row, targets)
+  def step_args(self, plan: StepPlan) -> tuple[StepArgs, list[int]]:
+    for chunk in plan.prefills:
+      n = len(chunk.token_ids)
+      if not 0 < n <= self.max_prefill_len:
+        raise ValueError(f"prefill chunk of {n} tokens: must be 1..{self.max_prefill_len}")
+    return self.packer.pack(plan)
 
-  def run_prefill(self, args: PrefillArgs) -> TokenFuture | None:
-    if args.row is not None:
-      self.state = self._set_sampling(self.state, args.slot, args.row)
-    inputs = (self.params, self.cache, self.state, args.tokens, args.start_pos, args.true_len,
-              args.page_table, args.slot, args.is_last, self.stop_ids)
-    if args.targets is not None:
-      self.cache, self.state, sampled, prompt = self._prefill_logprobs(*inputs, args.targets)
-      return PromptLogprobsFuture(sampled, prompt)
-    self.cache, self.state, sampled = self._prefill(*inputs)
-    return TokenFuture(sampled) if args.is_last else None
-
-  def decode_args(self, slots: Sequence[int], page_tables: np.ndarray,
-                  batch: int | None = None) -> DecodeArgs:
-    """page_tables [num_slots, W]: row s is slot s's table. `batch`: a bucket to pad to (by
-    default the smallest that holds the slots)."""
-    if self.config.dp > 1:  # Slots are split over devices by position: row i must be slot i.
-      live = set(slots)
-      slots = [s if s in live else self.num_slots for s in range(self.num_slots)]
-    batch = batch or next(b for b in self.config.decode_batch_buckets if b >= len(slots))
-    rows = np.full(batch, self.num_slots, np.int32)
-    rows[:len(slots)] = slots
-    return DecodeArgs(rows, self._decode_tables(rows, page_tables))
-
-  def run_decode(self, args: DecodeArgs) -> TokenFuture:
-    self.cache, self.state, sampled = self._decode(
-        self.params, self.cache, self.state, args.rows, args.page_tables, self.stop_ids)
-    return TokenFuture(sampled)
+  def run_step(self, args: StepArgs, rows: list[int], by_slot=None,
+               spans: dict[int, tuple[int, int]] | None = None) -> TokenFuture:
+    """`spans`: where each chunk's positions sit on a scoring step's token axis."""
+    inputs = (self.params, self.cache, self.state, args, self.stop_ids)
+    if args.prefill_targets is None:
+      self.cache, self.state, out = self._step(*inputs)
+      return TokenFuture(out, rows, by_slot, self.num_slots)
+    self.cache, self.state, out, prompt = self._step_scored(*inputs)
+    return ScoredFuture(out, rows, prompt, spans or {})
 
   def free(self, slot: int) -> None:
     """Nothing to do on the device: a slot decodes only when the plan lists it."""
 
   def warmup(self) -> None:
-    """Compiles every prefill bucket (both variants) and decode width. Writes only to the
-    scratch page."""
-    row = SamplingRow.from_params(SamplingParams(), 0, (), (), self.model_config.vocab_size)
-    self.state = self._set_sampling(self.state, np.int32(0), row.as_state())
-    for bucket in self.config.prefill_buckets:
-      inputs = (self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),
-                np.int32(bucket), self._page_table_row([]), np.int32(0), np.bool_(False),
-                self.stop_ids)
-      self.cache, self.state, _ = self._prefill(*inputs)
-      inputs = (self.params, self.cache, self.state, *inputs[3:])
-      self.cache, self.state, _, _ = self._prefill_logprobs(*inputs, np.zeros(bucket, np.int32))
-    for batch in self.config.decode_batch_buckets:
-      rows = np.full(batch, self.num_slots, np.int32)  # All padding: nothing is written.
-      for width in self.config.decode_width_buckets:
-        tables = np.full((batch, width), SCRATCH_PAGE, np.int32)
-        self.cache, self.state, out = self._decode(
-            self.params, self.cache, self.state, rows, tables, self.stop_ids)
-    out.tokens.block_until_ready()
-
-  def _page_table_row(self, pages: Sequence[int], slot: int | None = None) -> np.ndarray:
-    if self._slot_page_tables is not None and slot is not None:
-      return self._slot_page_tables[slot].copy()
-    row = np.full(self.config.max_pages_per_seq, SCRATCH_PAGE, np.int32)
-    row[:len(pages)] = pages
-    return row
-
-  def _decode_tables(self, rows: np.ndarray, page_tables: np.ndarray) -> np.ndarray:
-    """[B, W]: the tables of `rows`, padded to the narrowest compiled width that holds them.
-    Padding rows (num_slots) get an all-scratch table."""
-    width = next(w for w in self.config.decode_width_buckets if w >= page_tables.shape[1])
-    tables = np.full((self.num_slots + 1, width), SCRATCH_PAGE, np.int32)
-    if self._slot_page_tables is not None:
-      tables[:-1] = self._slot_page_tables[:, :width]
-    else:
-      tables[:page_tables.shape[0], :page_tables.shape[1]] = page_tables
-    return tables[rows]
+    """Compiles every step shape (and the scoring variant of the prefill-only ones). Runs only
+    padding: writes only to the scratch page."""
+    for shape in self.packer.shapes():
+      out = self.run_step(self.packer.template(shape), [])
+    for shape in self.packer.scored_shapes():
+      out = self.run_step(self.packer.template(shape, scored=True), [])
+    out._packed.block_until_ready()
 
 
 def fit_to_pool(max_model_len: int, num_pages: int, page_size: int) -> int:
@@ -295,8 +339,3 @@ def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
                "less %.2f GiB of weights", pages, config.page_size, pages * config.page_size,
                100 * config.memory_fraction, memory / 2**30, device.device_kind, weight_bytes / 2**30)
   return dataclasses.replace(config, num_pages=pages)
-
-
-def _set_sampling(state: DecodeState, slot, row) -> DecodeState:
-  sampling = state.sampling.set_row(slot, jax.tree.map(lambda x: x[None], row))
-  return DecodeState(state.tokens, state.positions, sampling)

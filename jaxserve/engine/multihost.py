@@ -5,12 +5,12 @@ must make the same jitted calls, in the same order, on the same inputs, or the c
 them wait forever. Offline `generate` gets that for free (every host runs the same workload);
 `serve` does not, since only process 0 takes requests. So:
 
-  process 0    Runner -> LeaderEngine.prefill(chunk)
-                 builds the step's host arrays (Engine.prefill_args)
-                 broadcasts a header [kind, size, extra], then the arrays
-                 runs the step (Engine.run_prefill)
-  process 1..n follow(engine): receives the header, then arrays of the shapes it names (built by
-                 the engine itself from a dummy call of that size), and runs the same step
+  process 0    Runner -> LeaderEngine.step(plan)
+                 builds the step's host arrays (Engine.step_args)
+                 broadcasts a header [kind, decode rows, prefill tokens, width], then the arrays
+                 runs the step (Engine.run_step)
+  process 1..n follow(engine): receives the header, then arrays of the shape it names (built by
+                 the engine itself: Packer.template), and runs the same step
 
 Both broadcasts go through `multihost_utils.broadcast_one_to_all`, a jitted psum over every
 device: it needs the same shapes on every process, hence the fixed-size header first. A STOP
@@ -28,28 +28,26 @@ from __future__ import annotations
 
 import enum
 import zlib
-from typing import Sequence
 
 import jax
 import numpy as np
 from absl import logging
 from jax.experimental.multihost_utils import broadcast_one_to_all, process_allgather
 
-from jaxserve.batching.plan import PrefillChunk
-from jaxserve.config import SamplingParams
-from jaxserve.engine.engine import DecodeArgs, Engine, PrefillArgs, TokenFuture
+from jaxserve.batching.plan import StepPlan
+from jaxserve.engine.engine import Engine, TokenFuture
+from jaxserve.engine.step_args import StepArgs, StepShape
 
 
 class Kind(enum.IntEnum):
   STOP = 0
-  PREFILL = 1
-  DECODE = 2
+  STEP = 1
+  SCORED_STEP = 2  # A step that also scores its prompt positions (its args carry the targets).
 
 
-# The header, [kind, size, extra] int32: a prefill's bucket (tokens) and flags (_prefill_extra),
-# or a decode's width (pages per slot) and batch bucket (rows); they set every shape of the arrays
+# The header, [kind, D, Tp, W] int32: the step's StepShape, which sets every shape of the arrays
 # that follow.
-_HEADER_SHAPE = (3,)
+_HEADER_SHAPE = (4,)
 
 _SETTINGS = ("num_slots", "page_size", "num_pages", "max_model_len", "vocab_size", "tp", "dp",
              "prefill_buckets")
@@ -83,17 +81,16 @@ class LeaderEngine:
     self.num_calls = 0  # Engine steps sent to the followers.
     self._stopped = False
 
-  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    args = self.engine.prefill_args(chunk)  # Raises on a bad chunk before anything is sent.
-    _send(Kind.PREFILL, args.tokens.shape[0], _prefill_extra(args), args)
-    self.num_calls += 1
-    return self.engine.run_prefill(args)
+  def step(self, plan: StepPlan) -> TokenFuture:
+    # Engine.step builds each call's args (raising on a bad plan before anything is sent).
+    return self.engine.step(plan, run=self._run)
 
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
-    args = self.engine.decode_args(slots, page_tables)
-    _send(Kind.DECODE, args.page_tables.shape[1], args.rows.shape[0], args)
+  def _run(self, args: StepArgs, rows: list[int], by_slot=None, spans=None) -> TokenFuture:
+    shape = (args.decode_slots.shape[0], args.prefill_tokens.shape[0], args.decode_tables.shape[1])
+    scored = args.prefill_targets is not None
+    _send(Kind.SCORED_STEP if scored else Kind.STEP, shape, args)
     self.num_calls += 1
-    return self.engine.run_decode(args)
+    return self.engine.run_step(args, rows, by_slot, spans)
 
   def free(self, slot: int) -> None:
     self.engine.free(slot)  # No device work, so nothing to broadcast.
@@ -101,7 +98,7 @@ class LeaderEngine:
   def stop(self) -> None:
     """Tells the followers to return from `follow`. Call once no engine call can follow it."""
     if not self._stopped:
-      _send(Kind.STOP, 0, False, None)
+      _send(Kind.STOP, (0, 0, 0), None)
       self._stopped = True
 
 
@@ -113,25 +110,23 @@ def follow(engine: Engine) -> int:
   _check_same_engine(engine)
   num_steps = 0
   while True:
-    kind, size, extra = (int(x) for x in broadcast_one_to_all(np.zeros(_HEADER_SHAPE, np.int32)))
+    kind, *shape = (int(x) for x in broadcast_one_to_all(np.zeros(_HEADER_SHAPE, np.int32)))
     # Process 0's numpy scalars come back as 0-d arrays: the same shapes and dtypes to `jit`, so
     # no step recompiles.
     if kind == Kind.STOP:
       logging.info("follower %d: stop after %d steps", jax.process_index(), num_steps)
       return num_steps
-    if kind == Kind.PREFILL:
-      engine.run_prefill(broadcast_one_to_all(_prefill_template(engine, size, extra)))
-    elif kind == Kind.DECODE:
-      engine.run_decode(broadcast_one_to_all(_decode_template(engine, size, extra)))
-    else:
+    if kind not in (Kind.STEP, Kind.SCORED_STEP):
       raise ValueError(f"unknown engine call {kind} from process 0")
+    template = engine.packer.template(StepShape(*shape), scored=kind == Kind.SCORED_STEP)
+    engine.run_step(broadcast_one_to_all(template), [])
     num_steps += 1
 
 
-def _send(kind: Kind, size: int, extra: int, args: PrefillArgs | DecodeArgs | None) -> None:
+def _send(kind: Kind, shape: tuple[int, int, int], args: StepArgs | None) -> None:
   """Process 0's side of one call. Its own args are used as they are: the broadcast is only
   for the others."""
-  broadcast_one_to_all(np.array([kind, size, extra], np.int32))
+  broadcast_one_to_all(np.array([kind, *shape], np.int32))
   if args is not None:
     broadcast_one_to_all(args)
 
@@ -149,21 +144,3 @@ def _check_same_engine(engine: Engine) -> None:
   if differ:
     raise ValueError(f"the processes built different engines ({'; '.join(differ)} by process): "
                      "give every host the same engine flags")
-
-
-def _prefill_extra(args: PrefillArgs) -> int:
-  """A prefill header's extra: bit 0 is_last, bit 1 prompt logprobs asked (both set shapes)."""
-  return int(args.is_last) | (args.targets is not None) << 1
-
-
-def _prefill_template(engine: Engine, bucket: int, extra: int) -> PrefillArgs:
-  """Arrays of the shapes and dtypes of a prefill of `bucket` tokens, built by the engine itself
-  (so they follow any change to its arguments); the broadcast fills in process 0's values."""
-  targets = [0] * bucket if extra & 2 else None
-  chunk = PrefillChunk("", 0, [0] * bucket, 0, (), bool(extra & 1), SamplingParams(), 0,
-                       prompt_logprob_targets=targets)
-  return engine.prefill_args(chunk)
-
-
-def _decode_template(engine: Engine, width: int, batch: int) -> DecodeArgs:
-  return engine.decode_args((), np.zeros((0, width), np.int32), batch)

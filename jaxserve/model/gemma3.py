@@ -94,8 +94,8 @@ class Gemma3Block(nnx.Module):
     ratio = math.sqrt(cfg.head_dim / (cfg.query_pre_attn_scalar or cfg.head_dim))
     if ratio != 1.0:
       q = q * jnp.asarray(ratio, q.dtype)
-    cache = cache.write(layer, meta.cache_index, k, v)
-    out = attention.attend(q, cache, layer, meta, attn, window=window)  # [B, T, N, H]
+    out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
+                                  local_window=cfg.sliding_window)  # [B, T, N, H]
     out = out.astype(x.dtype)
     x = x + norm(jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), self.post_attn_norm[...], eps)
     h = norm(x, self.mlp_norm[...], eps)
@@ -119,7 +119,8 @@ class Gemma3(nnx.Module):
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True):
-    """tokens [B, T] -> logits [B, V] at each sequence's last real token (or [B, T, V]), cache."""
+    """tokens [1, T] -> logits [B, V] at each sequence's last new token (meta.sample_rows), or
+    [1, T, V] at every token; and the cache."""
     cfg = self.cfg
     embed = self.embed[...]
     # sqrt(D) rounded to the model dtype first, as Hugging Face does (in bfloat16 it is 25.25,
@@ -137,7 +138,7 @@ class Gemma3(nnx.Module):
           jnp.asarray(layer_windows(cfg)))
     (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
     if last_only:
-      x = jnp.take_along_axis(x, meta.last_index[:, None, None], axis=1)[:, 0]  # [B, D]
+      x = x[0, meta.sample_rows]  # [B, D]
     x = norm(x, self.final_norm[...], cfg.norm_eps)
     head = embed.T if cfg.tie_embeddings else self.lm_head[...]  # [D, V]
     logits = jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32)

@@ -2,9 +2,9 @@
 
 Which pages a sequence owns is host state (`kv_pages.py`); this module holds only the arrays, in
 one of the layouts of `KVLayout` and one of the storage types of `KVDtype`. Every layout is read
-and written through the same narrow interface (`create`, `write`, `gather`, `num_bytes`, and
-`decode_pages` and `kernel_pages` for the Pallas kernels), so the model never knows which one it
-runs on.
+and written through the same narrow interface (`create`, `write`, `gather`, `num_bytes`), so the
+jnp attention never knows which one it runs on; the Pallas backend reads and writes the RAGGED
+layout in place, inside its kernel.
 
 Addressing is the same for all layouts: a token's K/V goes to flat slot `page * Z + offset`, and a
 sequence's positions are listed by its page table. The contiguous layout keeps that addressing:
@@ -72,15 +72,13 @@ class _Layout:
   """How one layout shapes, writes and reads an array. X is H for values and 1 for scales.
 
   shape(L, P, Z, K, X, S, W) -> the stored shape; write(a, b, layer, page, offset, k, v, Z) -> (a, b)
-  (b is None when K and V share array a); gather(a, b, layer, tables, Z) -> k, v [B, W * Z, K, X];
-  layer_pages(a, b, layer, Z) -> k, v [P, Z, K, X] of one layer, as the kernels read them.
+  (b is None when K and V share array a); gather(a, b, layer, tables, Z) -> k, v [B, W * Z, K, X].
   """
 
   shape: Callable
   separate: bool  # K and V in two arrays, or both in one.
   write: Callable
   gather: Callable
-  layer_pages: Callable
   axes: tuple[str, ...]  # Logical axis names, for sharding by KV head over a mesh.
 
 
@@ -107,10 +105,6 @@ def _head_major_gather(a, b, layer, tables, Z):
   # x[layer][:, tables] is [K, B, W, Z, X]; heads move behind the positions: [B, W, Z, K, X].
   to_token_major = lambda x: _flat_gather(jnp.moveaxis(x[layer][:, tables], 0, 3), B, Z)
   return to_token_major(a), to_token_major(b)
-
-
-def _head_major_pages(a, b, layer, Z):
-  return jnp.moveaxis(a[layer], 0, 2), jnp.moveaxis(b[layer], 0, 2)  # [K, P, Z, X] -> [P, Z, K, X]
 
 
 def _interleaved_write(a, b, layer, page, offset, k, v, Z):
@@ -143,29 +137,45 @@ def _contiguous_gather(a, b, layer, tables, Z):
   return _flat_gather(a[layer, slot, :w], B, Z), _flat_gather(b[layer, slot, :w], B, Z)
 
 
-def _as_pages(x):  # [..., S, W, Z, K, X] -> [..., S * W, Z, K, X], a free reshape.
-  return x.reshape(*x.shape[:-5], x.shape[-5] * x.shape[-4], *x.shape[-3:])
+def _ragged_lanes(K, H):  # Cr: 2 * K * H lanes rounded up to 128 (kernels_pallas.ragged_layout).
+  return -(-2 * K * H // 128) * 128
+
+
+def _ragged_write(a, b, layer, page, offset, k, v, Z):
+  L, P, _, Cr = a.shape
+  rows = jnp.concatenate([k.reshape(*k.shape[:-2], -1), v.reshape(*v.shape[:-2], -1)], -1)
+  rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, Cr - rows.shape[-1])])  # [B, T, Cr]
+  flat = (layer * P + page) * Z + offset  # [B, T]: one scatter writes K and V of every token.
+  return a.reshape(L * P * Z, Cr).at[flat].set(rows.astype(a.dtype)).reshape(a.shape), None
+
+
+def _ragged_gather(a, b, layer, tables, Z, K, H):
+  g = a[layer, tables]  # [B, W, Z, Cr]: each page's K and V of every head in one read.
+  B = tables.shape[0]
+  rows = g.reshape(B, g.shape[1] * Z, -1)[..., :2 * K * H]
+  return rows[..., :K * H].reshape(B, -1, K, H), rows[..., K * H:].reshape(B, -1, K, H)
 
 
 _TOKEN_AXES = ("layers", "pages", "page_tokens", "kv_heads", "head_dim")
 _LAYOUTS = {
     KVLayout.PAGED_TOKEN_MAJOR: _Layout(
         shape=lambda L, P, Z, K, X, S, W: (L, P, Z, K, X), separate=True,
-        write=_token_major_write, gather=_token_major_gather,
-        layer_pages=lambda a, b, layer, Z: (a[layer], b[layer]), axes=_TOKEN_AXES),
+        write=_token_major_write, gather=_token_major_gather, axes=_TOKEN_AXES),
     KVLayout.PAGED_HEAD_MAJOR: _Layout(
         shape=lambda L, P, Z, K, X, S, W: (L, K, P, Z, X), separate=True,
-        write=_head_major_write, gather=_head_major_gather, layer_pages=_head_major_pages,
+        write=_head_major_write, gather=_head_major_gather,
         axes=("layers", "kv_heads", "pages", "page_tokens", "head_dim")),
     KVLayout.PAGED_KV_INTERLEAVED: _Layout(
         shape=lambda L, P, Z, K, X, S, W: (L, P, 2, Z, K, X), separate=False,
         write=_interleaved_write, gather=_interleaved_gather,
-        layer_pages=lambda a, b, layer, Z: (a[layer, :, 0], a[layer, :, 1]),
         axes=("layers", "pages", "kv", "page_tokens", "kv_heads", "head_dim")),
+    KVLayout.RAGGED: _Layout(
+        shape=lambda L, P, Z, K, X, S, W: (L, P, Z, _ragged_lanes(K, X)), separate=False,
+        write=_ragged_write, gather=None,
+        axes=("layers", "pages", "page_tokens", "ragged_lanes")),
     KVLayout.CONTIGUOUS: _Layout(
         shape=lambda L, P, Z, K, X, S, W: (L, S, W, Z, K, X), separate=True,
         write=_contiguous_write, gather=_contiguous_gather,
-        layer_pages=lambda a, b, layer, Z: (_as_pages(a[layer]), _as_pages(b[layer])),
         axes=("layers", "slots", "pages", "page_tokens", "kv_heads", "head_dim")),
 }
 
@@ -181,24 +191,31 @@ class KVCache:
   k_scale: jax.Array | None = None  # int8 only: like k, with head_dim 1.
   v_scale: jax.Array | None = None
   layout: KVLayout = dataclasses.field(default=KVLayout.PAGED_TOKEN_MAJOR, metadata=dict(static=True))
+  # (K, H) of a RAGGED cache, whose page rows do not show them.
+  ragged_heads: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   # The token-major layout's logical axis names; `axes` gives the running layout's.
   AXES = _TOKEN_AXES
 
   @classmethod
   def create(cls, model: ModelConfig, engine: EngineConfig) -> KVCache:
-    layout, kv_dtype = _LAYOUTS[engine.kv_layout], kv_dtype_of(engine)
+    kv_layout = engine.kv_layout or KVLayout.PAGED_TOKEN_MAJOR  # None: the engine had no say.
+    layout, kv_dtype = _LAYOUTS[kv_layout], kv_dtype_of(engine)
     dims = (model.num_layers, engine.num_pages, engine.page_size, model.num_kv_heads)
     shape = lambda X: layout.shape(*dims, X, engine.num_slots, engine.max_pages_per_seq)
     zeros = lambda X, dtype: jnp.zeros(shape(X), dtype)
     values = STORAGE_DTYPES[kv_dtype]
     scaled = kv_dtype is KVDtype.INT8
+    if kv_layout is KVLayout.RAGGED and kv_dtype not in (KVDtype.FLOAT32, KVDtype.BFLOAT16):
+      raise ValueError(f"the ragged KV layout stores float32 or bfloat16, not {kv_dtype.label}")
     # Separate zeros() calls: the cache is donated, and donated buffers must be distinct.
     return cls(k=zeros(model.head_dim, values),
                v=zeros(model.head_dim, values) if layout.separate else None,
                k_scale=zeros(1, jnp.float32) if scaled else None,
                v_scale=zeros(1, jnp.float32) if scaled and layout.separate else None,
-               layout=engine.kv_layout)
+               layout=kv_layout,
+               ragged_heads=(model.num_kv_heads, model.head_dim)
+               if kv_layout is KVLayout.RAGGED else None)
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -237,42 +254,15 @@ class KVCache:
   def gather(self, layer, page_tables):
     """The pages of each sequence, flattened and decoded: [B, W * Z, K, H] for k and for v."""
     lay, Z = _LAYOUTS[self.layout], self.page_size
+    if self.layout is KVLayout.RAGGED:
+      K, H = self.ragged_heads
+      k, v = _ragged_gather(self.k, None, layer, page_tables, Z, K, H)
+      return dequantize(k, None), dequantize(v, None)
     k, v = lay.gather(self.k, self.v, layer, page_tables, Z)
     if self.k_scale is None:
       return dequantize(k, None), dequantize(v, None)
     ks, vs = lay.gather(self.k_scale, self.v_scale, layer, page_tables, Z)
     return dequantize(k, ks), dequantize(v, vs)
-
-  def decode_pages(self, page_tables):
-    """(k, v, k_scale, v_scale, page_tables) of the whole cache as the Pallas decode kernel
-    reads them: every paged layout and storage type in place, as stored (the kernel indexes its
-    pages, picks the layer and decodes int8 / float8 itself: no per-layer copy). The contiguous
-    layout is handed over as token-major pages, a free view, its tables shifted to match."""
-    arrays = (self.k, self.v, self.k_scale, self.v_scale)
-    if self.layout is not KVLayout.CONTIGUOUS:
-      return *arrays, page_tables
-    views = tuple(None if x is None else _as_pages(x) for x in arrays)  # [L, S * W, Z, K, X]
-    return *views, jnp.maximum(page_tables - 1, 0)  # Page p is view page p - 1; 0 is masked.
-
-  def kernel_pages(self, layer, page_tables):
-    """(k_pages, v_pages, page_tables, layer) in the token-major form the Pallas prefill
-    kernels read (decode reads every layout in place: `decode_pages`).
-
-    Token-major and contiguous float caches are passed whole, with `layer`, so the kernels read
-    the layer in place (see kernels_pallas.select_layer); the contiguous one is a free view as
-    pages, its tables shifted by its page numbering. Head-major and interleaved caches, and the
-    quantized ones, are rearranged (and decoded) for the one layer: a copy per layer per step.
-    """
-    lay, Z = _LAYOUTS[self.layout], self.page_size
-    k, v, _, _, tables = self.decode_pages(page_tables)  # Contiguous: token-major views.
-    in_place = (KVLayout.PAGED_TOKEN_MAJOR, KVLayout.CONTIGUOUS)
-    if self.k_scale is None and self.layout in in_place and self.k.dtype in (jnp.float32, jnp.bfloat16):
-      return k, v, tables, layer
-    k, v = lay.layer_pages(self.k, self.v, layer, Z)  # [P, Z, K, H]
-    if self.k_scale is not None:
-      ks, vs = lay.layer_pages(self.k_scale, self.v_scale, layer, Z)
-      k, v = dequantize(k, ks), dequantize(v, vs)
-    return dequantize(k, None), dequantize(v, None), tables, None
 
 
 def slot_page_tables(engine: EngineConfig) -> np.ndarray | None:

@@ -2,8 +2,9 @@
 
 Shape letters: the key in jaxserve/model/__init__.py.
 
-The same forward serves prefill (B=1, T=bucket) and decode (B=slots, T=1): what differs is the
-`AttentionMetadata` it is handed, never a flag read from a global.
+One forward serves a whole engine step: every prefill chunk and decode token packed on one token
+axis (B=1, T=the step's tokens); where each token sits is the `AttentionMetadata` it is handed,
+never a flag read from a global.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class DecoderLayer(nnx.Module):
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)
-    cache = cache.write(layer, meta.cache_index, k, v)
-    out = attention.attend(q, cache, layer, meta, attn).astype(x.dtype)  # [B, T, N, H]
+    out, cache = attention.attend(q, k, v, cache, layer, meta, attn)  # [B, T, N, H]
+    out = out.astype(x.dtype)
     x = x + jnp.einsum("BTNH,NHD->BTD", out, self.wo[...])
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
     gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]))
@@ -119,7 +120,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True):
-    """tokens [B, T] -> logits [B, V] at each sequence's last real token (or [B, T, V]), cache."""
+    """tokens [1, T] -> logits [B, V] at each sequence's last new token (meta.sample_rows), or
+    [1, T, V] at every token; and the cache."""
     x = self.embed[...][tokens]  # [B, T, D]
     inv_freq = rope_frequencies(self.cfg)
     graphdef, layer_state = nnx.split(self.layers)
@@ -133,7 +135,7 @@ class Transformer(nnx.Module):
     layer_ids = jnp.arange(self.cfg.num_layers)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (layer_state, layer_ids))
     if last_only:
-      x = jnp.take_along_axis(x, meta.last_index[:, None, None], axis=1)[:, 0]  # [B, D]
+      x = x[0, meta.sample_rows]  # [B, D]
     x = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
     head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]  # [D, V]
     return jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32), cache

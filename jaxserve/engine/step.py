@@ -1,0 +1,128 @@
+"""One engine step: every decode token and prefill chunk of a plan in one compiled program.
+
+The host packs the plan (engine/step_args.py); this function reads each decoding slot's input
+token and position from `DecodeState` on the device and writes the sampled ones back, so the
+host can dispatch step n+1 before step n's tokens reach it. Logits and sampling run only at the
+rows that sample: one per decode row and one per sequence whose prompt ends here.
+
+Padding decode rows name slot S (out of range): they read slot S-1's state, write to the scratch
+page, and every write back to the state drops them. Shape letters: jaxserve/model/__init__.py
+(B: sequences of the step, D + Bp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.engine.prompt_logprobs import score_prompt
+from jaxserve.engine.sample import SamplingState, sample
+from jaxserve.model.attention import AttentionMetadata, AttentionSpec
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  tokens: jax.Array  # [S] int32: each slot's next input token (the last one sampled)
+  positions: jax.Array  # [S] int32: where that token sits (= KV entries already written)
+  sampling: SamplingState
+
+  @classmethod
+  def create(cls, num_slots: int, vocab_size: int) -> DecodeState:
+    zeros = lambda: jnp.zeros(num_slots, jnp.int32)  # Distinct buffers: both are donated.
+    return cls(zeros(), zeros(), SamplingState.create(num_slots, vocab_size))
+
+
+def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *,
+         attn: AttentionSpec):
+  """args: engine.step_args.StepArgs of device arrays -> (cache, state, out [B, 2 + 2 * n]), and
+  PromptLogprobs [Tp] last when args.prefill_targets is set.
+
+  out packs the Sampled values of every sequence into one int32 array, so one transfer brings
+  them to the host (engine.TokenFuture unpacks it)."""
+  S, Z = state.tokens.shape[0], cache.page_size
+  D = args.decode_slots.shape[0]
+  slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
+  live = slots < S
+  mine = jnp.minimum(slots, S - 1)  # [B]: safe to gather with.
+  dec_mine = mine[:D]
+  # Read through one-hot rows, not a gather: under dp the state is split by slot over `data`.
+  read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(S)[None, :], x[None, :], 0), 1)
+  starts = _cat(jnp.where(live[:D], read(state.positions), 0), args.prefill_starts)
+  q_lens = _cat(jnp.ones(D, jnp.int32), args.prefill_lens)  # [B]
+  kv_lens = starts + q_lens  # [B]: where each sequence's sampled token will sit.
+  tables = _cat(args.decode_tables, args.prefill_tables)  # [B, W]
+  tokens = _cat(read(state.tokens), args.prefill_tokens)  # [T]
+
+  cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
+  T, B = tokens.shape[0], slots.shape[0]
+  tok = jnp.arange(T, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1, 0, B - 1).astype(jnp.int32)
+  real = (tok < cu_q_lens[-1]) & live[seq]  # [T]
+  positions = jnp.where(real, starts[seq] + tok - cu_q_lens[seq], 0)  # [T]
+  page = tables[seq, jnp.minimum(positions // Z, tables.shape[1] - 1)]
+  page = jnp.where(real, page, SCRATCH_PAGE)
+  meta = AttentionMetadata(
+      positions=positions[None], cache_index=(page * Z + positions % Z)[None],
+      page_tables=tables, kv_lens=jnp.where(live, kv_lens, jnp.minimum(kv_lens, 1)),
+      cu_q_lens=cu_q_lens, sample_rows=jnp.maximum(cu_q_lens[1:] - 1, 0),
+      block_rows=args.block_rows, block_seq=args.block_seq, num_decode_rows=D)
+  model = nnx.merge(graphdef, params)
+  scored = args.prefill_targets is not None
+  if scored:  # Every position's logits, for the prompt's scores: [1, T, V].
+    every, cache = model(tokens[None], cache, meta, attn, last_only=False)
+    logits, prompt = every[0, meta.sample_rows], score_prompt(every[0, D:], args.prefill_targets)
+  else:
+    logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
+
+  samples = live & _cat(jnp.ones(D, bool), args.prefill_samples)  # [B]
+  # A prompt that ends here brings its request's sampling settings.
+  sampling = state.sampling
+  if args.prefill_slots.shape[0]:
+    new_row, has_new = _writer(jnp.where(args.prefill_samples & live[D:], args.prefill_slots, S), S)
+    sampling = jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
+  sampled = sample(logits, jax.tree.map(lambda x: x[mine], sampling), kv_lens, stop_ids)
+  row, hit = _writer(jnp.where(samples, slots, S), S)  # The row that samples each slot's token.
+  token = sampled.tokens[row]  # [S]
+  counts = sampling.output_counts + (hit[:, None] & (token[:, None] == jnp.arange(
+      sampling.output_counts.shape[1])[None, :])).astype(jnp.int32)
+  state = DecodeState(
+      tokens=_put(state.tokens, token, hit), positions=_put(state.positions, kv_lens[row], hit),
+      sampling=dataclasses.replace(sampling, output_counts=counts))
+  if scored:
+    return cache, state, pack_sampled(sampled), prompt
+  return cache, state, pack_sampled(sampled)
+
+
+def _cat(decode_part, prefill_part):
+  """The decode rows, then the prefill part; either may be empty (a static shape)."""
+  if not decode_part.shape[0]:
+    return prefill_part
+  if not prefill_part.shape[0]:
+    return decode_part
+  return jnp.concatenate([decode_part, prefill_part])
+
+
+def _writer(targets, S: int):
+  """targets [B] (a slot per row, S for none; no slot twice) -> (row [S], hit [S]): the row that
+  writes each slot, and whether one does. Updates of the per-slot state are gathers from the
+  rows plus a select, never a scatter: the state is split by slot over `data`, and a scatter's
+  out-of-range 'drop' index is not dropped once XLA partitions it into per-device indices."""
+  match = targets[:, None] == jnp.arange(S)[None, :]  # [B, S]
+  return jnp.argmax(match, axis=0), jnp.any(match, axis=0)
+
+
+def _put(x, new, hit):
+  """x [S, ...] with row s replaced by new[s] where hit[s]."""
+  return jnp.where(hit.reshape((-1,) + (1,) * (x.ndim - 1)), new.astype(x.dtype), x)
+
+
+def pack_sampled(s) -> jax.Array:
+  """Sampled [B, ...] -> [B, 2 + 2 * n] int32: tokens, logprob bits, top ids, top logprob bits."""
+  bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.concatenate([s.tokens[:, None], bits(s.logprobs)[:, None], s.top_ids,
+                          bits(s.top_logprobs)], axis=1)

@@ -1,0 +1,230 @@
+"""The host side of one engine step: a `StepPlan` packed into the arrays of one compiled call.
+
+One step runs every decode token and every prefill chunk of a plan in one program, on one flat
+token axis:
+
+  tokens  [0, D)        one decode row per decoding slot, then padding rows (slot S) up to D,
+                        D a decode batch bucket (0 when nothing decodes)
+          [D, D + Tp)   the prefill chunks back to back, then padding, Tp a prefill bucket
+  sequences [0, D)      the decode rows, one each;  [D, D + Bp) the prefill chunks, Bp = min(Tp, S)
+
+Chunks of one request in one plan are merged into one sequence, so a slot is never two
+sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages once per
+query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed rows (T for
+none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
+nb = ceil(Tp / Tb) + Bp holds any packing. Shape letters: the key in jaxserve/model/__init__.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from jaxserve.batching.plan import PrefillChunk, StepPlan
+from jaxserve.config import AttentionBackend, EngineConfig, SamplingParams
+from jaxserve.engine.sample import SamplingRow, SamplingState
+from jaxserve.model.kv_cache import SCRATCH_PAGE
+
+
+class StepShape(NamedTuple):
+  """What sets every shape of one step: decode rows D, prefill tokens Tp, page-table width W."""
+
+  decode_rows: int
+  prefill_tokens: int
+  width: int
+
+
+class StepArgs(NamedTuple):
+  """The host arrays of one step (see engine/step.py)."""
+
+  decode_slots: np.ndarray  # [D] int32: the decoding slots, then S as padding
+  decode_tables: np.ndarray  # [D, W] int32
+  prefill_tokens: np.ndarray  # [Tp] int32
+  prefill_slots: np.ndarray  # [Bp] int32 (S: padding)
+  prefill_starts: np.ndarray  # [Bp] int32: position of each sequence's first new token
+  prefill_lens: np.ndarray  # [Bp] int32
+  prefill_samples: np.ndarray  # [Bp] bool: the chunk ends its prompt, so a token is sampled
+  prefill_tables: np.ndarray  # [Bp, W] int32
+  block_rows: np.ndarray  # [nb, Tb] int32: packed token rows of each query block (T: none)
+  block_seq: np.ndarray  # [nb] int32: the sequence of each block
+  rows: SamplingState  # [Bp, ...] numpy: the sampling settings of the sequences that sample
+  # [Tp] int32: the prompt token after each packed position, in a step that scores them (prompt
+  # logprobs; prefill-only, at the widest table); None in every other step.
+  prefill_targets: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Packer:
+  """Packs plans for one engine's buckets."""
+
+  config: EngineConfig
+  vocab_size: int
+  slot_page_tables: np.ndarray | None  # The contiguous layout's own tables, else None.
+  backend: AttentionBackend = AttentionBackend.REFERENCE
+
+  @staticmethod
+  def widths_for(config: EngineConfig, backend: AttentionBackend) -> tuple[int, ...]:
+    """Page-table widths steps run at. The jnp attention reads every page of the table, so a
+    narrow table saves work; the kernels read only each sequence's own pages, so they take the
+    widest table alone (fewer programs to compile)."""
+    widths = config.decode_width_buckets
+    return widths if backend is AttentionBackend.REFERENCE else widths[-1:]
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return self.widths_for(self.config, self.backend)
+
+  @property
+  def query_block(self) -> int:  # Tb
+    return min(16, self.config.prefill_buckets[0])
+
+  def shapes(self) -> list[StepShape]:
+    """Every shape warm-up compiles: decode-only steps at each decode bucket and width;
+    prefill-only steps at each prefill bucket; mixed steps at each prefill bucket with every
+    decode row (the largest decode bucket). Steps with prefill take the widest table: the jnp
+    attention reads pages there only for a prompt's cached prefix (model/attention.py)."""
+    c, wide = self.config, self.widths[-1]
+    decode = [StepShape(d, 0, w) for d in c.decode_batch_buckets for w in self.widths]
+    return decode + [StepShape(d, t, wide) for d in (0, c.decode_batch_buckets[-1])
+                     for t in c.prefill_buckets]
+
+  def scored_shapes(self) -> list[StepShape]:
+    """The scoring variant's shapes: prefill only, at the widest table."""
+    return [StepShape(0, t, self.widths[-1]) for t in self.config.prefill_buckets]
+
+  def pack(self, plan: StepPlan) -> tuple[StepArgs, list[int]]:
+    """(args, rows): rows[i] is the sequence whose token is the plan's i-th sample (its decode
+    slots in order, then its prompts that end in this step)."""
+    c = self.config
+    if plan.is_empty:
+      raise ValueError("an empty plan: nothing to run")
+    chunks = merge_chunks(plan.prefills)
+    decodes = list(plan.decode_slots)
+    num_tokens = sum(len(ch.token_ids) for ch in chunks)
+    if num_tokens > c.prefill_buckets[-1]:
+      raise ValueError(f"a step of {num_tokens} prefill tokens: at most {c.prefill_buckets[-1]}")
+    scored = [ch.prompt_logprob_targets is not None for ch in chunks]
+    if any(scored) and (decodes or not all(scored)):
+      raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
+    Tp = _bucket(c.prefill_buckets, num_tokens) if chunks else 0
+    if chunks:  # The shapes `shapes()` lists for steps with prefill.
+      D, W = c.decode_batch_buckets[-1] if decodes else 0, self.widths[-1]
+    else:
+      D = _bucket(c.decode_batch_buckets, len(decodes))
+      W = _bucket(self.widths, plan.page_tables.shape[1])
+    rows = self._decode_rows(decodes, D)
+    if c.dp > 1:
+      samples = [int(s) for s in decodes]  # Row i is slot i.
+    else:
+      samples = list(range(len(decodes)))
+    args = StepArgs(rows, self._tables(rows, plan.page_tables, W), *self._prefill(chunks, D, Tp, W))
+    samples += [D + j for j, ch in enumerate(chunks) if ch.is_last]
+    if any(scored):
+      targets = np.zeros(Tp, np.int32)
+      at = 0
+      for ch in chunks:
+        targets[at:at + len(ch.prompt_logprob_targets)] = ch.prompt_logprob_targets
+        at += len(ch.token_ids)
+      args = args._replace(prefill_targets=targets)
+    return args, samples
+
+  def template(self, shape: StepShape, scored: bool = False) -> StepArgs:
+    """Arrays of `shape` that run nothing but padding (warm-up, and multihost's receive buffers)."""
+    D, Tp, W = shape
+    rows = np.full(D, self.config.num_slots, np.int32)
+    targets = np.zeros(Tp, np.int32) if scored else None
+    return StepArgs(rows, np.full((D, W), SCRATCH_PAGE, np.int32), *self._prefill([], D, Tp, W),
+                    prefill_targets=targets)
+
+  def _decode_rows(self, decodes: Sequence[int], D: int) -> np.ndarray:
+    S = self.config.num_slots
+    if not D:
+      return np.zeros(0, np.int32)
+    if self.config.dp > 1:  # Slots are split over devices by position: row i must be slot i.
+      live = set(decodes)
+      return np.array([s if s in live else S for s in range(S)], np.int32)
+    rows = np.full(D, S, np.int32)
+    rows[:len(decodes)] = decodes
+    return rows
+
+  def _tables(self, rows: np.ndarray, page_tables: np.ndarray | None, W: int) -> np.ndarray:
+    """[D, W]: each decode row's table; padding rows an all-scratch one."""
+    S = self.config.num_slots
+    tables = np.full((S + 1, W), SCRATCH_PAGE, np.int32)
+    if self.slot_page_tables is not None:
+      tables[:-1] = self.slot_page_tables[:, :W]
+    elif page_tables is not None:
+      w = min(W, page_tables.shape[1])
+      tables[:page_tables.shape[0], :w] = page_tables[:, :w]
+    return tables[rows]
+
+  def _prefill(self, chunks: Sequence[PrefillChunk], D: int, Tp: int, W: int) -> tuple:
+    """The prefill part's arrays; block rows and sequences are absolute (after the D decode
+    rows), and empty block entries point past the token axis (D + Tp), where writes drop."""
+    S, Tb = self.config.num_slots, self.query_block
+    Bp = min(Tp, S)
+    tokens = np.zeros(Tp, np.int32)
+    slots, starts = np.full(Bp, S, np.int32), np.zeros(Bp, np.int32)
+    lens, samples = np.zeros(Bp, np.int32), np.zeros(Bp, bool)
+    tables = np.full((Bp, W), SCRATCH_PAGE, np.int32)
+    nb = -(-Tp // Tb) + Bp if Tp else 0
+    block_rows, block_seq = np.full((nb, Tb), D + Tp, np.int32), np.full(nb, D, np.int32)
+    defaults = SamplingRow.from_params(SamplingParams(), 0, (), (), self.vocab_size)
+    new_rows = [defaults] * Bp
+    at, block = 0, 0
+    for j, ch in enumerate(chunks):
+      n = len(ch.token_ids)
+      tokens[at:at + n] = ch.token_ids
+      slots[j], starts[j], lens[j], samples[j] = ch.slot, ch.start_pos, n, ch.is_last
+      table = self._table_row(ch)
+      w = min(W, len(table))
+      tables[j, :w] = table[:w]
+      for lo in range(0, n, Tb):
+        hi = min(n, lo + Tb)
+        block_rows[block, :hi - lo] = D + at + np.arange(lo, hi)
+        block_seq[block] = D + j
+        block += 1
+      if ch.is_last:
+        new_rows[j] = SamplingRow.from_params(ch.sampling, ch.seed, ch.prompt_token_ids,
+                                              ch.output_token_ids, self.vocab_size)
+      at += n
+    rows = _stack_rows(new_rows, self.vocab_size)
+    return (tokens, slots, starts, lens, samples, tables, block_rows, block_seq, rows)
+
+  def _table_row(self, ch: PrefillChunk) -> np.ndarray:
+    if self.slot_page_tables is not None:
+      return self.slot_page_tables[ch.slot]
+    return np.asarray(ch.page_table, np.int32)
+
+
+def merge_chunks(chunks: Sequence[PrefillChunk]) -> list[PrefillChunk]:
+  """Consecutive chunks of one request become one: one sequence per slot in a step."""
+  merged: list[PrefillChunk] = []
+  for ch in chunks:
+    prev = merged[-1] if merged else None
+    if prev is not None and prev.slot == ch.slot and prev.start_pos + len(prev.token_ids) == ch.start_pos:
+      targets = ch.prompt_logprob_targets
+      if targets is not None:  # Both ask (one request): the first's targets cover all its tokens.
+        targets = tuple(prev.prompt_logprob_targets) + tuple(targets)
+      merged[-1] = dataclasses.replace(ch, token_ids=tuple(prev.token_ids) + tuple(ch.token_ids),
+                                       start_pos=prev.start_pos, prompt_logprob_targets=targets)
+    else:
+      merged.append(ch)
+  if len({ch.slot for ch in merged}) != len(merged):
+    raise ValueError("a step holds two prefill chunks of one slot that do not follow each other")
+  return merged
+
+
+def _bucket(buckets: Sequence[int], n: int) -> int:
+  return next(b for b in buckets if b >= n)
+
+
+def _stack_rows(rows: Sequence[SamplingRow], vocab_size: int) -> SamplingState:
+  if not rows:
+    empty = SamplingRow.from_params(SamplingParams(), 0, (), (), vocab_size).values
+    return SamplingState(**{k: np.zeros((0,) + np.shape(v), np.asarray(v).dtype)
+                            for k, v in empty.items()})
+  return SamplingState(**{k: np.stack([np.asarray(r.values[k]) for r in rows])
+                          for k in rows[0].values})
