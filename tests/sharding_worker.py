@@ -93,15 +93,16 @@ def _collectives(engine, tables) -> dict:
   return {op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(") for op in ops}
 
 
-def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major") -> dict:
-  from jaxserve.config import EngineConfig, KVLayout
+def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major",
+               backend: str = "reference") -> dict:
+  from jaxserve.config import AttentionBackend, EngineConfig, KVLayout
   from jaxserve.engine.engine import Engine
 
   # One decode width (max_model_len / page_size = 8 pages) and one prefill bucket: 2 compilations.
   # The persistent cache makes the HLO dump (a second compile of decode) a cache hit.
   config = EngineConfig(num_slots=args.get("slots", 4), page_size=8, num_pages=64, max_model_len=64,
                         prefill_buckets=(32,), compilation_cache_dir=args.get("cache_dir"), tp=tp, dp=dp,
-                        kv_layout=KVLayout(kv_layout))
+                        kv_layout=KVLayout(kv_layout), attention_backend=AttentionBackend(backend))
   engine = Engine(_model(args, tp, dp), config)
   result = _greedy(engine, args["prompts"], args["steps"])
   result["param_bytes_device0"] = _device0_param_bytes(engine.params)
@@ -116,7 +117,8 @@ def main() -> None:
   _setup(args)
   import jax
   out = {"process": jax.process_index(), "num_devices": jax.device_count(), "layouts": {}}
-  for tp, dp, *kv_layout in args["layouts"]:  # [tp, dp] or [tp, dp, KVLayout value]
+  # [tp, dp], [tp, dp, KVLayout value] or [tp, dp, KVLayout value, AttentionBackend value]
+  for tp, dp, *kv_layout in args["layouts"]:
     start = time.perf_counter()
     name = "-".join([f"{tp}x{dp}", *kv_layout])
     out["layouts"][name] = run_layout(args, tp, dp, *kv_layout)

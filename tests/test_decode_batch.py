@@ -27,11 +27,11 @@ def engine(**changes) -> Engine:
 
 
 def test_rows_name_the_decoding_slots_then_padding():
-  e = engine()  # 4 slots: buckets 1 and 4; 128 / 8 = 16 pages: widths 8 and 16.
+  e = engine()  # 4 slots: buckets 1 and 4; tables of 128 / 8 = 16 pages.
   tables = np.arange(4 * 3, dtype=np.int32).reshape(4, 3) + 1  # Row s: slot s's pages.
   one, rows = e.step_args(StepPlan(decode_slots=(2,), page_tables=tables))
   np.testing.assert_array_equal(one.decode_slots, [2])
-  np.testing.assert_array_equal(one.decode_tables, [[7, 8, 9] + [SCRATCH_PAGE] * 5])
+  np.testing.assert_array_equal(one.decode_tables, [[7, 8, 9] + [SCRATCH_PAGE] * 13])
   assert rows == [0] and one.prefill_tokens.shape == (0,)  # Decode only: no prefill part.
   two, rows = e.step_args(StepPlan(decode_slots=(3, 0), page_tables=tables))
   np.testing.assert_array_equal(two.decode_slots, [3, 0, 4, 4])  # 4 = num_slots: padding.
@@ -42,7 +42,7 @@ def test_rows_name_the_decoding_slots_then_padding():
 def test_contiguous_rows_read_their_own_regions():
   e = engine(kv_layout=KVLayout.CONTIGUOUS)
   args, _ = e.step_args(StepPlan(decode_slots=(1,), page_tables=np.zeros((4, 1), np.int32)))
-  np.testing.assert_array_equal(args.decode_tables[0], 1 + 16 + np.arange(8))  # Slot 1's pages.
+  np.testing.assert_array_equal(args.decode_tables[0], 1 + 16 + np.arange(16))  # Slot 1's pages.
 
 
 def test_a_slot_decodes_the_same_alone_and_among_others():

@@ -75,14 +75,16 @@ def test_collectives_in_compiled_decode(tiny_runs):
   assert sum(tiny_runs["1x2"]["collectives"].values()) >= 1, tiny_runs["1x2"]["collectives"]
 
 
-def test_pallas_backend_refuses_tensor_parallelism(tiny_model):
-  """The ragged kernel's page rows hold every KV head, so they cannot split by head over
-  `model` (yet): the engine says so before building a mesh, instead of running a wrong split."""
-  from jaxserve.config import AttentionBackend
-  from jaxserve.engine.engine import Engine
-
-  with pytest.raises(ValueError, match="tp"):
-    Engine(tiny_model, EngineConfig(num_slots=4, tp=2, attention_backend=AttentionBackend.PALLAS))
+def test_pallas_backend_splits_the_ragged_pages_by_kv_head(tmp_path):
+  """The ragged layout keeps one lane group per device's KV heads, so the kernel (interpret mode
+  here) runs per shard on its own heads' pages: tp=2 gives one device's greedy tokens, and each
+  device holds half the cache."""
+  out = run_worker(dict(devices=2, model=TINY8, prompts=PROMPTS, steps=4, cache_dir=str(tmp_path),
+                        layouts=[[1, 1, "ragged", "pallas"], [2, 1, "ragged", "pallas"]]))
+  one, two = out["layouts"]["1x1-ragged-pallas"], out["layouts"]["2x1-ragged-pallas"]
+  assert two["tokens"] == one["tokens"]
+  np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4)
+  assert two["cache_bytes_device0"] * 2 == one["cache_bytes_device0"]
 
 
 def _param_bytes_per_device(cfg: ModelConfig, tp: int) -> int:

@@ -30,10 +30,10 @@ def test_a_mixed_plan_packs_decode_rows_then_merged_chunks():
                             chunk(3, [9, 9, 9], 0, [3], True, [9, 9, 9])),
                   decode_slots=(1,), page_tables=tables)
   args, rows = e.step_args(plan)
-  # A step with prefill runs every decode row (D = 4 slots, 3 of them padding) and the widest
+  # A step with prefill runs every decode row (D = 4 slots, 3 of them padding); every step the
   # table; 15 prefill tokens in bucket 16; slot 0's two chunks are one sequence.
   assert args.decode_slots.tolist() == [1, 4, 4, 4] and args.prefill_tokens.shape == (16,)
-  assert args.decode_tables.shape == (4, e.packer.widths[-1])
+  assert args.decode_tables.shape == (4, e.packer.width)
   assert args.prefill_slots.tolist() == [0, 3, 4, 4] and args.prefill_lens.tolist() == [12, 3, 0, 0]
   assert args.prefill_starts.tolist()[:2] == [0, 0] and args.prefill_samples.tolist()[:2] == [True, True]
   assert rows == [0, 4, 5]  # The decode row, then the two sequences that sample.
@@ -42,12 +42,12 @@ def test_a_mixed_plan_packs_decode_rows_then_merged_chunks():
   assert args.block_rows[1, :3].tolist() == [16, 17, 18] and args.block_seq[:2].tolist() == [5, 6]
 
 
-def test_a_decode_only_plan_takes_the_smallest_bucket_and_width():
+def test_a_decode_only_plan_takes_the_smallest_bucket():
   e = Engine(Transformer(TINY, rngs=nnx.Rngs(0)), TINY_ENGINE)
   tables = np.zeros((4, 3), np.int32)
   args, rows = e.step_args(StepPlan(decode_slots=(2,), page_tables=tables))
   assert args.decode_slots.tolist() == [2] and rows == [0]
-  assert args.decode_tables.shape == (1, e.packer.widths[0]) and args.prefill_tokens.shape == (0,)
+  assert args.decode_tables.shape == (1, e.packer.width) and args.prefill_tokens.shape == (0,)
 
 
 def _run(model, mixed: bool):

@@ -27,11 +27,12 @@ from jaxserve.planning import capacity
 MIB = 2**20
 SMOLLM2 = capacity.KNOWN_MODELS["smollm2-135m"]
 # Llama-3-8B's layers (8 KV heads x 128, GQA 4:1, MLP 14336), 2 of its 32, and a small vocabulary:
-# today's step holds a copy of the cache at any depth (measured: 1.0x at 2, 4, 8 and 32 layers),
-# so the bound below fails per layer the same way; 4,096 pages make the cache 0.5 GiB.
+# before the ragged kernels wrote K/V in place, the step held a copy of the cache at any depth
+# (measured: 1.0x at 2, 4, 8 and 32 layers), so the bound below checks per layer the same way;
+# 4,096 pages make the cache 0.5 GiB.
 LLAMA3_8B_2L = dataclasses.replace(capacity.KNOWN_MODELS["llama-3-8b"], num_layers=2,
                                    vocab_size=512, name="llama-3-8b-2-layers")
-# The fewest programs that cover both steps: sampling set-up, prefill T=32, decode B=1 W=8.
+# The fewest programs that cover every kind of step: decode-only, prefill-only, mixed, scoring.
 SMALL = dict(num_slots=1, max_model_len=128, prefill_buckets=(32,), dtype="bfloat16",
              compilation_cache_dir=None)
 GEMMA3_270M = capacity.KNOWN_MODELS["gemma-3-270m"]
@@ -64,25 +65,22 @@ def weight_bytes(model) -> int:
 def test_every_program_compiles_with_its_memory_reported(name):
   reports, pool = compiled(name)
   model = CASES[name][1]
-  assert [r["name"] for r in reports] == ["set_sampling", "prefill T=32", "decode B=1 W=8"]
+  assert [r["name"] for r in reports] == ["step D=1 T=0 W=8", "step D=0 T=32 W=8",
+                                          "step D=1 T=32 W=8", "step D=0 T=32 W=8 scored"]
   for r in reports:
     assert r["compiled"] and r["error"] is None, r
     assert all(isinstance(r[k], int) and r[k] >= 0 for k in
                ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")), r
-  for r in reports[1:]:  # The steps take the weights and the whole cache, and update it in place.
+  for r in reports:  # The steps take the weights and the whole cache, and update it in place.
     assert r["argument_bytes"] >= weight_bytes(model) + pool["bytes"], r
     assert r["alias_bytes"] >= pool["bytes"], r
 
 
 TEMP_BOUND = "temp <= 0.05 * kv + 256 MiB"
-_TODAY = pytest.mark.xfail(strict=True, reason=(
-    "issue 14: today's TPU steps hold a second copy of the cache as temp (5.3x the cache for "
-    "SmolLM2's (3, 64) pages padded to (8, 128) tiles, 1.0x for Llama-3-8B); passes once the "
-    "ragged kernels write K/V in place"))
 
 
-@pytest.mark.parametrize("name", [case("smollm2-v5e", _TODAY), case("llama-3-8b-v6e", _TODAY),
-                                  case("smollm2-h100")])
+@pytest.mark.parametrize("name", [case("smollm2-v5e"), case("llama-3-8b-v6e"), case("smollm2-h100"),
+                                  case("gemma-3-270m-v5e")])
 def test_step_temp_is_small_beside_the_cache(name):
   reports, pool = compiled(name)
   for r in reports:
@@ -143,7 +141,7 @@ def test_plan_compile_builds_gemma3_for_v5e():
   result = json.loads(out.getvalue())
   assert code == 0 and result["fits"] and all(r["compiled"] for r in result["programs"])
   assert result["kv_pool"]["bytes"] == 64 * 16 * 18 * 1024
-  assert min(r["argument_bytes"] for r in result["programs"][1:]) >= weight_bytes(GEMMA3_270M)
+  assert min(r["argument_bytes"] for r in result["programs"]) >= weight_bytes(GEMMA3_270M)
 
 
 def test_pool_is_the_most_pages_every_programs_line_allows():

@@ -82,7 +82,7 @@ class EngineInfo:
   max_prefill_len: int  # The largest prefill bucket: no chunk may be longer.
   can_share_pages: bool  # False: sequences cannot share KV pages, so no prefix caching.
   vocab_size: int
-  decode_widths: tuple[int, ...]  # Page-table widths decode runs at (config.width_buckets).
+  decode_widths: tuple[int, ...]  # Page-table widths steps take (the engine: one, the widest).
   prefill_buckets: tuple[int, ...] = ()
   dtype: str = "float32"
 

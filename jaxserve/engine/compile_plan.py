@@ -69,7 +69,7 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend))
-  packer = Packer(config, model.vocab_size, None, backend)
+  packer = Packer(config, model.vocab_size, None)
   abstract = lambda args: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
   programs = []
   for scored, shapes in ((False, packer.shapes()), (True, packer.scored_shapes())):

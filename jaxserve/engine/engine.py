@@ -166,9 +166,6 @@ def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> Engine
   if config.kv_layout is None:
     layout = KVLayout.PAGED_TOKEN_MAJOR if backend is AttentionBackend.REFERENCE else KVLayout.RAGGED
     config = dataclasses.replace(config, kv_layout=layout)
-  if backend is not AttentionBackend.REFERENCE and config.tp > 1:
-    raise ValueError(f"--tp {config.tp} with the Pallas backend: the ragged KV layout keeps "
-                     "every KV head in one page row, which does not split by head yet")
   return config
 
 
@@ -215,11 +212,10 @@ class Engine:
     self.max_model_len = fit_to_pool(self.max_model_len, self.num_pages, self.page_size)
     self._slot_page_tables = kv_cache.slot_page_tables(config)
     self.can_share_pages = self._slot_page_tables is None  # A slot's own region holds no one else's KV.
+    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables)
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                            self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
-                           Packer.widths_for(config, backend), config.prefill_buckets,
-                           config.dtype.value)
-    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables, backend)
+                           (self.packer.width,), config.prefill_buckets, config.dtype.value)
     # The cache and decode state are donated: each step updates them in place.
     self._step = jax.jit(functools.partial(step_fn, graphdef, attn=attn),
                          donate_argnums=(1, 2), **step_out)

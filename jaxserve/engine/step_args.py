@@ -23,7 +23,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
-from jaxserve.config import AttentionBackend, EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.sample import SamplingRow, SamplingState
 from jaxserve.model.kv_cache import SCRATCH_PAGE
 
@@ -62,37 +62,29 @@ class Packer:
   config: EngineConfig
   vocab_size: int
   slot_page_tables: np.ndarray | None  # The contiguous layout's own tables, else None.
-  backend: AttentionBackend = AttentionBackend.REFERENCE
-
-  @staticmethod
-  def widths_for(config: EngineConfig, backend: AttentionBackend) -> tuple[int, ...]:
-    """Page-table widths steps run at. The jnp attention reads every page of the table, so a
-    narrow table saves work; the kernels read only each sequence's own pages, so they take the
-    widest table alone (fewer programs to compile)."""
-    widths = config.decode_width_buckets
-    return widths if backend is AttentionBackend.REFERENCE else widths[-1:]
-
-  @property
-  def widths(self) -> tuple[int, ...]:
-    return self.widths_for(self.config, self.backend)
 
   @property
   def query_block(self) -> int:  # Tb
     return min(16, self.config.prefill_buckets[0])
 
+  @property
+  def width(self) -> int:
+    """W: every step takes whole page tables. The kernels read only each sequence's own pages;
+    the jnp attention picks, on the device, the narrowest width that holds the step's longest
+    sequence (model/attention.py), so no table width is a separate program."""
+    return self.config.max_pages_per_seq
+
   def shapes(self) -> list[StepShape]:
-    """Every shape warm-up compiles: decode-only steps at each decode bucket and width;
-    prefill-only steps at each prefill bucket; mixed steps at each prefill bucket with every
-    decode row (the largest decode bucket). Steps with prefill take the widest table: the jnp
-    attention reads pages there only for a prompt's cached prefix (model/attention.py)."""
-    c, wide = self.config, self.widths[-1]
-    decode = [StepShape(d, 0, w) for d in c.decode_batch_buckets for w in self.widths]
-    return decode + [StepShape(d, t, wide) for d in (0, c.decode_batch_buckets[-1])
-                     for t in c.prefill_buckets]
+    """Every shape warm-up compiles: decode-only steps at each decode bucket; prefill-only
+    steps at each prefill bucket; mixed steps at each prefill bucket with every decode row (the
+    largest decode bucket)."""
+    c, W = self.config, self.width
+    return [StepShape(d, 0, W) for d in c.decode_batch_buckets] + [
+        StepShape(d, t, W) for d in (0, c.decode_batch_buckets[-1]) for t in c.prefill_buckets]
 
   def scored_shapes(self) -> list[StepShape]:
-    """The scoring variant's shapes: prefill only, at the widest table."""
-    return [StepShape(0, t, self.widths[-1]) for t in self.config.prefill_buckets]
+    """The scoring variant's shapes: prefill only."""
+    return [StepShape(0, t, self.width) for t in self.config.prefill_buckets]
 
   def pack(self, plan: StepPlan) -> tuple[StepArgs, list[int]]:
     """(args, rows): rows[i] is the sequence whose token is the plan's i-th sample (its decode
@@ -109,11 +101,11 @@ class Packer:
     if any(scored) and (decodes or not all(scored)):
       raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
     Tp = _bucket(c.prefill_buckets, num_tokens) if chunks else 0
-    if chunks:  # The shapes `shapes()` lists for steps with prefill.
-      D, W = c.decode_batch_buckets[-1] if decodes else 0, self.widths[-1]
+    W = self.width
+    if chunks:  # A step with prefill runs every decode row or none (`shapes()`).
+      D = c.decode_batch_buckets[-1] if decodes else 0
     else:
       D = _bucket(c.decode_batch_buckets, len(decodes))
-      W = _bucket(self.widths, plan.page_tables.shape[1])
     rows = self._decode_rows(decodes, D)
     if c.dp > 1:
       samples = [int(s) for s in decodes]  # Row i is slot i.

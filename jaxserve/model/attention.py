@@ -8,6 +8,7 @@ decides how the pages are read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import AttentionBackend, KVLayout
+from jaxserve.config.engine import width_buckets
 from jaxserve.model import axes
 from jaxserve.model.kv_cache import KVCache
 
@@ -94,98 +96,55 @@ def attend_per_shard(attend, q, k, v, cache: KVCache, layer, meta: AttentionMeta
 
 def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=None):
   """q [1, T, N, H] -> [1, T, N, H], the step's K/V already in `cache`. Simple, and fast on CPU:
-
-  - decode rows (the first D) each read their own sequence's pages;
-  - prefill tokens attend to the step's own tokens of their sequence (read back from the cache at
-    `cache_index`, so a quantized cache gives what later steps will read), and, only when some
-    sequence of the step has a cached prefix (a later chunk, a prefix-cache hit), each query
-    block of Tb tokens reads its sequence's pages for it. The two softmax parts are merged.
-  """
-  q, pos = q[0], meta.positions[0]  # [T, N, H], [T]
-  T, D = q.shape[0], meta.num_decode_rows
-  parts = []
-  if D:  # [D, 1, N, H] over [D, S]: each row's own pages, its new token included.
-    k, v = cache.gather(layer, meta.page_tables[:D])
-    kv_pos = jnp.arange(k.shape[1])
-    mask = _causal(kv_pos[None, None], pos[:D, None, None], window) & (
-        kv_pos < meta.kv_lens[:D, None, None])
-    o, m, l = _softmax_parts(q[:D, None], k, v, mask)
-    parts.append(o[:, 0] / l[:, 0, :, None])
-  if T > D:
-    parts.append(_attend_prefill(q, pos, cache, layer, meta, window))
-  out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-  return out.astype(q.dtype)[None]
+  each decode row reads its own sequence's pages, each prefill query block of Tb tokens its
+  sequence's pages once. Every query takes one softmax over its sequence's positions as the
+  pages hold them, so a token's output does not depend on how its prompt was chunked, cached or
+  batched. Only the table columns the step's longest sequence needs are read (`_by_width`)."""
+  q = q[0]
+  out = jnp.zeros_like(q)
+  D, pos = meta.num_decode_rows, meta.positions[0]
+  if D:
+    out = _by_width(out, q, cache, layer, jnp.arange(D)[:, None], meta.page_tables[:D],
+                    meta.kv_lens[:D], pos, window)
+  if meta.block_rows.shape[0]:
+    seq = meta.block_seq
+    out = _by_width(out, q, cache, layer, meta.block_rows, meta.page_tables[seq],
+                    meta.kv_lens[seq], pos, window)
+  return out[None]
 
 
-def _attend_prefill(q, pos, cache: KVCache, layer, meta: AttentionMetadata, window):
-  """The prefill rows [D, T) of q [T, N, H] -> [T - D, N, H]."""
-  T, D, Z = q.shape[0], meta.num_decode_rows, cache.page_size
-  B = meta.kv_lens.shape[0]
-  rows = jnp.arange(D, T)
-  seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens, rows, side="right", method="compare_all") - 1,
-                 0, B - 1)  # [P]
-  real = rows < meta.cu_q_lens[-1]
-  # The step's own tokens: K/V as stored, each at its flat cache slot.
-  index = meta.cache_index[0, D:]  # [P]
-  k, v = cache.gather(layer, (index // Z)[:, None])  # [P, Z, K, H]
-  pick = lambda x: jnp.take_along_axis(x, (index % Z)[:, None, None, None], axis=1)[:, 0]
-  k, v, qp, pp = pick(k)[None], pick(v)[None], q[D:][None], pos[D:]  # [1, P, K, H], [1, P, N, H]
-  mask = (seq[:, None] == seq[None, :]) & real[None, :] & _causal(pp[None, :], pp[:, None], window)
-  o, m, l = (x[0] for x in _softmax_parts(qp, k, v, mask[None]))  # [P, N, H], [P, N], [P, N]
-
-  prefix = meta.kv_lens - jnp.diff(meta.cu_q_lens)  # [B]: positions cached before this step
-  has_prefix = jnp.any(prefix[D:] > 0)
-  o2, m2, l2 = jax.lax.cond(has_prefix, _prefix_parts, _no_prefix_parts,
-                            q, pos, cache, layer, meta, prefix, window)
-  m_all = jnp.maximum(m, m2[D:])
-  a, b = jnp.exp(m - m_all), jnp.exp(m2[D:] - m_all)
-  return (o * a[..., None] + o2[D:] * b[..., None]) / (l * a + l2[D:] * b)[..., None]
+def _by_width(out, q, cache: KVCache, layer, rows, tables, kv_lens, positions, window):
+  """`_attend_blocks` over the narrowest of the table widths `width_buckets` lists that holds
+  every block's positions: one branch per width, picked on the device, in one program."""
+  widths = width_buckets(tables.shape[1])
+  need = (jnp.max(kv_lens) + cache.page_size - 1) // cache.page_size
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
+  branches = [functools.partial(_attend_blocks, width=w) for w in widths]
+  return jax.lax.switch(index, branches, out, q, cache, layer, rows, tables, kv_lens, positions,
+                        window)
 
 
-def _prefix_parts(q, pos, cache: KVCache, layer, meta: AttentionMetadata, prefix, window):
-  """Each prefill query block over its sequence's cached prefix -> (o [T, N, H], m, l [T, N]),
-  unnormalised, rows of no block masked out."""
+def _attend_blocks(out, q, cache: KVCache, layer, rows, tables, kv_lens, positions, window, *,
+                   width):
+  """out, q [T, N, H]; rows [A, R] packed rows (T: none), tables [A, W] and kv_lens [A] of each
+  block's one sequence -> out with the blocks' rows set, reading the first `width` pages."""
   T, N, H = q.shape
-  rows, seq = meta.block_rows, meta.block_seq  # [nb, Tb], [nb]
   safe = jnp.minimum(rows, T - 1)
-  k, v = cache.gather(layer, meta.page_tables[seq])  # [nb, S, K, H]
-  kv_pos = jnp.arange(k.shape[1])
-  mask = (kv_pos[None, None, :] < prefix[seq][:, None, None]) & _causal(
-      kv_pos[None, None, :], pos[safe][:, :, None], window)
-  o, m, l = _softmax_parts(q[safe], k, v, mask)
-  empty = _no_prefix_parts(q, pos, cache, layer, meta, prefix, window)
-  return tuple(x.at[rows].set(y, mode="drop") for x, y in zip(empty, (o, m, l)))
-
-
-def _no_prefix_parts(q, pos, cache, layer, meta, prefix, window):
-  T, N, H = q.shape
-  return (jnp.zeros((T, N, H), jnp.float32), jnp.full((T, N), _MASKED, jnp.float32),
-          jnp.zeros((T, N), jnp.float32))
-
-
-def _causal(kv_pos, q_pos, window):
-  """Keys at kv_pos visible from queries at q_pos (broadcast): not after it, and inside the
-  window when there is one."""
-  mask = kv_pos <= q_pos
-  if window is not None:
-    mask &= kv_pos > q_pos - window
-  return mask
-
-
-def _softmax_parts(q, k, v, mask):
-  """q [A, R, N, H] over k, v [A, S, K, H] where mask [A, R, S] -> (o [A, R, N, H], m [A, R, N],
-  l [A, R, N]): the softmax's unnormalised output, row max and sum, so parts over different keys
-  merge exactly (out = o / l)."""
-  A, R, N, H = q.shape
-  K = k.shape[2]
-  scores = jnp.einsum("ARKGH,ASKH->ARKGS", q.reshape(A, R, K, N // K, H), k,
-                      preferred_element_type=jnp.float32) * (H ** -0.5)
-  scores = jnp.where(mask[:, :, None, None, :], scores, _MASKED)
-  m = jnp.max(scores, axis=-1)
-  p = jnp.exp(scores - m[..., None])
-  l = jnp.sum(p, axis=-1)
-  o = jnp.einsum("ARKGS,ASKH->ARKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return o.reshape(A, R, N, H), m.reshape(A, R, N), l.reshape(A, R, N)
+  qb, pos = q[safe], positions[safe]  # [A, R, N, H], [A, R]
+  k, v = cache.gather(layer, tables[:, :width])  # [A, S, K, H] each
+  A, R = rows.shape
+  S, K = k.shape[1], k.shape[2]
+  qb = qb.reshape(A, R, K, N // K, H)
+  scores = jnp.einsum("ARKGH,ASKH->AKGRS", qb, k, preferred_element_type=jnp.float32)
+  scores = scores * (H ** -0.5)
+  kv_pos = jnp.arange(S)
+  mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
+  if window is not None:  # [A, R, S]: positions older than the window are out.
+    mask &= kv_pos[None, None, :] > pos[:, :, None] - window
+  scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [A, K, G, R, S]
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  ob = jnp.einsum("AKGRS,ASKH->ARKGH", probs, v).reshape(A, R, N, H)
+  return out.at[rows].set(ob.astype(out.dtype), mode="drop")
 
 
 _KERNEL_PLATFORM = {AttentionBackend.PALLAS: None, AttentionBackend.PALLAS_TPU: "tpu",

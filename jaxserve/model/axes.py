@@ -21,7 +21,9 @@ DATA, MODEL = "data", "model"
 
 # Logical axis name (the model's parameters, the KV cache) -> mesh axis. Absent names are replicated.
 RULES = types.MappingProxyType({
-    "heads": MODEL, "kv_heads": MODEL, "mlp": MODEL, "vocab": MODEL, "slots": DATA})
+    "heads": MODEL, "kv_heads": MODEL, "mlp": MODEL, "vocab": MODEL, "slots": DATA,
+    # The ragged KV layout's page-row lanes: one group of lanes per device's KV heads.
+    "kv_lanes": MODEL})
 
 # Axes that must divide evenly: splitting heads unevenly would split a GQA group across devices.
 # The vocabulary falls back to replicated instead (an odd vocab size is common: 32001, 50257).

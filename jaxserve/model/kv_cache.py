@@ -137,23 +137,28 @@ def _contiguous_gather(a, b, layer, tables, Z):
   return _flat_gather(a[layer, slot, :w], B, Z), _flat_gather(b[layer, slot, :w], B, Z)
 
 
-def _ragged_lanes(K, H):  # Cr: 2 * K * H lanes rounded up to 128 (kernels_pallas.ragged_layout).
-  return -(-2 * K * H // 128) * 128
+def _ragged_lanes(K, H, G=1):
+  """Cr: G groups of 2 * (K / G) * H lanes, each rounded up to 128 (kernels_pallas.ragged_layout).
+  Under tensor parallelism G = tp: a device's KV heads are one group, its own lane-dense rows."""
+  return G * (-(-2 * (K // G) * H // 128) * 128)
 
 
-def _ragged_write(a, b, layer, page, offset, k, v, Z):
+def _ragged_write(a, layer, page, offset, k, v, Z, G):
   L, P, _, Cr = a.shape
-  rows = jnp.concatenate([k.reshape(*k.shape[:-2], -1), v.reshape(*v.shape[:-2], -1)], -1)
-  rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, Cr - rows.shape[-1])])  # [B, T, Cr]
+  group = lambda x: x.reshape(*x.shape[:-2], G, -1)  # [B, T, K, H] -> [B, T, G, K / G * H]
+  rows = jnp.concatenate([group(k), group(v)], -1)  # [B, T, G, 2 * K / G * H]
+  rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, Cr // G - rows.shape[-1])])
+  rows = rows.reshape(*rows.shape[:-2], Cr)  # [B, T, Cr]
   flat = (layer * P + page) * Z + offset  # [B, T]: one scatter writes K and V of every token.
-  return a.reshape(L * P * Z, Cr).at[flat].set(rows.astype(a.dtype)).reshape(a.shape), None
+  return a.reshape(L * P * Z, Cr).at[flat].set(rows.astype(a.dtype)).reshape(a.shape)
 
 
-def _ragged_gather(a, b, layer, tables, Z, K, H):
+def _ragged_gather(a, layer, tables, Z, K, H, G):
   g = a[layer, tables]  # [B, W, Z, Cr]: each page's K and V of every head in one read.
-  B = tables.shape[0]
-  rows = g.reshape(B, g.shape[1] * Z, -1)[..., :2 * K * H]
-  return rows[..., :K * H].reshape(B, -1, K, H), rows[..., K * H:].reshape(B, -1, K, H)
+  B, n = tables.shape[0], K // G * H
+  rows = g.reshape(B, g.shape[1] * Z, G, -1)  # [B, S, G, Cr / G]
+  heads = lambda x: x.reshape(B, -1, K, H)  # [B, S, G, K / G * H] -> [B, S, K, H]
+  return heads(rows[..., :n]), heads(rows[..., n:2 * n])
 
 
 _TOKEN_AXES = ("layers", "pages", "page_tokens", "kv_heads", "head_dim")
@@ -170,9 +175,8 @@ _LAYOUTS = {
         write=_interleaved_write, gather=_interleaved_gather,
         axes=("layers", "pages", "kv", "page_tokens", "kv_heads", "head_dim")),
     KVLayout.RAGGED: _Layout(
-        shape=lambda L, P, Z, K, X, S, W: (L, P, Z, _ragged_lanes(K, X)), separate=False,
-        write=_ragged_write, gather=None,
-        axes=("layers", "pages", "page_tokens", "ragged_lanes")),
+        shape=None, separate=False, write=None, gather=None,  # KVCache handles it (groups).
+        axes=("layers", "pages", "page_tokens", "kv_lanes")),
     KVLayout.CONTIGUOUS: _Layout(
         shape=lambda L, P, Z, K, X, S, W: (L, S, W, Z, K, X), separate=True,
         write=_contiguous_write, gather=_contiguous_gather,
@@ -191,8 +195,8 @@ class KVCache:
   k_scale: jax.Array | None = None  # int8 only: like k, with head_dim 1.
   v_scale: jax.Array | None = None
   layout: KVLayout = dataclasses.field(default=KVLayout.PAGED_TOKEN_MAJOR, metadata=dict(static=True))
-  # (K, H) of a RAGGED cache, whose page rows do not show them.
-  ragged_heads: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+  # (K, H, G) of a RAGGED cache, whose page rows do not show them: G lane groups of K / G heads.
+  ragged_heads: tuple[int, int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   # The token-major layout's logical axis names; `axes` gives the running layout's.
   AXES = _TOKEN_AXES
@@ -203,6 +207,10 @@ class KVCache:
     layout, kv_dtype = _LAYOUTS[kv_layout], kv_dtype_of(engine)
     dims = (model.num_layers, engine.num_pages, engine.page_size, model.num_kv_heads)
     shape = lambda X: layout.shape(*dims, X, engine.num_slots, engine.max_pages_per_seq)
+    ragged = None
+    if kv_layout is KVLayout.RAGGED:
+      ragged = (model.num_kv_heads, model.head_dim, engine.tp)
+      shape = lambda X: (*dims[:3], _ragged_lanes(*ragged))
     zeros = lambda X, dtype: jnp.zeros(shape(X), dtype)
     values = STORAGE_DTYPES[kv_dtype]
     scaled = kv_dtype is KVDtype.INT8
@@ -213,9 +221,7 @@ class KVCache:
                v=zeros(model.head_dim, values) if layout.separate else None,
                k_scale=zeros(1, jnp.float32) if scaled else None,
                v_scale=zeros(1, jnp.float32) if scaled and layout.separate else None,
-               layout=kv_layout,
-               ragged_heads=(model.num_kv_heads, model.head_dim)
-               if kv_layout is KVLayout.RAGGED else None)
+               layout=kv_layout, ragged_heads=ragged)
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -245,6 +251,9 @@ class KVCache:
     lay, Z = _LAYOUTS[self.layout], self.page_size
     page, offset = cache_index // Z, cache_index % Z  # [B, T]
     (k, k_scale), (v, v_scale) = encode(k, self.kv_dtype), encode(v, self.kv_dtype)
+    if self.layout is KVLayout.RAGGED:
+      return dataclasses.replace(
+          self, k=_ragged_write(self.k, layer, page, offset, k, v, Z, self.ragged_heads[2]))
     new_k, new_v = lay.write(self.k, self.v, layer, page, offset, k, v, Z)
     new_ks, new_vs = self.k_scale, self.v_scale
     if k_scale is not None:
@@ -255,8 +264,7 @@ class KVCache:
     """The pages of each sequence, flattened and decoded: [B, W * Z, K, H] for k and for v."""
     lay, Z = _LAYOUTS[self.layout], self.page_size
     if self.layout is KVLayout.RAGGED:
-      K, H = self.ragged_heads
-      k, v = _ragged_gather(self.k, None, layer, page_tables, Z, K, H)
+      k, v = _ragged_gather(self.k, layer, page_tables, Z, *self.ragged_heads)
       return dequantize(k, None), dequantize(v, None)
     k, v = lay.gather(self.k, self.v, layer, page_tables, Z)
     if self.k_scale is None:
