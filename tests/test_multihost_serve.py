@@ -64,9 +64,9 @@ def test_follower_runs_the_leaders_steps():
   assert follower["num_calls"] == leader["num_calls"] > 2 * len(REQUESTS)
   for out in (leader, follower):  # Broadcast inputs are the warm-up's shapes: no step recompiled.
     after_warmup, after_serving = out["compiled"]
-    # One step program per shape: decode rows {0, 4} x prefill tokens {0, 16, 32} x widths
-    # {8, 16}, less the two empty ones.
-    assert after_serving == after_warmup == [10], out["process"]
+    # One step program per shape (Packer.shapes): decode-only at the one decode bucket (dp keeps
+    # every slot: 4 rows), prefill-only and mixed at prefill buckets 16 and 32.
+    assert after_serving == after_warmup == [5], out["process"]
 
 
 def test_processes_with_different_engines_refuse_to_start():

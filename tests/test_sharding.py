@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, KVLayout, ModelConfig
 from jaxserve.model import axes
+from jaxserve.model.kv_cache import ragged_lanes
 from jaxserve.planning.capacity import KNOWN_MODELS
 
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
@@ -84,7 +85,10 @@ def test_pallas_backend_splits_the_ragged_pages_by_kv_head(tmp_path):
   one, two = out["layouts"]["1x1-ragged-pallas"], out["layouts"]["2x1-ragged-pallas"]
   assert two["tokens"] == one["tokens"]
   np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4)
-  assert two["cache_bytes_device0"] * 2 == one["cache_bytes_device0"]
+  # Per device: a page row of its 2 heads' K and V (2 * 2 * 16 = 64 lanes) padded to 128 lanes,
+  # the row one device holds for all 4 heads at tp=1 (128 lanes, no padding).
+  lanes = lambda tp: ragged_lanes(TINY8["num_kv_heads"], TINY8["head_dim"], tp) // tp
+  assert two["cache_bytes_device0"] * lanes(1) == one["cache_bytes_device0"] * lanes(2)
 
 
 def _param_bytes_per_device(cfg: ModelConfig, tp: int) -> int:

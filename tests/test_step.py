@@ -39,7 +39,7 @@ def test_a_mixed_plan_packs_decode_rows_then_merged_chunks():
   assert rows == [0, 4, 5]  # The decode row, then the two sequences that sample.
   # Each sequence starts its own query block; rows are on the whole token axis (4 + 16).
   assert args.block_rows[0, :12].tolist() == list(range(4, 16)) and (args.block_rows[0, 12:] == 20).all()
-  assert args.block_rows[1, :3].tolist() == [16, 17, 18] and args.block_seq[:2].tolist() == [5, 6]
+  assert args.block_rows[1, :3].tolist() == [16, 17, 18] and args.block_seq[:2].tolist() == [4, 5]
 
 
 def test_a_decode_only_plan_takes_the_smallest_bucket():

@@ -87,6 +87,22 @@ def test_step_temp_is_small_beside_the_cache(name):
     assert r["temp_bytes"] <= 0.05 * pool["bytes"] + 256 * MIB, (TEMP_BOUND, r, pool)
 
 
+@skip_without("v6e")
+def test_tensor_parallel_programs_compile_per_device():
+  """--tp 2 on v6e: every program is one SPMD program over two chips, the kernels run per
+  shard on each chip's own KV heads (lane groups of the ragged pages), and each chip holds and
+  updates in place its half of the cache, within the same temp bound."""
+  config = EngineConfig(num_pages=4096, tp=2, **SMALL)
+  reports = compile_plan.compile_programs("v6e", LLAMA3_8B_2L, config)
+  pool = compile_plan.kv_pool(LLAMA3_8B_2L, config)
+  assert pool["device_bytes"] * 2 == pool["bytes"]
+  for r in reports:
+    assert r["compiled"], r
+    assert r["alias_bytes"] >= pool["device_bytes"], (r, pool)
+    assert r["argument_bytes"] < weight_bytes(LLAMA3_8B_2L) / 2 + pool["bytes"], (r, pool)
+    assert r["temp_bytes"] <= 0.05 * pool["bytes"] + 256 * MIB, (TEMP_BOUND, r, pool)
+
+
 @pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t)) for t in ("v5e", "v6e", "v5p", "v4")])
 def test_usable_bytes_is_the_tpu_compilers_own_limit(target):
   """A buffer just under the table's figure compiles; one just over it is refused."""

@@ -104,4 +104,6 @@ def add_compile_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--max-model-len", type=int, default=d("max_model_len"))
   p.add_argument("--buckets", default=",".join(map(str, d("prefill_buckets"))),
                  help="prefill length buckets")
+  p.add_argument("--tp", type=int, default=d("tp"),
+                 help="tensor parallelism: chips of the target's topology the model splits over")
   p.add_argument("--json", action="store_true", help="print the reports as JSON")

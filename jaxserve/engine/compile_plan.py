@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
-from jaxserve.engine import targets
+from jaxserve.engine import placement, targets
 from jaxserve.engine.engine import engine_config_for
 from jaxserve.engine.step import DecodeState, step
 from jaxserve.engine.step_args import Packer
@@ -45,6 +45,8 @@ class Program:
   fn: Callable
   args: tuple  # Pytrees of ShapeDtypeStructs.
   donate: tuple[int, ...] = ()
+  shardings: tuple | None = None  # Over a mesh (tp > 1): each argument's, and the results'.
+  out_shardings: Any = None
 
 
 def _i32(*shape):
@@ -58,17 +60,19 @@ def abstract_weights(model: ModelConfig, dtype: str):
 
 
 def engine_programs(model: ModelConfig, config: EngineConfig, backend: AttentionBackend,
-                    num_stop_ids: int = 1) -> list[Program]:
-  """The programs `Engine.warmup` compiles, on abstract arguments (single device: tp = dp = 1):
-  one per step shape (Packer.shapes), and the scoring variant of the prefill-only ones."""
-  if config.tp * config.dp > 1:
-    raise ValueError("compiling for a target covers one device (tp = dp = 1) so far")
+                    num_stop_ids: int = 1, devices=None) -> list[Program]:
+  """The programs `Engine.warmup` compiles, on abstract arguments: one per step shape
+  (Packer.shapes), and the scoring variant of the prefill-only ones. With tp > 1, over a
+  `model` mesh of `devices` (abstract ones), the arrays placed as the engine places them."""
+  if config.dp > 1:
+    raise ValueError("compiling for a target covers tensor parallelism (--tp) only, not --dp")
   config = engine_config_for(config, backend)
   graphdef, params = abstract_weights(model, config.dtype.value)
   cache = jax.eval_shape(lambda: KVCache.create(model, config))
   state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
-  fn = functools.partial(step, graphdef, attn=AttentionSpec(backend))
+  mesh = placement.make_mesh(config.tp, 1, devices=list(devices)) if config.tp > 1 else None
+  fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh))
   packer = Packer(config, model.vocab_size, None)
   abstract = lambda args: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
   programs = []
@@ -76,8 +80,15 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
     for shape in shapes:
       D, T, W = shape
       name = f"step D={D} T={T} W={W}" + (" scored" if scored else "")
-      args = abstract(packer.template(shape, scored=scored))
-      programs.append(Program(name, fn, (params, cache, state, args, stop_ids), donate=(1, 2)))
+      args = (params, cache, state, abstract(packer.template(shape, scored=scored)), stop_ids)
+      shardings = out = None
+      if mesh is not None:
+        s = placement.EngineShardings.create(mesh, model, config, params, state)
+        rep = lambda tree: jax.tree.map(lambda _: s.replicated, tree)
+        shardings = (s.params, s.cache, s.state, rep(args[3]), s.replicated)
+        out = (*s.step_out, s.replicated) if scored else s.step_out
+      programs.append(Program(name, fn, args, donate=(1, 2), shardings=shardings,
+                              out_shardings=out))
   return programs
 
 
@@ -91,19 +102,25 @@ def need_bytes(report: dict[str, Any]) -> int:
 def compile_programs(target: str, model: ModelConfig, config: EngineConfig,
                      only: str | None = None) -> list[dict[str, Any]]:
   """The reports of every warm-up program (or of the one named `only`) compiled for `target`."""
-  device = targets.abstract_device(target)
+  devices = targets.abstract_devices(target)
+  if config.tp > len(devices):
+    raise ValueError(f"--tp {config.tp}: {target}'s compile-only topology has {len(devices)} chips")
   backend = config.attention_backend or _KERNELS[targets.TARGETS[target].platform]
-  return [targets.compile_report(p.fn, p.args, device, donate=p.donate, name=p.name)
-          for p in engine_programs(model, config, backend) if only in (None, p.name)]
+  return [targets.compile_report(p.fn, p.args, devices[0], donate=p.donate, name=p.name,
+                                 shardings=p.shardings, out_shardings=p.out_shardings)
+          for p in engine_programs(model, config, backend, devices=devices)
+          if only in (None, p.name)]
 
 
 def kv_pool(model: ModelConfig, config: EngineConfig) -> dict[str, int]:
   """The pool of `config` as the engine allocates it: pages (scratch page 0 included), tokens a
-  sequence can use (the scratch page holds none), bytes."""
+  sequence can use (the scratch page holds none), bytes (all devices'; `device_bytes`: each
+  one's, under tp). The layout is the kernels' unless the config names one."""
+  config = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
   cache = jax.eval_shape(lambda: KVCache.create(model, config))
-  pages = cache.num_pages
+  pages, size = cache.num_pages, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
   return {"pages": pages, "page_size": config.page_size, "tokens": (pages - 1) * config.page_size,
-          "bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))}
+          "bytes": size, "device_bytes": size // config.tp}
 
 
 def compile_engine(target: str, model: ModelConfig, config: EngineConfig) -> dict[str, Any]:
@@ -132,8 +149,8 @@ def _size_pool(target, model, config, budget) -> list[tuple[int, list]]:
   params = abstract_weights(model, config.dtype.value)[1]
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   # Today's engine sizes from the weights alone: the most pages there can be.
-  ceiling = capacity.num_kv_pages(model, budget, 1.0, config.page_size,
-                                   kv_cache.kv_dtype_of(config), weights)
+  ceiling = capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
+                                   kv_cache.kv_dtype_of(config), weights)  # tp: each holds 1/tp.
   p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
   base = run(p0)
   tries = [(p0, base)]
@@ -205,7 +222,7 @@ def run_compile(args) -> int:
   config = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                         memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
                         dtype=args.dtype, prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
-                        compilation_cache_dir=None)
+                        tp=args.tp, compilation_cache_dir=None)
   result = compile_engine(args.compile, model, config)
   print(json.dumps(result, indent=1) if args.json else format_table(result))
   return 0 if result["fits"] else 1

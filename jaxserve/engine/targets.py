@@ -47,9 +47,14 @@ def missing_compiler(target: Target) -> str | None:
   return None
 
 
-@functools.cache
 def abstract_device(name: str) -> jax.Device:
   """A compile-only device of target `name`: one chip, alone in its sharding."""
+  return abstract_devices(name)[0]
+
+
+@functools.cache
+def abstract_devices(name: str) -> tuple[jax.Device, ...]:
+  """Every compile-only device of target `name`'s topology (4 chips for the TPUs, 1 GPU)."""
   target = TARGETS[name]
   why = missing_compiler(target)
   if why:
@@ -63,7 +68,7 @@ def abstract_device(name: str) -> jax.Device:
   else:
     topology = topologies.get_topology_desc(platform="cuda", topology=target.topology,
                                             target_config=(_SPECS / target.spec).read_text())
-  return topology.devices[0]
+  return tuple(topology.devices)
 
 
 def on_device(tree: Any, device: jax.Device) -> Any:
@@ -72,20 +77,31 @@ def on_device(tree: Any, device: jax.Device) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def compile_report(fn: Callable, abstract_args: Sequence[Any], device: jax.Device, *,
-                   donate: Sequence[int] = (), name: str | None = None) -> dict[str, Any]:
+def compile_report(fn: Callable, abstract_args: Sequence[Any], device: jax.Device | None, *,
+                   donate: Sequence[int] = (), name: str | None = None,
+                   shardings: Sequence[Any] | None = None, out_shardings: Any = None,
+                   ) -> dict[str, Any]:
   """Compiles `fn(*abstract_args)` for `device` and reports it.
 
-  `abstract_args` are pytrees of arrays or ShapeDtypeStructs (placed on `device` here); arguments
-  `donate` are donated, as the engine donates its cache and state. Returns {name, compiled,
+  `abstract_args` are pytrees of arrays or ShapeDtypeStructs (placed on `device` here, or, for a
+  program over a mesh of abstract devices, on `shardings`: one pytree of shardings per argument,
+  with `out_shardings` for the results; byte counts are then per device); arguments `donate`
+  are donated, as the engine donates its cache and state. Returns {name, compiled,
   error, argument_bytes, temp_bytes, output_bytes, alias_bytes}: the error is the compiler's
   message (None when it compiled), the byte counts come from `memory_analysis()` (None on failure).
   """
   report = {"name": name or getattr(fn, "__name__", "program"), "compiled": False, "error": None,
             "argument_bytes": None, "temp_bytes": None, "output_bytes": None, "alias_bytes": None}
+  if shardings is None:
+    args, jit_options = on_device(tuple(abstract_args), device), {}
+  else:
+    args = tuple(jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), a, sh)
+                 for a, sh in zip(abstract_args, shardings))
+    device = jax.tree.leaves(shardings[0])[0].mesh.devices.flat[0]
+    jit_options = {"out_shardings": out_shardings}
   options = dict(_COMPILER_OPTIONS[_PLATFORM_OF_DEVICE[device.platform]])
   try:
-    lowered = jax.jit(fn, donate_argnums=tuple(donate)).lower(*on_device(tuple(abstract_args), device))
+    lowered = jax.jit(fn, donate_argnums=tuple(donate), **jit_options).lower(*args)
     memory = lowered.compile(options).memory_analysis()
   except Exception as e:  # The compiler's verdict is the report: RESOURCE_EXHAUSTED, VMEM, ...
     report["error"] = f"{type(e).__name__}: {e}"

@@ -137,7 +137,7 @@ def _contiguous_gather(a, b, layer, tables, Z):
   return _flat_gather(a[layer, slot, :w], B, Z), _flat_gather(b[layer, slot, :w], B, Z)
 
 
-def _ragged_lanes(K, H, G=1):
+def ragged_lanes(K, H, G=1):
   """Cr: G groups of 2 * (K / G) * H lanes, each rounded up to 128 (kernels_pallas.ragged_layout).
   Under tensor parallelism G = tp: a device's KV heads are one group, its own lane-dense rows."""
   return G * (-(-2 * (K // G) * H // 128) * 128)
@@ -210,7 +210,7 @@ class KVCache:
     ragged = None
     if kv_layout is KVLayout.RAGGED:
       ragged = (model.num_kv_heads, model.head_dim, engine.tp)
-      shape = lambda X: (*dims[:3], _ragged_lanes(*ragged))
+      shape = lambda X: (*dims[:3], ragged_lanes(*ragged))
     zeros = lambda X, dtype: jnp.zeros(shape(X), dtype)
     values = STORAGE_DTYPES[kv_dtype]
     scaled = kv_dtype is KVDtype.INT8
