@@ -39,7 +39,8 @@ def export(step, backend, *args):
 @pytest.mark.parametrize("backend", list(TARGETS), ids=lambda b: b.value)
 def test_decode_step_lowers_with_the_kernel(backend):
   calls = export(decode_step, backend, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256),
-                 jnp.arange(4, dtype=jnp.int32), jnp.zeros((4, 8), jnp.int32), jnp.array([0]))
+                 jnp.arange(4, dtype=jnp.int32), jnp.zeros((4, 8), jnp.int32),
+                 jnp.full((4, 8), -1, jnp.int32), jnp.array([0]))
   assert TARGETS[backend][1] in calls
 
 
@@ -48,7 +49,7 @@ def test_prefill_step_lowers_with_the_kernel(backend):
   i32 = lambda x: jnp.int32(x)
   calls = export(prefill_step, backend, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256),
                  jnp.zeros(32, jnp.int32), i32(0), i32(20), jnp.zeros(16, jnp.int32), i32(0),
-                 jnp.bool_(True), jnp.array([0]))
+                 jnp.bool_(True), jnp.full((1, 8), -1, jnp.int32), jnp.array([0]))
   assert TARGETS[backend][1] in calls
 
 
@@ -58,5 +59,5 @@ def test_reference_backend_has_no_kernel():
   fn = jax.jit(functools.partial(decode_step, graphdef, attn=AttentionSpec(AttentionBackend.REFERENCE)))
   text = jax.export.export(fn, platforms=["tpu"])(
       params, KVCache.create(MODEL, ENGINE), DecodeState.create(4, 256), jnp.arange(4, dtype=jnp.int32),
-      jnp.zeros((4, 8), jnp.int32), jnp.array([0])).mlir_module()
+      jnp.zeros((4, 8), jnp.int32), jnp.full((4, 8), -1, jnp.int32), jnp.array([0])).mlir_module()
   assert "tpu_custom_call" not in text

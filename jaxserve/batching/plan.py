@@ -84,14 +84,19 @@ class Engine(Protocol):
 
   info: EngineInfo
 
-  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    """Writes the chunk's KV; when `chunk.is_last`, returns the first sampled token ([1]). A
+  def prefill(self, chunk: PrefillChunk, bitmask: np.ndarray | None = None) -> TokenFuture | None:
+    """Writes the chunk's KV; when `chunk.is_last`, returns the first sampled token ([1]),
+    drawn from the tokens `bitmask` [1, ceil(V/32)] int32 allows (None: any). The runner passes
+    a bitmask only for a constrained request, so an engine without constraints may omit it. A
     chunk with prompt_logprob_targets always returns a future, whose `prompt_logprobs()` gives
     (chosen [T], ranks [T], top ids [T, N], top logprobs [T, N]) for its positions."""
     ...
 
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
-    """One token for each of `slots`; returns [num_slots] tokens (entries of other slots are junk)."""
+  def decode(self, slots: Sequence[int], page_tables: np.ndarray,
+             bitmask: np.ndarray | None = None) -> TokenFuture:
+    """One token for each of `slots`; returns [num_slots] tokens (entries of other slots are junk).
+    bitmask [len(slots), ceil(V/32)] int32: row i holds the tokens slots[i] may sample (bit t % 32
+    of word t // 32); None, or an all-ones row, leaves a slot free."""
     ...
 
   def free(self, slot: int) -> None:

@@ -69,18 +69,21 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   row = jax.eval_shape(
       lambda: SamplingRow.from_params(SamplingParams(), 0, (), (), model.vocab_size).as_state())
   stop_ids, scalar = _i32(num_stop_ids), _i32()  # [E]: the tokenizer's stop ids; E sets no memory.
+  num_words = -(-model.vocab_size // 32)  # The constraint bitmask's words per row.
   programs = [Program("set_sampling", _set_sampling, (state, scalar, row), donate=(0,))]
   prefill = functools.partial(prefill_step, graphdef, attn=AttentionSpec(backend))
   for T in config.prefill_buckets:
     programs.append(Program(
         f"prefill T={T}", prefill, (params, cache, state, _i32(T), scalar, scalar,
                                     _i32(config.max_pages_per_seq), scalar,
-                                    jax.ShapeDtypeStruct((), jnp.bool_), stop_ids), donate=(1, 2)))
+                                    jax.ShapeDtypeStruct((), jnp.bool_), _i32(1, num_words),
+                                    stop_ids), donate=(1, 2)))
   decode = functools.partial(decode_step, graphdef, attn=AttentionSpec(backend), in_place=False)
   for B in config.decode_batch_buckets:
     for W in config.decode_width_buckets:
       programs.append(Program(f"decode B={B} W={W}", decode,
-                              (params, cache, state, _i32(B), _i32(B, W), stop_ids), donate=(1, 2)))
+                              (params, cache, state, _i32(B), _i32(B, W), _i32(B, num_words),
+                               stop_ids), donate=(1, 2)))
   return programs
 
 

@@ -45,9 +45,10 @@ class DecodeState:
         sampling=self.sampling.count(jnp.full_like(self.tokens, token), hit))
 
 
-def decode_step(graphdef, params, cache: KVCache, state: DecodeState, rows, page_tables, stop_ids,
-                *, attn: AttentionSpec, in_place: bool = False):
-  """rows [B] int32 (slots; S = padding), page_tables [B, W] -> (cache, state, Sampled [S]).
+def decode_step(graphdef, params, cache: KVCache, state: DecodeState, rows, page_tables, bitmask,
+                stop_ids, *, attn: AttentionSpec, in_place: bool = False):
+  """rows [B] int32 (slots; S = padding), page_tables [B, W], bitmask [B, ceil(V/32)] int32 (row
+  b's allowed tokens) -> (cache, state, Sampled [S]).
 
   The sampled values come back per slot, [S, ...]: rows that did not decode hold zeros."""
   S, B, Z = state.tokens.shape[0], rows.shape[0], cache.page_size
@@ -70,7 +71,7 @@ def decode_step(graphdef, params, cache: KVCache, state: DecodeState, rows, page
       kv_lens=jnp.where(active, pos + 1, 0),
       q_lens=jnp.ones(B, jnp.int32))
   logits, cache = nnx.merge(graphdef, params)(take(state.tokens)[:, None], cache, meta, attn)  # [B, V]
-  sampled = sample(logits, sampling, pos + 1, stop_ids)
+  sampled = sample(logits, sampling, pos + 1, stop_ids, bitmask)
   counts = sampling.count(sampled.tokens, active).output_counts  # [B, V]
   state = DecodeState(
       tokens=put(state.tokens, sampled.tokens),

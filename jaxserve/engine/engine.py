@@ -1,7 +1,9 @@
 """The device side of jaxserve: parameters, the KV cache, the decode state, and compiled steps.
 
 It implements `plan.Engine`: the runner calls `prefill` for each chunk of a plan and `decode` for
-the decode slots, and gets tokens back as futures (async device-to-host copies). Every shape the
+the decode slots, and gets tokens back as futures (async device-to-host copies). Both take an
+optional allowed-token bitmask per row (constrained decoding, batching/runner.py); without one the
+step gets an all-ones mask that lives on the device, so unconstrained steps move no mask at all. Every shape the
 engine compiles for comes from `EngineConfig` and is compiled by `warmup()`.
 """
 
@@ -92,6 +94,7 @@ class PrefillArgs(NamedTuple):
   row: SamplingState | None  # The slot's sampling settings (numpy leaves); set when is_last.
   # [T] int32, the prompt token after each position: set for a chunk that wants prompt logprobs.
   targets: np.ndarray | None = None
+  bitmask: np.ndarray | None = None  # [1, ceil(V/32)] int32: the sampled token's allowed ids.
 
 
 class DecodeArgs(NamedTuple):
@@ -99,6 +102,7 @@ class DecodeArgs(NamedTuple):
 
   rows: np.ndarray  # [B] int32: the decoding slots, then num_slots as padding; B a batch bucket
   page_tables: np.ndarray  # [B, W] int32, W a compiled decode width
+  bitmask: np.ndarray | None = None  # [B, ceil(V/32)] int32: each row's allowed tokens
 
 
 class Engine:
@@ -150,20 +154,22 @@ class Engine:
     self._decode = jax.jit(functools.partial(decode_step, graphdef, attn=attn, in_place=config.dp > 1),
                            donate_argnums=(1, 2), **step_out)
     self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,), **state_out)
+    self._masks = _AllAllowed(model.cfg.vocab_size, on_device=mesh is None)
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
 
-  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    return self.run_prefill(self.prefill_args(chunk))
+  def prefill(self, chunk: PrefillChunk, bitmask: np.ndarray | None = None) -> TokenFuture | None:
+    return self.run_prefill(self.prefill_args(chunk, bitmask))
 
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
-    return self.run_decode(self.decode_args(slots, page_tables))
+  def decode(self, slots: Sequence[int], page_tables: np.ndarray,
+             bitmask: np.ndarray | None = None) -> TokenFuture:
+    return self.run_decode(self.decode_args(slots, page_tables, bitmask=bitmask))
 
   # The host inputs of each compiled step are built apart from the call, so that `multihost` can
   # broadcast them from process 0 and make every other process run the same call on them.
 
-  def prefill_args(self, chunk: PrefillChunk) -> PrefillArgs:
+  def prefill_args(self, chunk: PrefillChunk, bitmask: np.ndarray | None = None) -> PrefillArgs:
     n = len(chunk.token_ids)
     if not 0 < n <= self.max_prefill_len:
       raise ValueError(f"prefill chunk of {n} tokens: must be 1..{self.max_prefill_len}")
@@ -180,13 +186,14 @@ class Engine:
       targets[:len(chunk.prompt_logprob_targets)] = chunk.prompt_logprob_targets
     return PrefillArgs(tokens, np.int32(chunk.start_pos), np.int32(n),
                        self._page_table_row(chunk.page_table, chunk.slot), np.int32(chunk.slot),
-                       np.bool_(chunk.is_last), row, targets)
+                       np.bool_(chunk.is_last), row, targets, self._masks.rows(bitmask, 1))
 
   def run_prefill(self, args: PrefillArgs) -> TokenFuture | None:
     if args.row is not None:
       self.state = self._set_sampling(self.state, args.slot, args.row)
     inputs = (self.params, self.cache, self.state, args.tokens, args.start_pos, args.true_len,
-              args.page_table, args.slot, args.is_last, self.stop_ids)
+              args.page_table, args.slot, args.is_last, self._masks.on_device(args.bitmask),
+              self.stop_ids)
     if args.targets is not None:
       self.cache, self.state, sampled, prompt = self._prefill_logprobs(*inputs, args.targets)
       return PromptLogprobsFuture(sampled, prompt)
@@ -194,20 +201,28 @@ class Engine:
     return TokenFuture(sampled) if args.is_last else None
 
   def decode_args(self, slots: Sequence[int], page_tables: np.ndarray,
-                  batch: int | None = None) -> DecodeArgs:
+                  batch: int | None = None, bitmask: np.ndarray | None = None) -> DecodeArgs:
     """page_tables [num_slots, W]: row s is slot s's table. `batch`: a bucket to pad to (by
-    default the smallest that holds the slots)."""
+    default the smallest that holds the slots). bitmask [len(slots), ceil(V/32)]: row i is
+    slots[i]'s allowed tokens (None: every token, for every slot)."""
+    given = list(slots)
     if self.config.dp > 1:  # Slots are split over devices by position: row i must be slot i.
       live = set(slots)
       slots = [s if s in live else self.num_slots for s in range(self.num_slots)]
     batch = batch or next(b for b in self.config.decode_batch_buckets if b >= len(slots))
     rows = np.full(batch, self.num_slots, np.int32)
     rows[:len(slots)] = slots
-    return DecodeArgs(rows, self._decode_tables(rows, page_tables))
+    if bitmask is not None and list(slots) != given:  # dp: the mask rows follow the slots.
+      where = {s: i for i, s in enumerate(given)}
+      bitmask = np.stack([bitmask[where[s]] if s in where else self._masks.rows(None, 1)[0]
+                          for s in slots])
+    return DecodeArgs(rows, self._decode_tables(rows, page_tables),
+                      self._masks.rows(bitmask, batch))
 
   def run_decode(self, args: DecodeArgs) -> TokenFuture:
     self.cache, self.state, sampled = self._decode(
-        self.params, self.cache, self.state, args.rows, args.page_tables, self.stop_ids)
+        self.params, self.cache, self.state, args.rows, args.page_tables,
+        self._masks.on_device(args.bitmask), self.stop_ids)
     return TokenFuture(sampled)
 
   def free(self, slot: int) -> None:
@@ -221,7 +236,7 @@ class Engine:
     for bucket in self.config.prefill_buckets:
       inputs = (self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),
                 np.int32(bucket), self._page_table_row([]), np.int32(0), np.bool_(False),
-                self.stop_ids)
+                self._masks.on_device(self._masks.rows(None, 1)), self.stop_ids)
       self.cache, self.state, _ = self._prefill(*inputs)
       inputs = (self.params, self.cache, self.state, *inputs[3:])
       self.cache, self.state, _, _ = self._prefill_logprobs(*inputs, np.zeros(bucket, np.int32))
@@ -230,7 +245,8 @@ class Engine:
       for width in self.config.decode_width_buckets:
         tables = np.full((batch, width), SCRATCH_PAGE, np.int32)
         self.cache, self.state, out = self._decode(
-            self.params, self.cache, self.state, rows, tables, self.stop_ids)
+            self.params, self.cache, self.state, rows, tables,
+            self._masks.on_device(self._masks.rows(None, batch)), self.stop_ids)
     out.tokens.block_until_ready()
 
   def _page_table_row(self, pages: Sequence[int], slot: int | None = None) -> np.ndarray:
@@ -295,6 +311,37 @@ def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
                "less %.2f GiB of weights", pages, config.page_size, pages * config.page_size,
                100 * config.memory_fraction, memory / 2**30, device.device_kind, weight_bytes / 2**30)
   return dataclasses.replace(config, num_pages=pages)
+
+
+class _AllAllowed:
+  """The masks of steps without a constrained row: one all-ones [B, ceil(V/32)] int32 array per
+  batch size, built once and kept (on the device too, on a single device), so such a step
+  builds and copies no mask. A given mask is padded to the batch with all-ones rows."""
+
+  def __init__(self, vocab_size: int, on_device: bool):
+    self.num_words = -(-vocab_size // 32)
+    self._host: dict[int, np.ndarray] = {}
+    self._device: dict[int, jax.Array] = {}
+    self._on_device = on_device
+
+  def rows(self, bitmask: np.ndarray | None, batch: int) -> np.ndarray:
+    if batch not in self._host:
+      self._host[batch] = np.full((batch, self.num_words), -1, np.int32)  # -1: all 32 bits set.
+      if self._on_device:
+        self._device[batch] = jnp.asarray(self._host[batch])
+    if bitmask is None:
+      return self._host[batch]
+    if bitmask.shape[0] > batch or bitmask.shape[1:] != (self.num_words,):
+      raise ValueError(f"bitmask must be int32 [<= {batch}, {self.num_words}], got "
+                       f"{bitmask.dtype} {list(bitmask.shape)}")
+    padded = self._host[batch].copy()
+    padded[:bitmask.shape[0]] = bitmask
+    return padded
+
+  def on_device(self, bitmask: np.ndarray) -> np.ndarray | jax.Array:
+    """The kept device copy of an all-ones mask from `rows` (numpy passes as it is)."""
+    kept = self._host.get(bitmask.shape[0])
+    return self._device[bitmask.shape[0]] if kept is bitmask and self._on_device else bitmask
 
 
 def _set_sampling(state: DecodeState, slot, row) -> DecodeState:

@@ -83,14 +83,15 @@ class LeaderEngine:
     self.num_calls = 0  # Engine steps sent to the followers.
     self._stopped = False
 
-  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
-    args = self.engine.prefill_args(chunk)  # Raises on a bad chunk before anything is sent.
+  def prefill(self, chunk: PrefillChunk, bitmask: np.ndarray | None = None) -> TokenFuture | None:
+    args = self.engine.prefill_args(chunk, bitmask)  # Raises on a bad chunk before anything is sent.
     _send(Kind.PREFILL, args.tokens.shape[0], _prefill_extra(args), args)
     self.num_calls += 1
     return self.engine.run_prefill(args)
 
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
-    args = self.engine.decode_args(slots, page_tables)
+  def decode(self, slots: Sequence[int], page_tables: np.ndarray,
+             bitmask: np.ndarray | None = None) -> TokenFuture:
+    args = self.engine.decode_args(slots, page_tables, bitmask=bitmask)
     _send(Kind.DECODE, args.page_tables.shape[1], args.rows.shape[0], args)
     self.num_calls += 1
     return self.engine.run_decode(args)

@@ -31,20 +31,20 @@ class PromptLogprobs:
 
 
 def prefill_step(graphdef, params, cache: KVCache, state: DecodeState, tokens, start_pos, true_len,
-                 page_table, slot, is_last, stop_ids, *, attn: AttentionSpec):
+                 page_table, slot, is_last, bitmask, stop_ids, *, attn: AttentionSpec):
   """Writes the K/V of tokens[:true_len] at positions start_pos.. and samples the next token.
 
-  tokens [T] (padded), page_table [W], scalars start_pos, true_len, slot, is_last (all arrays:
-  only T and W set shapes). When is_last, `slot` is set to decode from the sampled token.
+  tokens [T] (padded), page_table [W], scalars start_pos, true_len, slot, is_last, bitmask
+  [1, ceil(V/32)] int32 (the allowed next tokens) (all arrays: only T and W set shapes). When is_last, `slot` is set to decode from the sampled token.
   Returns (cache, state, Sampled [1]).
   """
   meta = _metadata(tokens, start_pos, true_len, page_table, cache.page_size)
   logits, cache = nnx.merge(graphdef, params)(tokens[None], cache, meta, attn)  # [1, V]
-  return (cache, *_sample_next(state, logits, start_pos, true_len, slot, is_last, stop_ids))
+  return (cache, *_sample_next(state, logits, start_pos, true_len, slot, is_last, bitmask, stop_ids))
 
 
 def prompt_logprobs_step(graphdef, params, cache: KVCache, state: DecodeState, tokens, start_pos,
-                         true_len, page_table, slot, is_last, stop_ids, targets, *,
+                         true_len, page_table, slot, is_last, bitmask, stop_ids, targets, *,
                          attn: AttentionSpec):
   """`prefill_step`, plus targets [T] (the prompt token after each position; padding past the
   prompt's end is ignored) -> (cache, state, Sampled [1], PromptLogprobs [T])."""
@@ -52,7 +52,7 @@ def prompt_logprobs_step(graphdef, params, cache: KVCache, state: DecodeState, t
   logits, cache = nnx.merge(graphdef, params)(tokens[None], cache, meta, attn, last_only=False)
   logits = logits[0]  # [T, V]
   last = jax.lax.dynamic_slice_in_dim(logits, jnp.maximum(true_len - 1, 0), 1)  # [1, V]
-  state, sampled = _sample_next(state, last, start_pos, true_len, slot, is_last, stop_ids)
+  state, sampled = _sample_next(state, last, start_pos, true_len, slot, is_last, bitmask, stop_ids)
   logprobs = jax.nn.log_softmax(logits, axis=-1)  # [T, V]
   chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [T, 1]
   ranks = 1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32)  # [T]
@@ -73,8 +73,8 @@ def _metadata(tokens, start_pos, true_len, page_table, Z: int) -> AttentionMetad
       q_lens=true_len[None])
 
 
-def _sample_next(state: DecodeState, logits, start_pos, true_len, slot, is_last, stop_ids):
+def _sample_next(state: DecodeState, logits, start_pos, true_len, slot, is_last, bitmask, stop_ids):
   """logits [1, V] of the chunk's last real position -> (state, Sampled [1])."""
   next_pos = start_pos + true_len  # Where the sampled token will sit.
-  sampled = sample(logits, state.sampling.row(slot), next_pos[None], stop_ids)
+  sampled = sample(logits, state.sampling.row(slot), next_pos[None], stop_ids, bitmask)
   return state.insert(slot, sampled.tokens[0], next_pos, is_last), sampled
