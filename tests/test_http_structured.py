@@ -8,6 +8,7 @@ import json
 import re
 from typing import Literal
 
+import grpc
 import jsonschema
 import langchain_openai
 import openai
@@ -15,6 +16,7 @@ import pydantic
 import pytest
 
 import server_harness as h
+from jaxserve.api.proto import jaxserve_pb2 as pb
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "maxLength": 6},
@@ -175,3 +177,18 @@ def test_langchain_structured_output_and_bind_tools(srv):
                                      model="tiny", max_tokens=4, max_retries=0,
                                      extra_body={"truncate_prompt": True})
   assert auto.bind_tools([get_time]).invoke("Hi").type == "ai"  # "auto": free text, parsed.
+
+
+def test_grpc_constraint_oneof(srv):
+  with grpc.insecure_channel(srv.grpc_address) as ch:
+    stub = h.stub(ch)
+    run = lambda **f: "".join(r.text for r in stub.Generate(
+        pb.GenerateRequest(**{"text": "x", "max_tokens": 80, "temperature": 1.0, "seed": 2, **f}),
+        metadata=h.auth(), timeout=120))
+    jsonschema.validate(json.loads(run(json_schema=json.dumps(SCHEMA))), SCHEMA)
+    assert run(choice=pb.Choices(options=["up", "down"])) in ("up", "down")
+    assert re.fullmatch(r"[a-c]{2}", run(regex="[a-c]{2}"))
+    assert run(json_object=True, max_tokens=4).startswith("{")  # Cut by max_tokens: a start.
+    with pytest.raises(grpc.RpcError) as e:
+      run(grammar='start: "a" | b')
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and 'unknown name: "b"' in e.value.details()
