@@ -61,6 +61,24 @@ class Constraint:
     object.__setattr__(self, "kind", kind)
     object.__setattr__(self, "text", _CANONICAL[kind](self.text))
 
+  @classmethod
+  def from_json(cls, value: Any) -> Constraint:
+    """From one-key JSON, as a batch file's line or the gRPC oneof spell it: {"json_schema": {...}},
+    {"json_object": true}, {"regex": "..."}, {"choice": ["a", "b"]} or {"grammar": "..."}."""
+    kinds = ", ".join(k.value for k in ConstraintKind)
+    if not (isinstance(value, dict) and len(value) == 1):
+      raise ValueError(f"a constraint must be an object with one key of {kinds}, got {value!r:.80}")
+    (kind, arg), = value.items()
+    makers = {"json_object": lambda a: cls.json_object(), "json_schema": cls.json_schema,
+              "regex": cls.regex, "choice": cls.choice, "grammar": cls.grammar}
+    if kind not in makers:
+      raise ValueError(f"constraint kind must be one of {kinds}, got {kind!r}")
+    if kind == "choice" and not isinstance(arg, list):
+      raise ValueError(f"choice constraint: the options must be a list of strings, got {arg!r:.80}")
+    if kind in ("regex", "grammar") and not isinstance(arg, str):
+      raise ValueError(f"{kind} constraint must be a string, got {arg!r:.80}")
+    return makers[kind](arg)
+
   @property
   def schema(self) -> Any:
     """The JSON schema of a json_schema constraint (parsed from its text)."""
