@@ -15,7 +15,13 @@ import pytest
 
 from jaxserve.engine.constraint_mask import apply_token_bitmask
 from jaxserve.loading import checkpoint, pull
-from jaxserve.text.constraint import ALL_ALLOWED, Constraint, ConstraintCompiler, ConstraintKind, check
+from jaxserve.text.constraint import (
+  ALL_ALLOWED,
+  Constraint,
+  ConstraintCompiler,
+  ConstraintKind,
+  check,
+)
 from jaxserve.text.constraint_vocab import vocab_bytes
 from jaxserve.text.tokenizer import Tokenizer
 from tests.conftest import count_compiles

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxserve
-from jaxserve import Constraint, EngineConfig, SamplingParams, SchedulerConfig
+from jaxserve import Constraint, EngineConfig, SamplingParams
 from jaxserve.batching.request import FinishReason
 from tests.conftest import count_compiles
 
@@ -82,6 +82,7 @@ def mixed(llm):
   return alone, by_kind, counts
 
 
+@pytest.mark.real_model
 def test_fifty_prompts_with_a_nested_schema_parse_and_validate_at_temperature_1_and_0(mixed):
   _, outs, _ = mixed
   assert len(outs["json"]) == 100
@@ -90,6 +91,7 @@ def test_fifty_prompts_with_a_nested_schema_parse_and_validate_at_temperature_1_
     jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
+@pytest.mark.real_model
 def test_regex_and_choice_outputs_match(mixed):
   _, outs, _ = mixed
   for out in outs["regex"][:10]:
@@ -99,16 +101,19 @@ def test_regex_and_choice_outputs_match(mixed):
   assert all(out.text in CHOICES for out in outs["choice"]), [o.text for o in outs["choice"]]
 
 
+@pytest.mark.real_model
 def test_unconstrained_requests_get_the_tokens_they_get_alone(mixed):
   alone, outs, _ = mixed
   assert [o.token_ids for o in outs["free"]] == [o.token_ids for o in alone]
 
 
+@pytest.mark.real_model
 def test_no_compile_after_warmup(mixed):
   _, _, counts = mixed
   assert counts == {"trace": 0, "compile": 0}
 
 
+@pytest.mark.real_model
 def test_logprobs_are_those_of_the_masked_distribution(llm):
   params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, logprobs=5,
                           constraint=Constraint.choice(["yes", "no"]))
