@@ -2,9 +2,9 @@
 
 It implements `plan.Engine`: the runner calls `prefill` for each chunk of a plan and `decode` for
 the decode slots, and gets tokens back as futures (async device-to-host copies). Both take an
-optional allowed-token bitmask per row (constrained decoding, batching/runner.py); without one the
-step gets an all-ones mask that lives on the device, so unconstrained steps move no mask at all. Every shape the
-engine compiles for comes from `EngineConfig` and is compiled by `warmup()`.
+optional allowed-token bitmask per row (constrained decoding, batching/constrained.py); without
+one the step gets a reused all-ones mask, so unconstrained steps build none.
+Every shape the engine compiles for comes from `EngineConfig` and is compiled by `warmup()`.
 """
 
 from __future__ import annotations
@@ -135,7 +135,12 @@ class Engine:
       self.cache = s.create_cache(model.cfg, config)
       step_out, state_out = {"out_shardings": s.step_out}, {"out_shardings": s.state}
     else:
-      self.cache = KVCache.create(model.cfg, config)
+      # Committed from the start, as every step's output is: warm-up then compiles the steps
+      # for the arrays they will see (uncommitted first ones made the first request's
+      # set_sampling and prefill compile again).
+      device = jax.local_devices()[0]
+      self.cache = jax.device_put(KVCache.create(model.cfg, config), device)
+      self.state = jax.device_put(self.state, device)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
@@ -154,7 +159,7 @@ class Engine:
     self._decode = jax.jit(functools.partial(decode_step, graphdef, attn=attn, in_place=config.dp > 1),
                            donate_argnums=(1, 2), **step_out)
     self._set_sampling = jax.jit(_set_sampling, donate_argnums=(0,), **state_out)
-    self._masks = _AllAllowed(model.cfg.vocab_size, on_device=mesh is None)
+    self._masks = _AllAllowed(model.cfg.vocab_size)
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -192,7 +197,7 @@ class Engine:
     if args.row is not None:
       self.state = self._set_sampling(self.state, args.slot, args.row)
     inputs = (self.params, self.cache, self.state, args.tokens, args.start_pos, args.true_len,
-              args.page_table, args.slot, args.is_last, self._masks.on_device(args.bitmask),
+              args.page_table, args.slot, args.is_last, args.bitmask,
               self.stop_ids)
     if args.targets is not None:
       self.cache, self.state, sampled, prompt = self._prefill_logprobs(*inputs, args.targets)
@@ -222,7 +227,7 @@ class Engine:
   def run_decode(self, args: DecodeArgs) -> TokenFuture:
     self.cache, self.state, sampled = self._decode(
         self.params, self.cache, self.state, args.rows, args.page_tables,
-        self._masks.on_device(args.bitmask), self.stop_ids)
+        args.bitmask, self.stop_ids)
     return TokenFuture(sampled)
 
   def free(self, slot: int) -> None:
@@ -236,7 +241,7 @@ class Engine:
     for bucket in self.config.prefill_buckets:
       inputs = (self.params, self.cache, self.state, np.zeros(bucket, np.int32), np.int32(0),
                 np.int32(bucket), self._page_table_row([]), np.int32(0), np.bool_(False),
-                self._masks.on_device(self._masks.rows(None, 1)), self.stop_ids)
+                self._masks.rows(None, 1), self.stop_ids)
       self.cache, self.state, _ = self._prefill(*inputs)
       inputs = (self.params, self.cache, self.state, *inputs[3:])
       self.cache, self.state, _, _ = self._prefill_logprobs(*inputs, np.zeros(bucket, np.int32))
@@ -246,7 +251,7 @@ class Engine:
         tables = np.full((batch, width), SCRATCH_PAGE, np.int32)
         self.cache, self.state, out = self._decode(
             self.params, self.cache, self.state, rows, tables,
-            self._masks.on_device(self._masks.rows(None, batch)), self.stop_ids)
+            self._masks.rows(None, batch), self.stop_ids)
     out.tokens.block_until_ready()
 
   def _page_table_row(self, pages: Sequence[int], slot: int | None = None) -> np.ndarray:
@@ -315,33 +320,27 @@ def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
 
 class _AllAllowed:
   """The masks of steps without a constrained row: one all-ones [B, ceil(V/32)] int32 array per
-  batch size, built once and kept (on the device too, on a single device), so such a step
-  builds and copies no mask. A given mask is padded to the batch with all-ones rows."""
+  batch size, built once and reused, so such a step builds no mask. A given mask is padded to
+  the batch with all-ones rows. Masks go to the step as numpy, as every other host input does: a
+  device array kept here would commit the state the step returns to its device, and the next
+  step on numpy inputs would compile again."""
 
-  def __init__(self, vocab_size: int, on_device: bool):
+  def __init__(self, vocab_size: int):
     self.num_words = -(-vocab_size // 32)
-    self._host: dict[int, np.ndarray] = {}
-    self._device: dict[int, jax.Array] = {}
-    self._on_device = on_device
+    self._ones: dict[int, np.ndarray] = {}
 
   def rows(self, bitmask: np.ndarray | None, batch: int) -> np.ndarray:
-    if batch not in self._host:
-      self._host[batch] = np.full((batch, self.num_words), -1, np.int32)  # -1: all 32 bits set.
-      if self._on_device:
-        self._device[batch] = jnp.asarray(self._host[batch])
+    ones = self._ones.get(batch)
+    if ones is None:
+      ones = self._ones[batch] = np.full((batch, self.num_words), -1, np.int32)  # -1: 32 bits set.
     if bitmask is None:
-      return self._host[batch]
+      return ones
     if bitmask.shape[0] > batch or bitmask.shape[1:] != (self.num_words,):
       raise ValueError(f"bitmask must be int32 [<= {batch}, {self.num_words}], got "
                        f"{bitmask.dtype} {list(bitmask.shape)}")
-    padded = self._host[batch].copy()
+    padded = ones.copy()
     padded[:bitmask.shape[0]] = bitmask
     return padded
-
-  def on_device(self, bitmask: np.ndarray) -> np.ndarray | jax.Array:
-    """The kept device copy of an all-ones mask from `rows` (numpy passes as it is)."""
-    kept = self._host.get(bitmask.shape[0])
-    return self._device[bitmask.shape[0]] if kept is bitmask and self._on_device else bitmask
 
 
 def _set_sampling(state: DecodeState, slot, row) -> DecodeState:
