@@ -5,7 +5,8 @@ JSON, OpenAI's field names and JSON types, and fields the endpoint does not know
 null counts as not sent, as OpenAI's clients send unset fields that way; any other unknown field
 is refused, as OpenAI does, so that a misspelt `temprature` is not silently ignored (but for
 best_of 1, echo false and response_format text, which change nothing, and OpenAI's fields that
-mean nothing here: store, metadata, service_tier, parallel_tool_calls, user).
+mean nothing here: store, metadata, service_tier, user; parallel_tool_calls only bounds forced
+tool calls).
 
 Structured output: `response_format` json_object / json_schema, vLLM's guided_json, guided_regex,
 guided_choice and guided_grammar (at most one of them) become `SamplingParams.constraint`; chat's
