@@ -5,7 +5,9 @@
 Each input line is one request: `id`, then `prompt` (text; `--chat` wraps it in the chat
 template), `messages` (a chat, always templated) or `prompt_token_ids`, and optionally any
 SamplingParams field (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `ignore_eos`, ...)
-overriding the command line's defaults. A line without an `id` is named `line-<n>`.
+overriding the command line's defaults, `constraint` included, as one-key JSON:
+{"json_schema": {...}}, {"json_object": true}, {"regex": "..."}, {"choice": [...]} or
+{"grammar": "..."} (structured output). A line without an `id` is named `line-<n>`.
 
 Each output line: id, line (the input line number), text, finish_reason, prompt_tokens,
 completion_tokens, cached_tokens and timings (queue_s, ttft_s, e2e_s, counted from submission:
@@ -39,7 +41,7 @@ from typing import Any, TextIO
 from jaxserve.batching.request import Completion, FinishReason, Request
 from jaxserve.cli import flags
 from jaxserve.cli import main as cli
-from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.config import Constraint, SamplingParams, SchedulerConfig
 from jaxserve.llm import LLM
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -111,8 +113,11 @@ def build_request(llm: LLM, spec: Spec, defaults: SamplingParams, chat: bool) ->
   stop_ids = spec.overrides.get("stop_token_ids", [])
   if not isinstance(stop_ids, list) or not all(type(i) is int for i in stop_ids):
     raise ValueError(f"stop_token_ids must be a list of integers, got {stop_ids!r}")
+  overrides = dict(spec.overrides)
+  if "constraint" in overrides:
+    overrides["constraint"] = Constraint.from_json(overrides["constraint"])
   try:
-    sampling = dataclasses.replace(defaults, **spec.overrides)  # Re-validates every field.
+    sampling = dataclasses.replace(defaults, **overrides)  # Re-validates every field.
   except TypeError as e:  # A value of a type the field cannot even be built from.
     raise ValueError(f"bad sampling field: {e}") from None
   return llm.runner.new_request(prompt_ids(llm, spec, chat), sampling, request_id=f"{spec.line}")

@@ -260,8 +260,12 @@ CASES = [
          f"logit_bias has token id {VOCAB}"),
     post("http-allowed-token-ids-empty", {**P, "allowed_token_ids": []},
          "allowed_token_ids must be a non-empty list"),
-    post("http-response-format-json", {**P, "response_format": {"type": "json_object"}},
-         "response_format {'type': 'json_object'} is not supported yet"),
+    post("http-response-format-bad-schema", {**P, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+         "json_schema constraint is invalid"),
+    post("http-guided-regex-unclosed", {**P, "guided_regex": "(("}, "regex constraint is invalid"),
+    post("http-guided-json-and-regex", {**P, "guided_json": {}, "guided_regex": "a"},
+         "give at most one of response_format"),
     post("http-unknown-field", {**P, "temprature": 0.5}, "does not take 'temprature'"),
     post("http-unknown-model", {**P, "model": "gpt-4o"}, "model 'gpt-4o' is not served",
          status=404),
@@ -309,7 +313,10 @@ CASES = [
               "top_logprobs needs logprobs: true"),
     post_chat("chat-max-completion-tokens-zero", {**M, "max_completion_tokens": 0},
               "max_completion_tokens must be an int >= 1"),
-    post_chat("chat-tools", {**M, "tools": [{"type": "function"}]}, "does not take 'tools'"),
+    post_chat("chat-tools", {**M, "tools": [{"type": "function"}]}, "tools must be a list of"),
+    post_chat("chat-tool-calls-not-a-list", {**M, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": "x"}]},
+              "messages[0].tool_calls must be a list"),
 ]
 
 

@@ -15,7 +15,13 @@ import pytest
 
 from jaxserve.engine.constraint_mask import apply_token_bitmask
 from jaxserve.loading import checkpoint, pull
-from jaxserve.text.constraint import ALL_ALLOWED, Constraint, ConstraintCompiler, ConstraintKind
+from jaxserve.text.constraint import (
+  ALL_ALLOWED,
+  Constraint,
+  ConstraintCompiler,
+  ConstraintKind,
+  check,
+)
 from jaxserve.text.constraint_vocab import vocab_bytes
 from jaxserve.text.tokenizer import Tokenizer
 from tests.conftest import count_compiles
@@ -108,22 +114,22 @@ def sample_random(compiler, tokenizer, constraint, rng, max_len=2000, closers=No
 # Validation.
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: Constraint.json_schema('{"type": "object",'), "the schema is not valid JSON"),
-    (lambda: Constraint.json_schema([{"type": "object"}]), "the schema must be a JSON object, got an array"),
-    (lambda: Constraint.json_schema({"type": "objekt"}), "Invalid type: objekt"),
-    (lambda: Constraint.json_schema({"type": "object", "if": {}}), 'Unimplemented keys: \\["if"\\]'),
-    (lambda: Constraint.json_schema({"type": "string", "pattern": "(("}), "unclosed group"),
-    (lambda: Constraint.json_schema({"$ref": "#/$defs/missing"}), "does not exist"),
-    (lambda: Constraint.regex("(("), "(?s)regex constraint is invalid.*unclosed group"),
-    (lambda: Constraint.regex(""), "regex constraint: the pattern is empty"),
-    (lambda: Constraint.regex("a{3,1}"), "invalid repetition count range"),
-    (lambda: Constraint.choice([]), "the options must be a non-empty list of strings"),
-    (lambda: Constraint.choice(["yes", 3]), "option 1 must be a non-empty string, got 3"),
-    (lambda: Constraint.grammar('start: "a" | b'), '(?s)grammar constraint is invalid.*unknown name: "b"'),
-    (lambda: Constraint.grammar('root ::= ("a"'), "(?s)grammar constraint is invalid.*Expected '\\)'"),
-    (lambda: Constraint.grammar("  "), "the grammar is empty"),
-    (lambda: Constraint("xml", "<a/>"), "constraint kind must be one of json_object, json_schema"),
-    (lambda: Constraint(ConstraintKind.JSON_OBJECT, "{}"), "json_object constraint takes no text"),
+    (lambda: check(Constraint.json_schema('{"type": "object",')), "the schema is not valid JSON"),
+    (lambda: check(Constraint.json_schema([{"type": "object"}])), "the schema must be a JSON object, got an array"),
+    (lambda: check(Constraint.json_schema({"type": "objekt"})), "Invalid type: objekt"),
+    (lambda: check(Constraint.json_schema({"type": "object", "if": {}})), 'Unimplemented keys: \\["if"\\]'),
+    (lambda: check(Constraint.json_schema({"type": "string", "pattern": "(("})), "unclosed group"),
+    (lambda: check(Constraint.json_schema({"$ref": "#/$defs/missing"})), "does not exist"),
+    (lambda: check(Constraint.regex("((")), "(?s)regex constraint is invalid.*unclosed group"),
+    (lambda: check(Constraint.regex("")), "regex constraint: the pattern is empty"),
+    (lambda: check(Constraint.regex("a{3,1}")), "invalid repetition count range"),
+    (lambda: check(Constraint.choice([])), "the options must be a non-empty list of strings"),
+    (lambda: check(Constraint.choice(["yes", 3])), "option 1 must be a non-empty string, got 3"),
+    (lambda: check(Constraint.grammar('start: "a" | b')), '(?s)grammar constraint is invalid.*unknown name: "b"'),
+    (lambda: check(Constraint.grammar('root ::= ("a"')), "(?s)grammar constraint is invalid.*Expected '\\)'"),
+    (lambda: check(Constraint.grammar("  ")), "the grammar is empty"),
+    (lambda: check(Constraint("xml", "<a/>")), "constraint kind must be one of json_object, json_schema"),
+    (lambda: check(Constraint(ConstraintKind.JSON_OBJECT, "{}")), "json_object constraint takes no text"),
 ])
 def test_invalid_constraints_name_the_problem(make, message):
   with pytest.raises(ValueError, match=message):

@@ -146,3 +146,25 @@ def test_memory_fraction_sizes_the_pool_from_total_memory(tiny_checkpoint):
     gb.cli.engine_config(gb.build_parser().parse_args(
         ["x", "y", "--num-pages", "64", "--memory-fraction", "0.5"]))
 
+
+
+def test_a_line_carries_its_constraint(tiny_checkpoint, tmp_path):
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["n"], "additionalProperties": False}
+  write_jsonl(inp, [
+      {"id": "json", "prompt": "x", "max_tokens": 20, "ignore_eos": False,
+       "constraint": {"json_schema": schema}},
+      {"id": "choice", "prompt": "x", "max_tokens": 8, "ignore_eos": False,
+       "constraint": {"choice": ["yes", "no"]}},
+      {"id": "bad", "prompt": "x", "max_tokens": 8, "ignore_eos": False,
+       "constraint": {"regex": "(("}},
+      {"id": "kind", "prompt": "x", "max_tokens": 8, "ignore_eos": False,
+       "constraint": {"xml": "<a/>"}},
+  ])
+  assert run(tiny_checkpoint, inp, out) == 0
+  by_id = {r["id"]: r for r in read_jsonl(out)}
+  assert json.loads(by_id["json"]["text"])["n"] in range(10)
+  assert by_id["choice"]["text"] in ("yes", "no")
+  assert "regex constraint is invalid" in by_id["bad"]["error"]
+  assert "constraint kind must be one of" in by_id["kind"]["error"]

@@ -12,7 +12,7 @@ from conftest import count_compiles
 
 import server_harness as h
 from jaxserve.batching.runner import Runner
-from jaxserve.config import SamplingParams
+from jaxserve.config import Constraint, SamplingParams
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
 EMOJI = "\U0001F600"  # Four UTF-8 bytes: SmolLM2 spells it as byte-level pieces.
@@ -100,13 +100,16 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens(srv, tokenizer):
   assert set(tokenizer.encode(body["choices"][0]["text"], add_bos=False)) <= set(allowed)
 
 
-def test_no_bias_or_allowed_ids_compiles_anything(tiny_checkpoint):
+def test_no_bias_or_allowed_ids_or_constraint_compiles_anything(tiny_checkpoint):
   engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
   runner = Runner(engine, tokenizer)
   prompts = [[5, 6, 7], list(range(40, 75))]
   settings = [SamplingParams(max_tokens=4, logit_bias={9: 5.0, 100: -100}),
               SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=[1, 2, 3]),
-              SamplingParams(max_tokens=4, top_k=-1, seed=-3, logit_bias={"11": 50})]
+              SamplingParams(max_tokens=4, top_k=-1, seed=-3, logit_bias={"11": 50}),
+              # Constrained rows, prefill and decode, beside free ones in the same steps.
+              SamplingParams(max_tokens=6, constraint=Constraint.regex("[a-z]{3,9}")),
+              SamplingParams(max_tokens=6, temperature=0, constraint=Constraint.json_object())]
   with count_compiles() as counts:
     runner.generate([(p, s) for p in prompts for s in settings])
   assert counts == {"trace": 0, "compile": 0}

@@ -172,3 +172,20 @@ def test_vllm_top_k_minus_one_is_off_and_any_signed_64_bit_seed_is_taken():
   draws = {int(sample(logits, state([p], 50, seeds=[s]), jnp.array([3]), STOP).tokens[0])
            for s in range(-20, 0)}
   assert len(draws) > 1  # Negative seeds are distinct streams.
+
+
+def test_a_bitmask_restricts_the_draw_and_its_logprobs_are_of_the_masked_distribution():
+  """Row 0 may sample tokens 2 and 33 only (bits 2 of word 0 and 1 of word 1); row 1's mask is
+  all ones, so it samples what it would with no mask. Logprobs: softmax over 2 and 33 alone."""
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 40)), jnp.float32)
+  params = [SamplingParams(temperature=1.0, seed=3, logprobs=2), SamplingParams(temperature=0)]
+  st = state(params, 40)
+  mask = jnp.array([[1 << 2, 1 << 1], [-1, -1]], jnp.int32)
+  plain = sample(logits, st, jnp.array([4, 4]), STOP)
+  masked = sample(logits, st, jnp.array([4, 4]), STOP, mask)
+  assert int(masked.tokens[0]) in (2, 33) and int(masked.tokens[1]) == int(plain.tokens[1])
+  pair = np.asarray(logits[0])[[2, 33]]
+  want = pair - np.logaddexp.reduce(pair)
+  got = dict(zip(np.asarray(masked.top_ids[0, :2]).tolist(), np.asarray(masked.top_logprobs[0, :2])))
+  np.testing.assert_allclose([got[2], got[33]], want, rtol=1e-5)
+  np.testing.assert_allclose(float(masked.logprobs[1]), float(plain.logprobs[1]), rtol=1e-6)

@@ -357,3 +357,28 @@ def test_cached_tokens_count_the_first_admission_only_never_more_than_the_prompt
   s.add(c)
   drain(s)
   assert c.num_cached_tokens == 4
+
+
+def test_a_constrained_request_sits_out_while_its_last_token_is_in_flight(checked):
+  """As the runner overlaps steps (plan n+1 before step n's tokens are read): the free request
+  decodes every step, the constrained one (a grammar set) every other step, and only once its
+  previous token has arrived, since its mask is made from it."""
+  s = sched(checked)
+  free, constrained = make(3, max_tokens=6), make(3, max_tokens=6)
+  constrained.grammar = object()  # The scheduler only asks whether there is one.
+  s.add(free)
+  s.add(constrained)
+  in_flight, decoded = None, []
+  for _ in range(8):
+    out = s.schedule()  # Planned before the previous step's tokens are applied.
+    decoded.append([r.request_id for r in out.decode_requests])
+    if in_flight is not None:
+      for r in in_flight:
+        s.append_token(r, 1)
+    in_flight = [r for c, r in zip(out.plan.prefills, out.prefill_requests) if c.is_last]
+    in_flight += list(out.decode_requests)
+    assert constrained not in out.decode_requests or constrained.num_pending_tokens == 1
+  assert [constrained.request_id in d for d in decoded[1:7]] == [False, True, False, True, False, True]
+  assert all(free.request_id in d for d in decoded[1:6])
+  for r in (free, constrained):
+    s.finish(r)

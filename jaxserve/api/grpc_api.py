@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
-from jaxserve.config import SamplingParams
+from jaxserve.config import Constraint, SamplingParams
 from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, ApiKey, Status
 from jaxserve.serving.metrics import RequestRecord
@@ -157,6 +157,20 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
   return Prompt()
 
 
+def _constraint(request: pb.GenerateRequest) -> Constraint | None:
+  kind = request.WhichOneof("constraint")
+  if kind is None or (kind == "json_object" and not request.json_object):
+    return None
+  try:
+    if kind == "choice":
+      return Constraint.choice(list(request.choice.options))
+    if kind == "json_object":
+      return Constraint.json_object()
+    return Constraint(kind, getattr(request, kind))  # json_schema, regex, grammar: their text.
+  except ValueError as e:
+    raise gateway.invalid(str(e)) from e
+
+
 def generate_input(request: pb.GenerateRequest) -> GenerateInput:
   sampling = {f: getattr(request, f) for f in _SAMPLING_FIELDS if request.HasField(f)}
   if request.stop:
@@ -171,6 +185,9 @@ def generate_input(request: pb.GenerateRequest) -> GenerateInput:
     sampling["logit_bias"] = dict(request.logit_bias)
   if request.allowed_token_ids:
     sampling["allowed_token_ids"] = list(request.allowed_token_ids)
+  constraint = _constraint(request)
+  if constraint is not None:
+    sampling["constraint"] = constraint
   return GenerateInput(
       _prompt(request), sampling,
       max_tokens=request.max_tokens if request.HasField("max_tokens") else None,

@@ -7,6 +7,7 @@ choice per (prompt, n) pair, each from its own stream of chunks; `index` tells t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import time
@@ -15,6 +16,7 @@ from typing import Any, Sequence
 from jaxserve.api.openai_request import Request
 from jaxserve.serving.metrics import RequestRecord
 from jaxserve.serving.service import Chunk, FinishReason, Service, TokenLogprobs
+from jaxserve.text import tool_calls
 from jaxserve.text.constraint_vocab import spelling_bytes
 
 FINISH_REASONS = {None: None, FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
@@ -180,9 +182,62 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+  """With tools (tool_choice other than "none"), a choice's text is read as tool calls: a whole
+  message gets `tool_calls` (content null), and a stream holds the text back and ends with one
+  delta carrying every call, whole, as OpenAI's clients accumulate them."""
+
   object_name = "chat.completion"
   chunk_object_name = "chat.completion.chunk"
   id_prefix = "chatcmpl"
+
+  def __init__(self, service: Service, request: Request | None = None):
+    super().__init__(service, request)
+    self._held: dict[int, str] = {}  # Per choice: the text a tool call may be in.
+
+  def whole_choice(self, index, chunks):
+    choice = super().whole_choice(index, chunks)
+    calls = self._tool_calls(choice["message"]["content"], chunks[-1].finish_reason)
+    if calls is not None:
+      content, calls = calls
+      choice["message"] = {"role": "assistant", "content": content,
+                           "tool_calls": [_strip_index(c) for c in calls]}
+      choice["finish_reason"] = self._calls_finish
+    return choice
+
+  def delta(self, chunk, index=0):
+    if self._request.tool_choice == "none":
+      return super().delta(chunk, index)
+    text = self._held[index] = self._held.get(index, "") + chunk.text
+    event = super().delta(dataclasses.replace(chunk, text=""), index)
+    choice = event["choices"][0]
+    if chunk.finish_reason is not None:
+      calls = self._tool_calls(text, chunk.finish_reason)
+      if calls is None:
+        choice["delta"] = {"content": text} if text else {}
+      else:
+        content, calls = calls
+        choice["delta"] = {"content": content, "tool_calls": calls} if content else {"tool_calls": calls}
+        choice["finish_reason"] = self._calls_finish
+    return event
+
+  @property
+  def _calls_finish(self) -> str:
+    return "stop" if self._request.tool_choice == "named" else "tool_calls"  # As OpenAI.
+
+  def _tool_calls(self, text: str, finish: FinishReason | None):
+    """(content, OpenAI's tool_calls) of a choice's text; None when it holds no call."""
+    mode = self._request.tool_choice
+    if mode == "none":
+      return None
+    if mode == "auto":
+      content, calls = tool_calls.parse_tagged(text, self._request.tool_names)
+    else:  # Forced: the output is the calls' JSON, unless max_tokens or a stop string cut it.
+      content, calls = None, tool_calls.parse_forced(text) if finish is FinishReason.STOP else None
+    if not calls:
+      return None
+    return content or None, [
+        {"index": i, "id": f"call_{secrets.token_hex(12)}", "type": "function",
+         "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)]
 
   def start(self, indices=(0,)):
     # OpenAI's first event names the role, with empty content.
@@ -212,3 +267,8 @@ class ChatFormat(_Format):
       return token.encode()
     # Part of a multi-byte character: its text is U+FFFD, its own bytes are in its spelling.
     return spelling_bytes(self._service.tokenizer.id_to_token(token_id))
+
+
+def _strip_index(call: dict[str, Any]) -> dict[str, Any]:
+  """A whole message's tool call has no index (only stream deltas do)."""
+  return {k: v for k, v in call.items() if k != "index"}

@@ -5,7 +5,13 @@ JSON, OpenAI's field names and JSON types, and fields the endpoint does not know
 null counts as not sent, as OpenAI's clients send unset fields that way; any other unknown field
 is refused, as OpenAI does, so that a misspelt `temprature` is not silently ignored (but for
 best_of 1, echo false and response_format text, which change nothing, and OpenAI's fields that
-mean nothing here: store, metadata, service_tier, parallel_tool_calls, user).
+mean nothing here: store, metadata, service_tier, user; parallel_tool_calls only bounds forced
+tool calls).
+
+Structured output: `response_format` json_object / json_schema, vLLM's guided_json, guided_regex,
+guided_choice and guided_grammar (at most one of them) become `SamplingParams.constraint`; chat's
+`tools` with tool_choice "required" or a named function become a constraint too
+(text/tool_calls.py), "auto" offers the tools to the model and parses its calls, "none" ignores them.
 
 Every function here is pure and raises only `ApiError` (INVALID_ARGUMENT) naming the field.
 """
@@ -16,9 +22,10 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from jaxserve.config import SamplingParams, is_int, short
+from jaxserve.config import Constraint, SamplingParams, is_int, short
 from jaxserve.serving.gateway import invalid
 from jaxserve.serving.service import GenerateInput, Prompt
+from jaxserve.text import tool_calls
 
 # OpenAI's sampling fields and vLLM's extras, passed on to SamplingParams as they are.
 SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed", "ignore_eos", "stop_token_ids",
@@ -26,16 +33,19 @@ SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed", "ignore_eos", "stop_t
 # OpenAI's fields about storage, billing and tools that change nothing about the tokens: taken
 # and dropped, so that clients which always send them work.
 IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls", "user"})
+# vLLM's constrained-decoding extras, each a way to give SamplingParams.constraint.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "max_tokens", "n", "stream",
                             "stream_options", "stop", "priority", "truncate_prompt",
-                            "response_format"})
+                            "response_format", *GUIDED_FIELDS})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"}
 MAX_CHOICES = 64  # Prompts x best_of (or n) in one request: each is a request of its own.
 # Unsupported fields that some clients send with their no-op value anyway (vLLM's benchmark
 # sends best_of 1): taken, as long as the value is that one.
 _NO_OP_VALUES = {"best_of": 1, "echo": False, "response_format": {"type": "text"}}
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's and vLLM's max_tokens for /v1/completions.
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+                                "tools", "tool_choice"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +62,10 @@ class Request:
   hide_generated: bool = False  # echo with max_tokens 0: the prompt alone.
   want_logprobs: bool = False  # The client asked for logprobs (best_of reads them regardless).
   prompt_logprobs: int | None = None  # vLLM's extra, as sent: each choice gets a prompt_logprobs.
+  # Chat with tools: "required" or "named" (the output is constrained to calls), "auto" (calls
+  # the model writes are parsed), "none" (free text; the tools are not shown to the model).
+  tool_choice: str = "none"
+  tool_names: tuple[str, ...] = ()
 
   @property
   def num_runs(self) -> int:
@@ -109,6 +123,9 @@ def completion_request(body: Mapping[str, Any]) -> Request:
 
 
 def chat_request(body: Mapping[str, Any]) -> Request:
+  parallel = body.get("parallel_tool_calls")  # Read before _present drops it: OpenAI's default is true.
+  if parallel is not None and not _is_bool(parallel):
+    raise invalid(f"parallel_tool_calls must be true or false, got {short(parallel)}")
   body = _present(body, CHAT_FIELDS, "/v1/chat/completions")
   want = body.get("logprobs", False)
   if not isinstance(want, bool):
@@ -119,7 +136,18 @@ def chat_request(body: Mapping[str, Any]) -> Request:
   if not (is_int(top) and 0 <= top <= SamplingParams.MAX_LOGPROBS):
     raise invalid(f"top_logprobs must be an int in [0, {SamplingParams.MAX_LOGPROBS}], got {short(top)}")
   max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-  return _request(body, Prompt(messages=_messages(body)), top if want else None, max_field)
+  tools, choice, name = _tools(body)
+  prompt = Prompt(messages=_messages(body), tools=tools if choice == "auto" else None)
+  req = _request(body, prompt, top if want else None, max_field)
+  if choice in ("required", "named"):
+    if req.input.sampling.get("constraint") is not None:
+      raise invalid(f"tool_choice {choice!r} constrains the output to tool calls: it cannot be "
+                    "combined with response_format or guided_* fields")
+    sampling = {**req.input.sampling,
+                "constraint": Constraint.json_schema(tool_calls.call_schema(
+                    tools, name, 1 if parallel is False else tool_calls.MAX_FORCED_CALLS))}
+    req = dataclasses.replace(req, input=dataclasses.replace(req.input, sampling=sampling))
+  return dataclasses.replace(req, tool_choice=choice, tool_names=tuple(t["name"] for t in tools))
 
 
 def _present(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> dict[str, Any]:
@@ -143,10 +171,10 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
   n = body.get("n", 1)
   if not (is_int(n) and 1 <= n <= MAX_CHOICES):
     raise invalid(f"n must be in [1, {MAX_CHOICES}], got {short(n)}")
-  if "response_format" in body:  # {"type": "text"} was dropped as a no-op.
-    raise invalid(f"response_format {short(body['response_format'])} is not supported yet: only "
-                  '{"type": "text"} (plain text) is')
   sampling = {f: body[f] for f in SAMPLING_FIELDS if f in body}
+  constraint = _constraint(body)
+  if constraint is not None:
+    sampling["constraint"] = constraint
   if "stop" in body:
     sampling["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
   options = body.get("stream_options", {})
@@ -156,6 +184,74 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
                       model=body.get("model", ""), truncate_prompt=body.get("truncate_prompt", False))
   return Request(inp, body.get("stream", False), options.get("include_usage", False), n=n,
                  want_logprobs=logprobs is not None)
+
+
+def _constraint(body: dict[str, Any]) -> Constraint | None:
+  """The output constraint of response_format or a guided_* field (at most one of them)."""
+  given = [f for f in ("response_format", *GUIDED_FIELDS) if f in body]
+  if len(given) > 1:
+    raise invalid(f"give at most one of response_format and {', '.join(GUIDED_FIELDS)}; got "
+                  f"{', '.join(given)}")
+  if not given:
+    return None
+  field, value = given[0], body[given[0]]
+  want = {"guided_json": ((dict, str, bool), "a JSON schema (an object, or its text)"),
+          "guided_regex": (str, "a string (a regular expression)"),
+          "guided_choice": (list, "a list of strings"),
+          "guided_grammar": (str, "a string (a Lark or GBNF grammar)")}
+  if field in want and not isinstance(value, want[field][0]):
+    raise invalid(f"{field} must be {want[field][1]}, got {short(value)}")
+  try:
+    if field == "response_format":
+      return _response_format(value)
+    make = {"guided_json": Constraint.json_schema, "guided_regex": Constraint.regex,
+            "guided_choice": Constraint.choice, "guided_grammar": Constraint.grammar}[field]
+    return make(value)
+  except ValueError as e:
+    raise invalid(f"{field}: {e}") from e
+
+
+def _response_format(value: Any) -> Constraint:
+  kinds = '"text", "json_object" or "json_schema"'
+  if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+    raise invalid(f'response_format must be an object {{"type": {kinds}}}, got {short(value)}')
+  if value["type"] == "json_object":
+    return Constraint.json_object()
+  if value["type"] != "json_schema":
+    raise invalid(f"response_format.type must be {kinds}, got {short(value['type'])}")
+  spec = value.get("json_schema")
+  if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+    raise invalid("response_format json_schema needs json_schema: {\"name\": ..., \"schema\": "
+                  f"{{...}}}}, got {short(spec)}")
+  return Constraint.json_schema(spec["schema"])
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str, str | None]:
+  """(OpenAI's function definitions, tool_choice: none / auto / required / named, the named
+  function)."""
+  tools, choice = body.get("tools", []), body.get("tool_choice")
+  if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
+    raise invalid('tools must be a list of {"type": "function", "function": {"name": ..., '
+                  f'"parameters": {{...}}}}}}, got {short(tools)}')
+  functions = [dict(t["function"]) for t in tools]
+  names = [f["name"] for f in functions]
+  if choice is None:
+    return functions, "auto" if tools else "none", None
+  if not tools:
+    raise invalid("tool_choice needs tools")
+  if choice in ("none", "auto", "required"):
+    return functions, choice, None
+  name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+  if not (isinstance(choice, dict) and choice.get("type") == "function" and name in names):
+    raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                  f'"function": {{"name": one of {names}}}}}, got {short(choice)}')
+  return functions, "named", name
+
+
+def _is_function(tool: Any) -> bool:
+  fn = tool.get("function") if isinstance(tool, dict) else None
+  return (tool.get("type") == "function" and isinstance(fn, dict) and _is_str(fn.get("name"))
+          and isinstance(fn.get("parameters", {}), dict))
 
 
 def _check_types(body: dict[str, Any], max_field: str) -> None:
@@ -203,6 +299,18 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
       raise invalid(f"messages[{n}] must be an object, got {short(m)}")
     if not isinstance(m.get("role"), str):  # The tokenizer checks which roles there are.
       raise invalid(f"messages[{n}].role must be a string, got {short(m.get('role'))}")
+    calls = m.get("tool_calls")
+    if calls is not None and m["role"] == "assistant":
+      # An earlier call, content null: written back as the model writes calls (tool_calls.py).
+      if not (isinstance(calls, list) and all(
+          isinstance(c, dict) and isinstance(c.get("function"), dict)
+          and _is_str(c["function"].get("name")) for c in calls)):
+        raise invalid(f"messages[{n}].tool_calls must be a list of {{\"function\": {{\"name\": "
+                      f"..., \"arguments\": ...}}}}, got {short(calls)}")
+      text = _content(m.get("content") or "", f"messages[{n}].content")
+      out.append({"role": "assistant",
+                  "content": "\n".join(filter(None, [text, tool_calls.history_text(calls)]))})
+      continue
     out.append({"role": m["role"], "content": _content(m.get("content"), f"messages[{n}].content")})
   return out
 

@@ -93,9 +93,12 @@ class Engine(Protocol):
 
   info: EngineInfo
 
-  def step(self, plan: StepPlan) -> TokenFuture:
+  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture:
     """Runs the whole plan: writes every chunk's KV, decodes every decode slot. The future holds
-    one sample per `plan.decode_slots` entry, then one per chunk with `is_last`, in plan order."""
+    one sample per `plan.decode_slots` entry, then one per chunk with `is_last`, in plan order.
+    bitmask [samples, ceil(V/32)] int32, rows in that order: the tokens each sample may be (bit
+    t % 32 of word t // 32); None, or an all-ones row, leaves a sample free. The runner passes
+    one only when a sample is constrained, so an engine without constraints may omit it."""
     ...
 
   def free(self, slot: int) -> None:

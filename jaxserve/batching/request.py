@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from jaxserve.config import SamplingParams
 
@@ -85,6 +85,8 @@ class Request:
   # more than the prompt: a preempted request's later hits are its own recomputed KV).
   num_cached_tokens: int = 0
   timings: RequestTimings = dataclasses.field(default_factory=lambda: RequestTimings(time.monotonic()))
+  # sampling.constraint compiled for the vocabulary (a text.constraint.Grammar); None: free text.
+  grammar: Any = None
   # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.
   max_num_tokens: int = dataclasses.field(init=False)
 

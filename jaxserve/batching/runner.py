@@ -9,7 +9,8 @@ Planning needs no token values (decode reads its input token from the engine's d
 the engine runs its steps in dispatch order, so while the host waits for step n, step n+1 is
 already queued behind it. The price is that a request is seen to finish one step late: its slot
 decodes once more, and that token is discarded (every sample carries the request's epoch, which
-finishing, aborting and preempting all bump).
+finishing, aborting and preempting all bump). A constrained request is the exception: its mask
+needs its last token, so it decodes every other step (constrained.py tells how).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import secrets
 import time
 from typing import Any, Callable, Sequence
 
+from jaxserve.batching.constrained import Constraints
 from jaxserve.batching.plan import Engine, EngineInfo, TokenFuture
 from jaxserve.batching.request import (
   Completion,
@@ -63,6 +65,7 @@ class Runner:
     # Requests that asked for prompt logprobs: one entry per prompt position, filled as their
     # prefill chunks come back, handed out with the first output.
     self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    self.constraints = Constraints(tokenizer, engine.info.vocab_size, engine.info.num_slots)
 
   @property
   def engine_info(self) -> EngineInfo:
@@ -77,10 +80,12 @@ class Runner:
     """Builds a request, or raises RequestRejected if it could never run. Reads only fixed
     limits, so another thread may call it while this one steps."""
     self.scheduler.check(len(prompt_ids), sampling)
+    # A ValueError naming the problem; a cache hit when the serving core compiled it already.
+    grammar = sampling.constraint and self.constraints.grammar(sampling.constraint)
     seq = next(self._arrivals)
     seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
     return Request(request_id if request_id is not None else f"req-{seq}-{secrets.token_hex(4)}",
-                   tuple(prompt_ids), sampling, seed, seq, priority)
+                   tuple(prompt_ids), sampling, seed, seq, priority, grammar=grammar)
 
   def submit(self, req: Request) -> None:
     """Queues a request made by `new_request`."""
@@ -92,6 +97,7 @@ class Runner:
     self._texts[req.request_id] = OutputText(detokenizer, req.sampling, self.tokenizer.stop_ids)
     if req.sampling.prompt_logprobs is not None:
       self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
+    self.constraints.start(req)
 
   def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                   request_id: str | None = None, priority: int = 0) -> Request:
@@ -141,13 +147,13 @@ class Runner:
     if plan.is_empty:
       return None
     # The future's rows: the decode slots, then the chunks that end their prompts.
-    samples = [(r, r.epoch) for r in scheduled.decode_requests]
-    samples += [(req, req.epoch) for chunk, req in zip(plan.prefills, scheduled.prefill_requests)
-                if chunk.is_last]
+    ends = [req for chunk, req in zip(plan.prefills, scheduled.prefill_requests) if chunk.is_last]
+    samples = [(r, r.epoch) for r in scheduled.decode_requests] + [(r, r.epoch) for r in ends]
     prompts = [(i, req, req.epoch, chunk.start_pos, len(chunk.token_ids))
                for i, (chunk, req) in enumerate(zip(plan.prefills, scheduled.prefill_requests))
                if chunk.prompt_logprob_targets is not None]
-    future = self.engine.step(plan)
+    mask = self.constraints.step_mask(scheduled.decode_requests, ends)
+    future = self.engine.step(plan) if mask is None else self.engine.step(plan, mask)
     return _Dispatched(future, samples, prompts) if samples or prompts else None
 
   def _collect(self, step: _Dispatched) -> list[RequestOutput]:
@@ -193,6 +199,8 @@ class Runner:
     if token in out.stop_token_ids:  # Its text is never shown.
       req.stop_reason = token
       return self._end(req, FinishReason.STOP, out.finish(), now, (token,), logprobs)
+    if req.grammar is not None:
+      self.constraints.accept(req, token)
     text = out.add((token,))
     if out.stop_string is not None:
       req.stop_reason = out.stop_string
@@ -209,6 +217,7 @@ class Runner:
     req.finish_reason = reason
     req.timings.finish = now
     del self._requests[req.request_id], self._texts[req.request_id]
+    self.constraints.end(req)
     prompt_logprobs = self._prompt_logprobs.pop(req.request_id, None)
     if req.num_output_tokens == 1 and prompt_logprobs is not None:
       return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs,

@@ -135,8 +135,10 @@ class Scheduler:
     while queue:
       req = queue.popleft()
       num_tokens = len(req.all_token_ids) + req.num_pending_tokens
-      # Still prefilling, or every token it may have is sampled already.
-      if req.num_computed_tokens < req.num_prefill_tokens or num_tokens >= req.max_num_tokens:
+      # Still prefilling, or every token it may have is sampled already, or constrained and its
+      # last token (which its next mask needs) is still in flight (constrained.py).
+      if (req.num_computed_tokens < req.num_prefill_tokens or num_tokens >= req.max_num_tokens
+          or (req.grammar is not None and req.num_pending_tokens)):
         continue
       while not self._grow(req, num_tokens):
         victim = queue.pop() if queue else req

@@ -7,6 +7,7 @@ Each is a frozen dataclass, validated once in `__post_init__`, and handed whole 
 from __future__ import annotations
 
 from jaxserve.config.checks import is_int, short
+from jaxserve.config.constraint import Constraint, ConstraintKind
 from jaxserve.config.engine import (
                                     AttentionBackend,
                                     Dtype,
@@ -19,5 +20,5 @@ from jaxserve.config.engine import (
 from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
 from jaxserve.config.sampling import SamplingParams
 
-__all__ = ["AttentionBackend", "Dtype", "EngineConfig", "KVDtype", "KVLayout", "ModelConfig", "ModelFamily", "QueuePolicy",
+__all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype", "KVLayout", "ModelConfig", "ModelFamily", "QueuePolicy",
            "RopeScaling", "SamplingParams", "SchedulerConfig", "is_int", "short"]

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from jaxserve.config.checks import is_int, short
+from jaxserve.config.constraint import Constraint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,9 @@ class SamplingParams:
   # taken); kept as sorted (id, bias) pairs, so the params stay hashable.
   logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
   allowed_token_ids: Sequence[int] | None = None  # vLLM's: only these may be sampled; None: all.
+  # What the output must match (JSON schema, regex, choice, grammar); None: free text. The
+  # runner masks each token to what the grammar allows (text/constraint.py, batching/runner.py).
+  constraint: Constraint | None = None
 
   # The settings that shape each token's choice, all per-slot device arrays (engine/sample.py).
   # The front ends, the command line and the device state derive their lists from this one.
@@ -74,6 +78,11 @@ class SamplingParams:
           "prompt_logprobs", f"must be None or in [0, {self.MAX_LOGPROBS}]")
     self._check_stops()
     self._check_bias()
+    check(self.constraint is None or isinstance(self.constraint, Constraint), "constraint",
+          "must be None or a Constraint")
+    # A finished grammar allows only end-of-sequence tokens, which ignore_eos forbids.
+    check(not (self.ignore_eos and self.constraint is not None), "ignore_eos",
+          "cannot be combined with a constraint (a complete output can only end)")
     object.__setattr__(self, "stop", tuple(self.stop))
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

@@ -228,14 +228,16 @@ class Engine:
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
 
-  def step(self, plan: StepPlan, run=None) -> TokenFuture | StepFutures:
+  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
+           run=None) -> TokenFuture | StepFutures:
     """Runs the whole plan, in one call unless `split_plan` says otherwise; the future holds one
-    sample per decode slot, then one per prompt that ends in this step (in plan order). `run`
+    sample per decode slot, then one per prompt that ends in this step (in plan order). bitmask
+    [samples, ceil(V/32)]: each sample's allowed tokens, in that order (None: all free). `run`
     (multihost's) makes each call in place of `run_step`."""
     run = run or self.run_step
     parts = split_plan(plan, self.max_prefill_len)
     if len(parts) == 1 and all(ch.prompt_logprob_targets is None for ch in plan.prefills):
-      return run(*self.step_args(plan))
+      return run(*self.step_args(plan, bitmask))
     num_decodes = len(plan.decode_slots)
     ends = [i for i, ch in enumerate(plan.prefills) if ch.is_last]
     sample_of = {i: num_decodes + k for k, i in enumerate(ends)}  # Chunk -> its plan sample.
@@ -246,28 +248,32 @@ class Engine:
       lens = [len(plan.prefills[i].token_ids) for i in chunks]
       at = np.cumsum([0] + lens).tolist()  # Chunks are packed in plan order.
       spans = {i: (at[k], n) for k, (i, n) in enumerate(zip(chunks, lens))}
-      futures.append((run(*self.step_args(part), spans=spans), rows, chunks))
+      mask = None if bitmask is None else bitmask[rows]
+      futures.append((run(*self.step_args(part, mask), spans=spans), rows, chunks))
     return StepFutures(futures, num_decodes + len(ends))
 
-  def prefill(self, chunk: PrefillChunk) -> TokenFuture | None:
+  def prefill(self, chunk: PrefillChunk, bitmask: np.ndarray | None = None) -> TokenFuture | None:
     """A plan of one chunk: its first sampled token ([1]) when it ends its prompt."""
-    future = self.step(StepPlan(prefills=(chunk,)))
+    future = self.step(StepPlan(prefills=(chunk,)), bitmask)
     return future if chunk.is_last or chunk.prompt_logprob_targets is not None else None
 
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> TokenFuture:
+  def decode(self, slots: Sequence[int], page_tables: np.ndarray,
+             bitmask: np.ndarray | None = None) -> TokenFuture:
     """A plan of decodes only: [num_slots] tokens, row s for slot s."""
-    args, rows = self.step_args(StepPlan(decode_slots=tuple(slots), page_tables=page_tables))
+    args, rows = self.step_args(StepPlan(decode_slots=tuple(slots), page_tables=page_tables),
+                                bitmask)
     return self.run_step(args, rows, by_slot=slots)
 
   # The host inputs of the compiled step are built apart from the call, so that `multihost` can
   # broadcast them from process 0 and make every other process run the same call on them.
 
-  def step_args(self, plan: StepPlan) -> tuple[StepArgs, list[int]]:
+  def step_args(self, plan: StepPlan, bitmask: np.ndarray | None = None
+                ) -> tuple[StepArgs, list[int]]:
     for chunk in plan.prefills:
       n = len(chunk.token_ids)
       if not 0 < n <= self.max_prefill_len:
         raise ValueError(f"prefill chunk of {n} tokens: must be 1..{self.max_prefill_len}")
-    return self.packer.pack(plan)
+    return self.packer.pack(plan, bitmask)
 
   def run_step(self, args: StepArgs, rows: list[int], by_slot=None,
                spans: dict[int, tuple[int, int]] | None = None) -> TokenFuture:

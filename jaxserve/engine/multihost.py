@@ -81,9 +81,9 @@ class LeaderEngine:
     self.num_calls = 0  # Engine steps sent to the followers.
     self._stopped = False
 
-  def step(self, plan: StepPlan) -> TokenFuture:
+  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture:
     # Engine.step builds each call's args (raising on a bad plan before anything is sent).
-    return self.engine.step(plan, run=self._run)
+    return self.engine.step(plan, bitmask, run=self._run)
 
   def _run(self, args: StepArgs, rows: list[int], by_slot=None, spans=None) -> TokenFuture:
     shape = (args.decode_slots.shape[0], args.prefill_tokens.shape[0], args.decode_tables.shape[1])

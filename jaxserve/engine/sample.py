@@ -1,6 +1,8 @@
 """On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
 
-Penalties and the logit bias, then greedy or temperature sampling with top-k / top-p / min-p
+The constraint mask first (a row's allowed-token bitmask from its grammar, engine/constraint_mask.py;
+all ones for an unconstrained row, which leaves its logits exactly as they were), so the reported
+logprobs are those of the masked distribution; then penalties and the logit bias, then greedy or temperature sampling with top-k / top-p / min-p
 filtering. Filtering and random draws run only when some row asks for them (a `lax.cond`, not a
 Python branch).
 Randomness comes from (seed, position), so a seeded request samples the same tokens whatever else
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import SamplingParams
+from jaxserve.engine.constraint_mask import apply_token_bitmask
 
 NUM_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
 
@@ -108,8 +111,12 @@ class Sampled:
   top_logprobs: jax.Array  # [B, min(NUM_TOP_LOGPROBS, V)] float32
 
 
-def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
-  """logits [B, V] float32, one state row per b, positions [B], stop_ids [E] -> Sampled."""
+def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Sampled:
+  """logits [B, V] float32, one state row per b, positions [B], stop_ids [E], bitmask [B, ceil(V/32)]
+  int32 (None: no row is constrained) -> Sampled."""
+  if bitmask is not None:  # [B, V]; a step with no constrained row skips the pass.
+    logits = jax.lax.cond(jnp.any(bitmask != -1), apply_token_bitmask, lambda x, _: x, logits,
+                          bitmask)
   raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
   logits = _penalize(logits, st) + st.logit_bias
   # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn.

@@ -53,6 +53,9 @@ class StepArgs(NamedTuple):
   # [Tp] int32: the prompt token after each packed position, in a step that scores them (prompt
   # logprobs; prefill-only, at the widest table); None in every other step.
   prefill_targets: np.ndarray | None = None
+  # [D + Bp, ceil(V/32)] int32: the tokens each sequence may sample (constrained decoding); all
+  # ones for a free one. Always set (Packer.pack, Packer.template): a fixed input of every step.
+  bitmask: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +89,10 @@ class Packer:
     """The scoring variant's shapes: prefill only."""
     return [StepShape(0, t, self.width) for t in self.config.prefill_buckets]
 
-  def pack(self, plan: StepPlan) -> tuple[StepArgs, list[int]]:
+  def pack(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> tuple[StepArgs, list[int]]:
     """(args, rows): rows[i] is the sequence whose token is the plan's i-th sample (its decode
-    slots in order, then its prompts that end in this step)."""
+    slots in order, then its prompts that end in this step). bitmask [samples, ceil(V/32)]: row i
+    the plan's i-th sample's allowed tokens (None: all free)."""
     c = self.config
     if plan.is_empty:
       raise ValueError("an empty plan: nothing to run")
@@ -113,6 +117,14 @@ class Packer:
       samples = list(range(len(decodes)))
     args = StepArgs(rows, self._tables(rows, plan.page_tables, W), *self._prefill(chunks, D, Tp, W))
     samples += [D + j for j, ch in enumerate(chunks) if ch.is_last]
+    mask = self._all_allowed(D + args.prefill_slots.shape[0])
+    if bitmask is not None:
+      if bitmask.shape != (len(samples), mask.shape[1]) or bitmask.dtype != np.int32:
+        raise ValueError(f"bitmask must be int32 [{len(samples)}, {mask.shape[1]}] (one row per "
+                         f"sample), got {bitmask.dtype} {list(bitmask.shape)}")
+      mask = mask.copy()
+      mask[samples] = bitmask
+    args = args._replace(bitmask=mask)
     if any(scored):
       targets = np.zeros(Tp, np.int32)
       at = 0
@@ -127,8 +139,18 @@ class Packer:
     D, Tp, W = shape
     rows = np.full(D, self.config.num_slots, np.int32)
     targets = np.zeros(Tp, np.int32) if scored else None
-    return StepArgs(rows, np.full((D, W), SCRATCH_PAGE, np.int32), *self._prefill([], D, Tp, W),
+    args = StepArgs(rows, np.full((D, W), SCRATCH_PAGE, np.int32), *self._prefill([], D, Tp, W),
                     prefill_targets=targets)
+    return args._replace(bitmask=self._all_allowed(D + args.prefill_slots.shape[0]))
+
+  def _all_allowed(self, B: int) -> np.ndarray:
+    """[B, ceil(V/32)] int32 of all ones (every token allowed), one kept per B: a step without
+    constrained rows builds no mask."""
+    cache = self.__dict__.setdefault("_ones", {})  # Frozen dataclass: a cache beside the fields.
+    if B not in cache:
+      cache[B] = np.full((B, -(-self.vocab_size // 32)), -1, np.int32)
+      cache[B].flags.writeable = False
+    return cache[B]
 
   def _decode_rows(self, decodes: Sequence[int], D: int) -> np.ndarray:
     S = self.config.num_slots

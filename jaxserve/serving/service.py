@@ -36,6 +36,7 @@ from jaxserve.config import SamplingParams
 from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, ApiKey, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
+from jaxserve.text import tool_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Prompt:
   text: str | None = None
   token_ids: Sequence[int] | None = None
   messages: Sequence[Mapping[str, Any]] | None = None
+  # With messages: the functions offered to the model (OpenAI's definitions), through the chat
+  # template when it takes them, else in a system message (text/tool_calls.py).
+  tools: Sequence[Mapping[str, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +143,16 @@ class Service:
       return ids
     # OpenAI's new name for the system role, from either front end.
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in prompt.messages]
+    if prompt.tools and not self.tokenizer.takes_tools:
+      offer = tool_calls.system_prompt(prompt.tools)
+      if messages[0]["role"] == "system":
+        messages = [{**messages[0], "content": offer + "\n\n" + messages[0]["content"]}, *messages[1:]]
+      else:
+        messages = [{"role": "system", "content": offer}, *messages]
     try:
-      text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+      text = self.tokenizer.apply_chat_template(
+          messages, add_generation_prompt,
+          tools=prompt.tools if prompt.tools and self.tokenizer.takes_tools else None)
     except ValueError as e:  # It names the message and field that are wrong.
       raise gateway.invalid(str(e)) from e
     return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
@@ -186,9 +198,21 @@ class Service:
     gateway.check_bias_ids(sampling, self.vocab_size)
     return Prepared(ids, sampling, tokenize, chunk_tokens)
 
+  async def compile_constraint(self, sampling: SamplingParams) -> None:
+    """The last check of a constrained request, off the event loop: its grammar is compiled (or
+    found in the cache), and a schema, regex or grammar the engine refuses is INVALID_ARGUMENT
+    naming the problem, before anything is queued."""
+    if sampling.constraint is None:
+      return
+    try:
+      await asyncio.to_thread(self.runner.runner.constraints.grammar, sampling.constraint)
+    except ValueError as e:
+      raise gateway.invalid(str(e)) from e
+
   async def generate(self, key: ApiKey, inp: GenerateInput) -> AsyncIterator[Chunk]:
     received = time.monotonic()
     ids, sampling, tokenize, chunk_tokens = self.prepare(inp)
+    await self.compile_constraint(sampling)
     lease = self.gateway.admit(key, len(ids), sampling.max_tokens, can_shorten=inp.max_tokens is None)
     if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
       sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)

@@ -1,6 +1,7 @@
 """Constrained decoding, host side: which tokens a constrained sequence may sample next.
 
-  Constraint (checked when the request is built) --ConstraintCompiler.compile (cached)--> Grammar
+  Constraint (config/constraint.py: plain data on SamplingParams) --check--> llguidance's grammar
+  Constraint --ConstraintCompiler.compile (checks it; cached)--> Grammar
   Grammar.matcher(token_ids) -> one Matcher per sequence; Matcher.accept(token) after each step
   ConstraintCompiler.fill_bitmask(bitmask [B, ceil(V/32)] int32, [(row, matcher), ...])
 
@@ -15,18 +16,20 @@ written, so unconstrained sequences cost nothing here. Imports no jax.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import enum
 import json
 import os
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
+from jaxserve.config.constraint import Constraint, ConstraintKind
 from jaxserve.text.constraint_vocab import llguidance_tokenizer
+
+__all__ = ["ALL_ALLOWED", "Constraint", "ConstraintCompiler", "ConstraintKind", "Grammar", "Matcher",
+           "check"]
 
 ALL_ALLOWED = -1  # An int32 with all 32 bits set: a mask word that allows every token.
 # JSON is written the way json.dumps writes it by default. Free whitespace would let a small model
@@ -34,98 +37,39 @@ ALL_ALLOWED = -1  # An int32 with all 32 bits set: a mask word that allows every
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class ConstraintKind(enum.Enum):
-  JSON_OBJECT = "json_object"  # Any JSON object (OpenAI's response_format json_object).
-  JSON_SCHEMA = "json_schema"  # text: the schema's JSON.
-  REGEX = "regex"  # text: a pattern the whole output must match.
-  CHOICE = "choice"  # text: a JSON list of the strings the output may be.
-  GRAMMAR = "grammar"  # text: a Lark grammar, or a GBNF one (llama.cpp's, with `root ::=`).
+def check(constraint: Constraint) -> str:
+  """Raises ValueError naming what the grammar engine finds wrong with `constraint` (a schema
+  keyword it cannot enforce, a regex or grammar that does not compile); returns llguidance's
+  grammar for it. Costs about a millisecond: the serving core runs it off the event loop."""
+  grammar = _GRAMMAR_BUILDERS[constraint.kind](constraint.text)
+  is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+  if is_error:
+    raise ValueError(f"{constraint.kind.value} constraint is invalid: {messages[0]}")
+  return grammar
 
 
-@dataclasses.dataclass(frozen=True)
-class Constraint:
-  """What a request's output must match. Validated on construction: a malformed schema, regex or
-  grammar raises ValueError naming the problem. Equal constraints compile once (the cache key)."""
-
-  kind: ConstraintKind
-  text: str = ""  # Canonical: a schema or choice list is re-serialized, so spacing does not matter.
-  _grammar: str = dataclasses.field(init=False, repr=False, compare=False)  # llguidance's form.
-
-  @classmethod
-  def json_object(cls) -> Constraint:
-    return cls(ConstraintKind.JSON_OBJECT)
-
-  @classmethod
-  def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> Constraint:
-    return cls(ConstraintKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema))
-
-  @classmethod
-  def regex(cls, pattern: str) -> Constraint:
-    return cls(ConstraintKind.REGEX, pattern)
-
-  @classmethod
-  def choice(cls, options: Sequence[str]) -> Constraint:
-    return cls(ConstraintKind.CHOICE, json.dumps(list(options), ensure_ascii=False))
-
-  @classmethod
-  def grammar(cls, text: str) -> Constraint:
-    return cls(ConstraintKind.GRAMMAR, text)
-
-  def __post_init__(self):
-    try:
-      kind = ConstraintKind(self.kind)
-    except ValueError:
-      kinds = ", ".join(k.value for k in ConstraintKind)
-      raise ValueError(f"constraint kind must be one of {kinds}, got {self.kind!r}") from None
-    if not isinstance(self.text, str):
-      raise ValueError(f"{kind.value} constraint text must be a string, got {type(self.text).__name__}")
-    object.__setattr__(self, "kind", kind)
-    text, grammar = _GRAMMAR_BUILDERS[kind](self.text)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-      raise ValueError(f"{kind.value} constraint is invalid: {messages[0]}")
-    object.__setattr__(self, "text", text)
-    object.__setattr__(self, "_grammar", grammar)
+def _json_object_grammar(text: str) -> str:
+  return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
 
 
-def _json_object_grammar(text: str) -> tuple[str, str]:
-  if text:
-    raise ValueError("json_object constraint takes no text (use json_schema for a schema)")
-  return "", llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+def _json_schema_grammar(text: str) -> str:
+  return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
 
 
-def _json_schema_grammar(text: str) -> tuple[str, str]:
-  schema = _parse_json(text, "json_schema constraint: the schema")
-  if not isinstance(schema, (dict, bool)):
-    raise ValueError(f"json_schema constraint: the schema must be a JSON object, got {_json_type(schema)}")
-  # Key order is kept: properties are generated in the order the schema lists them.
-  canonical = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-  return canonical, llguidance.LLMatcher.grammar_from_json_schema(canonical, defaults=_JSON_OPTIONS)
+def _regex_grammar(text: str) -> str:
+  return llguidance.LLMatcher.grammar_from_regex(text)
 
 
-def _regex_grammar(text: str) -> tuple[str, str]:
-  if not text:
-    raise ValueError("regex constraint: the pattern is empty")
-  return text, llguidance.LLMatcher.grammar_from_regex(text)
-
-
-def _choice_grammar(text: str) -> tuple[str, str]:
-  options = _parse_json(text, "choice constraint: the options")
-  if not isinstance(options, list) or not options:
-    raise ValueError("choice constraint: the options must be a non-empty list of strings")
-  for n, option in enumerate(options):
-    if not isinstance(option, str) or not option:
-      raise ValueError(f"choice constraint: option {n} must be a non-empty string, got {option!r}")
+def _choice_grammar(text: str) -> str:
   # Lark's string literals take JSON's escapes, so json.dumps spells any option safely.
-  lark = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in dict.fromkeys(options))
-  return json.dumps(options, ensure_ascii=False), llguidance.LLMatcher.grammar_from_lark(lark)
+  options = dict.fromkeys(json.loads(text))
+  return llguidance.LLMatcher.grammar_from_lark(
+      "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
 
 
-def _grammar_grammar(text: str) -> tuple[str, str]:
-  if not text.strip():
-    raise ValueError("grammar constraint: the grammar is empty")
+def _grammar_grammar(text: str) -> str:
   try:  # GBNF is recognized by its `::=` and translated to Lark.
-    return text, llguidance.grammar_from("grammar", text)
+    return llguidance.grammar_from("grammar", text)
   except ValueError as e:
     raise ValueError(f"grammar constraint is invalid: {e}") from None
 
@@ -135,20 +79,6 @@ _GRAMMAR_BUILDERS = {
     ConstraintKind.REGEX: _regex_grammar, ConstraintKind.CHOICE: _choice_grammar,
     ConstraintKind.GRAMMAR: _grammar_grammar,
 }
-
-
-def _parse_json(text: str, what: str) -> Any:
-  try:
-    return json.loads(text)
-  except RecursionError:
-    raise ValueError(f"{what} is nested too deeply") from None
-  except ValueError as e:
-    raise ValueError(f"{what} is not valid JSON: {e}") from None
-
-
-def _json_type(value: Any) -> str:
-  names = {list: "an array", str: "a string", int: "a number", float: "a number", type(None): "null"}
-  return names.get(type(value), type(value).__name__)
 
 
 class Grammar:
@@ -236,7 +166,7 @@ class ConstraintCompiler:
         self._grammars.move_to_end(constraint)
         self.num_cache_hits += 1
         return grammar
-      pristine = llguidance.LLMatcher(self._tokenizer, constraint._grammar, log_level=0,
+      pristine = llguidance.LLMatcher(self._tokenizer, check(constraint), log_level=0,
                                       limits=self._limits)
       if pristine.is_error():  # What only the vocabulary shows, e.g. an unknown special token.
         raise ValueError(f"{constraint.kind.value} constraint is invalid: {pristine.get_error()}")

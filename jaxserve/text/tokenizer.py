@@ -126,13 +126,21 @@ class Tokenizer:
     """The vocabulary's spelling of one token (byte-level "Ġthe", SentencePiece "▁the")."""
     return self._backend.id_to_token(token_id)
 
+  @property
+  def takes_tools(self) -> bool:
+    """The chat template renders a `tools` list itself (Hugging Face's convention)."""
+    return self.chat_template is not None and "tools" in self.chat_template
+
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                          add_generation_prompt: bool = True) -> str:
-    """Renders `messages` ({"role", "content"} dicts) with the model's jinja2 chat template."""
+                          add_generation_prompt: bool = True,
+                          tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """Renders `messages` ({"role", "content"} dicts) with the model's jinja2 chat template;
+    `tools` (OpenAI's function definitions) go to a template that `takes_tools`."""
     _check_messages(messages)
     template = self._template()
+    extra = {"tools": [{"type": "function", "function": dict(t)} for t in tools]} if tools else {}
     try:
-      return template.render(messages=[dict(m) for m in messages],
+      return template.render(messages=[dict(m) for m in messages], **extra,
                              add_generation_prompt=add_generation_prompt,
                              bos_token=self._token(self.bos_id) or "",
                              eos_token=self._token(self.eos_id) or "")
