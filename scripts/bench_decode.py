@@ -119,8 +119,9 @@ def sampling_ms(module, batch: int, vocab: int, params: SamplingParams, repeats:
 
 
 def load_sample_module(path: str):
-  spec = importlib.util.spec_from_file_location("baseline_sample", path)
-  module = importlib.util.module_from_spec(spec)
+  name = f"baseline_sample_{abs(hash(path))}"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
   spec.loader.exec_module(module)
   return module
 

@@ -21,15 +21,18 @@ def _state(params, vocab, seeds):
   return jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *rows)
 
 
+STOPS = (0, 7, 4000)  # The stop ids: rows with ignore_eos ban them, and some rows peak on 7.
+
+
 @jax.jit
 def _both(logits, st, positions):
   """(candidate tokens, fits, whole-vocabulary tokens) for every row."""
-  greedy = st.temperature == 0
-  temperature = jnp.where(greedy, 1.0, st.temperature)
-  scaled = logits / temperature[:, None]
-  idx, rest = sample_lib._candidates(logits)
-  fast, fits = sample_lib._fast_draw(logits, scaled, idx, rest, rest / temperature, st, positions)
-  return fast, fits, sample_lib._full_draw(logits, scaled, idx, rest, st, positions)
+  stop_ids = jnp.asarray(STOPS, jnp.int32)
+  eos = jnp.zeros(logits.shape[-1], bool).at[stop_ids].set(True)
+  temperature = jnp.where(st.temperature == 0, 1.0, st.temperature)[:, None]
+  idx, rest = sample_lib._candidates(logits, eos, stop_ids, st.ignore_eos)
+  fast, fits = sample_lib._fast_draw(logits, eos, temperature, idx, rest, st, positions)
+  return fast, fits, sample_lib._full_draw(logits, eos, temperature, idx, rest, st, positions)
 
 
 def _rows(rng, n, vocab):
@@ -45,6 +48,8 @@ def _rows(rng, n, vocab):
     if kind == 4 and i % 10 == 4:
       x[:] = -np.inf
       x[rng.integers(vocab)] = 0.0
+    if i % 7 == 1:
+      x[7] = x.max() + 5.0  # A stop id on top: banned where the row ignores EOS.
     kinds.append(x)
   return np.stack(kinds).astype(np.float32)
 
@@ -57,8 +62,8 @@ SETTINGS = [{"top_k": k, "top_p": p, "min_p": m} for k, p, m in itertools.produc
 def test_candidate_draw_equals_the_whole_vocabulary_draw(vocab):
   rng = np.random.default_rng(vocab)
   n = len(SETTINGS) * 2
-  params = [SamplingParams(temperature=(0.5, 1.0, 2.0)[i % 3], **SETTINGS[i % len(SETTINGS)])
-            for i in range(n)]
+  params = [SamplingParams(temperature=(0.5, 1.0, 2.0)[i % 3], ignore_eos=i % 4 < 2,
+                           **SETTINGS[i % len(SETTINGS)]) for i in range(n)]
   logits = jnp.asarray(_rows(rng, n, vocab))
   fitted = 0
   for seed in range(3):
@@ -107,3 +112,21 @@ def test_gumbel_never_reaches_the_bound():
   assert largest < sample_lib._GUMBEL_MAX
   draws = jax.random.gumbel(jax.random.key(0), (1 << 20,))
   assert float(jnp.max(draws)) <= largest + 1e-3
+
+
+@pytest.mark.parametrize("vocab", [49152, 1001])
+def test_blockwise_argmax_is_jnp_argmax_of_the_banned_logits(vocab):
+  """First maximum on ties, a stop id on top banned only where the row ignores EOS. (Not NaN: XLA:CPU's
+  fused max drops it, so a row of NaN logits, a broken model's, gets some token rather than the first NaN.)"""
+  rng = np.random.default_rng(3)
+  x = np.round(rng.normal(size=(6, vocab)) * 2).astype(np.float32)  # many ties
+  x[1, 7] = x[2, 7] = 50.0  # the stop id 7 on top
+  x[3, 500] = np.inf
+  x[4, :] = -np.inf
+  ignore = jnp.asarray([False, True, False, True, True, False])
+  stop_ids = jnp.asarray([0, 7, vocab - 1], jnp.int32)
+  eos = jnp.zeros(vocab, bool).at[stop_ids].set(True)
+  got = jax.jit(sample_lib._argmax)(jnp.asarray(x), eos, stop_ids, ignore)
+  want = jnp.argmax(jnp.where(ignore[:, None] & eos, -jnp.inf, jnp.asarray(x)), -1)
+  np.testing.assert_array_equal(got, want)
+  assert int(got[1]) != 7 and int(got[2]) == 7

@@ -37,6 +37,7 @@ class SamplingState:
   seed: jax.Array  # [S, 2] uint32: a 64-bit seed as two words
   ignore_eos: jax.Array  # [S] bool
   want_logprobs: jax.Array  # [S] bool
+  has_bias: jax.Array  # [S] bool: logit_bias or allowed_token_ids set (else logit_bias is zeros)
   prompt_mask: jax.Array  # [S, V] bool: token ids in the prompt (repetition penalty)
   output_counts: jax.Array  # [S, V] int32: times each token was generated (all penalties)
   # [S, V] float32: added to the logits (logit_bias; -inf outside allowed_token_ids). Zeros for
@@ -80,6 +81,7 @@ class SamplingRow:
         values,
         seed=np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32),
         ignore_eos=np.bool_(p.ignore_eos), want_logprobs=np.bool_(p.logprobs > 0),
+        has_bias=np.bool_(bool(p.logit_bias) or p.allowed_token_ids is not None),
         prompt_mask=prompt_mask, output_counts=counts[:vocab_size],
         logit_bias=_bias_row(p, vocab_size)))
 
@@ -117,17 +119,23 @@ def sample(logits, st: SamplingState, positions, stop_ids) -> Sampled:
   penalties, the logit bias, random draws and logprobs each sit behind a `lax.cond`, greedy rows
   cost a max and an argmax, and sampled rows draw among a few hundred candidates (`_draw`).
   """
-  raw = logits
-  logits = jax.lax.cond(jnp.any(_has_penalty(st)), _penalize, lambda x, _: x, logits, st)
-  # x + 0.0 == x except that -0.0 becomes 0.0, as adding an all-zero bias row did.
-  logits = jax.lax.cond(jnp.any(st.logit_bias != 0), jnp.add, lambda x, _: x + 0.0, logits, st.logit_bias)
-  # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn. [B, E], not [B, V].
-  stops = jnp.take(logits, stop_ids, axis=1)
-  logits = logits.at[:, stop_ids].set(jnp.where(st.ignore_eos[:, None], -jnp.inf, stops))
+  # Both branches run the rest: a branch returning its operand would copy [B, V].
+  adjust = jnp.any(_has_penalty(st) | st.has_bias)
+  return jax.lax.cond(adjust, lambda: _sample(_penalize(logits, st) + st.logit_bias, logits, st, positions, stop_ids),
+                      lambda: _sample(logits, logits, st, positions, stop_ids))
 
+
+def _sample(logits, raw, st: SamplingState, positions, stop_ids) -> Sampled:
+  """sample() on the penalized and biased logits [B, V]; raw [B, V] gives the logprobs."""
+  # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn. Each consumer bans
+  # them on the fly (`_ban`), so that no banned copy of [B, V] is written.
+  eos = jnp.zeros(logits.shape[-1], bool).at[stop_ids].set(True)  # [V]
   greedy = st.temperature == 0  # [B]
-  drawn = jax.lax.cond(jnp.all(greedy), lambda *_: jnp.zeros_like(positions), _draw, logits, st, positions)
-  tokens = jnp.where(greedy, _argmax(logits), drawn).astype(jnp.int32)
+  drawn = jax.lax.cond(jnp.all(greedy), lambda *_: jnp.zeros_like(positions), _draw,
+                       logits, eos, stop_ids, st, positions)
+  best = jax.lax.cond(jnp.any(greedy), _argmax, lambda *_: jnp.zeros_like(positions),
+                      logits, eos, stop_ids, st.ignore_eos)
+  tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
   n = min(NUM_TOP_LOGPROBS, logits.shape[-1])
   # Logprobs only when some row asks: the runner reads them for those rows alone.
   chosen, top_lp, top_ids = jax.lax.cond(
@@ -145,12 +153,35 @@ def _logprobs(raw, tokens, n: int):
   return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_lp, top_ids
 
 
-def _argmax(x):
-  """jnp.argmax(x, -1) (the first maximum; the first NaN if any) as a max and a min: XLA:CPU's
-  variadic argmax reduction runs several times slower than two plain ones. [B, V] -> [B]."""
-  m = jnp.max(x, -1, keepdims=True)  # NaN when the row holds one.
-  first = jnp.where((x == m) | jnp.isnan(x), jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1])
-  return jnp.min(first, -1)
+def _ban(x, eos, ignore_eos):
+  """x [B, ...] with -inf at the stop ids (eos [...] bool, the same trailing shape or gathered)
+  of the rows that ignore them."""
+  return jnp.where(ignore_eos.reshape((-1,) + (1,) * (x.ndim - 1)) & eos, -jnp.inf, x)
+
+
+def _group_max(x, axis: int, groups, eos_groups, ignore_eos):
+  """The max over `axis` of x [B, ...] for every group, the banned stop ids left out: the raw
+  max (one pass, no banned copy of [B, V] written), then the groups `groups` [E] that hold a
+  stop id redone from their few values. eos_groups: eos laid out as x[0]."""
+  m = jnp.max(x, axis)  # [B, G]
+  redo = jnp.max(_ban(jnp.take(x, groups, axis=3 - axis), jnp.take(eos_groups, groups, axis=2 - axis),
+                      ignore_eos), axis)  # [B, E]
+  return m.at[:, groups].set(redo, mode="drop")
+
+
+def _argmax(x, eos, stop_ids, ignore_eos, block: int = 128):
+  """jnp.argmax(_ban(x), -1) (the first maximum), blockwise: the first block holding the max,
+  then the first max in it. XLA:CPU's variadic argmax reduction over [B, V] runs ~40x slower
+  than this max over blocks. (Its fused max drops NaN: NaN logits, a broken model's, get some
+  token, not jnp.argmax's first NaN.) [B, V] -> [B] int32."""
+  B, V = x.shape
+  pad = lambda a, value: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -V % block)], constant_values=value)
+  blocks = pad(x, -jnp.inf).reshape(B, -1, block)  # [B, V / block, block]
+  eos_blocks = pad(eos, False).reshape(-1, block)
+  first = jnp.argmax(_group_max(blocks, 2, stop_ids // block, eos_blocks, ignore_eos), -1)  # [B]
+  row = jnp.take_along_axis(blocks, first[:, None, None], 1)[:, 0]  # [B, block]
+  inside = jnp.argmax(_ban(row, eos_blocks[first], ignore_eos), -1)
+  return (first * block + inside).astype(jnp.int32)
 
 
 def _has_penalty(st: SamplingState):
@@ -167,7 +198,7 @@ def _penalize(logits, st: SamplingState):
   return logits
 
 
-def _draw(logits, st: SamplingState, positions):
+def _draw(logits, eos, stop_ids, st: SamplingState, positions):
   """Sampled rows' tokens [B] (greedy rows' are ignored): a draw from softmax(logits / T) after
   top-k, then top-p, then min-p (tokens tied at a threshold all kept).
 
@@ -178,12 +209,12 @@ def _draw(logits, st: SamplingState, positions):
   Both paths sum candidates and the rest apart, so their probabilities agree bit for bit.
   """
   greedy = st.temperature == 0
-  temperature = jnp.where(greedy, 1.0, st.temperature)  # [B]
-  scaled = logits / temperature[:, None]  # [B, V]
-  idx, rest = _candidates(logits)  # [B, N], [B]
-  tokens, fits = _fast_draw(logits, scaled, idx, rest, rest / temperature, st, positions)
-  return jax.lax.cond(jnp.all(fits | greedy), lambda: tokens,
-                      lambda: _full_draw(logits, scaled, idx, rest, st, positions))
+  temperature = jnp.where(greedy, 1.0, st.temperature)[:, None]  # [B, 1]
+  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)  # [B, N], [B]
+  tokens, fits = _fast_draw(logits, eos, temperature, idx, rest, st, positions)
+  # Only the raw logits and [V] enter the branch: a banned or scaled [B, V] would be written out.
+  return jax.lax.cond(jnp.all(fits | greedy), lambda *_: tokens, _full_draw,
+                      logits, eos, temperature, idx, rest, st, positions)
 
 
 # Tokens are grouped by id modulo V / _GROUP_SIZE (a strided group's max vectorises); the top
@@ -195,15 +226,17 @@ _GROUP_SIZE = 16
 _GUMBEL_MAX = 16.0
 
 
-def _candidates(logits):
-  """(ids [B, N], rest [B]): every token whose logit is above rest[b] is among ids[b]; ids >= V
-  are padding. Small vocabularies are candidates whole (rest = -inf)."""
+def _candidates(logits, eos, stop_ids, ignore_eos):
+  """(ids [B, N], rest [B]): every token whose (banned, `_ban`) logit is above rest[b] is among
+  ids[b]; ids >= V are padding. Small vocabularies are candidates whole (rest = -inf)."""
   B, V = logits.shape
   groups = -(-V // _GROUP_SIZE)
   if groups <= NUM_CANDIDATE_GROUPS:
     return jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V)), jnp.full((B,), -jnp.inf)
   padded = jnp.pad(logits, ((0, 0), (0, groups * _GROUP_SIZE - V)), constant_values=-jnp.inf)
-  group_max = padded.reshape(B, _GROUP_SIZE, groups).max(1)  # [B, groups]: group g = g, g + groups, ...
+  eos_groups = jnp.pad(eos, (0, groups * _GROUP_SIZE - V)).reshape(_GROUP_SIZE, groups)
+  # [B, groups]: group g = g, g + groups, ...
+  group_max = _group_max(padded.reshape(B, _GROUP_SIZE, groups), 1, stop_ids % groups, eos_groups, ignore_eos)
   top, ids = jax.lax.top_k(group_max, NUM_CANDIDATE_GROUPS)
   # A reduction, not top[:, -1]: slicing top_k's values makes XLA:CPU sort the whole row instead.
   rest = jnp.min(top, -1)
@@ -211,12 +244,15 @@ def _candidates(logits):
   return ids.reshape(B, -1), rest
 
 
-def _fast_draw(logits, scaled, idx, rest, rest_scaled, st: SamplingState, positions):
-  """(tokens [B], fits [B]): the draw among the candidates, and whether it is the whole row's."""
+def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions):
+  """(tokens [B], fits [B]): the draw among the candidates, and whether it is the whole row's.
+  Nothing here reads [B, V] but the candidates' gather (and one pass when top-k is off)."""
   V = logits.shape[-1]
   safe = jnp.minimum(idx, V - 1)
-  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, N]
-  cand = jnp.take_along_axis(scaled, safe, 1)  # [B, N]
+  picked = _ban(jnp.take_along_axis(logits, safe, 1), eos[safe], st.ignore_eos)  # [B, N]
+  head = (idx < V) & (picked > rest[:, None])
+  cand = picked / temperature  # The same division as the whole row's scaled logits.
+  rest_scaled = rest / temperature[:, 0]
   off = (st.top_k <= 0)[:, None]  # [B, 1]
   needs_filter = _needs_filter(st)[:, None]
   # top-k among the candidates: exact when the k-th largest lies above every other token.
@@ -231,7 +267,8 @@ def _fast_draw(logits, scaled, idx, rest, rest_scaled, st: SamplingState, positi
   # With top-k off the rest is in the softmax's sum: one pass over [B, V], only when a row needs it.
   tail_rows = off & needs_filter & (st.temperature > 0)[:, None]
   z_rest = jax.lax.cond(jnp.any(tail_rows),
-                        lambda: _masked_sum(jnp.exp(scaled - m), (logits <= rest[:, None]) & tail_rows),
+                        lambda: _masked_sum(jnp.exp(_ban(logits, eos, st.ignore_eos) / temperature - m),
+                                            (_ban(logits, eos, st.ignore_eos) <= rest[:, None]) & tail_rows),
                         lambda: jnp.zeros_like(m))
   probs = e / (_masked_sum(e, True) + z_rest)
   top = jnp.max(probs, -1, keepdims=True)
@@ -251,7 +288,9 @@ def _fast_draw(logits, scaled, idx, rest, rest_scaled, st: SamplingState, positi
   return tokens.astype(positions.dtype), fits[:, 0]
 
 
-def _full_draw(logits, scaled, idx, rest, st: SamplingState, positions):
+def _full_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions):
+  logits = _ban(logits, eos, st.ignore_eos)
+  scaled = logits / temperature
   greedy = st.temperature == 0
   filtered = jax.lax.cond(jnp.any(_needs_filter(st) & ~greedy), _filter, lambda *a: a[1],
                           logits, scaled, idx, rest, st)
@@ -358,7 +397,8 @@ def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
 def _order_keys(x):
   """float32 [...] -> uint32 [...] in the same order (-inf lowest): IEEE bits, with negatives'
   bits flipped and positives' sign bit set."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  # -0.0 as 0.0: adding a logit bias row (zeros without one) always made it so.
+  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
   negative = (bits >> 31) == 1
   return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
