@@ -2,7 +2,7 @@
 
   python scripts/bench_decode.py [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
   python scripts/bench_decode.py --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
-  python scripts/bench_decode.py --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY]
+  python scripts/bench_decode.py --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY] [--sampling-only]
 
 `--compare` runs each model in its own fresh process, one after the other in the same run (no
 model's compiled programs or memory linger into the next one's), then prints them side by side
@@ -176,7 +176,8 @@ def print_sampling(steps: dict, vocab: int, baseline: str | None) -> None:
   print("|---" * (2 + len(versions)) + "|")
   for kind, params in SAMPLING_KINDS.items():
     for batch, step in steps.items():
-      cells = [f"{ms:.2f} ({ms / step:.1%})" for ms in (sampling_ms(m, batch, vocab, params) for m in versions.values())]
+      times = [sampling_ms(m, batch, vocab, params) for m in versions.values()]
+      cells = [f"{ms:.2f}" + (f" ({ms / step:.1%})" if step else "") for ms in times]
       print(f"| {kind} | {batch} | " + " | ".join(cells) + " |")
 
 
@@ -192,6 +193,7 @@ def main() -> None:
   parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
   parser.add_argument("--sampling", action="store_true", help="also time sample() alone, and its share")
   parser.add_argument("--sampling-baseline", default=None, help="another sample.py to time beside it")
+  parser.add_argument("--sampling-only", action="store_true", help="time sample() alone, no decode steps")
   args = parser.parse_args()
   if args.compare:
     compare(args)
@@ -201,6 +203,9 @@ def main() -> None:
     return
 
   model, _ = checkpoint.load_model(args.model)
+  if args.sampling_only:
+    print_sampling({int(b): None for b in args.batches.split(",")}, model.cfg.vocab_size, args.sampling_baseline)
+    return
   bandwidth = copy_bandwidth()
   load = os.getloadavg()[0]
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "
