@@ -2,6 +2,7 @@
 
   python scripts/bench_decode.py [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
   python scripts/bench_decode.py --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
+  python scripts/bench_decode.py --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY] [--sampling-only]
 
 `--compare` runs each model in its own fresh process, one after the other in the same run (no
 model's compiled programs or memory linger into the next one's), then prints them side by side
@@ -10,12 +11,17 @@ with the ratios to the first model: on a loaded machine the ratios are the figur
 Decode is memory-bound: each step reads every weight once plus each slot's KV cache. The roofline
 is that byte count divided by the copy bandwidth this same machine shows in this same run (a large
 array copied by XLA), so the fraction holds even when the machine is slower or busier than usual.
+`--sampling` also times `sample()` alone on the same batches (greedy rows, top-k/top-p rows, plain
+temperature rows) and prints its share of the step; `--sampling-baseline` times another version
+of jaxserve/engine/sample.py (e.g. `git show main:jaxserve/engine/sample.py > /tmp/old.py`) in
+the same run, for a before/after on a loaded machine.
 `--startup` also times a cold start (empty compilation cache) against a warm one, in subprocesses.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,6 +35,7 @@ import numpy as np
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine import sample as sample_lib
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
 
@@ -91,6 +98,34 @@ def step_bytes(model, batch: int, context: int) -> int:
   return params + kv
 
 
+SAMPLING_KINDS = {"greedy": SamplingParams(temperature=0),
+                  "top-k/top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+                  "temperature": SamplingParams(temperature=1.0)}
+
+
+def sampling_ms(module, batch: int, vocab: int, params: SamplingParams, repeats: int = 10) -> float:
+  """Median ms of `module.sample` alone on [batch, vocab] logits shaped like a model's (a few
+  tokens well above a normal bulk), every row with `params`."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(batch, vocab)).astype(np.float32) * 2
+  top = rng.integers(0, vocab, (batch, 8))
+  np.put_along_axis(logits, top, rng.uniform(8, 14, (batch, 8)).astype(np.float32), 1)
+  rows = [module.SamplingRow.from_params(params, i, (), (), vocab).as_state() for i in range(batch)]
+  state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *rows)
+  fn = jax.jit(module.sample)
+  args = (jnp.asarray(logits), state, jnp.arange(batch, dtype=jnp.int32) + 100, jnp.asarray([0], jnp.int32))
+  fn(*args).tokens.block_until_ready()
+  return 1000 * float(np.median([_timed(lambda: fn(*args).tokens.block_until_ready()) for _ in range(repeats)]))
+
+
+def load_sample_module(path: str):
+  name = f"baseline_sample_{abs(hash(path))}"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+  spec.loader.exec_module(module)
+  return module
+
+
 def startup_seconds() -> tuple[float, float]:
   """(cold, warm): seconds to load the default model and compile every bucket, in a fresh
   process, first with an empty persistent compilation cache, then with the one it filled."""
@@ -134,6 +169,18 @@ def compare(args) -> None:
           f" | {prefill:.0f} ({prefill / base['prefill_tokens_per_s']:.2f}x) |")
 
 
+def print_sampling(steps: dict, vocab: int, baseline: str | None) -> None:
+  """sample() alone per batch and kind of row, as ms and as a share of that batch's step."""
+  versions = {"this": sample_lib} | ({"baseline": load_sample_module(baseline)} if baseline else {})
+  print("\n| sample() | batch | " + " | ".join(f"{v} ms (share of step)" for v in versions) + " |")
+  print("|---" * (2 + len(versions)) + "|")
+  for kind, params in SAMPLING_KINDS.items():
+    for batch, step in steps.items():
+      times = [sampling_ms(m, batch, vocab, params) for m in versions.values()]
+      cells = [f"{ms:.2f}" + (f" ({ms / step:.1%})" if step else "") for ms in times]
+      print(f"| {kind} | {batch} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default=None, help="a packaged name or a path (default: the default model)")
@@ -144,6 +191,9 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tokens/s")
   parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
+  parser.add_argument("--sampling", action="store_true", help="also time sample() alone, and its share")
+  parser.add_argument("--sampling-baseline", default=None, help="another sample.py to time beside it")
+  parser.add_argument("--sampling-only", action="store_true", help="time sample() alone, no decode steps")
   args = parser.parse_args()
   if args.compare:
     compare(args)
@@ -153,17 +203,23 @@ def main() -> None:
     return
 
   model, _ = checkpoint.load_model(args.model)
+  if args.sampling_only:
+    print_sampling({int(b): None for b in args.batches.split(",")}, model.cfg.vocab_size, args.sampling_baseline)
+    return
   bandwidth = copy_bandwidth()
   load = os.getloadavg()[0]
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "
         f"load average {load:.1f}; copy bandwidth {bandwidth / 1e9:.1f} GB/s\n")
   print("| batch | ms/step | tokens/s | bytes/step (MB) | roofline ms | fraction of roofline |")
   print("|---|---|---|---|---|---|")
+  steps = {}
   for batch in (int(b) for b in args.batches.split(",")):
-    ms = decode_ms(model, batch, args.context, args.steps)
+    ms = steps[batch] = decode_ms(model, batch, args.context, args.steps)
     nbytes = step_bytes(model, batch, args.context)
     roof = 1000 * nbytes / bandwidth
     print(f"| {batch} | {ms:.1f} | {1000 * batch / ms:.0f} | {nbytes / 1e6:.0f} | {roof:.1f} | {roof / ms:.2f} |")
+  if args.sampling:
+    print_sampling(steps, model.cfg.vocab_size, args.sampling_baseline)
   print(f"\nprefill, {args.prefill}-token prompt: {prefill_tokens_per_s(model, args.prefill):.0f} tokens/s")
   if args.startup:
     cold, warm = startup_seconds()

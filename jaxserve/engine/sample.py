@@ -1,10 +1,10 @@
 """On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
 
-The constraint mask first (a row's allowed-token bitmask from its grammar, engine/constraint_mask.py;
-all ones for an unconstrained row, which leaves its logits exactly as they were), so the reported
-logprobs are those of the masked distribution; then penalties and the logit bias, then greedy or temperature sampling with top-k / top-p / min-p
-filtering. Filtering and random draws run only when some row asks for them (a `lax.cond`, not a
-Python branch).
+The constraint mask first (a row's allowed-token bitmask from its grammar,
+engine/constraint_mask.py; all ones for an unconstrained row, which leaves its logits exactly as
+they were), so the reported logprobs are those of the masked distribution; then penalties and the
+logit bias, then greedy or temperature sampling with top-k / top-p / min-p filtering. Filtering
+and random draws run only when some row asks for them (a `lax.cond`, not a Python branch).
 Randomness comes from (seed, position), so a seeded request samples the same tokens whatever else
 shares its batch, and again after a preemption.
 """
@@ -12,10 +12,12 @@ shares its batch, and again after a preemption.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry2x32_p
 
 from jaxserve.config import SamplingParams
 from jaxserve.engine.constraint_mask import apply_token_bitmask
@@ -38,6 +40,7 @@ class SamplingState:
   seed: jax.Array  # [S, 2] uint32: a 64-bit seed as two words
   ignore_eos: jax.Array  # [S] bool
   want_logprobs: jax.Array  # [S] bool
+  has_bias: jax.Array  # [S] bool: logit_bias or allowed_token_ids set (else logit_bias is zeros)
   prompt_mask: jax.Array  # [S, V] bool: token ids in the prompt (repetition penalty)
   output_counts: jax.Array  # [S, V] int32: times each token was generated (all penalties)
   # [S, V] float32: added to the logits (logit_bias; -inf outside allowed_token_ids). Zeros for
@@ -81,6 +84,7 @@ class SamplingRow:
         values,
         seed=np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32),
         ignore_eos=np.bool_(p.ignore_eos), want_logprobs=np.bool_(p.logprobs > 0),
+        has_bias=np.bool_(bool(p.logit_bias) or p.allowed_token_ids is not None),
         prompt_mask=prompt_mask, output_counts=counts[:vocab_size],
         logit_bias=_bias_row(p, vocab_size)))
 
@@ -112,44 +116,83 @@ class Sampled:
 
 
 def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Sampled:
-  """logits [B, V] float32, one state row per b, positions [B], stop_ids [E], bitmask [B, ceil(V/32)]
-  int32 (None: no row is constrained) -> Sampled."""
+  """logits [B, V] float32, one state row per b, positions [B], stop_ids [E], bitmask
+  [B, ceil(V/32)] int32 (each row's allowed tokens; None: no row is constrained) -> Sampled.
+
+  Each [B, V] pass costs about a millisecond at B = 64 on CPU, so only what some row uses runs:
+  penalties, the logit bias, random draws and logprobs each sit behind a `lax.cond`, greedy rows
+  cost a max and an argmax, and sampled rows draw among a few hundred candidates (`_draw`).
+  """
   if bitmask is not None:  # [B, V]; a step with no constrained row skips the pass.
     logits = jax.lax.cond(jnp.any(bitmask != -1), apply_token_bitmask, lambda x, _: x, logits,
                           bitmask)
-  raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-  logits = _penalize(logits, st) + st.logit_bias
-  # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn.
+  # Both branches run the rest: a branch returning its operand would copy [B, V].
+  adjust = jnp.any(_has_penalty(st) | st.has_bias)
+  return jax.lax.cond(adjust, lambda: _sample(_penalize(logits, st) + st.logit_bias, logits, st, positions, stop_ids),
+                      lambda: _sample(logits, logits, st, positions, stop_ids))
+
+
+def _sample(logits, raw, st: SamplingState, positions, stop_ids) -> Sampled:
+  """sample() on the penalized and biased logits [B, V]; raw [B, V] gives the logprobs."""
+  # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn. Each consumer bans
+  # them on the fly (`_ban`), so that no banned copy of [B, V] is written.
   eos = jnp.zeros(logits.shape[-1], bool).at[stop_ids].set(True)  # [V]
-  logits = jnp.where(st.ignore_eos[:, None] & eos[None, :], -jnp.inf, logits)
-
   greedy = st.temperature == 0  # [B]
-  scaled = logits / jnp.where(greedy, 1.0, st.temperature)[:, None]
-  needs_filter = (st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0)
-  scaled = jax.lax.cond(jnp.any(needs_filter & ~greedy), _filter, lambda x, _: x, scaled, st)
-  # Random draws cost as much as a small matmul on CPU: skip them when every row is greedy.
-  drawn = jax.lax.cond(jnp.all(greedy), lambda *_: jnp.zeros_like(positions), _draw, scaled, st.seed,
-                       positions)
-  tokens = jnp.where(greedy, jnp.argmax(logits, -1), drawn).astype(jnp.int32)
-
-  chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+  drawn = jax.lax.cond(jnp.all(greedy), lambda *_: jnp.zeros_like(positions), _draw,
+                       logits, eos, stop_ids, st, positions)
+  best = jax.lax.cond(jnp.any(greedy), _argmax, lambda *_: jnp.zeros_like(positions),
+                      logits, eos, stop_ids, st.ignore_eos)
+  tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
   n = min(NUM_TOP_LOGPROBS, logits.shape[-1])
-  top_lp, top_ids = jax.lax.cond(
-      jnp.any(st.want_logprobs),
-      lambda lp: tuple(jax.lax.top_k(lp, n)),
-      lambda lp: (jnp.zeros((lp.shape[0], n), lp.dtype), jnp.zeros((lp.shape[0], n), jnp.int32)),
-      raw_logprobs)
+  # Logprobs only when some row asks: the runner reads them for those rows alone.
+  chosen, top_lp, top_ids = jax.lax.cond(
+      jnp.any(st.want_logprobs), functools.partial(_logprobs, n=n),
+      lambda lp, t: (jnp.zeros(t.shape, lp.dtype), jnp.zeros((t.shape[0], n), lp.dtype),
+                     jnp.zeros((t.shape[0], n), jnp.int32)),
+      raw, tokens)
   return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
 
 
-def _draw(scaled, seeds, positions):
-  """Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits). [B, V] -> [B]."""
+def _logprobs(raw, tokens, n: int):
+  """Under the raw model distribution: the chosen token's logprob [B] and the top n [B, n]."""
+  lp = jax.nn.log_softmax(raw, axis=-1)  # [B, V]
+  top_lp, top_ids = jax.lax.top_k(lp, n)
+  return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_lp, top_ids
 
-  def one(row, seed, position):
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), position)
-    return jnp.argmax(row + jax.random.gumbel(key, row.shape)).astype(positions.dtype)
 
-  return jax.vmap(one)(scaled, seeds, positions)
+def _ban(x, eos, ignore_eos):
+  """x [B, ...] with -inf at the stop ids (eos [...] bool, the same trailing shape or gathered)
+  of the rows that ignore them."""
+  return jnp.where(ignore_eos.reshape((-1,) + (1,) * (x.ndim - 1)) & eos, -jnp.inf, x)
+
+
+def _group_max(x, axis: int, groups, eos_groups, ignore_eos):
+  """The max over `axis` of x [B, ...] for every group, the banned stop ids left out: the raw
+  max (one pass, no banned copy of [B, V] written), then the groups `groups` [E] that hold a
+  stop id redone from their few values. eos_groups: eos laid out as x[0]."""
+  m = jnp.max(x, axis)  # [B, G]
+  redo = jnp.max(_ban(jnp.take(x, groups, axis=3 - axis), jnp.take(eos_groups, groups, axis=2 - axis),
+                      ignore_eos), axis)  # [B, E]
+  return m.at[:, groups].set(redo, mode="drop")
+
+
+def _argmax(x, eos, stop_ids, ignore_eos, block: int = 128):
+  """jnp.argmax(_ban(x), -1) (the first maximum), blockwise: the first block holding the max,
+  then the first max in it. XLA:CPU's variadic argmax reduction over [B, V] runs ~40x slower
+  than this max over blocks. (Its fused max drops NaN: NaN logits, a broken model's, get some
+  token, not jnp.argmax's first NaN.) [B, V] -> [B] int32."""
+  B, V = x.shape
+  pad = lambda a, value: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -V % block)], constant_values=value)
+  blocks = pad(x, -jnp.inf).reshape(B, -1, block)  # [B, V / block, block]
+  eos_blocks = pad(eos, False).reshape(-1, block)
+  first = jnp.argmax(_group_max(blocks, 2, stop_ids // block, eos_blocks, ignore_eos), -1)  # [B]
+  row = jnp.take_along_axis(blocks, first[:, None, None], 1)[:, 0]  # [B, block]
+  inside = jnp.argmax(_ban(row, eos_blocks[first], ignore_eos), -1)
+  return (first * block + inside).astype(jnp.int32)
+
+
+def _has_penalty(st: SamplingState):
+  return (st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)
 
 
 def _penalize(logits, st: SamplingState):
@@ -162,37 +205,207 @@ def _penalize(logits, st: SamplingState):
   return logits
 
 
-def _filter(logits, st: SamplingState, iters: int = 32):
-  """Masks to -inf what top-k, then top-p, then min-p remove. logits [B, V] (temperature-scaled).
+def _draw(logits, eos, stop_ids, st: SamplingState, positions):
+  """Sampled rows' tokens [B] (greedy rows' are ignored): a draw from softmax(logits / T) after
+  top-k, then top-p, then min-p (tokens tied at a threshold all kept).
+
+  The candidate path filters and draws among the tokens above `rest` (about NUM_CANDIDATE_GROUPS
+  of them, `_candidates`) and says per row whether that is exact: whether every token at or below
+  `rest` is filtered out (or could not win the draw), and whether the thresholds found among the
+  candidates are those the whole row gives. When a row is not, `_full_draw` does the whole vocabulary.
+  Both paths sum candidates and the rest apart, so their probabilities agree bit for bit.
+  """
+  greedy = st.temperature == 0
+  temperature = jnp.where(greedy, 1.0, st.temperature)[:, None]  # [B, 1]
+  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)  # [B, N], [B]
+  tokens, fits = _fast_draw(logits, eos, temperature, idx, rest, st, positions)
+  # Only the raw logits and [V] enter the branch: a banned or scaled [B, V] would be written out.
+  return jax.lax.cond(jnp.all(fits | greedy), lambda *_: tokens, _full_draw,
+                      logits, eos, temperature, idx, rest, st, positions)
+
+
+# Tokens are grouped by id modulo V / _GROUP_SIZE (a strided group's max vectorises); the top
+# NUM_CANDIDATE_GROUPS groups' tokens are the candidates, and every other token is at or below
+# the smallest of their maxima.
+NUM_CANDIDATE_GROUPS = 64
+_GROUP_SIZE = 16
+# jax.random.gumbel's largest value: -log(-log(1 - 2**-23)) = 15.94 (its uniforms have 23 bits).
+_GUMBEL_MAX = 16.0
+
+
+def _candidates(logits, eos, stop_ids, ignore_eos):
+  """(ids [B, N], rest [B]): every token whose (banned, `_ban`) logit is above rest[b] is among
+  ids[b]; ids >= V are padding. Small vocabularies are candidates whole (rest = -inf)."""
+  B, V = logits.shape
+  groups = -(-V // _GROUP_SIZE)
+  if groups <= NUM_CANDIDATE_GROUPS:
+    return jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V)), jnp.full((B,), -jnp.inf)
+  padded = jnp.pad(logits, ((0, 0), (0, groups * _GROUP_SIZE - V)), constant_values=-jnp.inf)
+  eos_groups = jnp.pad(eos, (0, groups * _GROUP_SIZE - V)).reshape(_GROUP_SIZE, groups)
+  # [B, groups]: group g = g, g + groups, ...
+  group_max = _group_max(padded.reshape(B, _GROUP_SIZE, groups), 1, stop_ids % groups, eos_groups, ignore_eos)
+  top, ids = jax.lax.top_k(group_max, NUM_CANDIDATE_GROUPS)
+  # A reduction, not top[:, -1]: slicing top_k's values makes XLA:CPU sort the whole row instead.
+  rest = jnp.min(top, -1)
+  ids = ids[:, :, None] + groups * jnp.arange(_GROUP_SIZE, dtype=jnp.int32)  # [B, G, R]
+  return ids.reshape(B, -1), rest
+
+
+def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions):
+  """(tokens [B], fits [B]): the draw among the candidates, and whether it is the whole row's.
+  Nothing here reads [B, V] but the candidates' gather (and one pass when top-k is off)."""
+  V = logits.shape[-1]
+  safe = jnp.minimum(idx, V - 1)
+  picked = _ban(jnp.take_along_axis(logits, safe, 1), eos[safe], st.ignore_eos)  # [B, N]
+  head = (idx < V) & (picked > rest[:, None])
+  cand = picked / temperature  # The same division as the whole row's scaled logits.
+  rest_scaled = rest / temperature[:, 0]
+  off = (st.top_k <= 0)[:, None]  # [B, 1]
+  needs_filter = _needs_filter(st)[:, None]
+  # top-k among the candidates: exact when the k-th largest lies above every other token.
+  keys = jnp.where(head, _order_keys(cand), 0)
+  k = jnp.where(off, V, st.top_k[:, None])
+  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, jnp.zeros_like(keys[:, :1]),
+                    jnp.max(keys, -1, keepdims=True), 32)
+  rest_key = _order_keys(rest_scaled)[:, None]
+  in_top_k = head & (off | (keys >= kth))
+  m = jnp.max(jnp.where(head, cand, -jnp.inf), -1, keepdims=True)  # [B, 1]: the row's max
+  e = jnp.where(in_top_k, jnp.exp(cand - m), 0)
+  # With top-k off the rest is in the softmax's sum: one pass over [B, V], only when a row needs it.
+  tail_rows = off & needs_filter & (st.temperature > 0)[:, None]
+  z_rest = jax.lax.cond(jnp.any(tail_rows),
+                        lambda: _masked_sum(jnp.exp(_ban(logits, eos, st.ignore_eos) / temperature - m),
+                                            (_ban(logits, eos, st.ignore_eos) <= rest[:, None]) & tail_rows),
+                        lambda: jnp.zeros_like(m))
+  probs = e / (_masked_sum(e, True) + z_rest)
+  top = jnp.max(probs, -1, keepdims=True)
+  nucleus = _nucleus(probs, top, lambda t: 0.0, st)
+  keep = jnp.where(needs_filter, in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top), head)
+  # A bound on every other token's probability (1 + 2**-20: exp need not be exactly monotone).
+  p_rest = jnp.exp(rest_scaled[:, None] - m) / (_masked_sum(e, True) + z_rest) * (1 + 2**-20)
+  exact = ~needs_filter | ((off | (kth > rest_key)) & (~off | (st.top_p[:, None] >= 1) | (p_rest < nucleus)))
+  rest_out = needs_filter & (~off | (p_rest < nucleus) | (p_rest < st.min_p[:, None] * top))
+  rest_out |= (rest_scaled == -jnp.inf)[:, None]
+  perturbed = jnp.where(keep, cand + _gumbel_at(st.seed, positions, safe, V), -jnp.inf)
+  best = jnp.max(perturbed, -1, keepdims=True)
+  # Others' perturbed logits are at most rest + _GUMBEL_MAX: above that, the draw is a candidate.
+  rest_loses = best > rest_scaled[:, None] + _GUMBEL_MAX
+  tokens = jnp.min(jnp.where(keep & (perturbed == best), idx, V), -1)  # argmax's first maximum
+  fits = exact & jnp.any(keep, -1, keepdims=True) & (rest_out | rest_loses) & _threefry_gumbel()
+  return tokens.astype(positions.dtype), fits[:, 0]
+
+
+def _full_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions):
+  logits = _ban(logits, eos, st.ignore_eos)
+  scaled = logits / temperature
+  greedy = st.temperature == 0
+  filtered = jax.lax.cond(jnp.any(_needs_filter(st) & ~greedy), _filter, lambda *a: a[1],
+                          logits, scaled, idx, rest, st)
+  return _gumbel_draw(filtered, st.seed, positions)
+
+
+def _gumbel_draw(scaled, seeds, positions):
+  """Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits). [B, V] -> [B]."""
+
+  def one(row, seed, position):
+    return jnp.argmax(row + jax.random.gumbel(_key(seed, position), row.shape)).astype(positions.dtype)
+
+  return jax.vmap(one)(scaled, seeds, positions)
+
+
+def _key(seed, position):
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), position)
+
+
+def _gumbel_at(seeds, positions, ids, V: int):
+  """jax.random.gumbel(_key(seed, position), (V,))[ids] for each row, without the other V - N
+  values: threefry's bits for element j hash (key, j) alone. [B, N] float32."""
+  tiny = jnp.finfo(jnp.float32).tiny
+
+  def one(seed, position, j):
+    k1, k2 = jax.random.key_data(_key(seed, position))
+    j = j.astype(jnp.uint32)
+    k1, k2 = jnp.broadcast_to(k1, j.shape), jnp.broadcast_to(k2, j.shape)
+    if jax.config.jax_threefry_partitionable:  # element j hashes the 64-bit counter (0, j)
+      b1, b2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(j), j)
+      bits = b1 ^ b2
+    else:  # counters 0..V-1 (padded to even) hashed in pairs (i, i + half)
+      half = (V + 1) // 2
+      low = j < half
+      x0 = jnp.where(low, j, j - half)
+      x1 = jnp.where(low, jnp.where(j + half < V, j + half, 0), j)
+      b1, b2 = threefry2x32_p.bind(k1, k2, x0, x1)
+      bits = jnp.where(low, b1, b2)
+    floats = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    uniform = jnp.maximum(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
+    return -jnp.log(-jnp.log(uniform))
+
+  return jax.vmap(one)(seeds, positions, ids)
+
+
+def _threefry_gumbel() -> bool:
+  """Whether jax.random.gumbel is the one `_gumbel_at` reproduces (JAX's default)."""
+  return (jax.config.jax_default_prng_impl == "threefry2x32"
+          and not jax.config.jax_high_dynamic_range_gumbel)
+
+
+def _needs_filter(st: SamplingState):
+  return (st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0)
+
+
+def _masked_sum(x, mask):
+  return jnp.sum(jnp.where(mask, x, 0), -1, keepdims=True)
+
+
+def _nucleus(probs, top, rest_mass, st: SamplingState, iters: int = 32):
+  """top-p's threshold [B, 1]: the largest t whose tokens (probability >= t) hold at least p of
+  the mass, over the candidates' probs [B, N] plus rest_mass(t) from the other tokens; 0 (keep
+  all) at p = 1, and below `top`, the largest probability."""
+  mass = lambda t: _masked_sum(probs, probs >= t) + rest_mass(t)
+  nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
+  return jnp.where(st.top_p[:, None] < 1, nucleus, 0)
+
+
+def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
+  """Masks to -inf what top-k, then top-p, then min-p remove. scaled [B, V] (temperature-scaled).
 
   Thresholds are found by bisection rather than a sort: on CPU a 49k-wide sort per row costs
-  ~10x more. Tokens tied at a threshold are all kept.
+  ~10x more. Sums add the candidates (`_candidates`) and the rest apart, as `_fast_draw` does.
   """
-  k = jnp.where(st.top_k > 0, st.top_k, logits.shape[-1])[:, None]  # [B, 1]
+  V = scaled.shape[-1]
+  off = (st.top_k <= 0)[:, None]
+  k = jnp.where(off, V, st.top_k[:, None])  # [B, 1]
   # top-k bisects over the logits' order-preserving uint32 keys, not their values: 32 halvings
   # of [0, 2**32) end on the k-th largest key exactly, whatever the row holds (-inf from
   # ignore_eos or a logit bias, or a range of 1e38 that float halvings would not resolve).
-  keys = _order_keys(logits)  # [B, V] uint32
+  keys = _order_keys(scaled)  # [B, V] uint32
   lo = jnp.zeros_like(keys[:, :1])  # [B, 1]: every key is >= 0, so ok(lo) holds.
   hi = jnp.max(keys, -1, keepdims=True)
   kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi, iters)
-  in_top_k = keys >= kth  # [B, V]
-  probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)  # [B, V]
+  in_top_k = off | (keys >= kth)  # [B, V]
+  m = jnp.max(scaled, -1, keepdims=True)
+  e = jnp.where(in_top_k, jnp.exp(scaled - m), 0)  # [B, V]
+  safe = jnp.minimum(idx, V - 1)
+  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, N]
+  cand = jnp.take_along_axis(scaled, safe, 1)
+  e_head = jnp.where(head & (off | (_order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, N]
+  tail = logits <= rest[:, None]  # [B, V]: the tokens not in the candidates' head
+  z = _masked_sum(e_head, True) + _masked_sum(e, tail)
+  probs = e / z  # [B, V]
+  probs_rest = jnp.where(tail, probs, 0)
   top = jnp.max(probs, -1, keepdims=True)
-  # top-p: the largest t whose tokens (probability >= t) hold at least p of the mass.
-  mass = lambda t: jnp.sum(jnp.where(probs >= t, probs, 0), -1, keepdims=True)
-  nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
+  nucleus = _nucleus(e_head / z, top, lambda t: _masked_sum(probs_rest, probs_rest >= t), st, iters)
   # in_top_k again: when the kept mass rounds below top_p (1.0 is enough), nucleus ends at 0,
   # which the probability 0 of every token top-k removed would pass.
   keep = in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
-  needs_filter = ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))[:, None]
-  return jnp.where(needs_filter & ~keep, -jnp.inf, logits)
+  return jnp.where(_needs_filter(st)[:, None] & ~keep, -jnp.inf, scaled)
 
 
 def _order_keys(x):
   """float32 [...] -> uint32 [...] in the same order (-inf lowest): IEEE bits, with negatives'
   bits flipped and positives' sign bit set."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  # -0.0 as 0.0: adding a logit bias row (zeros without one) always made it so.
+  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
   negative = (bits >> 31) == 1
   return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 

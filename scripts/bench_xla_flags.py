@@ -1,0 +1,129 @@
+"""XLA:CPU compiler options on the decode step (16 and 64 slots) and a 256-token prefill.
+
+  python scripts/bench_xla_flags.py [--batches 16,64] [--prefill 256] [--rounds 3]
+
+Each configuration compiles the engine's own decode and prefill programs with its options
+(`Lowered.compile(compiler_options)`: the same XLA debug options as XLA_FLAGS, set per program),
+all in this one process; the rounds then time every configuration in turn, so a machine whose
+load drifts (other jobs) slows all of them alike and the ratios to the default stay meaningful.
+A configuration the compiler rejects is reported with its error. Not here: oneDNN dot fusions
+(`--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot`), which abort the
+process while compiling the decode step ("partition compile failed"). `--configs` picks a subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from jaxserve.batching.plan import PrefillChunk
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine.engine import Engine
+from jaxserve.loading import checkpoint
+
+_NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+_ALL = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE"
+CONFIGS = {
+    "default (YNN fusions)": {},
+    "no YNN fusions": _NO_YNN,
+    "YNN dot+eltwise+reduce": {"xla_cpu_experimental_ynn_fusion_type": _ALL},
+    "no YNN, XNN dot+eltwise+reduce": {**_NO_YNN, "xla_cpu_experimental_xnn_fusion_type": _ALL},
+    "no YNN, XNN graph fusion greedy": {**_NO_YNN, "xla_cpu_experimental_xnn_graph_fusion_mode":
+                                        "XNN_GRAPH_FUSION_MODE_GREEDY"},
+    "no YNN, xnnpack off": {**_NO_YNN, "xla_cpu_use_xnnpack": False},
+    "single-threaded Eigen": {"xla_cpu_multi_thread_eigen": False},
+}
+
+
+class Program:
+  """One engine program compiled under each configuration, called with its state threaded."""
+
+  def __init__(self, engine: Engine, jitted, args: tuple, donated: int):
+    self.engine, self.args = engine, args
+    lowered = jitted.lower(*self._inputs())
+    self.compiled, self.errors = {}, {}
+    for name, options in CONFIGS.items():
+      try:
+        self.compiled[name] = lowered.compile(options)
+      except Exception as e:  # noqa: BLE001 (the compiler's verdict is the result)
+        self.errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    self.run(next(iter(self.compiled)))
+
+  def _inputs(self):
+    return (self.engine.params, self.engine.cache, self.engine.state, *self.args)
+
+  def run(self, name: str) -> float:
+    start = time.perf_counter()
+    self.engine.cache, self.engine.state, out = self.compiled[name](*self._inputs())[:3]
+    out.tokens.block_until_ready()
+    return time.perf_counter() - start
+
+
+def decode_program(model, batch: int, context: int) -> Program:
+  pages = -(-context // 16)
+  config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
+                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+  engine = Engine(model, config)
+  tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+  a = engine.decode_args(list(range(batch)), tables)
+  return Program(engine, engine._decode, (a.rows, a.page_tables, engine.stop_ids), 2)
+
+
+def prefill_program(model, length: int) -> Program:
+  pages = length // 16
+  config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=length,
+                        prefill_buckets=(length,), compilation_cache_dir=None)
+  engine = Engine(model, config)
+  chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
+                       SamplingParams(temperature=0), 0, (), ())
+  a = engine.prefill_args(chunk)
+  engine.state = engine._set_sampling(engine.state, a.slot, a.row)
+  return Program(engine, engine._prefill, (a.tokens, a.start_pos, a.true_len, a.page_table, a.slot,
+                                           a.is_last, engine.stop_ids), 2)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default=None)
+  parser.add_argument("--batches", default="16,64")
+  parser.add_argument("--context", type=int, default=128)
+  parser.add_argument("--prefill", type=int, default=256)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=3, help="calls per configuration per round")
+  parser.add_argument("--configs", default=None, help="comma-separated indices into CONFIGS (default all)")
+  args = parser.parse_args()
+  if args.configs:
+    keep = [list(CONFIGS)[int(i)] for i in args.configs.split(",")]
+    for name in [c for c in CONFIGS if c not in keep]:
+      del CONFIGS[name]
+  model, _ = checkpoint.load_model(args.model)
+  programs = {f"decode {b} slots": decode_program(model, int(b), args.context)
+              for b in args.batches.split(",") if b}
+  programs[f"prefill {args.prefill} tokens"] = prefill_program(model, args.prefill)
+  times = {(p, c): [] for p in programs for c in CONFIGS}
+  load = [os.getloadavg()[0]]
+  for _ in range(args.rounds):
+    for p, program in programs.items():
+      for c in program.compiled:
+        times[p, c] += [program.run(c) for _ in range(args.steps)]
+    load.append(os.getloadavg()[0])
+  print(f"load average {min(load):.1f}-{max(load):.1f}; ms per call, median of {args.rounds} rounds x "
+        f"{args.steps} calls (x default)\n")
+  print("| configuration | " + " | ".join(programs) + " |")
+  print("|---" * (1 + len(programs)) + "|")
+  for c in CONFIGS:
+    cells = []
+    for p, program in programs.items():
+      if c in program.errors:
+        cells.append(f"fails: {program.errors[c]}")
+        continue
+      ms, base = 1000 * np.median(times[p, c]), 1000 * np.median(times[p, next(iter(CONFIGS))])
+      cells.append(f"{ms:.1f} ({ms / base:.2f}x)")
+    print(f"| {c} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,165 @@
+"""Where a decode step's time goes on XLA:CPU: per-op times from a profiler trace, by part.
+
+  XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true python scripts/profile_decode.py [--batches 16,64]
+
+Each batch's decode step (128 cached tokens per slot, as bench_decode.py) runs under
+`jax.profiler.trace`; XLA:CPU then records one event per executed op (thunk). The events are
+matched to the compiled HLO's instructions, whose metadata names the JAX operation and source
+line they came from, and summed by part: matmuls by shape, attention, sampling, the rest.
+The shares are of the summed op time (ops of one step run one after another here), so they
+hold on a loaded machine even when the absolute times do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.sample import SamplingRow
+from jaxserve.loading import checkpoint
+
+KINDS = {"greedy": SamplingParams(temperature=0),
+         "top-k-top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+         "temperature": SamplingParams(temperature=1.0)}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+
+
+def op_parts(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name -> the part of the step it belongs to, for a compiled module's text.
+
+  A fusion that holds a dot is a matmul (named by the dot's output shape); any other op is
+  placed by the innermost jaxserve source file on its stack (HLO metadata's stack frames)."""
+  files, locations, frames = {}, {}, {}
+  section = None
+  computations, current = collections.defaultdict(list), None
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      section = line
+      continue
+    m = re.match(r"^(\d+) (.*)$", line)
+    if section and m:
+      key, value = int(m.group(1)), m.group(2)
+      if section == "FileNames":
+        files[key] = value.strip('"')
+      elif section == "FileLocations":
+        f, ln = re.search(r"file_name_id=(\d+).*? line=(\d+)", value).groups()
+        locations[key] = (int(f), int(ln))
+      elif section == "StackFrames":
+        loc, parent = re.search(r"file_location_id=(\d+) parent_frame_id=(\d+)", value).groups()
+        frames[key] = (int(loc), int(parent))
+      continue
+    section = None
+    c = _COMPUTATION.match(line)
+    if c:
+      current = c.group(1)
+    elif current:
+      computations[current].append(line)
+
+  def source(frame_id: int) -> str:
+    seen = set()
+    while frame_id in frames and frame_id not in seen:
+      seen.add(frame_id)
+      loc, parent = frames[frame_id]
+      f, ln = locations[loc]
+      if "jaxserve/" in files[f]:
+        return f"{files[f].split('jaxserve/')[-1]}:{ln}"
+      frame_id = parent
+    return ""
+
+  parts = {}
+  for lines in computations.values():
+    for line in lines:
+      m = _INSTRUCTION.match(line)
+      if not m:
+        continue
+      name, _, opcode = m.groups()
+      if opcode in ("conditional", "while", "call"):
+        continue  # Containers: their ops are counted one by one.
+      called = re.search(r"calls=%?([\w.\-]+)", line)
+      dots = [d for d in computations.get(called.group(1), ()) if " dot(" in d] if called else []
+      if opcode == "dot" or dots:
+        out = _INSTRUCTION.match(dots[0] if dots else line).group(2).split("{")[0]
+        parts[name] = f"matmul -> {out}"
+        continue
+      frame = re.search(r"stack_frame_id=(\d+)", line)
+      src = source(int(frame.group(1))) if frame else ""
+      parts[name] = _part_of_source(src, opcode)
+  return parts
+
+
+def _part_of_source(src: str, opcode: str) -> str:
+  for prefix, part in (("engine/sample.py", "sampling (sample.py)"),
+                       ("engine/decode.py", "decode.py: sampling-state gathers and scatters, page lookup"),
+                       ("model/attention.py", "attention (attention.py)"),
+                       ("model/kv_cache.py", "KV write (kv_cache.py)"),
+                       ("model/llama.py", "other layer ops (llama.py: norms, rope, activations)")):
+    if src.startswith(prefix):
+      return part
+  return "other (copy)" if opcode == "copy" else "other"
+
+
+def profile(engine: Engine, batch: int, context: int, steps: int, sampling: SamplingParams) -> collections.Counter:
+  pages = -(-context // 16)
+  row = SamplingRow.from_params(sampling, 0, (), (), engine.model_config.vocab_size).as_state()
+  for slot in range(batch):
+    engine.state = engine._set_sampling(engine.state, np.int32(slot), row)
+  tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+  slots = list(range(batch))
+  engine.decode(slots, tables).result()
+  args = engine.decode_args(slots, tables)
+  compiled = engine._decode.lower(engine.params, engine.cache, engine.state, args.rows, args.page_tables,
+                                  engine.stop_ids).compile()
+  parts = op_parts(compiled.as_text())
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(steps):
+        engine.decode(slots, tables).result()
+    (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+    with gzip.open(path) as f:
+      events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  times = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("name") in parts:
+      times[parts[e["name"]]] += e["dur"] / 1000 / steps  # ms per step
+  return times
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default=None)
+  parser.add_argument("--batches", default="16,64")
+  parser.add_argument("--context", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--sampling", choices=sorted(KINDS), default="greedy", help="every slot's sampling")
+  args = parser.parse_args()
+  if "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
+    parser.error("set XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true (XLA:CPU records ops only then)")
+  model, _ = checkpoint.load_model(args.model)
+  for batch in (int(b) for b in args.batches.split(",")):
+    pages = -(-args.context // 16)
+    config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
+                          max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+    times = profile(Engine(model, config), batch, args.context, args.steps, KINDS[args.sampling])
+    total = sum(times.values())
+    print(f"\nbatch {batch}, {args.sampling} rows: {total:.1f} ms of ops per step, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| part | ms/step | share |\n|---|---|---|")
+    for name, ms in times.most_common():
+      print(f"| {name} | {ms:.2f} | {ms / total:.1%} |")
+
+
+if __name__ == "__main__":
+  main()
