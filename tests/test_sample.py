@@ -189,3 +189,21 @@ def test_a_bitmask_restricts_the_draw_and_its_logprobs_are_of_the_masked_distrib
   got = dict(zip(np.asarray(masked.top_ids[0, :2]).tolist(), np.asarray(masked.top_logprobs[0, :2])))
   np.testing.assert_allclose([got[2], got[33]], want, rtol=1e-5)
   np.testing.assert_allclose(float(masked.logprobs[1]), float(plain.logprobs[1]), rtol=1e-6)
+
+
+def test_rows_that_sample_nothing_are_made_plain_greedy():
+  """A padding row or a prompt chunk mid-way (samples False) must not send the batch down the
+  draw, filter or penalty paths: its settings become greedy and plain; sampling rows keep theirs."""
+  rows = [SamplingRow.from_params(p, 3, (1, 2), (2,), 8).as_state() for p in (
+      SamplingParams(temperature=0.7, top_k=3, top_p=0.5, min_p=0.1, repetition_penalty=1.3,
+                     presence_penalty=0.4, frequency_penalty=0.2, logprobs=2, logit_bias={1: 2.0}),
+      SamplingParams(temperature=0.9, top_p=0.8))]
+  st = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(v) for v in x]), *rows)
+  plain = st.plain_where_not(jnp.array([False, True]))
+  assert float(plain.temperature[0]) == 0 and int(plain.top_k[0]) == 0
+  assert (float(plain.top_p[0]), float(plain.min_p[0])) == (1.0, 0.0)
+  assert (float(plain.repetition_penalty[0]), float(plain.presence_penalty[0]),
+          float(plain.frequency_penalty[0])) == (1.0, 0.0, 0.0)
+  assert not bool(plain.want_logprobs[0]) and not bool(plain.has_bias[0])
+  for name in ("temperature", "top_p"):  # The sampling row keeps its settings.
+    assert float(getattr(plain, name)[1]) == float(getattr(st, name)[1])

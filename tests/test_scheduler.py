@@ -3,6 +3,7 @@
 Tokens are applied by hand right after each plan (no engine); the runner tests cover the overlap.
 """
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -184,6 +185,22 @@ def test_prefill_budget_is_shared_in_queue_order(checked):
   assert chunks(out) == [(a.request_id, 0, 6, True), (b.request_id, 0, 4, False)]
   out = step(s)
   assert chunks(out) == [(b.request_id, 4, 2, True)]
+  drain(s)
+
+
+def test_a_step_prefills_at_most_the_engines_prompts_per_step(checked):
+  """EngineInfo.max_prefill_seqs (the step's sequence axis): the budget would take all four
+  short prompts at once; two go per step, in arrival order."""
+  engine = MockEngine(num_slots=4, page_size=4, num_pages=17, max_model_len=64, max_prefill_len=8)
+  engine.info = dataclasses.replace(engine.info, max_prefill_seqs=2)
+  s = checked(Scheduler(SchedulerConfig(max_num_batched_tokens=64), engine))
+  reqs = [make(3) for _ in range(4)]
+  for r in reqs:
+    s.add(r)
+  assert [c[0] for c in chunks(step(s))] == [r.request_id for r in reqs[:2]]
+  out = step(s)
+  assert [c[0] for c in chunks(out)] == [r.request_id for r in reqs[2:]]
+  assert len(out.decode_requests) == 2  # The first two decode meanwhile.
   drain(s)
 
 

@@ -3,6 +3,8 @@ slots, chunks of others' prompts) giving exactly the tokens of the same work run
 prefill-only and decode-only steps."""
 
 
+import dataclasses
+
 import numpy as np
 from conftest import TINY, TINY_ENGINE, count_compiles
 from flax import nnx
@@ -48,6 +50,18 @@ def test_a_decode_only_plan_takes_the_smallest_bucket():
   args, rows = e.step_args(StepPlan(decode_slots=(2,), page_tables=tables))
   assert args.decode_slots.tolist() == [2] and rows == [0]
   assert args.decode_tables.shape == (1, e.packer.width) and args.prefill_tokens.shape == (0,)
+
+
+def test_a_plan_past_the_step_limits_runs_as_several_calls_in_plan_order():
+  """split_plan: prompts beyond max_prefill_seqs (or tokens beyond the largest bucket) go to
+  later calls; the decodes ride with the first; scoring chunks get prefill-only calls."""
+  from jaxserve.engine.engine import split_plan
+
+  tables = np.zeros((4, 3), np.int32)
+  p = [chunk(s, [5] * n, 0, [s + 1], True) for s, n in ((0, 3), (1, 20), (2, 4))]
+  scored = dataclasses.replace(chunk(3, [7, 8], 0, [9], False), prompt_logprob_targets=(8, 9))
+  parts = split_plan(StepPlan((*p, scored), (1,), tables), max_tokens=24, max_seqs=2)
+  assert [(part.decode_slots, ids) for part, ids in parts] == [((1,), [0, 1]), ((), [2]), ((), [3])]
 
 
 def _run(model, mixed: bool):

@@ -85,6 +85,7 @@ class EngineInfo:
   decode_widths: tuple[int, ...]  # Page-table widths steps take (the engine: one, the widest).
   prefill_buckets: tuple[int, ...] = ()
   dtype: str = "float32"
+  max_prefill_seqs: int | None = None  # Prompts one step may prefill (None: any number).
 
 
 class Engine(Protocol):

@@ -50,6 +50,7 @@ class Scheduler:
     self.page_size = info.page_size
     self.max_model_len = info.max_model_len
     self.max_prefill_len = info.max_prefill_len
+    self._max_prefill_seqs = info.max_prefill_seqs  # Prompts one step may hold.
     prefix_caching = config.enable_prefix_caching and info.can_share_pages
     self.pages = PageAllocator(info.num_pages, info.page_size, prefix_caching)
     self.waiting = RequestQueue(config.policy)
@@ -177,13 +178,18 @@ class Scheduler:
   def _schedule_prefills(self, admit: bool) -> tuple[list[PrefillChunk], list[Request]]:
     budget = self.config.max_num_batched_tokens
     chunks, reqs = [], []
-    for req in self.running:
-      if req.is_prefilling and budget > 0:
-        budget = self._add_chunks(req, budget, chunks, reqs)
     static = self.config.static_batching
+    # The engine's limit on prompts per step (static batching admits its group whole: the engine
+    # then runs the plan as several calls).
+    cap = None if static else self._max_prefill_seqs
+    room = lambda: cap is None or len(set(map(id, reqs))) < cap
+    for req in self.running:
+      if req.is_prefilling and budget > 0 and room():
+        budget = self._add_chunks(req, budget, chunks, reqs)
     # Static batching admits a whole group at once, and only when the last group has finished.
     admit = admit and not (static and self.running)
-    while admit and (budget > 0 or static) and self.waiting and self._can_admit(self.waiting.peek()):
+    while (admit and (budget > 0 or static) and room() and self.waiting
+           and self._can_admit(self.waiting.peek())):
       req = self.waiting.pop()
       self._admit(req)
       budget = self._add_chunks(req, budget, chunks, reqs)

@@ -72,6 +72,9 @@ class EngineConfig:
   memory_fraction: float = 0.9
   max_model_len: int = 2048  # Longest sequence (prompt + output) a slot can hold.
   prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)  # Padded prefill chunk lengths.
+  # Prompts one step prefills at most (its sequence axis): each costs the step a query block of
+  # attention and a sampled row, used or not.
+  max_prefill_seqs: int = 4
   dtype: Dtype = Dtype.FLOAT32  # Parameters, activations and KV cache (a name is taken too).
   # None: picked with the backend (the kernels need RAGGED; the jnp path reads every layout).
   kv_layout: KVLayout | None = None
@@ -82,6 +85,8 @@ class EngineConfig:
   dp: int = 1  # Data parallel: groups the decode slots are split over (mesh axis `data`).
 
   def __post_init__(self):
+    if self.max_prefill_seqs < 1:
+      raise ValueError(f"EngineConfig.max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
     if not isinstance(self.dtype, Dtype):
       if self.dtype not in {d.value for d in Dtype}:
         raise ValueError(f"EngineConfig.dtype must be one of {[d.value for d in Dtype]}, "

@@ -131,11 +131,11 @@ class StepFutures:
     return next(f for f, _, chunks in self._parts if chunk in chunks).prompt_logprobs(chunk)
 
 
-def split_plan(plan: StepPlan, max_tokens: int) -> list[tuple[StepPlan, list[int]]]:
+def split_plan(plan: StepPlan, max_tokens: int, max_seqs: int) -> list[tuple[StepPlan, list[int]]]:
   """The plan as the calls that run it, each (part, indices of its chunks in plan.prefills).
 
-  One call, unless the plan holds more prefill tokens than the largest bucket (then one call per
-  bucketful; the decodes ride with the first) or chunks that score their prompt positions (those
+  One call, unless the plan holds more prefill tokens than the largest bucket or more prompts
+  than max_seqs (then one call per bucketful; the decodes ride with the first) or chunks that score their prompt positions (those
   go in prefill-only calls of their own: the scoring variant is compiled without decode rows)."""
   parts = []
   for scored in (False, True):
@@ -144,7 +144,7 @@ def split_plan(plan: StepPlan, max_tokens: int) -> list[tuple[StepPlan, list[int
     groups, size = [[]], 0
     for i in ids:
       n = len(plan.prefills[i].token_ids)
-      if groups[-1] and size + n > max_tokens:
+      if groups[-1] and (size + n > max_tokens or len(groups[-1]) == max_seqs):
         groups.append([])
         size = 0
       groups[-1].append(i)
@@ -215,7 +215,8 @@ class Engine:
     self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables)
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                            self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
-                           (self.packer.width,), config.prefill_buckets, config.dtype.value)
+                           (self.packer.width,), config.prefill_buckets, config.dtype.value,
+                           config.max_prefill_seqs)
     # The cache and decode state are donated: each step updates them in place.
     self._step = jax.jit(functools.partial(step_fn, graphdef, attn=attn),
                          donate_argnums=(1, 2), **step_out)
@@ -235,7 +236,7 @@ class Engine:
     [samples, ceil(V/32)]: each sample's allowed tokens, in that order (None: all free). `run`
     (multihost's) makes each call in place of `run_step`."""
     run = run or self.run_step
-    parts = split_plan(plan, self.max_prefill_len)
+    parts = split_plan(plan, self.max_prefill_len, self.config.max_prefill_seqs)
     if len(parts) == 1 and all(ch.prompt_logprob_targets is None for ch in plan.prefills):
       return run(*self.step_args(plan, bitmask))
     num_decodes = len(plan.decode_slots)

@@ -52,6 +52,20 @@ class SamplingState:
     rows = SamplingRow.from_params(SamplingParams(), seed=0, prompt_ids=(), output_ids=(), vocab_size=vocab_size)
     return jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x)[None], num_slots, axis=0), rows.as_state())
 
+  def plain_where_not(self, samples) -> SamplingState:
+    """Rows where samples [B] is False (padding, a prompt chunk that samples nothing) made
+    greedy, unfiltered and unpenalized: their tokens are thrown away, and a row left with a
+    temperature would send the whole batch down the slow draw."""
+    off = ~samples
+    plain = lambda x, value: jnp.where(off, jnp.asarray(value, x.dtype), x)
+    return dataclasses.replace(
+        self, temperature=plain(self.temperature, 0), top_k=plain(self.top_k, 0),
+        top_p=plain(self.top_p, 1), min_p=plain(self.min_p, 0),
+        repetition_penalty=plain(self.repetition_penalty, 1),
+        presence_penalty=plain(self.presence_penalty, 0),
+        frequency_penalty=plain(self.frequency_penalty, 0),
+        want_logprobs=self.want_logprobs & samples, has_bias=self.has_bias & samples)
+
   def row(self, slot) -> SamplingState:
     """The one-row state of `slot`, [1, ...] on every leaf."""
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1), self)

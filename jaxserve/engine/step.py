@@ -85,8 +85,8 @@ def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *
   if args.prefill_slots.shape[0]:
     new_row, has_new = _writer(jnp.where(args.prefill_samples & live[D:], args.prefill_slots, S), S)
     sampling = jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
-  sampled = sample(logits, jax.tree.map(lambda x: x[mine], sampling), kv_lens, stop_ids,
-                   args.bitmask)
+  rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
+  sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
   row, hit = _writer(jnp.where(samples, slots, S), S)  # The row that samples each slot's token.
   token = sampled.tokens[row]  # [S]
   counts = sampling.output_counts + (hit[:, None] & (token[:, None] == jnp.arange(

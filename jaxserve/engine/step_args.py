@@ -6,7 +6,7 @@ token axis:
   tokens  [0, D)        one decode row per decoding slot, then padding rows (slot S) up to D,
                         D a decode batch bucket (0 when nothing decodes)
           [D, D + Tp)   the prefill chunks back to back, then padding, Tp a prefill bucket
-  sequences [0, D)      the decode rows, one each;  [D, D + Bp) the prefill chunks, Bp = min(Tp, S)
+  sequences [0, D)      the decode rows, one each;  [D, D + Bp) the prefill chunks, Bp = min(Tp, S, max_prefill_seqs)
 
 Chunks of one request in one plan are merged into one sequence, so a slot is never two
 sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages once per
@@ -97,6 +97,9 @@ class Packer:
     if plan.is_empty:
       raise ValueError("an empty plan: nothing to run")
     chunks = merge_chunks(plan.prefills)
+    if len(chunks) > c.max_prefill_seqs:
+      raise ValueError(f"a step of {len(chunks)} prompts: at most {c.max_prefill_seqs} "
+                       "(EngineConfig.max_prefill_seqs)")
     decodes = list(plan.decode_slots)
     num_tokens = sum(len(ch.token_ids) for ch in chunks)
     if num_tokens > c.prefill_buckets[-1]:
@@ -178,7 +181,7 @@ class Packer:
     """The prefill part's arrays; block rows and sequences are absolute (after the D decode
     rows), and empty block entries point past the token axis (D + Tp), where writes drop."""
     S, Tb = self.config.num_slots, self.query_block
-    Bp = min(Tp, S)
+    Bp = min(Tp, S, self.config.max_prefill_seqs)
     tokens = np.zeros(Tp, np.int32)
     slots, starts = np.full(Bp, S, np.int32), np.zeros(Bp, np.int32)
     lens, samples = np.zeros(Bp, np.int32), np.zeros(Bp, bool)
