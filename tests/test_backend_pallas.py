@@ -11,7 +11,7 @@ from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, SamplingParams
 from jaxserve.engine.engine import Engine, default_backend
 
-GREEDY = SamplingParams(temperature=0)
+GREEDY = SamplingParams(temperature=0, logprobs=1)  # Logprobs are computed only when asked.
 
 
 def run(model, backend):

@@ -57,7 +57,7 @@ def test_a_slot_decodes_the_same_alone_and_among_others():
     for s in slots:
       prompt = [5 + s, 9, 2, 7 * s + 1]
       e.prefill(PrefillChunk(f"r{s}", s, prompt, 0, pages[s], True,
-                             SamplingParams(temperature=0.0), 0, prompt_token_ids=prompt))
+                             SamplingParams(temperature=0.0, logprobs=1), 0, prompt_token_ids=prompt))
     tables = np.zeros((4, 8), np.int32)
     for s in range(3):
       tables[s] = pages[s]

@@ -24,7 +24,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, slot_page_tables
 
-GREEDY = SamplingParams(temperature=0)
+GREEDY = SamplingParams(temperature=0, logprobs=20)  # The top-20 logprobs are compared below.
 SMALL = EngineConfig(num_slots=3, page_size=4, num_pages=12, max_model_len=16,
                      compilation_cache_dir=None)
 # Worst-case round-trip error of one value of magnitude <= amax (here amax ~ 4 for N(0, 1) data):

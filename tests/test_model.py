@@ -15,7 +15,7 @@ from jaxserve.config import SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.model.llama import Transformer
 
-GREEDY = SamplingParams(temperature=0)
+GREEDY = SamplingParams(temperature=0, logprobs=1)  # Logprobs are computed only when asked.
 
 
 def chunk(slot, ids, start, table, last, prompt=()):
