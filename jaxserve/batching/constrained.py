@@ -105,9 +105,9 @@ class Constraints:
   def step_mask(self, decodes: Sequence[Request], ends: Sequence[Request]) -> np.ndarray | None:
     """[len(decodes) + len(ends), W], rows in the order of a step's samples: the decoding
     requests', then those whose prompts end in the step; None when none is constrained."""
-    if not any(r.grammar is not None for r in ends):
-      return self.decode_mask(decodes)
     decode = self.decode_mask(decodes)
+    if decode is None and not any(r.grammar is not None for r in ends):
+      return None
     mask = self.compiler.new_bitmask(len(decodes) + len(ends))
     if decode is not None:
       mask[:len(decodes)] = decode
