@@ -60,17 +60,16 @@ class Variant:
 
   @property
   def name(self) -> str:
-    short = {KVLayout.PAGED_TOKEN_MAJOR: "token-major", KVLayout.PAGED_HEAD_MAJOR: "head-major",
-             KVLayout.PAGED_KV_INTERLEAVED: "kv-interleaved", KVLayout.CONTIGUOUS: "contiguous"}
+    short = {KVLayout.PAGED_TOKEN_MAJOR: "token-major", KVLayout.RAGGED: "ragged",
+             KVLayout.CONTIGUOUS: "contiguous"}
     return f"{short[self.layout]}/{self.page_size} {self.kv_dtype.label}"
 
 
 TM, F32 = KVLayout.PAGED_TOKEN_MAJOR, KVDtype.FLOAT32
 FULL = ([Variant(TM, z, F32) for z in (16, 8, 32, 64, 128)]
-        + [Variant(KVLayout.PAGED_HEAD_MAJOR, 16, F32), Variant(KVLayout.PAGED_KV_INTERLEAVED, 16, F32),
-           Variant(KVLayout.CONTIGUOUS, 16, F32)]
+        + [Variant(KVLayout.RAGGED, 16, F32), Variant(KVLayout.CONTIGUOUS, 16, F32)]
         + [Variant(TM, 16, d) for d in (KVDtype.BFLOAT16, KVDtype.INT8, KVDtype.FLOAT8_E4M3)])
-QUICK = [Variant(TM, 16, F32), Variant(KVLayout.PAGED_HEAD_MAJOR, 16, F32),
+QUICK = [Variant(TM, 16, F32), Variant(KVLayout.RAGGED, 16, F32),
          Variant(KVLayout.CONTIGUOUS, 16, F32), Variant(TM, 16, KVDtype.INT8)]
 
 

@@ -54,7 +54,11 @@ class MockEngine:
 
   def __init__(self, num_slots: int = 4, page_size: int = 4, num_pages: int = 64,
                max_model_len: int = 128, max_prefill_len: int = 16,
-               next_token: Callable[[Sequence[int]], int] = next_plus_one):
+               next_token: Callable[[Sequence[int]], int] = next_plus_one,
+               window: int | None = None, num_window_pages: int = 0):
+    """`window`: the engine has window pages (EngineInfo.window): every position is written
+    through the window table too, and every step checks that the last `window` positions of
+    each query read back through it as through the page table."""
     self.num_slots = num_slots
     self.page_size = page_size
     self.num_pages = num_pages
@@ -64,7 +68,10 @@ class MockEngine:
     max_pages = -(-max_model_len // page_size)
     self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len, max_prefill_len,
                            can_share_pages=True, vocab_size=2**31 - 1,
-                           decode_widths=width_buckets(max_pages, smallest=1))
+                           decode_widths=width_buckets(max_pages, smallest=1),
+                           window=window, num_window_pages=num_window_pages)
+    self.window = window
+    self.window_pages = np.full((max(num_window_pages, 1), page_size), -1, np.int64)
     self.next_token = next_token
     self.pages = np.full((num_pages, page_size), -1, np.int64)  # [pages, page_size] token ids
     self.page_writes = np.zeros(num_pages, np.int64)  # Positions written, per page.
@@ -97,6 +104,10 @@ class MockEngine:
     self.chunks.append(chunk)
     for i, token in enumerate(chunk.token_ids):
       self._write(chunk.page_table, chunk.start_pos + i, token)
+      if self.window:
+        self._write(chunk.window_table, chunk.start_pos + i, token, self.window_pages)
+    if self.window:
+      self._check_window(chunk.page_table, chunk.window_table, chunk.start_pos, chunk.start_pos + n)
     self.num_prefill_tokens += n
     if not chunk.is_last:
       return None
@@ -115,7 +126,12 @@ class MockEngine:
       assert pos is not None, f"decode of free slot {slot}"
       assert pos < self.max_model_len
       table = page_tables[slot]
+      if self.window:
+        table, window_table = table[:len(table) // 2], table[len(table) // 2:]
+        self._write(window_table, pos, self._token[slot], self.window_pages)
       self._write(table, pos, self._token[slot])
+      if self.window:
+        self._check_window(table, window_table, pos, pos + 1)
       out[slot] = self.next_token(self._context(table, pos + 1))
       self._token[slot], self._pos[slot] = int(out[slot]), pos + 1
     return MockFuture(out, self, f"decode:{self.num_decode_steps}")
@@ -124,11 +140,24 @@ class MockEngine:
     self.events.append(("free", slot))
     self._token[slot] = self._pos[slot] = None
 
-  def _write(self, table: Sequence[int], pos: int, token: int) -> None:
+  def _write(self, table: Sequence[int], pos: int, token: int, pages=None) -> None:
     page = table[pos // self.page_size]
     assert page != 0, f"position {pos} written to the scratch page"
+    if pages is not None:  # A window page.
+      pages[page, pos % self.page_size] = token
+      return
     self.pages[page, pos % self.page_size] = token
     self.page_writes[page] += 1
+
+  def _check_window(self, table, window_table, start: int, end: int) -> None:
+    """Queries at [start, end) see positions [start - window + 1, end) through the window table
+    as they are through the page table."""
+    bs = self.page_size
+    for p in range(max(0, start - self.window + 1), end):
+      page = window_table[p // bs]
+      assert page != 0, f"position {p}, inside the window, is not held in the window table"
+      assert self.window_pages[page, p % bs] == self.pages[table[p // bs], p % bs], (
+          f"position {p} reads a different token through the window table")
 
   def _context(self, table: Sequence[int], length: int) -> list[int]:
     bs = self.page_size
@@ -160,6 +189,10 @@ def assert_all_free(scheduler) -> None:
   pages = scheduler.pages
   assert pages.num_free_pages == pages.num_usable_pages
   assert all(pages.ref_count(b) == 0 for b in range(pages.num_pages))
+  window = scheduler.window_pages
+  if window is not None:
+    assert window.num_free_pages == window.num_usable_pages
+    assert all(window.ref_count(b) == 0 for b in range(window.num_pages))
   assert sorted(scheduler._free_slots) == list(range(len(scheduler._tables)))
 
 

@@ -4,6 +4,7 @@ chat and a longer-than-the-window prompt, and greedy continuations through the e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -14,19 +15,23 @@ from conftest import dense_logits
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.runner import Runner
 from jaxserve.config import (
   AttentionBackend,
   EngineConfig,
   ModelConfig,
   ModelFamily,
   SamplingParams,
+  SchedulerConfig,
   readers,
 )
 from jaxserve.config import gemma3 as gemma3_config
+from jaxserve.config.engine import window_pages_per_seq
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, pull, weights
 from jaxserve.model.attention import AttentionMetadata
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
+from mock_engine import MockTokenizer, checked  # noqa: F401  (checked is a fixture)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -42,6 +47,11 @@ TINY_HF = dict(
     final_logit_softcapping=3.0, max_position_embeddings=128, initializer_range=0.2,
     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
+TINY_ENGINE = EngineConfig(num_slots=2, page_size=4, num_pages=40, max_model_len=64,
+                           prefill_buckets=(16,), compilation_cache_dir=None,
+                           attention_backend=AttentionBackend.REFERENCE)
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +99,7 @@ def test_tiny_logits_match_transformers_at_every_position(tiny, tiny_hf):
 def test_tiny_chunked_prefill_and_decode_match_transformers(tiny, tiny_hf):
   """The engine's own steps: a 21-token prompt in chunks of 16 and 5, then 12 decode steps
   (positions 21..32, far past the window), greedy, against transformers' greedy argmax."""
-  engine = Engine(tiny, EngineConfig(num_slots=2, page_size=4, num_pages=40, max_model_len=64,
-                                     prefill_buckets=(16,), compilation_cache_dir=None,
-                                     attention_backend=AttentionBackend.REFERENCE))
+  engine = Engine(tiny, dataclasses.replace(TINY_ENGINE, window_pages=False))  # Tables by hand.
   prompt = [int(i) for i in np.random.default_rng(1).integers(0, 256, 21)]
   table = list(range(1, 17))
   greedy = SamplingParams(temperature=0)
@@ -135,6 +143,34 @@ def test_gguf_pattern_key_as_period_or_flags():
   flags = [False, True, True, False]
   assert gemma3_config.from_gguf({**meta, "gemma3.attention.sliding_window_pattern": flags},
                                  False).local_layers == tuple(flags)
+
+
+@pytest.mark.parametrize("backend, page_size", [(AttentionBackend.REFERENCE, 4),
+                                                (AttentionBackend.PALLAS, 8)])  # TPU tiles: 8.
+def test_tiny_window_pages_through_the_scheduler_match_transformers(tiny, tiny_hf, checked, backend,
+                                                                   page_size):
+  """Window pages (the default): the local layers' KV lives in a pool of its own, holding only
+  the pages their 8-token window still sees. Three prompts batched, one of 45 tokens prefilled
+  in chunks of 16, then decoding far past the window: transformers' greedy tokens, and both
+  pools all free afterwards. With the jnp attention and with the ragged kernel (interpret mode
+  on CPU), which reads the window pool through the window tables."""
+  engine = Engine(tiny, dataclasses.replace(TINY_ENGINE, attention_backend=backend,
+                                            page_size=page_size))
+  assert isinstance(engine.cache, WindowedKV)
+  # 2 slots * 7 pages of 4 (8 - 1 + 16 positions span up to 7), not 2 * 16; of 8: 2 * 4, not 2 * 8.
+  per_seq = window_pages_per_seq(8, page_size, 16)
+  assert engine.cache.window.num_pages == 1 + 2 * per_seq and per_seq < 64 // page_size
+  assert engine.cache.full.k.shape[0] == 1 and engine.cache.window.k.shape[0] == 3  # Layers.
+  runner = checked(Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=16)))
+  rng = np.random.default_rng(2)
+  prompts = [[int(i) for i in rng.integers(0, 256, n)] for n in (45, 6, 19)]
+  results = runner.generate([(p, SamplingParams(temperature=0, max_tokens=12)) for p in prompts])
+  for prompt, result in zip(prompts, results):
+    ids = list(prompt)
+    with torch.no_grad():
+      for _ in range(12):
+        ids.append(int(tiny_hf[0](torch.tensor([ids])).logits[0, -1].argmax()))
+    assert list(result.token_ids) == ids[len(prompt):]
 
 
 # ---------------------------------------------------------------------------------------------

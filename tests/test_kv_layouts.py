@@ -124,8 +124,7 @@ def reference_run(tiny_model):
 
 
 @pytest.mark.parametrize("layout, page_size", [
-    (KVLayout.PAGED_HEAD_MAJOR, 16), (KVLayout.PAGED_KV_INTERLEAVED, 32), (KVLayout.CONTIGUOUS, 8),
-    (KVLayout.RAGGED, 8)])
+    (KVLayout.PAGED_TOKEN_MAJOR, 32), (KVLayout.CONTIGUOUS, 8), (KVLayout.RAGGED, 8)])
 def test_engine_layouts_match_the_reference(tiny_model, reference_run, layout, page_size):
   """Contiguous: the engine swaps the given tables for the slots' own regions."""
   config = dataclasses.replace(ENGINE, kv_layout=layout, page_size=page_size)
@@ -158,7 +157,7 @@ _forward = nnx.jit(forward_logits, static_argnums=(2, 3, 4))
 def test_quantized_kv_logits_stay_close(tiny_model, kv_dtype, max_err, min_agree):
   ids = jnp.asarray(np.random.default_rng(3).integers(2, 128, 64), jnp.int32)
   ref = np.asarray(_forward(tiny_model, ids, KVLayout.PAGED_TOKEN_MAJOR, KVDtype.FLOAT32, 8))
-  got = np.asarray(_forward(tiny_model, ids, KVLayout.PAGED_HEAD_MAJOR, kv_dtype, 8))
+  got = np.asarray(_forward(tiny_model, ids, KVLayout.PAGED_TOKEN_MAJOR, kv_dtype, 8))
   err = np.abs(got - ref).max() / np.abs(ref).max()
   agree = np.mean(got.argmax(-1) == ref.argmax(-1))
   assert 0 < err < max_err, err  # Not 0: the storage type really rounds.
@@ -167,7 +166,7 @@ def test_quantized_kv_logits_stay_close(tiny_model, kv_dtype, max_err, min_agree
 
 # The Pallas backend is the ragged kernel, which reads and writes the RAGGED layout in place
 # (tests/test_backend_pallas.py); the other layouts run on the jnp path only.
-@pytest.mark.parametrize("layout", [KVLayout.PAGED_HEAD_MAJOR, KVLayout.CONTIGUOUS])
+@pytest.mark.parametrize("layout", [KVLayout.PAGED_TOKEN_MAJOR, KVLayout.CONTIGUOUS])
 def test_pallas_backend_refuses_other_layouts(tiny_model, layout):
   engine = Engine(tiny_model, dataclasses.replace(ENGINE, kv_layout=layout,
                                                   attention_backend=AttentionBackend.PALLAS))

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Sequence
+import itertools
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -29,6 +30,15 @@ _ROOT_HASH = bytes(32)  # The parent key of a sequence's first page.
 def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
   """SHA-256 of the parent's 32-byte key, then the ids as little-endian int32s."""
   return hashlib.sha256(parent + np.asarray(token_ids, "<i4").tobytes()).digest()
+
+
+def prefix_keys(token_ids: Sequence[int], page_size: int) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+  """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily."""
+  parent = _ROOT_HASH
+  for i in range((len(token_ids) - 1) // page_size):
+    tokens = tuple(token_ids[i * page_size:(i + 1) * page_size])
+    parent = page_hash(parent, tokens)
+    yield parent, tokens
 
 
 class PageAllocator:
@@ -68,43 +78,50 @@ class PageAllocator:
   def ref_count(self, page: int) -> int:
     return self._ref[page]
 
-  def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-    """The cached pages that hold a prefix of `token_ids`.
+  def match_prefix(self, token_ids: Sequence[int], max_hits: int | None = None) -> list[int]:
+    """The cached pages that hold a prefix of `token_ids` (at most `max_hits` of them).
 
     The page holding the last token never matches: its prefill samples the next token, and
     rewriting a page other requests share is best avoided.
     """
     if not self.enable_prefix_caching:
       return []
-    hits, parent, bs = [], _ROOT_HASH, self.page_size
-    for i in range((len(token_ids) - 1) // bs):
-      tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-      parent = page_hash(parent, tokens)
-      page = self._cached.get(parent)
-      if page is None or self._tokens[page] != tokens:
+    hits = []
+    for key, tokens in itertools.islice(prefix_keys(token_ids, self.page_size), max_hits):
+      page = self.find(key, tokens)
+      if page is None:
         break
       hits.append(page)
     return hits
 
-  def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0, reuse: bool = True) -> bool:
-    """Whether `allocate(token_ids, reuse)` would leave at least `num_reserve` pages free."""
-    hits = self.match_prefix(token_ids) if reuse else []
+  def find(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
+    """The cached page of `key`, whose tokens must be `tokens` (a guard against collisions)."""
+    page = self._cached.get(key)
+    return page if page is not None and self._tokens[page] == tokens else None
+
+  def key_of(self, page: int) -> bytes | None:
+    return self._hash[page]
+
+  def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0, reuse: bool = True,
+                   max_hits: int | None = None) -> bool:
+    """Whether `allocate(token_ids, reuse, max_hits)` would leave at least `num_reserve` pages free."""
+    hits = self.match_prefix(token_ids, max_hits) if reuse else []
     num_revived = sum(self._ref[b] == 0 for b in hits)  # Cached hits leave the evictable pool.
     num_new = self.num_pages_for(len(token_ids)) - len(hits)
     return self.num_free_pages - num_revived >= num_new + num_reserve
 
-  def allocate(self, token_ids: Sequence[int], reuse: bool = True) -> tuple[list[int], int]:
-    """A page table covering every position of `token_ids`, reusing the cached prefix (unless
-    not `reuse`: all fresh pages, for a request that must compute every position).
+  def allocate(self, token_ids: Sequence[int], reuse: bool = True,
+               max_hits: int | None = None) -> tuple[list[int], int]:
+    """A page table covering every position of `token_ids`, reusing the cached prefix (at most
+    `max_hits` pages of it; none when not `reuse`: all fresh pages, for a request that must
+    compute every position).
 
     Returns the table and how many leading tokens already have their KV in it. Check
     `can_allocate` first.
     """
-    hits = self.match_prefix(token_ids) if reuse else []
+    hits = self.match_prefix(token_ids, max_hits) if reuse else []
     for page in hits:
-      if self._ref[page] == 0:
-        del self._evictable[page]
-      self._ref[page] += 1
+      self.hold(page)
     num_new = self.num_pages_for(len(token_ids)) - len(hits)
     table = hits + [self._take_fresh() for _ in range(num_new)]
     num_cached = len(hits) * self.page_size
@@ -119,6 +136,16 @@ class PageAllocator:
     table.append(self._take_fresh())
     return True
 
+  def take(self) -> int | None:
+    """One fresh page, or None when none is left."""
+    return self._take_fresh() if self.num_free_pages else None
+
+  def hold(self, page: int) -> None:
+    """One more reference to `page` (a cached one leaves the evictable pool)."""
+    if self._ref[page] == 0:
+      del self._evictable[page]
+    self._ref[page] += 1
+
   def cache_pages(self, table: Sequence[int], token_ids: Sequence[int], start: int, end: int):
     """Registers pages [start, end) of `table`, now full of the KV of `token_ids`, by hash.
 
@@ -132,9 +159,13 @@ class PageAllocator:
     for i in range(start, end):
       tokens = tuple(token_ids[i * bs:(i + 1) * bs])
       parent = page_hash(parent, tokens)
-      page = table[i]
-      self._hash[page], self._tokens[page] = parent, tokens
-      self._cached.setdefault(parent, page)
+      self.register(table[i], parent, tokens)
+
+  def register(self, page: int, key: bytes, tokens: tuple[int, ...]) -> None:
+    """Makes held `page` findable by `key` (unless another page already is)."""
+    if self.enable_prefix_caching:
+      self._hash[page], self._tokens[page] = key, tokens
+      self._cached.setdefault(key, page)
 
   def free(self, table: Sequence[int]) -> None:
     """Drops one reference to each page of `table`.

@@ -38,6 +38,9 @@ class PrefillChunk:
   # Set for a request that asked for prompt logprobs: the token after each of token_ids (one
   # fewer on the last chunk, whose next token is sampled). The engine then scores them.
   prompt_logprob_targets: Sequence[int] | None = None
+  # With window pages (EngineInfo.window): the local layers' table, indexed as page_table; pages
+  # no query of this chunk or later can see are 0 (the scratch page).
+  window_table: Sequence[int] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,8 @@ class StepPlan:
   # Slots that decode one token this step; each reads its input token and position from the
   # engine's decode state, so planning step n+1 needs no value from step n.
   decode_slots: Sequence[int] = ()
-  # [num_slots, width] page tables for decode (rows of idle slots are ignored).
+  # [num_slots, width] page tables for decode (rows of idle slots are ignored); with window
+  # pages, [num_slots, 2 * width]: each slot's table, then its window table.
   page_tables: np.ndarray | None = None
 
   @property
@@ -86,6 +90,11 @@ class EngineInfo:
   prefill_buckets: tuple[int, ...] = ()
   dtype: str = "float32"
   max_prefill_seqs: int | None = None  # Prompts one step may prefill (None: any number).
+  # Window pages: the local layers' sliding window, whose pages come from a pool of their own
+  # (num_window_pages, scratch page included) and are freed once no later query can see them.
+  # None: every layer keeps every page.
+  window: int | None = None
+  num_window_pages: int = 0
 
 
 class Engine(Protocol):

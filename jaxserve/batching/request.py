@@ -74,6 +74,8 @@ class Request:
   # Scheduler state, reset by a preemption.
   slot: int | None = None
   page_table: list[int] = dataclasses.field(default_factory=list)
+  # With window pages: the local layers' pages, indexed as page_table (0: not held).
+  window_table: list[int] = dataclasses.field(default_factory=list)
   num_prefill_tokens: int = 0  # Tokens the current admission must prefill (prompt + outputs).
   num_computed_tokens: int = 0
   num_pending_tokens: int = 0

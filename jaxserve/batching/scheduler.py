@@ -22,11 +22,12 @@ import bisect
 import collections
 import dataclasses
 import heapq
+import itertools
 import time
 
 import numpy as np
 
-from jaxserve.batching.kv_pages import PageAllocator
+from jaxserve.batching.kv_pages import PageAllocator, prefix_keys
 from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
@@ -53,12 +54,18 @@ class Scheduler:
     self._max_prefill_seqs = info.max_prefill_seqs  # Prompts one step may hold.
     prefix_caching = config.enable_prefix_caching and info.can_share_pages
     self.pages = PageAllocator(info.num_pages, info.page_size, prefix_caching)
+    # Window pages: the local layers' pages, in a pool of their own, held only while some query
+    # to come can see them (their window); every running request can always get its window's.
+    self.window = info.window
+    self.window_pages = (PageAllocator(info.num_window_pages, info.page_size, prefix_caching)
+                         if self.window else None)
     self.waiting = RequestQueue(config.policy)
     self.running: list[Request] = []  # Sorted by order_key: the last one is preempted first.
     self._free_slots = list(range(info.num_slots))  # A heap: the lowest free slot is used first.
     self._released: list[int] = []
     self._max_pages_per_seq = self.pages.num_pages_for(info.max_model_len)
-    self._tables = np.zeros((info.num_slots, self._max_pages_per_seq), np.int32)  # [S, W]
+    groups = 2 if self.window else 1  # Each slot's table, then its window table.
+    self._tables = np.zeros((info.num_slots, groups * self._max_pages_per_seq), np.int32)  # [S, G * W]
     self._decode_widths = info.decode_widths
     self.num_steps = 0
     self.num_prefill_tokens = 0  # Prefill tokens computed (recomputation included).
@@ -162,6 +169,8 @@ class Scheduler:
       if not self.pages.append_page(table):
         return False
       self._tables[req.slot, len(table) - 1] = table[-1]
+    if self.window:
+      self._sync_window(req, num_tokens - 1, num_tokens)
     return True
 
   def _preempt(self, req: Request) -> None:
@@ -198,12 +207,55 @@ class Scheduler:
   def _can_admit(self, req: Request) -> bool:
     # The reserve is headroom for other requests' decode; alone, a request may use every page.
     reserve = self.config.reserve_pages if self.running else 0
-    return bool(self._free_slots) and self.pages.can_allocate(
-        req.all_token_ids, reserve, reuse=not _wants_prompt_logprobs(req))
+    return bool(self._free_slots) and self.pages.can_allocate(req.all_token_ids, reserve,
+                                                              *self._reuse(req))
+
+  def _reuse(self, req: Request) -> tuple[bool, int | None]:
+    """(reuse, max_hits) of `req`'s allocation. Prompt logprobs need every position computed:
+    the cache keeps KV, not logits (as vLLM). With window pages a cached prefix is only as good
+    as the window pages the window pool still holds for it."""
+    reuse = not _wants_prompt_logprobs(req)
+    return reuse, self._window_hits(req.all_token_ids) if reuse and self.window else None
+
+  def _window_hits(self, token_ids) -> int:
+    """The most leading cached pages a request may reuse with window pages: those whose window
+    (the pages its first computed position attends to) the window pool also holds."""
+    keys = []
+    for key, tokens in prefix_keys(token_ids, self.page_size):
+      if self.pages.find(key, tokens) is None:
+        break
+      keys.append((key, tokens))
+    for n in range(len(keys), 0, -1):
+      if all(self.window_pages.find(*keys[i]) is not None
+             for i in range(self._first_window_page(n * self.page_size), n)):
+        return n
+    return 0
+
+  def _first_window_page(self, position: int) -> int:
+    """The first page a local layer's query at `position` attends to."""
+    return max(0, position - self.window + 1) // self.page_size
+
+  def _sync_window(self, req: Request, start: int, end: int) -> None:
+    """Holds the window pages positions [start, end) attend to, and frees those before them,
+    which no later position sees. Held pages are always one run, so the dead ones sit just
+    below it."""
+    table, first, W = req.window_table, self._first_window_page(start), self._max_pages_per_seq
+    table.extend([0] * ((end - 1) // self.page_size + 1 - len(table)))
+    i = first - 1
+    while i >= 0 and table[i]:
+      self.window_pages.free([table[i]])
+      table[i] = self._tables[req.slot, W + i] = 0
+      i -= 1
+    for i in range(first, len(table)):
+      if not table[i]:
+        page = self.window_pages.take()
+        if page is None:  # The pool holds every slot's largest window: never reached.
+          raise RuntimeError("the window page pool is exhausted")
+        table[i] = self._tables[req.slot, W + i] = page
 
   def _admit(self, req: Request) -> None:
-    # Prompt logprobs need every position computed: the cache keeps KV, not logits (as vLLM).
-    table, num_cached = self.pages.allocate(req.all_token_ids, reuse=not _wants_prompt_logprobs(req))
+    reuse, max_hits = self._reuse(req)
+    table, num_cached = self.pages.allocate(req.all_token_ids, reuse, max_hits)
     req.slot = heapq.heappop(self._free_slots)
     req.page_table = table
     req.num_prefill_tokens = len(req.all_token_ids)
@@ -215,6 +267,13 @@ class Scheduler:
     if req.timings.admitted is None:
       req.timings.admitted = time.monotonic()
     self._tables[req.slot, :len(table)] = table
+    if self.window:  # The cached pages' window part, from the window pool.
+      n, W = req.num_cached_pages, self._max_pages_per_seq
+      keys = list(itertools.islice(prefix_keys(req.all_token_ids, self.page_size), n))
+      req.window_table = [0] * n
+      for i in range(self._first_window_page(num_cached), n):
+        page = req.window_table[i] = self._tables[req.slot, W + i] = self.window_pages.find(*keys[i])
+        self.window_pages.hold(page)
     bisect.insort(self.running, req, key=self._key)
     self.num_cached_tokens += num_cached
 
@@ -225,17 +284,21 @@ class Scheduler:
       end = start + min(req.num_prefill_tokens - start, budget, self.max_prefill_len)
       is_last = end == req.num_prefill_tokens
       targets = tuple(req.all_token_ids[start + 1:end + 1]) if _wants_prompt_logprobs(req) else None
+      if self.window:
+        self._sync_window(req, start, end)
       chunks.append(PrefillChunk(
           req.request_id, req.slot, tuple(req.all_token_ids[start:end]), start,
           tuple(req.page_table), is_last, req.sampling, req.seed,
           prompt_token_ids=req.prompt_token_ids if is_last else (),
           output_token_ids=tuple(req.output_token_ids) if is_last else (),
-          prompt_logprob_targets=targets))
+          prompt_logprob_targets=targets, window_table=tuple(req.window_table)))
       reqs.append(req)
       budget -= end - start
       self.num_prefill_tokens += end - start
       req.num_computed_tokens = end
       req.num_pending_tokens += is_last
+      if self.window:  # One chunk a step: a second one's window would free the first's pages.
+        break
     self._cache_full_pages(req)
     return budget
 
@@ -244,11 +307,18 @@ class Scheduler:
     num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.page_size
     if num_full > req.num_cached_pages:
       self.pages.cache_pages(req.page_table, req.all_token_ids, req.num_cached_pages, num_full)
+      for i in range(req.num_cached_pages, min(num_full, len(req.window_table))):
+        if req.window_table[i]:  # Still held: its local layers' KV is findable too.
+          tokens = tuple(req.all_token_ids[i * self.page_size:(i + 1) * self.page_size])
+          self.window_pages.register(req.window_table[i], self.pages.key_of(req.page_table[i]), tokens)
       req.num_cached_pages = num_full
 
   def _release(self, req: Request) -> None:
     self.pages.free(req.page_table)
     req.page_table = []
+    if self.window:
+      self.window_pages.free([page for page in req.window_table if page])
+      req.window_table = []
     self.running.remove(req)
     self._tables[req.slot] = 0
     heapq.heappush(self._free_slots, req.slot)
@@ -256,10 +326,12 @@ class Scheduler:
     req.slot = None
 
   def _decode_page_tables(self, decodes: list[Request]) -> np.ndarray:
-    """[num_slots, width]: the narrowest width the engine decodes at that holds every table."""
+    """[num_slots, width]: the narrowest width the engine decodes at that holds every table
+    (with window pages, [num_slots, 2 * width]: that many columns of both tables)."""
     longest = max(len(r.page_table) for r in decodes)
     width = next(w for w in self._decode_widths if w >= longest)
-    return self._tables[:, :width].copy()
+    S, groups = self._tables.shape[0], 2 if self.window else 1
+    return self._tables.reshape(S, groups, -1)[:, :, :width].reshape(S, groups * width)
 
 
 def _wants_prompt_logprobs(req: Request) -> bool:

@@ -19,10 +19,6 @@ class KVLayout(enum.Enum):
 
   # [layers, pages, page_size, kv_heads, head_dim], K and V in separate arrays.
   PAGED_TOKEN_MAJOR = "paged_token_major"
-  # [layers, kv_heads, pages, page_size, head_dim]: one head's positions are adjacent.
-  PAGED_HEAD_MAJOR = "paged_head_major"
-  # [layers, pages, 2, page_size, kv_heads, head_dim]: one array, each page holds its K then its V.
-  PAGED_KV_INTERLEAVED = "paged_kv_interleaved"
   # [layers, slots, max_len / page_size, page_size, kv_heads, head_dim] (JetStream/MaxText):
   # each slot owns max_len adjacent positions; the engine hands slot s the identity page table
   # of its own region, so the scheduler must run it without prefix caching.
@@ -81,6 +77,9 @@ class EngineConfig:
   kv_dtype: KVDtype | None = None  # None: the same as `dtype`.
   attention_backend: AttentionBackend | None = None  # None: picked from the platform.
   compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None turns it off.
+  # Sliding-window (local) layers keep only the pages their window can still touch, in a pool of
+  # their own (model/kv_cache.py WindowedKV); False: every layer keeps every page.
+  window_pages: bool = True
   tp: int = 1  # Tensor parallel: devices the weights and KV heads are split over (mesh axis `model`).
   dp: int = 1  # Data parallel: groups the decode slots are split over (mesh axis `data`).
 
@@ -135,6 +134,13 @@ def width_buckets(max_pages: int, smallest: int = 8) -> tuple[int, ...]:
     widths.append(w)
     w *= 2
   return tuple(widths) + (max_pages,)
+
+
+def window_pages_per_seq(window: int, page_size: int, chunk: int = 1) -> int:
+  """Pages a local layer's window can touch in one step of `chunk` new tokens: their keys span
+  window - 1 + chunk consecutive positions, one page more than they fill when they straddle a
+  boundary. chunk 1 (decode): 1 + ceil((window - 1) / page_size)."""
+  return 1 + -(-(window + chunk - 2) // page_size)
 
 
 class QueuePolicy(enum.Enum):

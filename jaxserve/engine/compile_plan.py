@@ -31,7 +31,6 @@ from jaxserve.engine.step_args import Packer
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionSpec
 from jaxserve.model.families import model_class
-from jaxserve.model.kv_cache import KVCache
 from jaxserve.planning import capacity
 
 _KERNELS = {targets.Platform.TPU: AttentionBackend.PALLAS_TPU,
@@ -68,12 +67,12 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
     raise ValueError("compiling for a target covers tensor parallelism (--tp) only, not --dp")
   config = engine_config_for(config, backend)
   graphdef, params = abstract_weights(model, config.dtype.value)
-  cache = jax.eval_shape(lambda: KVCache.create(model, config))
+  cache = jax.eval_shape(lambda: kv_cache.create(model, config))
   state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   mesh = placement.make_mesh(config.tp, 1, devices=list(devices)) if config.tp > 1 else None
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh))
-  packer = Packer(config, model.vocab_size, None)
+  packer = Packer(config, model.vocab_size, None, 2 if kv_cache.num_window_pages(model, config) else 1)
   abstract = lambda args: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
   programs = []
   for scored, shapes in ((False, packer.shapes()), (True, packer.scored_shapes())):
@@ -117,10 +116,11 @@ def kv_pool(model: ModelConfig, config: EngineConfig) -> dict[str, int]:
   sequence can use (the scratch page holds none), bytes (all devices'; `device_bytes`: each
   one's, under tp). The layout is the kernels' unless the config names one."""
   config = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
-  cache = jax.eval_shape(lambda: KVCache.create(model, config))
+  cache = jax.eval_shape(lambda: kv_cache.create(model, config))
   pages, size = cache.num_pages, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  window = cache.window.num_pages if isinstance(cache, kv_cache.WindowedKV) else 0
   return {"pages": pages, "page_size": config.page_size, "tokens": (pages - 1) * config.page_size,
-          "bytes": size, "device_bytes": size // config.tp}
+          "bytes": size, "device_bytes": size // config.tp, "window_pages": window}
 
 
 def compile_engine(target: str, model: ModelConfig, config: EngineConfig) -> dict[str, Any]:
@@ -150,7 +150,8 @@ def _size_pool(target, model, config, budget) -> list[tuple[int, list]]:
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   # Today's engine sizes from the weights alone: the most pages there can be.
   ceiling = capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
-                                   kv_cache.kv_dtype_of(config), weights)  # tp: each holds 1/tp.
+                                   kv_cache.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
+                                   kv_cache.num_window_pages(model, config))
   p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
   base = run(p0)
   tries = [(p0, base)]

@@ -29,7 +29,7 @@ from jaxserve.engine.step import step as step_fn
 from jaxserve.engine.step_args import Packer, StepArgs
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionSpec
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import WindowedKV
 from jaxserve.model.llama import Transformer
 from jaxserve.planning import capacity
 
@@ -204,7 +204,7 @@ class Engine:
       # Committed to the device, as every step's outputs are: an uncommitted first input would
       # make the first shape warm-up compiles a different program from the one serving calls.
       device = jax.local_devices()[0]
-      self.cache = jax.device_put(KVCache.create(model.cfg, config), device)
+      self.cache = jax.device_put(kv_cache.create(model.cfg, config), device)
       self.state = jax.device_put(self.state, device)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
@@ -212,11 +212,14 @@ class Engine:
     self.max_model_len = fit_to_pool(self.max_model_len, self.num_pages, self.page_size)
     self._slot_page_tables = kv_cache.slot_page_tables(config)
     self.can_share_pages = self._slot_page_tables is None  # A slot's own region holds no one else's KV.
-    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables)
+    windowed = isinstance(self.cache, WindowedKV)
+    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables, 2 if windowed else 1)
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                            self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
-                           (self.packer.width,), config.prefill_buckets, config.dtype.value,
-                           config.max_prefill_seqs)
+                           (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
+                           config.max_prefill_seqs,
+                           window=model.cfg.sliding_window if windowed else None,
+                           num_window_pages=self.cache.window.num_pages if windowed else 0)
     # The cache and decode state are donated: each step updates them in place.
     self._step = jax.jit(functools.partial(step_fn, graphdef, attn=attn),
                          donate_argnums=(1, 2), **step_out)
@@ -335,7 +338,8 @@ def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
   memory = device_memory_bytes(device)
   pages = capacity.num_kv_pages(model.cfg, memory * config.tp, config.memory_fraction,
                                   config.page_size, kv_cache.kv_dtype_of(config),
-                                  weight_bytes * config.tp)
+                                  weight_bytes * config.tp,
+                                  kv_cache.num_window_pages(model.cfg, config))
   if jax.process_count() > 1:  # Every process must build the same cache shape: the smallest pool.
     pages = int(np.min(multihost_utils.process_allgather(np.int32(pages))))
   logging.info("KV pool: %d pages of %d tokens (%d tokens) from %.0f%% of %.2f GiB on %s, "

@@ -15,8 +15,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.model import axes
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model import axes, kv_cache
+from jaxserve.model.kv_cache import KVCache, WindowedKV
 
 
 def make_mesh(tp: int, dp: int = 1, devices=None) -> Mesh:
@@ -56,9 +56,12 @@ def param_shardings(mesh: Mesh, state: nnx.State) -> nnx.State:
                       specs, state, is_leaf=is_spec)
 
 
-def cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
+def cache_sharding(mesh: Mesh, cache: KVCache | WindowedKV) -> KVCache | WindowedKV:
   """By KV head over `model` (and by slot over `data` for a layout with a slot axis), for every
   array of `cache` (abstract or concrete): values and, when quantized, their scales."""
+  if isinstance(cache, WindowedKV):
+    return dataclasses.replace(cache, full=cache_sharding(mesh, cache.full),
+                               window=cache_sharding(mesh, cache.window))
   spec = axes.cache_spec(cache.axes)
   return jax.tree.map(lambda _: NamedSharding(mesh, spec), cache)
 
@@ -85,7 +88,7 @@ class EngineShardings:
 
   mesh: Mesh
   params: nnx.State
-  cache: KVCache
+  cache: KVCache | WindowedKV
   state: object  # DecodeState of NamedShardings.
   replicated: NamedSharding
 
@@ -93,7 +96,7 @@ class EngineShardings:
   def create(cls, mesh: Mesh, cfg: ModelConfig, config: EngineConfig, params: nnx.State,
              decode_state) -> EngineShardings:
     axes.check_divisible(cfg, mesh.shape[axes.MODEL], mesh.shape[axes.DATA], config.num_slots)
-    cache = jax.eval_shape(lambda: KVCache.create(cfg, config))
+    cache = jax.eval_shape(lambda: kv_cache.create(cfg, config))
     return cls(mesh, param_shardings(mesh, params), cache_sharding(mesh, cache),
                slots_sharding(mesh, decode_state), replicated(mesh))
 
@@ -115,6 +118,6 @@ class EngineShardings:
       return jax.tree.map(lambda x: one(x, shardings), tree)
     return jax.tree.map(one, tree, shardings)
 
-  def create_cache(self, model_cfg: ModelConfig, config: EngineConfig) -> KVCache:
+  def create_cache(self, model_cfg: ModelConfig, config: EngineConfig) -> KVCache | WindowedKV:
     """The cache allocated shard by shard: the whole cache may not fit on any one device."""
-    return jax.jit(lambda: KVCache.create(model_cfg, config), out_shardings=self.cache)()
+    return jax.jit(lambda: kv_cache.create(model_cfg, config), out_shardings=self.cache)()

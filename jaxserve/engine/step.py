@@ -21,7 +21,7 @@ from flax import nnx
 from jaxserve.engine.prompt_logprobs import score_prompt
 from jaxserve.engine.sample import SamplingState, sample
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 
 
 @jax.tree_util.register_dataclass
@@ -37,7 +37,7 @@ class DecodeState:
     return cls(zeros(), zeros(), SamplingState.create(num_slots, vocab_size))
 
 
-def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *,
+def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args, stop_ids, *,
          attn: AttentionSpec):
   """args: engine.step_args.StepArgs of device arrays -> (cache, state, out [B, 2 + 2 * n]), and
   PromptLogprobs [Tp] last when args.prefill_targets is set.
@@ -55,7 +55,7 @@ def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *
   starts = _cat(jnp.where(live[:D], read(state.positions), 0), args.prefill_starts)
   q_lens = _cat(jnp.ones(D, jnp.int32), args.prefill_lens)  # [B]
   kv_lens = starts + q_lens  # [B]: where each sequence's sampled token will sit.
-  tables = _cat(args.decode_tables, args.prefill_tables)  # [B, W]
+  tables = _cat(args.decode_tables, args.prefill_tables)  # [B, G * W]
   tokens = _cat(read(state.tokens), args.prefill_tokens)  # [T]
 
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
@@ -64,10 +64,13 @@ def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *
   seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1, 0, B - 1).astype(jnp.int32)
   real = (tok < cu_q_lens[-1]) & live[seq]  # [T]
   positions = jnp.where(real, starts[seq] + tok - cu_q_lens[seq], 0)  # [T]
-  page = tables[seq, jnp.minimum(positions // Z, tables.shape[1] - 1)]
-  page = jnp.where(real, page, SCRATCH_PAGE)
+  G = 2 if isinstance(cache, WindowedKV) else 1  # Page groups: each has its own table.
+  W = tables.shape[1] // G
+  column = jnp.minimum(positions // Z, W - 1)
+  page = jnp.stack([tables[seq, g * W + column] for g in range(G)])  # [G, T]
+  page = jnp.where(real[None], page, SCRATCH_PAGE)
   meta = AttentionMetadata(
-      positions=positions[None], cache_index=(page * Z + positions % Z)[None],
+      positions=positions[None], cache_index=page * Z + positions % Z,
       page_tables=tables, kv_lens=jnp.where(live, kv_lens, jnp.minimum(kv_lens, 1)),
       cu_q_lens=cu_q_lens, sample_rows=jnp.maximum(cu_q_lens[1:] - 1, 0),
       block_rows=args.block_rows, block_seq=args.block_seq, num_decode_rows=D)

@@ -65,6 +65,7 @@ class Packer:
   config: EngineConfig
   vocab_size: int
   slot_page_tables: np.ndarray | None  # The contiguous layout's own tables, else None.
+  page_groups: int = 1  # 2 with window pages: each sequence's table, then its window table.
 
   @property
   def query_block(self) -> int:  # Tb
@@ -74,8 +75,9 @@ class Packer:
   def width(self) -> int:
     """W: every step takes whole page tables. The kernels read only each sequence's own pages;
     the jnp attention picks, on the device, the narrowest width that holds the step's longest
-    sequence (model/attention.py), so no table width is a separate program."""
-    return self.config.max_pages_per_seq
+    sequence (model/attention.py), so no table width is a separate program. With window pages
+    a row holds both tables: 2 * max_pages_per_seq."""
+    return self.page_groups * self.config.max_pages_per_seq
 
   def shapes(self) -> list[StepShape]:
     """Every shape warm-up compiles: decode-only steps at each decode bucket; prefill-only
@@ -213,7 +215,12 @@ class Packer:
   def _table_row(self, ch: PrefillChunk) -> np.ndarray:
     if self.slot_page_tables is not None:
       return self.slot_page_tables[ch.slot]
-    return np.asarray(ch.page_table, np.int32)
+    if self.page_groups == 1:
+      return np.asarray(ch.page_table, np.int32)
+    W = self.config.max_pages_per_seq
+    row = np.full(2 * W, SCRATCH_PAGE, np.int32)
+    row[:len(ch.page_table)], row[W:W + len(ch.window_table)] = ch.page_table, ch.window_table
+    return row
 
 
 def merge_chunks(chunks: Sequence[PrefillChunk]) -> list[PrefillChunk]:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import AttentionBackend, KVLayout
 from jaxserve.config.engine import width_buckets
 from jaxserve.model import axes
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache, WindowedKV
 
 _MASKED = -1e30  # Finite, so a fully masked row (an idle slot) gives zeros, never NaN.
 
@@ -32,8 +32,10 @@ class AttentionMetadata:
   `num_decode_rows` sequences are decode rows of one token each (engine/step_args.py)."""
 
   positions: jax.Array  # [1, T] absolute position of each token.
-  cache_index: jax.Array  # [1, T] flat cache slot (page * Z + offset) each token's K/V goes to.
-  page_tables: jax.Array  # [B, W] pages of each sequence.
+  # [G, T] flat cache slot (page * Z + offset) each token's K/V goes to in each page group's pool
+  # (G = 1, or 2 for a WindowedKV: the full pool, then the window pool).
+  cache_index: jax.Array
+  page_tables: jax.Array  # [B, G * W] pages of each sequence: each group's table, side by side.
   kv_lens: jax.Array  # [B] valid KV positions of each sequence once this step's K/V is written.
   cu_q_lens: jax.Array  # [B + 1] int32 from 0: cumulative new tokens per sequence.
   sample_rows: jax.Array  # [B] the packed row of each sequence's last token (its logits).
@@ -52,6 +54,13 @@ class AttentionMetadata:
                block_rows=jnp.arange(n)[None], block_seq=jnp.zeros(1, jnp.int32))
 
 
+  def group(self, g: int, num_groups: int) -> AttentionMetadata:
+    """The metadata of page group g's layers: their page tables and cache slots only."""
+    W = self.page_tables.shape[1] // num_groups
+    return dataclasses.replace(self, page_tables=self.page_tables[:, g * W:(g + 1) * W],
+                               cache_index=self.cache_index[g:g + 1])
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
   """How attention runs: static, part of every compiled step's identity."""
@@ -61,23 +70,46 @@ class AttentionSpec:
   mesh: Mesh | None = None
 
 
-def attend(q, k, v, cache: KVCache, layer, meta: AttentionMetadata, spec: AttentionSpec,
-           window=None, local_window: int | None = None):
+def attend(q, k, v, cache: KVCache | WindowedKV, layer, meta: AttentionMetadata,
+           spec: AttentionSpec, window=None, local_window: int | None = None):
   """q [1, T, N, H], the step's new k, v [1, T, K, H] -> (out [1, T, N, H], cache with k, v
   written). `window` (a scalar, may be traced): each query sees only the last `window`
   positions, its own included; `local_window` (static) is the one value below "all" it takes,
   which the kernels need at compile time."""
+  if isinstance(cache, WindowedKV):
+    return _attend_windowed(q, k, v, cache, layer, meta, spec, local_window)
   if spec.backend is AttentionBackend.REFERENCE:
     cache = cache.write(layer, meta.cache_index, k, v)  # One scatter (per array) for the step.
     return attend_reference(q, cache, layer, meta, window), cache
   platform = _KERNEL_PLATFORM[spec.backend]
   kernel = lambda q, k, v, cache, layer, meta: _attend_pallas(q, k, v, cache, layer, meta, platform)
-  if window is not None:  # Two kernels, one with the window compiled in; the layer picks one.
+  if isinstance(window, int):  # Static: a window pool's layer, always local.
+    kernel = lambda *a: _attend_pallas(*a, platform, window)
+  elif window is not None:  # Two kernels, one with the window compiled in; the layer picks one.
     full, local = kernel, lambda *a: _attend_pallas(*a, platform, local_window)
     kernel = lambda *a: jax.lax.cond(window > local_window, full, local, *a)
   if spec.mesh is None or axes.MODEL not in spec.mesh.axis_names:
     return kernel(q, k, v, cache, layer, meta)
   return attend_per_shard(kernel, q, k, v, cache, layer, meta, spec.mesh)
+
+
+def _attend_windowed(q, k, v, cache: WindowedKV, layer, meta: AttentionMetadata,
+                     spec: AttentionSpec, local_window: int):
+  """A local layer reads and writes the window pool through the window tables (positions
+  outside its window are masked; the entries of pages it freed name the scratch page), a global
+  layer the full pool; one branch runs, picked on the device by the scanned layer index."""
+  index = jnp.asarray(cache.index, jnp.int32)[layer]
+
+  def full(c: WindowedKV):
+    out, kv = attend(q, k, v, c.full, index, meta.group(0, 2), spec)
+    return out, dataclasses.replace(c, full=kv)
+
+  def local(c: WindowedKV):
+    out, kv = attend(q, k, v, c.window, index, meta.group(1, 2), spec, window=local_window,
+                     local_window=local_window)
+    return out, dataclasses.replace(c, window=kv)
+
+  return jax.lax.cond(jnp.asarray(cache.is_window)[layer], local, full, cache)
 
 
 def attend_per_shard(attend, q, k, v, cache: KVCache, layer, meta: AttentionMetadata, mesh: Mesh):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import Dtype, EngineConfig, KVDtype, KVLayout, ModelConfig
+from jaxserve.config.engine import window_pages_per_seq
 
 SCRATCH_PAGE = 0
 
@@ -95,30 +96,6 @@ def _token_major_gather(a, b, layer, tables, Z):
   return _flat_gather(a[layer, tables], B, Z), _flat_gather(b[layer, tables], B, Z)
 
 
-def _head_major_write(a, b, layer, page, offset, k, v, Z):
-  # Advanced indices split by a slice: the indexed shape is [B, T, K, X], k's own shape.
-  return a.at[layer, :, page, offset].set(k), b.at[layer, :, page, offset].set(v)
-
-
-def _head_major_gather(a, b, layer, tables, Z):
-  B = tables.shape[0]
-  # x[layer][:, tables] is [K, B, W, Z, X]; heads move behind the positions: [B, W, Z, K, X].
-  to_token_major = lambda x: _flat_gather(jnp.moveaxis(x[layer][:, tables], 0, 3), B, Z)
-  return to_token_major(a), to_token_major(b)
-
-
-def _interleaved_write(a, b, layer, page, offset, k, v, Z):
-  kv = jnp.stack([k, v], axis=2)  # [B, T, 2, K, X]: one scatter writes both.
-  which = jnp.arange(2)[None, None, :]  # [1, 1, 2]
-  return a.at[layer, page[..., None], which, offset[..., None]].set(kv), None
-
-
-def _interleaved_gather(a, b, layer, tables, Z):
-  g = a[layer, tables]  # [B, W, 2, Z, K, X]: each page's K and V come in one read.
-  B = tables.shape[0]
-  return _flat_gather(g[:, :, 0], B, Z), _flat_gather(g[:, :, 1], B, Z)
-
-
 def _contiguous_write(a, b, layer, page, offset, k, v, Z):
   L, S, W = a.shape[:3]
   # Page p >= 1 is position (p - 1) * Z of the [S * W * Z] positions; scratch writes go out of
@@ -166,14 +143,6 @@ _LAYOUTS = {
     KVLayout.PAGED_TOKEN_MAJOR: _Layout(
         shape=lambda L, P, Z, K, X, S, W: (L, P, Z, K, X), separate=True,
         write=_token_major_write, gather=_token_major_gather, axes=_TOKEN_AXES),
-    KVLayout.PAGED_HEAD_MAJOR: _Layout(
-        shape=lambda L, P, Z, K, X, S, W: (L, K, P, Z, X), separate=True,
-        write=_head_major_write, gather=_head_major_gather,
-        axes=("layers", "kv_heads", "pages", "page_tokens", "head_dim")),
-    KVLayout.PAGED_KV_INTERLEAVED: _Layout(
-        shape=lambda L, P, Z, K, X, S, W: (L, P, 2, Z, K, X), separate=False,
-        write=_interleaved_write, gather=_interleaved_gather,
-        axes=("layers", "pages", "kv", "page_tokens", "kv_heads", "head_dim")),
     KVLayout.RAGGED: _Layout(
         shape=None, separate=False, write=None, gather=None,  # KVCache handles it (groups).
         axes=("layers", "pages", "page_tokens", "kv_lanes")),
@@ -202,10 +171,14 @@ class KVCache:
   AXES = _TOKEN_AXES
 
   @classmethod
-  def create(cls, model: ModelConfig, engine: EngineConfig) -> KVCache:
+  def create(cls, model: ModelConfig, engine: EngineConfig, num_layers: int | None = None,
+             num_pages: int | None = None) -> KVCache:
+    """Every layer of `model` in `engine.num_pages` pages, or `num_layers` of them in
+    `num_pages` (one page group of a `WindowedKV`)."""
     kv_layout = engine.kv_layout or KVLayout.PAGED_TOKEN_MAJOR  # None: the engine had no say.
     layout, kv_dtype = _LAYOUTS[kv_layout], kv_dtype_of(engine)
-    dims = (model.num_layers, engine.num_pages, engine.page_size, model.num_kv_heads)
+    dims = (num_layers or model.num_layers, num_pages or engine.num_pages, engine.page_size,
+            model.num_kv_heads)
     shape = lambda X: layout.shape(*dims, X, engine.num_slots, engine.max_pages_per_seq)
     ragged = None
     if kv_layout is KVLayout.RAGGED:
@@ -271,6 +244,57 @@ class KVCache:
       return dequantize(k, None), dequantize(v, None)
     ks, vs = lay.gather(self.k_scale, self.v_scale, layer, page_tables, Z)
     return dequantize(k, ks), dequantize(v, vs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WindowedKV:
+  """Two page pools, for a model with sliding-window (local) layers: `full` holds the global
+  layers' KV of every position, `window` the local layers' KV of only the pages their window can
+  still touch (the scheduler frees the others). A page table names pages of one pool; a step's
+  tables hold both, [B, 2 * W] (AttentionMetadata). Layer l is layer `index[l]` of its pool."""
+
+  full: KVCache
+  window: KVCache
+  is_window: tuple[bool, ...] = dataclasses.field(metadata=dict(static=True))  # [L]
+  index: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # [L]
+
+  @classmethod
+  def create(cls, model: ModelConfig, engine: EngineConfig) -> WindowedKV:
+    local = tuple(model.local_layers)
+    num_local = sum(local)
+    index = tuple(sum(local[:l]) if w else l - sum(local[:l]) for l, w in enumerate(local))
+    return cls(KVCache.create(model, engine, num_layers=model.num_layers - num_local),
+               KVCache.create(model, engine, num_layers=num_local,
+                              num_pages=num_window_pages(model, engine)),
+               is_window=local, index=index)
+
+  page_size = property(lambda self: self.full.page_size)
+  num_pages = property(lambda self: self.full.num_pages)  # Pages a full-pool table may name.
+  layout = property(lambda self: self.full.layout)
+  kv_dtype = property(lambda self: self.full.kv_dtype)
+
+  @property
+  def num_bytes(self) -> int:
+    return self.full.num_bytes + self.window.num_bytes
+
+
+def num_window_pages(model: ModelConfig, engine: EngineConfig) -> int:
+  """Pages of the window pool, scratch page 0 included, when the local layers keep only their
+  window's pages (engine.window_pages; not the contiguous layout, whose slots own their
+  regions); 0 when every layer keeps every page. Each slot holds at most
+  `window_pages_per_seq` of them, so the pool never runs out."""
+  if not (engine.window_pages and any(model.local_layers)) or engine.kv_layout is KVLayout.CONTIGUOUS:
+    return 0
+  per_seq = window_pages_per_seq(model.sliding_window, engine.page_size, engine.prefill_buckets[-1])
+  if per_seq >= engine.max_pages_per_seq:  # The window holds the whole context: nothing to free.
+    return 0
+  return 1 + engine.num_slots * per_seq
+
+
+def create(model: ModelConfig, engine: EngineConfig) -> KVCache | WindowedKV:
+  """The engine's cache: one pool, or two when the local layers keep only their window."""
+  return WindowedKV.create(model, engine) if num_window_pages(model, engine) else KVCache.create(model, engine)
 
 
 def slot_page_tables(engine: EngineConfig) -> np.ndarray | None:

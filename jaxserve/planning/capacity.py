@@ -20,10 +20,10 @@ its last `sliding_window` positions only, so it need keep only the pages those c
 than it fills), while a global layer keeps the whole context. Per conversation, in pages of
 one layer:  global_layers * ceil(context / page_size) + local_layers * window_pages.
 Gemma 3 270M at 32,768 tokens, pages of 16: 3 * 2,048 + 15 * 33 = 6,639 instead of
-18 * 2,048 = 36,864 (5.6x less). The engine keeps every layer's whole context today (issue 16's
-page freeing comes after the ragged step); `plan_capacity(window_only=True)` is what it will hold.
-A prefill chunk of T tokens briefly needs T - 1 more positions in each local layer: the per-chunk
-pages are left to the reserve's overhead.
+18 * 2,048 = 36,864 (5.6x less). The engine does this by default (EngineConfig.window_pages): its
+local layers' pages are a pool of their own, num_slots * window_pages_per_seq(window, Z, chunk)
+pages, enough for every slot's window plus the T - 1 more positions a prefill chunk of T tokens
+briefly needs; the rest of the memory is the global layers' pool (`num_kv_pages`).
 The engine sizes its page pool with the same arithmetic (`num_kv_pages`); `jaxserve plan`
 prints a plan (`add_plan_parser`, `run_plan`).
 """
@@ -39,6 +39,7 @@ import sys
 import types
 
 from jaxserve.config import KVDtype, ModelConfig, readers
+from jaxserve.config.engine import window_pages_per_seq
 from jaxserve.planning.known_models import KNOWN_MODELS
 
 GIB = 2**30
@@ -93,13 +94,14 @@ def pages_per_conversation(context: int, page_size: int) -> int:
 def window_pages(cfg: ModelConfig, page_size: int) -> int:
   """Pages a local layer's window can touch at once: `sliding_window` consecutive positions
   start anywhere in a page, so they span up to one page more than they fill."""
-  return 1 + -(-(cfg.sliding_window - 1) // page_size)
+  return window_pages_per_seq(cfg.sliding_window, page_size)
 
 
 def layer_pages_per_conversation(cfg: ModelConfig, context: int, page_size: int,
                                  window_only: bool = False) -> int:
-  """Pages, summed over the layers, one conversation of `context` tokens holds. Without
-  `window_only` (today's engine) every layer keeps the whole context."""
+  """Pages, summed over the layers, one conversation of `context` tokens holds between its
+  steps. `window_only` (the engine's default, EngineConfig.window_pages): local layers keep
+  only their window's pages; otherwise every layer keeps the whole context."""
   full = pages_per_conversation(context, page_size)
   num_local = sum(cfg.local_layers) if window_only else 0
   local = min(full, window_pages(cfg, page_size)) if num_local else 0
@@ -171,16 +173,21 @@ def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
 
 
 def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: float,
-                  page_size: int, kv_dtype: KVDtype, weight_bytes: int) -> int:
+                 page_size: int, kv_dtype: KVDtype, weight_bytes: int,
+                 num_window_pages: int = 0) -> int:
   """Pages in the engine's KV pool (scratch page 0 included) on `memory_bytes` of device memory.
 
   The engine may use `memory_fraction` of the memory for weights and KV cache; the rest is the
   reserve for activations and overhead. `weight_bytes` is what the loaded parameters really take.
+  `num_window_pages`: the local layers keep their KV in a window pool of that many pages
+  (model/kv_cache.py), so the pool's pages hold the global layers' KV only.
   """
   if not 0 < memory_fraction <= 1:
     raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-  page = page_size * kv_bytes_per_token(model_cfg, kv_dtype)
-  budget = int(memory_bytes * memory_fraction) - weight_bytes
+  per_layer = page_size * kv_bytes_per_token(model_cfg, kv_dtype) // model_cfg.num_layers
+  num_local = sum(model_cfg.local_layers) if num_window_pages else 0
+  page = per_layer * (model_cfg.num_layers - num_local)
+  budget = int(memory_bytes * memory_fraction) - weight_bytes - num_window_pages * num_local * per_layer
   pages = max(0, budget) // page
   if pages < 2:
     raise ValueError(
@@ -241,7 +248,8 @@ def format_plan(p: CapacityPlan) -> str:
 
 
 def format_window_gain(today: CapacityPlan, windowed: CapacityPlan) -> str:
-  """The lines that set the window-only plan beside today's (every layer keeps every page)."""
+  """The lines that set the window-only plan (what the engine holds by default) beside `today`'s,
+  every layer keeping every page (EngineConfig.window_pages=False)."""
   m, z = windowed.model, windowed.page_size
   num_local = sum(m.local_layers)
   kept = min(window_pages(m, z), pages_per_conversation(windowed.context, z))
@@ -253,7 +261,7 @@ def format_window_gain(today: CapacityPlan, windowed: CapacityPlan) -> str:
       f"  KV per conversation {_fmt(windowed.kv_bytes_per_conversation)} (every layer every page: "
       f"{_fmt(today.kv_bytes_per_conversation)})",
       f"  conversations       {windowed.max_conversations} at {windowed.context} tokens ({gain}); "
-      "the engine keeps every page today (issue 16)",
+      "what the engine holds (window_pages=False: every page)",
   ])
 
 
