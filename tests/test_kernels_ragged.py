@@ -80,7 +80,7 @@ def _prefill_reference(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens):
   kv_lens[b] - q_len[b] + i and attends to positions <= its own over its whole page table;
   padding rows give 0. An independent second reference, gathered per token in jnp."""
   t, n, h = q.shape
-  _, z, k, _ = k_pages.shape
+  k = k_pages.shape[2]
   tok = jnp.arange(t)
   seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, kv_lens.shape[0] - 1)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
