@@ -1,35 +1,16 @@
-"""What the TPU and GPU kernels share: argument checks, block sizes and the online-softmax step.
+"""What the ragged kernel's TPU and GPU variants share: argument checks, block sizes and the
+online-softmax step.
 
 Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax.numpy as jnp
 from jax import lax
 
 # Finite, so `m_prev - m_new` never becomes inf - inf = nan; exp() of it underflows to 0.
 MASK_VALUE = -1e30
-KV_DTYPES = (jnp.float32, jnp.bfloat16)
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedDims:
-  """The static sizes of one call, read off the argument shapes."""
-
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  num_pages: int
-  page_size: int
-  pages_per_seq: int
-
-  @property
-  def group(self) -> int:
-    return self.num_heads // self.num_kv_heads
 
 
 def require(ok: bool, message: str):
@@ -37,50 +18,10 @@ def require(ok: bool, message: str):
     raise ValueError(message)
 
 
-
 def check_int_array(x, name: str, shape: tuple[int, ...]):
   require(getattr(x, "shape", None) == shape, f"{name} must have shape {shape}, got "
                                                f"{getattr(x, 'shape', type(x).__name__)}")
   require(x.dtype == jnp.int32, f"{name} must be int32, got {x.dtype}")
-
-
-def check_paged_args(q, k_pages, v_pages, page_tables, num_seqs: int) -> PagedDims:
-  """Checks what decode and prefill share; raises ValueError naming the bad argument."""
-  require(q.ndim == 3, f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
-  require(k_pages.ndim == 4,
-           f"k_pages must be [num_pages, page_size, num_kv_heads, head_dim], got {k_pages.shape}")
-  require(v_pages.shape == k_pages.shape,
-           f"v_pages must have k_pages' shape {k_pages.shape}, got {v_pages.shape}")
-  require(v_pages.dtype == k_pages.dtype,
-           f"v_pages must have k_pages' dtype {k_pages.dtype}, got {v_pages.dtype}")
-  require(k_pages.dtype in KV_DTYPES, f"k_pages must be float32 or bfloat16, got {k_pages.dtype}")
-  num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-  _, num_heads, q_head_dim = q.shape
-  require(q_head_dim == head_dim, f"q head_dim {q_head_dim} != k_pages head_dim {head_dim}")
-  require(num_heads % num_kv_heads == 0,
-           f"q num_heads {num_heads} must be a multiple of k_pages num_kv_heads {num_kv_heads}")
-  require(page_tables.ndim == 2, f"page_tables must be 2-D, got shape {page_tables.shape}")
-  check_int_array(page_tables, "page_tables", (num_seqs, page_tables.shape[1]))
-  return PagedDims(num_heads, num_kv_heads, head_dim, num_pages, page_size, page_tables.shape[1])
-
-
-def check_decode_args(q, k_pages, v_pages, page_tables, lengths) -> PagedDims:
-  dims = check_paged_args(q, k_pages, v_pages, page_tables, q.shape[0] if q.ndim else -1)
-  check_int_array(lengths, "lengths", (q.shape[0],))
-  return dims
-
-
-def check_prefill_args(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens) -> PagedDims:
-  require(kv_lens.ndim == 1, f"kv_lens must be 1-D [num_seqs], got shape {kv_lens.shape}")
-  num_seqs = kv_lens.shape[0]
-  dims = check_paged_args(q, k_pages, v_pages, page_tables, num_seqs)
-  check_int_array(kv_lens, "kv_lens", (num_seqs,))
-  check_int_array(cu_q_lens, "cu_q_lens", (num_seqs + 1,))
-  return dims
-
-
-def default_scale(sm_scale: float | None, head_dim: int) -> float:
-  return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
 def round_up(x: int, multiple: int) -> int:

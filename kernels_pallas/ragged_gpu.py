@@ -10,7 +10,7 @@ grid-wide barrier. So, unlike the TPU variant, no program reads what another wri
           the pages' new rows are never read in the call that writes them.
 Each program loops over the sequences [seq_lo, seq_hi) that overlap its block and, for each,
 over chunks of keys from the sliding window's first (or 0) to the block's last position, with
-an online softmax per row and rows of other sequences masked (as gpu_prefill.py). Page rows are
+an online softmax per row and rows of other sequences masked. Page rows are
 gathered from the cache viewed as [L * P * Z, Cr / H, H] (a free view: Cr % H == 0 for every
 power-of-two H): KV head h's K is lane group h, its V group K + h.
 Triton needs power-of-two tensor sides >= 16: G is padded to Gp, Gp * Tq >= 16, C >= 16.
@@ -26,9 +26,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas import common, gpu_decode, ragged_reference
+from kernels_pallas import common, ragged_reference
 
 _TARGET_ROWS = 64  # Query rows per program: 64 x H f32 accumulators fit 4 warps.
+
+
+def check_triton_sizes(page_size: int, head_dim: int):
+  if page_size != common.next_pow2(page_size):
+    raise ValueError(f"kv_pages page_size must be a power of two on GPU, got {page_size}")
+  if head_dim != common.next_pow2(head_dim) or head_dim < 16:
+    raise ValueError(f"q head_dim must be a power of two >= 16 on GPU, got {head_dim}")
+
+
+def chunk_pages(pages_per_chunk: int | None, page_size: int) -> int:
+  """Pages per loop step: a power of two, and >= 16 positions (Triton's smallest dot side)."""
+  per_chunk = common.next_pow2(pages_per_chunk or common.pages_per_chunk(page_size))
+  return max(per_chunk, -(-16 // page_size))
 
 
 def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by layer * P)
@@ -116,13 +129,13 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
                            layer, *, dims, sm_scale, sliding_window, pages_per_chunk=None,
                            block_q=None, num_warps=4, interpret=False):
   """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages); layer: int32 scalar."""
-  gpu_decode.check_triton_sizes(dims.page_size, dims.head_dim)
+  check_triton_sizes(dims.page_size, dims.head_dim)
   num_tokens, _, head_dim = q.shape
   group = max(common.next_pow2(dims.group), 1)
   block_q = block_q or common.query_block(num_tokens, group, _TARGET_ROWS, max(1, 16 // group))
   if block_q != common.next_pow2(block_q) or block_q * group < 16:
     raise ValueError(f"block_q must be a power of two with block_q * {group} >= 16, got {block_q}")
-  chunk_len = gpu_decode.chunk_pages(pages_per_chunk, dims.page_size) * dims.page_size
+  chunk_len = chunk_pages(pages_per_chunk, dims.page_size) * dims.page_size
   padded = common.round_up(num_tokens, block_q)
   live = jnp.arange(cu_q_lens.shape[0]) <= num_seqs
   cu_live = jnp.where(live, cu_q_lens, cu_q_lens[num_seqs])  # Later sequences: empty.

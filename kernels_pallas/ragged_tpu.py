@@ -13,8 +13,8 @@ writes the step's new K/V into the pages and every later read must see them:
             last position, double-buffered DMAs of whole pages (K and V in one row), an online
             softmax per row, rows of other sequences masked.
 The cache is read and written through the output ref, aliased to the input, so the kernel works on
-the caller's one copy. Q rows are laid out [K, G, T, E] as in tpu_prefill.py, each KV head's
-queries in the 128-aligned lane window that covers its K lanes (ragged_layout.lane_window).
+the caller's one copy. Q rows are laid out [K, G, T, E], each KV head's queries in the
+128-aligned lane window that covers its K lanes (ragged_layout.lane_window).
 Shape letters: the key in jaxserve/model/__init__.py; R = G * Tq rows, Q pages per chunk,
 C = Q * Z keys.
 """
@@ -173,7 +173,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
                      f"{ragged_layout.sublanes(kv_pages.dtype)} for {kv_pages.dtype} on TPU, "
                      f"got {page_size}")
   dtype = common.compute_dtype(q.dtype, kv_pages.dtype)
-  min_block = tpu_pages.sublanes(dtype)
+  min_block = ragged_layout.sublanes(dtype)
   block_q = block_q or common.query_block(num_tokens, dims.group, _TARGET_ROWS, min_block)
   if block_q % min_block or block_q != common.next_pow2(block_q):
     raise ValueError(f"block_q must be a power of two and a multiple of {min_block}, got {block_q}")

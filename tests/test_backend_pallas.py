@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from conftest import TINY_ENGINE
 
 from jaxserve.batching.plan import PrefillChunk
-from jaxserve.config import AttentionBackend, SamplingParams
-from jaxserve.engine.engine import Engine, default_backend
+from jaxserve.config import AttentionBackend, KVDtype, KVLayout, SamplingParams
+from jaxserve.engine.engine import Engine, default_backend, engine_config_for
 
 GREEDY = SamplingParams(temperature=0, logprobs=1)  # Logprobs are computed only when asked.
 
@@ -39,3 +40,30 @@ def test_pallas_backend_matches_reference(tiny_model):
 
 def test_backend_is_picked_from_the_platform():
   assert default_backend() is AttentionBackend.REFERENCE  # This machine is CPU-only.
+
+
+PALLAS = [AttentionBackend.PALLAS, AttentionBackend.PALLAS_TPU, AttentionBackend.PALLAS_GPU]
+QUANTIZED = [KVDtype.INT8, KVDtype.FLOAT8_E4M3, KVDtype.FLOAT16]
+
+
+@pytest.mark.parametrize("backend", PALLAS, ids=lambda b: b.value)
+@pytest.mark.parametrize("kv_dtype", QUANTIZED, ids=lambda d: d.label)
+def test_pallas_backend_refuses_kv_dtypes_the_ragged_layout_cannot_store(tiny_model, backend,
+                                                                          kv_dtype):
+  """At configuration time, naming the dtype and the way out, not inside the first step."""
+  named = f"stores float32 or bfloat16, not {kv_dtype.label}; use --attention reference"
+  with pytest.raises(ValueError, match=named):
+    dataclasses.replace(TINY_ENGINE, kv_dtype=kv_dtype, attention_backend=backend)
+  config = dataclasses.replace(TINY_ENGINE, kv_dtype=kv_dtype)  # Backend left to the platform.
+  with pytest.raises(ValueError, match=named):
+    engine_config_for(config, backend)
+  # The reference backend stores every dtype: the same config builds an engine there.
+  engine = Engine(tiny_model, dataclasses.replace(config, attention_backend=AttentionBackend.REFERENCE))
+  assert engine.config.kv_layout is KVLayout.PAGED_TOKEN_MAJOR
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FLOAT32, KVDtype.BFLOAT16])
+def test_pallas_backend_takes_float_kv(kv_dtype):
+  config = dataclasses.replace(TINY_ENGINE, kv_dtype=kv_dtype,
+                               attention_backend=AttentionBackend.PALLAS)
+  assert engine_config_for(config, AttentionBackend.PALLAS).kv_layout is KVLayout.RAGGED

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from jaxserve.cli import flags
 from jaxserve.cli import main as cli
-from jaxserve.config import SamplingParams
+from jaxserve.config import AttentionBackend, KVDtype, SamplingParams
 from jaxserve.llm import LLM
 
 FLAGS = ["--max-tokens", "6", "--buckets", "16,32", "--slots", "2", "--num-pages", "32",
@@ -29,3 +32,29 @@ def test_bad_flags_give_a_clear_error(tiny_checkpoint, capsys):
 def test_unknown_model_names_the_problem(capsys):
   assert cli.main(["generate", "x", "--model", "no-such-model"]) == 2
   assert "no-such-model" in capsys.readouterr().err
+
+
+def test_quantized_kv_on_the_pallas_backend_fails_before_the_model_loads(capsys):
+  assert cli.main(["generate", "x", "--model", "no-such-model", "--kv-dtype", "int8",
+                   "--attention", "pallas", *FLAGS]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("jaxserve: error: kv_dtype int8") and "--attention reference" in err
+  assert "no-such-model" not in err  # Refused at the flags, before any model is looked up.
+
+
+def test_serve_refuses_quantized_kv_on_the_pallas_backend_before_serving(capsys):
+  argv = ["serve", "--model", "no-such-model", "--kv-dtype", "float16", "--attention",
+          "pallas_tpu", "--grpc-port", "0", "--http-port", "-1", *FLAGS[2:]]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "jaxserve: error: kv_dtype float16 does not run on the Pallas attention backend" in err
+
+
+def test_kv_dtype_flag_checks_against_the_platforms_default_backend():
+  parse = lambda *extra: cli.build_parser().parse_args(["serve", *FLAGS[2:], *extra])
+  args = parse("--kv-dtype", "float8_e4m3")
+  with pytest.raises(ValueError, match="not float8_e4m3"):
+    flags.engine_config(args, "tpu")  # TPU/GPU default to the Pallas kernels.
+  assert flags.engine_config(args, "cpu").kv_dtype is KVDtype.FLOAT8_E4M3  # CPU: reference.
+  config = flags.engine_config(parse("--kv-dtype", "int8", "--attention", "reference"), "gpu")
+  assert (config.kv_dtype, config.attention_backend) == (KVDtype.INT8, AttentionBackend.REFERENCE)

@@ -1,5 +1,5 @@
 """Ragged paged attention (one call per layer, K/V written in place): the layout function, the
-reference against hand-worked numbers and against the prefill reference, then both kernel
+reference against hand-worked numbers and against a token-major prefill reference, then both kernel
 variants (TPU and GPU, Pallas interpret mode) against the reference over a sweep of ragged steps,
 outputs and written pages both."""
 
@@ -17,7 +17,6 @@ from kernels_pallas import (
   ragged_reference,
   ragged_testing,
   ragged_tpu,
-  reference,
 )
 
 
@@ -76,6 +75,28 @@ def test_reference_sliding_window_hand_worked():
   np.testing.assert_allclose(out[:, 0], [[2, 4], [1.2, 3.6], [0, 0]], atol=1e-6)
 
 
+def _prefill_reference(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens):
+  """Token-major pages k, v [P, Z, K, H]: packed token i of sequence b sits at position
+  kv_lens[b] - q_len[b] + i and attends to positions <= its own over its whole page table;
+  padding rows give 0. An independent second reference, gathered per token in jnp."""
+  t, n, h = q.shape
+  k = k_pages.shape[2]
+  tok = jnp.arange(t)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, kv_lens.shape[0] - 1)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  pos = kv_lens[seq] - q_lens[seq] + tok - cu_q_lens[seq]  # [T]
+  gather = lambda pages: pages[page_tables[seq]].reshape(t, -1, k, h).astype(jnp.float32)
+  keys, values = gather(k_pages), gather(v_pages)  # [T, S, K, H]
+  mask = (jnp.arange(keys.shape[1])[None] <= pos[:, None]) & (tok < cu_q_lens[-1])[:, None]
+  q_TKGH = q.reshape(t, k, n // k, h).astype(jnp.float32)
+  logits = jnp.einsum("tkgh,tskh->tkgs", q_TKGH, keys) / math.sqrt(h)
+  logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.where(mask[:, None, None], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  out = jnp.einsum("tkgs,tskh->tkgh", p, values) / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+  return out.reshape(t, n, h)
+
+
 def test_reference_attention_equals_the_prefill_reference_on_the_written_pages():
   """Two independent references agree once the ragged one has written the new K/V."""
   shape = ragged_testing.StepShape(6, 2, 16, 8, 4)
@@ -85,7 +106,7 @@ def test_reference_attention_equals_the_prefill_reference_on_the_written_pages()
   # The prefill reference reads whole page tables (page 0 past a sequence's end): no NaN there.
   rows = jnp.nan_to_num(pages[kw["layer"]])
   k, v = ragged_layout.unpack_rows(rows, 2, 16)  # [P, Z, K, H] each
-  expected = reference.ragged_prefill_reference(args[0], k, v, *args[4:7])
+  expected = _prefill_reference(args[0], k, v, *args[4:7])
   np.testing.assert_allclose(out, expected, atol=2e-6)
 
 
@@ -156,6 +177,19 @@ def test_cpu_platform_runs_interpreted_and_matches():
   ref_out, ref_pages = ragged_reference.ragged_paged_attention_reference(*args, **kw)
   np.testing.assert_allclose(out, ref_out, atol=2e-5)
   np.testing.assert_array_equal(pages, ref_pages)
+  assert kernels_pallas.resolve(None, None) == (kernels_pallas.Platform.CPU, True)
+  assert kernels_pallas.resolve("tpu", None) == (kernels_pallas.Platform.TPU, False)
+  with pytest.raises(ValueError, match="platform"):
+    kernels_pallas.ragged_paged_attention(*args, **kw, platform="metal")
+
+
+@pytest.mark.parametrize("z,h,name", [(12, 64, "page_size"), (16, 24, "head_dim")])
+def test_gpu_variant_rejects_sizes_triton_cannot_tile(z, h, name):
+  shape = ragged_testing.StepShape(4, 2, h, z, 2)
+  args, kw = ragged_testing.step_inputs(np.random.default_rng(5), [(3, 0)], shape, num_tokens=8,
+                                        num_seqs_max=1)
+  with pytest.raises(ValueError, match=f"{name} must be a power of two"):
+    kernels_pallas.ragged_paged_attention(*args, **kw, platform="gpu", interpret=True)
 
 
 def test_single_layer_pages_without_layer():

@@ -6,7 +6,14 @@ import argparse
 import dataclasses
 from typing import Any
 
-from jaxserve.config import Dtype, EngineConfig, SamplingParams
+from jaxserve.config import (
+  AttentionBackend,
+  Dtype,
+  EngineConfig,
+  KVDtype,
+  SamplingParams,
+  default_attention_backend,
+)
 
 CPU_PAGES = 512  # The CPU pool: its "device memory" is the host's, shared with everything else.
 
@@ -36,6 +43,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--max-model-len", type=int, default=d("max_model_len"), help="longest prompt + output")
   p.add_argument("--buckets", default=",".join(map(str, d("prefill_buckets"))),
                  help="prefill length buckets")
+  p.add_argument("--kv-dtype", default=None, choices=[x.label for x in KVDtype],
+                 help="KV cache storage (default: --dtype); int8, float8_e4m3 and float16 need "
+                 "--attention reference")
+  p.add_argument("--attention", default=None, choices=[x.value for x in AttentionBackend],
+                 help="attention backend (default: reference on CPU, pallas on TPU/GPU)")
   add_parallel_flags(p)
 
 
@@ -86,11 +98,16 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
     raise ValueError("give --num-pages or --memory-fraction, not both")
   if num_pages is None and fraction is None and platform == "cpu":
     num_pages = CPU_PAGES
-  return EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=num_pages,
-                      memory_fraction=fraction or _default(EngineConfig, "memory_fraction"),
-                      max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
-                      prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
-                      tp=args.tp, dp=args.dp)
+  kv_dtype = {x.label: x for x in KVDtype}[args.kv_dtype] if args.kv_dtype else None
+  backend = AttentionBackend(args.attention) if args.attention else None
+  config = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=num_pages,
+                        memory_fraction=fraction or _default(EngineConfig, "memory_fraction"),
+                        max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
+                        prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
+                        kv_dtype=kv_dtype, attention_backend=backend, tp=args.tp, dp=args.dp)
+  # The platform's default backend too, so a bad pair fails here, before the model loads.
+  config.check_backend(backend or default_attention_backend(platform))
+  return config
 
 
 def add_compile_flags(p: argparse.ArgumentParser) -> None:

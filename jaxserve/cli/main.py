@@ -68,12 +68,13 @@ def run_serve(args) -> int:
 
   init_distributed(args)
   logging.set_verbosity(logging.INFO)
+  engine_cfg = engine_config(args)  # Bad engine flags fail here, before any server starts.
   if not multihost.is_leader():
     # Processes 1..n serve nothing: they repeat process 0's engine calls until it stops them.
     # Signals are process 0's to handle: its drain still needs every process's devices.
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, signal.SIG_IGN)
-    multihost.follow(llm.load_engine(args.model, engine_config(args)).engine)
+    multihost.follow(llm.load_engine(args.model, engine_cfg).engine)
     return 0
   scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
   config = server.ServerConfig(
@@ -84,7 +85,7 @@ def run_serve(args) -> int:
   leaders = []  # Process 0 of several: the engine that broadcasts each step to the others.
 
   def load():
-    loaded = llm.load_engine(args.model, engine_config(args), args.served_model_name)
+    loaded = llm.load_engine(args.model, engine_cfg, args.served_model_name)
     if jax.process_count() == 1:
       return loaded
     leaders.append(multihost.LeaderEngine(loaded.engine))

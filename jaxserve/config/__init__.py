@@ -16,9 +16,10 @@ from jaxserve.config.engine import (
                                     KVLayout,
                                     QueuePolicy,
                                     SchedulerConfig,
+                                    default_attention_backend,
 )
 from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
 from jaxserve.config.sampling import SamplingParams
 
 __all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype", "KVLayout", "ModelConfig", "ModelFamily", "QueuePolicy",
-           "RopeScaling", "SamplingParams", "SchedulerConfig", "is_int", "short"]
+           "RopeScaling", "SamplingParams", "SchedulerConfig", "default_attention_backend", "is_int", "short"]

@@ -52,6 +52,20 @@ class AttentionBackend(enum.Enum):
   PALLAS_TPU = "pallas_tpu"
   PALLAS_GPU = "pallas_gpu"
 
+  @property
+  def is_pallas(self) -> bool:
+    return self is not AttentionBackend.REFERENCE
+
+
+def default_attention_backend(platform: str) -> AttentionBackend:
+  """Plain jnp on CPU (Pallas there is interpret mode only); the kernels on TPU and GPU.
+  platform: jax.default_backend()'s name."""
+  return AttentionBackend.REFERENCE if platform == "cpu" else AttentionBackend.PALLAS
+
+
+# What the Pallas backend's ragged KV layout (KVLayout.RAGGED) can store.
+RAGGED_KV_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16)
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -102,6 +116,17 @@ class EngineConfig:
       raise ValueError("EngineConfig.num_pages must be >= 2 (page 0 is the scratch page)")
     if self.num_slots % self.dp:
       raise ValueError(f"EngineConfig.dp ({self.dp}) must divide num_slots ({self.num_slots})")
+    if self.attention_backend is not None:
+      self.check_backend(self.attention_backend)
+
+  def check_backend(self, backend: AttentionBackend) -> None:
+    """Raises ValueError naming the problem when `backend` cannot run this config: the Pallas
+    kernel's ragged KV layout holds float32 or bfloat16 values only (no quantized KV)."""
+    if backend.is_pallas and self.kv_dtype is not None and self.kv_dtype not in RAGGED_KV_DTYPES:
+      raise ValueError(f"kv_dtype {self.kv_dtype.label} does not run on the Pallas attention "
+                       f"backend ({backend.value}): its ragged KV layout stores float32 or "
+                       f"bfloat16, not {self.kv_dtype.label}; use --attention reference "
+                       "(attention_backend=AttentionBackend.REFERENCE) for quantized KV")
 
   @property
   def max_pages_per_seq(self) -> int:

@@ -21,7 +21,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxserve.batching.plan import EngineInfo, PrefillChunk, StepPlan
-from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
+from jaxserve.config import (
+  AttentionBackend,
+  EngineConfig,
+  KVLayout,
+  ModelConfig,
+  default_attention_backend,
+)
 from jaxserve.engine import placement
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step import DecodeState
@@ -47,7 +53,7 @@ def enable_compilation_cache(path: str | None) -> None:
 
 def default_backend() -> AttentionBackend:
   """Plain jnp on CPU (Pallas there is interpret mode only); the kernels on TPU and GPU."""
-  return AttentionBackend.REFERENCE if jax.default_backend() == "cpu" else AttentionBackend.PALLAS
+  return default_attention_backend(jax.default_backend())
 
 
 class TokenFuture:
@@ -162,7 +168,9 @@ def split_plan(plan: StepPlan, max_tokens: int, max_seqs: int) -> list[tuple[Ste
 
 def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> EngineConfig:
   """`config` with what the backend decides filled in: the KV layout (the kernels read and write
-  the ragged one in place; the jnp path reads every layout, token-major by default)."""
+  the ragged one in place; the jnp path reads every layout, token-major by default). Raises
+  ValueError when the backend cannot store the config's kv_dtype (EngineConfig.check_backend)."""
+  config.check_backend(backend)
   if config.kv_layout is None:
     layout = KVLayout.PAGED_TOKEN_MAJOR if backend is AttentionBackend.REFERENCE else KVLayout.RAGGED
     config = dataclasses.replace(config, kv_layout=layout)

@@ -11,10 +11,8 @@ kernels_pallas:
 
 Kernel-only letters (kernels_pallas):
   Q: pages per chunk    C: KV positions of one chunk (C = Q * Z)    R: query rows of one block
-  Tq: packed tokens of one query block    Gp: G padded for the hardware    Wp: W padded (GPU)
-  U: splits of a sequence's pages (GPU decode)    A: a leading axis, B (decode) or T (prefill)
-  Y: slabs of a page pool    J: slabs per page (K or 1)    Ks: KV heads per slab (K or 1)
-  M: lanes of one slab row (M = Ks * X)    E: lanes of the widest head window (TPU)
+  Tq: packed tokens of one query block    Gp: G padded for the hardware (GPU)
+  A: a leading axis of query rows    E: lanes of the widest head window (TPU)
   Hv: lanes of Q, K and V one softmax step reads (H, or one TPU head window)
   Cr: lanes of one ragged page row (its K heads, then its V heads: 2 * K * H, rounded up to 128)
 """
