@@ -31,7 +31,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, pull, weights
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
-from mock_engine import MockTokenizer, checked  # noqa: F401  (checked is a fixture)
+from mock_engine import MockTokenizer, assert_all_free, checked  # noqa: F401  (checked is a fixture)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -284,6 +284,15 @@ def test_real_greedy_continuations_match_transformers(llm, prompts, reference):
   outs = llm.generate([prompts[k] for k in kinds], greedy)
   for kind, out in zip(kinds, outs):
     assert list(out.token_ids) == reference[kind][1], kind
+  # The local layers kept only their window's pages, and gave every one back.
+  scheduler = llm.runner.scheduler
+  assert isinstance(llm.engine.cache, WindowedKV) and scheduler.window == 512
+  assert_all_free(scheduler)
+  # Again: the prefix cache serves the long prompt's pages, the window pool its last window.
+  again = llm.generate([prompts["long"]], greedy)[0]
+  assert again.num_cached_tokens >= len(prompts["long"]) - 2 * REAL_ENGINE.page_size
+  assert list(again.token_ids) == reference["long"][1]
+  assert_all_free(scheduler)
 
 
 @pytest.mark.real_model

@@ -13,6 +13,7 @@ from conftest import TINY_ENGINE, count_compiles, dense_logits
 
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.engine import Engine
 from mock_engine import MockTokenizer
 
@@ -98,3 +99,16 @@ def test_asking_for_prompt_logprobs_compiles_nothing(engine):
   assert counts == {"trace": 0, "compile": 0}
   assert [o.prompt_logprobs is None for o in outs] == [False, False, False, True, False]
   assert [len(o.prompt_logprobs or ()) for o in outs] == [1, 2, 17, 0, 60]
+
+
+def test_scoring_in_blocks_gives_the_whole_arrays_numbers():
+  """A long bucket is scored SCORE_BLOCK rows at a time (a [64, V] log-softmax, not [T, V]):
+  the same values as scoring every row at once, in the same row order."""
+  rng = np.random.default_rng(0)
+  T = 3 * prompt_logprobs.SCORE_BLOCK
+  logits = jax.numpy.asarray(rng.normal(0, 4, (T, 500)), jax.numpy.float32)
+  targets = jax.numpy.asarray(rng.integers(0, 500, T), jax.numpy.int32)
+  blocked, whole = prompt_logprobs.score_prompt(logits, targets), prompt_logprobs._score(logits, targets)
+  for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.asarray(blocked.ranks).max() > 1  # Not all trivially first.

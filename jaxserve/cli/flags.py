@@ -48,7 +48,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  "--attention reference")
   p.add_argument("--attention", default=None, choices=[x.value for x in AttentionBackend],
                  help="attention backend (default: reference on CPU, pallas on TPU/GPU)")
+  add_window_flag(p)
   add_parallel_flags(p)
+
+
+def add_window_flag(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--no-window-pages", dest="window_pages", action="store_false",
+                 help="sliding-window layers keep every page, not only their window's")
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +110,8 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         memory_fraction=fraction or _default(EngineConfig, "memory_fraction"),
                         max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
-                        kv_dtype=kv_dtype, attention_backend=backend, tp=args.tp, dp=args.dp)
+                        kv_dtype=kv_dtype, attention_backend=backend, tp=args.tp, dp=args.dp,
+                        window_pages=args.window_pages)
   # The platform's default backend too, so a bad pair fails here, before the model loads.
   config.check_backend(backend or default_attention_backend(platform))
   return config
@@ -123,4 +130,5 @@ def add_compile_flags(p: argparse.ArgumentParser) -> None:
                  help="prefill length buckets")
   p.add_argument("--tp", type=int, default=d("tp"),
                  help="tensor parallelism: chips of the target's topology the model splits over")
+  add_window_flag(p)
   p.add_argument("--json", action="store_true", help="print the reports as JSON")

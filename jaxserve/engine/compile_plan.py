@@ -208,8 +208,9 @@ def format_table(result: dict[str, Any]) -> str:
     if r["error"]:
       rows.append(f"  error: {r['error'][:300]}")
   pool = result["kv_pool"]
-  rows.append(f"KV pool: {pool['pages']} pages of {pool['page_size']} tokens ({pool['tokens']} tokens), "
-              f"{mib(pool['bytes'])} MiB; pools compiled: {result['tries']}")
+  window = f" + {pool['window_pages']} window pages" if pool.get("window_pages") else ""
+  rows.append(f"KV pool: {pool['pages']} pages{window} of {pool['page_size']} tokens ({pool['tokens']} "
+              f"tokens), {mib(pool['bytes'])} MiB; pools compiled: {result['tries']}")
   worst = max((need_bytes(r) for r in result["programs"] if r["compiled"]), default=0)
   rows.append(f"{result['target']}: largest need {mib(worst)} MiB of {mib(result['usable_bytes'])} MiB "
               f"x {result['memory_fraction']}: {'fits' if result['fits'] else 'DOES NOT FIT'}")
@@ -223,7 +224,7 @@ def run_compile(args) -> int:
   config = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                         memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
                         dtype=args.dtype, prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
-                        tp=args.tp, compilation_cache_dir=None)
+                        tp=args.tp, compilation_cache_dir=None, window_pages=args.window_pages)
   result = compile_engine(args.compile, model, config)
   print(json.dumps(result, indent=1) if args.json else format_table(result))
   return 0 if result["fits"] else 1

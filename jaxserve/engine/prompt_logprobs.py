@@ -26,8 +26,22 @@ class PromptLogprobs:
   top_logprobs: jax.Array  # [T, min(NUM_TOP_LOGPROBS, V)] float32
 
 
+SCORE_BLOCK = 64  # Positions scored at once: a block's [64, V] log-softmax, not [T, V].
+
+
 def score_prompt(logits, targets) -> PromptLogprobs:
-  """logits [T, V] float32, targets [T] int32 (padding rows are scored and ignored)."""
+  """logits [T, V] float32, targets [T] int32 (padding rows are scored and ignored). Scored
+  SCORE_BLOCK rows at a time when T is a multiple of it (row by row, so the same numbers): a
+  large vocabulary's [T, V] log-softmax would otherwise double the step's temp memory."""
+  T = logits.shape[0]
+  if T <= SCORE_BLOCK or T % SCORE_BLOCK:
+    return _score(logits, targets)
+  blocks = (logits.reshape(T // SCORE_BLOCK, SCORE_BLOCK, -1), targets.reshape(-1, SCORE_BLOCK))
+  scored = jax.lax.map(lambda block: _score(*block), blocks)
+  return jax.tree.map(lambda x: x.reshape(T, *x.shape[2:]), scored)
+
+
+def _score(logits, targets) -> PromptLogprobs:
   logprobs = jax.nn.log_softmax(logits, axis=-1)  # [T, V]
   chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [T, 1]
   ranks = 1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32)  # [T]
