@@ -9,7 +9,6 @@ prints the memory analysis: the cache must be aliased in place and the temp far 
 """
 
 import argparse
-import functools
 import json
 import os
 

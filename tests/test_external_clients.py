@@ -12,7 +12,6 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig, SamplingParams
