@@ -304,6 +304,17 @@ def test_window_only_pages_by_hand():
                                             window_only=True) == 4 * GIB
 
 
+def test_num_kv_pages_with_a_window_pool_by_hand():
+  """The engine's sizing with window pages: the window pool's bytes come off the top, and a
+  page of the main pool holds only the global layers. 270M, bfloat16, pages of 16: one layer's
+  page is 16,384 B; 8 GiB, no weights. Every page for all 18 layers: 8,589,934,592 // 294,912
+  = 29,127. A window pool of 1 + 16 * 35 = 561 pages * 15 local layers * 16,384 B =
+  137,871,360 B; the rest over 3 global layers' 49,152 B pages: 8,452,063,232 // 49,152 = 171,957."""
+  assert capacity.num_kv_pages(GEMMA3_270M, 8 * GIB, 1.0, 16, KVDtype.BFLOAT16, 0) == 29_127
+  assert capacity.num_kv_pages(GEMMA3_270M, 8 * GIB, 1.0, 16, KVDtype.BFLOAT16, 0,
+                               num_window_pages=561) == 171_957
+
+
 def test_gemma3_4b_conversations_with_and_without_window_only_pages():
   # 4B at 8,192 tokens on 16 GiB, no reserve: weights 3,880,263,168 * 2 B = 7,760,526,336, so
   # 17,179,869,184 - 7,760,526,336 = 9,419,342,848 B for KV. One layer's page: 16 * 2 * 4 * 256

@@ -164,11 +164,11 @@ def test_tiny_window_pages_through_the_scheduler_match_transformers(tiny, tiny_h
   runner = checked(Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=16)))
   rng = np.random.default_rng(2)
   prompts = [[int(i) for i in rng.integers(0, 256, n)] for n in (45, 6, 19)]
-  results = runner.generate([(p, SamplingParams(temperature=0, max_tokens=12)) for p in prompts])
+  results = runner.generate([(p, SamplingParams(temperature=0, max_tokens=8)) for p in prompts])
   for prompt, result in zip(prompts, results):
     ids = list(prompt)
     with torch.no_grad():
-      for _ in range(12):
+      for _ in range(8):
         ids.append(int(tiny_hf[0](torch.tensor([ids])).logits[0, -1].argmax()))
     assert list(result.token_ids) == ids[len(prompt):]
 
