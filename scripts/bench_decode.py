@@ -67,8 +67,10 @@ def decode_ms(model, batch: int, context: int, steps: int) -> float:
   it attends to `context` cached positions plus the one it writes, as `step_bytes` counts. The
   cached KV is the pool's zeros: its values change no step time."""
   pages = -(-(context + 1) // 16)
+  # window_pages=False: these tables are the one pool's (no window tables for local layers).
   config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
+                        compilation_cache_dir=None, window_pages=False)
   engine = Engine(model, config)
   tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
   slots = list(range(batch))
@@ -94,7 +96,8 @@ def at_position(state: DecodeState, position: int) -> DecodeState:
 def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
   pages = length // 16
   config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=length,
-                        prefill_buckets=(length,), compilation_cache_dir=None)
+                        prefill_buckets=(length,), compilation_cache_dir=None,
+                        window_pages=False)
   engine = Engine(model, config)
   chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
                        SamplingParams(temperature=0), 0, (), ())

@@ -41,8 +41,9 @@ class ZeroEngine:
     config = EngineConfig(num_slots=num_slots, page_size=page_size, num_pages=num_pages,
                           max_model_len=max_model_len)
     self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len,
-                           config.prefill_buckets[-1], True, vocab_size, (config.max_pages_per_seq,),
-                           config.prefill_buckets, config.dtype.value, config.max_prefill_seqs)
+                           config.prefill_buckets[-1], True, vocab_size,
+                           (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
+                           config.max_prefill_seqs)
     rng = np.random.default_rng(0)
     # Ordinary word-piece ids of a gpt2-style vocab, so the detokenizer makes real text.
     self._tokens = [rng.integers(300, 8000, num_slots, dtype=np.int32) for _ in range(97)]

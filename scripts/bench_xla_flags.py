@@ -83,8 +83,10 @@ def decode_program(model, batch: int, context: int) -> Program:
   """A decode step of every slot, each at position `context` (so it reads `context` cached
   positions and writes one more) on every call."""
   pages = -(-(context + 1) // 16)
+  # window_pages=False: these tables are the one pool's (no window tables for local layers).
   config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
+                        compilation_cache_dir=None, window_pages=False)
   engine = Engine(model, config)
   tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
   args, _ = engine.step_args(StepPlan(decode_slots=tuple(range(batch)), page_tables=tables))
@@ -95,7 +97,8 @@ def prefill_program(model, length: int) -> Program:
   """A prefill-only step of one `length`-token prompt that ends (samples its first token)."""
   pages = -(-length // 16)
   config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=pages * 16,
-                        prefill_buckets=(length,), compilation_cache_dir=None)
+                        prefill_buckets=(length,), compilation_cache_dir=None,
+                        window_pages=False)
   engine = Engine(model, config)
   chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
                        SamplingParams(temperature=0), 0, (), ())

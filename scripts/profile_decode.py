@@ -101,7 +101,7 @@ def op_parts(hlo_text: str) -> dict[str, str]:
 
 def _part_of_source(src: str, opcode: str) -> str:
   for prefix, part in (("engine/sample.py", "sampling (sample.py)"),
-                       ("engine/step.py", "step.py: decode-state reads and writes, page lookup, metadata"),
+                       ("engine/step.py", "step.py: decode-state reads and writes, page lookup"),
                        ("model/attention.py", "attention (attention.py)"),
                        ("model/kv_cache.py", "KV write (kv_cache.py)"),
                        ("model/llama.py", "other layer ops (llama.py: norms, rope, activations)")):
@@ -168,8 +168,10 @@ def main() -> None:
   model, _ = checkpoint.load_model(args.model)
   for batch in (int(b) for b in args.batches.split(",")):
     pages = pages_for(args.context, args.steps)
+    # window_pages=False: these tables are the one pool's (no window tables for local layers).
     config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                          max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+                          max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
+                          compilation_cache_dir=None, window_pages=False)
     times = profile(Engine(model, config), batch, args.context, args.steps, KINDS[args.sampling])
     total = sum(times.values())
     print(f"\nbatch {batch}, {args.sampling} rows: {total:.1f} ms of ops per step, load average "

@@ -38,8 +38,9 @@ class NullEngine:
                           max_model_len=max_model_len)
     self.num_slots = num_slots
     self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len,
-                           config.prefill_buckets[-1], True, vocab_size, (config.max_pages_per_seq,),
-                           config.prefill_buckets, config.dtype.value, config.max_prefill_seqs)
+                           config.prefill_buckets[-1], True, vocab_size,
+                           (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
+                           config.max_prefill_seqs)
     self.occupancy: list[dict[int, str]] = []  # Per device step: slot -> request id.
     self._owner: dict[int, str] = {}
     self._step: dict[int, str] = {}
@@ -50,7 +51,8 @@ class NullEngine:
       self._owner[chunk.slot] = self._step[chunk.slot] = chunk.request_id
     for slot in plan.decode_slots:
       self._step[slot] = self._owner[slot]
-    return _Done(np.ones(len(plan.decode_slots) + sum(ch.is_last for ch in plan.prefills), np.int32))
+    n = len(plan.decode_slots) + sum(ch.is_last for ch in plan.prefills)
+    return _Done(np.ones(n, np.int32))
 
   def free(self, slot: int) -> None:
     pass
