@@ -21,6 +21,7 @@ the same run, for a before/after on a loaded machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -37,6 +38,7 @@ from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import sample as sample_lib
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.step import DecodeState
 from jaxserve.loading import checkpoint
 
 
@@ -60,26 +62,42 @@ def _timed(fn) -> float:
 
 
 def decode_ms(model, batch: int, context: int, steps: int) -> float:
-  """Median ms per decode step with `batch` slots each holding `context` tokens."""
-  pages = -(-context // 16)
+  """Median ms per decode step with `batch` slots each holding `context` tokens: every step
+  starts each slot at position `context` (the engine reads positions from its device state), so
+  it attends to `context` cached positions plus the one it writes, as `step_bytes` counts. The
+  cached KV is the pool's zeros: its values change no step time."""
+  pages = -(-(context + 1) // 16)
+  # window_pages=False: these tables are the one pool's (no window tables for local layers).
   config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
+                        compilation_cache_dir=None, window_pages=False)
   engine = Engine(model, config)
   tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
   slots = list(range(batch))
+  engine.state = at_position(engine.state, context)
   engine.decode(slots, tables).result()
   times = []
   for _ in range(steps):
+    engine.state = at_position(engine.state, context)
+    jax.block_until_ready(engine.state)
     start = time.perf_counter()
     engine.decode(slots, tables).result()
     times.append(time.perf_counter() - start)
   return 1000 * float(np.median(times))
 
 
+def at_position(state: DecodeState, position: int) -> DecodeState:
+  """`state` with every slot's next token at `position`, placed as `state` is."""
+  positions = np.full(state.positions.shape, position, np.int32)
+  return jax.device_put(dataclasses.replace(state, positions=positions),
+                        jax.tree.map(lambda x: x.sharding, state))
+
+
 def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
   pages = length // 16
   config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=length,
-                        prefill_buckets=(length,), compilation_cache_dir=None)
+                        prefill_buckets=(length,), compilation_cache_dir=None,
+                        window_pages=False)
   engine = Engine(model, config)
   chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
                        SamplingParams(temperature=0), 0, (), ())

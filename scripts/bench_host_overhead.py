@@ -17,9 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import EngineInfo, StepPlan
 from jaxserve.batching.runner import Runner
-from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
 
 
 class _Done:
@@ -32,37 +32,39 @@ class _Done:
 
 
 class ZeroEngine:
-  """plan.Engine that does no work: tokens come from a few precomputed arrays."""
+  """plan.Engine that does no work: tokens come from a few precomputed arrays. Its limits are the
+  default EngineConfig's (prefill buckets, prompts per step), so the scheduler plans as it would
+  for the real engine."""
 
   def __init__(self, num_slots: int, num_pages: int, page_size: int = 16,
-               max_model_len: int = 2048, max_prefill_len: int = 512):
-    self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
-    self.max_model_len, self.max_prefill_len = max_model_len, max_prefill_len
-    self.can_share_pages = True
+               max_model_len: int = 2048, vocab_size: int = 49152):
+    config = EngineConfig(num_slots=num_slots, page_size=page_size, num_pages=num_pages,
+                          max_model_len=max_model_len)
+    self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len,
+                           config.prefill_buckets[-1], True, vocab_size,
+                           (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
+                           config.max_prefill_seqs)
     rng = np.random.default_rng(0)
     # Ordinary word-piece ids of a gpt2-style vocab, so the detokenizer makes real text.
     self._tokens = [rng.integers(300, 8000, num_slots, dtype=np.int32) for _ in range(97)]
     self._n = 0
 
-  def prefill(self, chunk: PrefillChunk) -> _Done | None:
-    return _Done(self._next()[:1]) if chunk.is_last else None
-
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> _Done:
-    return _Done(self._next())
+  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> _Done:
+    """One token per decode slot, then one per chunk that ends its prompt."""
+    n = len(plan.decode_slots) + sum(ch.is_last for ch in plan.prefills)
+    self._n += 1
+    tokens = self._tokens[self._n % len(self._tokens)]
+    return _Done(np.resize(tokens, n))
 
   def free(self, slot: int) -> None:
     pass
-
-  def _next(self) -> np.ndarray:
-    self._n += 1
-    return self._tokens[self._n % len(self._tokens)]
 
 
 class NullTokenizer:
   stop_ids = frozenset()
   eos_id = None
 
-  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+  def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return ""
 
 
@@ -99,7 +101,7 @@ def main() -> None:
   args = parser.parse_args()
   tokenizer, stop = NullTokenizer(), ()
   if args.tokenizer:
-    from jaxserve import pull  # pylint: disable=g-import-not-at-top
+    from jaxserve.loading import pull  # pylint: disable=g-import-not-at-top
     from jaxserve.text.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
     tokenizer, stop = Tokenizer.from_gguf(pull.gguf_path(pull.SMOLLM2)), ("\n\nUser:",)
   r = bench(args.slots, args.requests, tokenizer, stop)

@@ -2,7 +2,8 @@
 
   python scripts/bench_xla_flags.py [--batches 16,64] [--prefill 256] [--rounds 3]
 
-Each configuration compiles the engine's own decode and prefill programs with its options
+Each configuration compiles the engine's own step (`Engine._step`) for a decode-only plan (every
+slot at position --context) and a prefill-only plan of one prompt with its options
 (`Lowered.compile(compiler_options)`: the same XLA debug options as XLA_FLAGS, set per program),
 all in this one process; the rounds then time every configuration in turn, so a machine whose
 load drifts (other jobs) slows all of them alike and the ratios to the default stay meaningful.
@@ -14,14 +15,18 @@ process while compiling the decode step ("partition compile failed"). `--configs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
+import jax
 import numpy as np
 
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.step import DecodeState
+from jaxserve.engine.step_args import StepArgs
 from jaxserve.loading import checkpoint
 
 _NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -39,11 +44,13 @@ CONFIGS = {
 
 
 class Program:
-  """One engine program compiled under each configuration, called with its state threaded."""
+  """The engine's step compiled under each configuration for one StepArgs, called with the cache
+  and decode state threaded through (the step donates and returns both). `reset` (optional)
+  gives the state each call starts from, so every call of every configuration does the same work."""
 
-  def __init__(self, engine: Engine, jitted, args: tuple, donated: int):
-    self.engine, self.args = engine, args
-    lowered = jitted.lower(*self._inputs())
+  def __init__(self, engine: Engine, args: StepArgs, reset=None):
+    self.engine, self.args, self.reset = engine, args, reset
+    lowered = engine._step.lower(*self._inputs())
     self.compiled, self.errors = {}, {}
     for name, options in CONFIGS.items():
       try:
@@ -53,36 +60,50 @@ class Program:
     self.run(next(iter(self.compiled)))
 
   def _inputs(self):
-    return (self.engine.params, self.engine.cache, self.engine.state, *self.args)
+    e = self.engine
+    return (e.params, e.cache, e.state, self.args, e.stop_ids)
 
   def run(self, name: str) -> float:
+    if self.reset is not None:
+      self.engine.state = self.reset(self.engine.state)
     start = time.perf_counter()
-    self.engine.cache, self.engine.state, out = self.compiled[name](*self._inputs())[:3]
-    out.tokens.block_until_ready()
+    self.engine.cache, self.engine.state, out = self.compiled[name](*self._inputs())
+    out.block_until_ready()
     return time.perf_counter() - start
 
 
+def at_position(state: DecodeState, position: int) -> DecodeState:
+  """`state` with every slot's next token at `position`, placed as `state` is."""
+  positions = np.full(state.positions.shape, position, np.int32)
+  return jax.device_put(dataclasses.replace(state, positions=positions),
+                        jax.tree.map(lambda x: x.sharding, state))
+
+
 def decode_program(model, batch: int, context: int) -> Program:
-  pages = -(-context // 16)
+  """A decode step of every slot, each at position `context` (so it reads `context` cached
+  positions and writes one more) on every call."""
+  pages = -(-(context + 1) // 16)
+  # window_pages=False: these tables are the one pool's (no window tables for local layers).
   config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
+                        compilation_cache_dir=None, window_pages=False)
   engine = Engine(model, config)
   tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
-  a = engine.decode_args(list(range(batch)), tables)
-  return Program(engine, engine._decode, (a.rows, a.page_tables, engine.stop_ids), 2)
+  args, _ = engine.step_args(StepPlan(decode_slots=tuple(range(batch)), page_tables=tables))
+  return Program(engine, args, reset=lambda state: at_position(state, context))
 
 
 def prefill_program(model, length: int) -> Program:
-  pages = length // 16
-  config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=length,
-                        prefill_buckets=(length,), compilation_cache_dir=None)
+  """A prefill-only step of one `length`-token prompt that ends (samples its first token)."""
+  pages = -(-length // 16)
+  config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=pages * 16,
+                        prefill_buckets=(length,), compilation_cache_dir=None,
+                        window_pages=False)
   engine = Engine(model, config)
   chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
                        SamplingParams(temperature=0), 0, (), ())
-  a = engine.prefill_args(chunk)
-  engine.state = engine._set_sampling(engine.state, a.slot, a.row)
-  return Program(engine, engine._prefill, (a.tokens, a.start_pos, a.true_len, a.page_table, a.slot,
-                                           a.is_last, engine.stop_ids), 2)
+  args, _ = engine.step_args(StepPlan(prefills=(chunk,)))
+  return Program(engine, args)
 
 
 def main() -> None:

@@ -24,9 +24,9 @@ import tempfile
 import jax
 import numpy as np
 
+from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.sample import SamplingRow
 from jaxserve.loading import checkpoint
 
 KINDS = {"greedy": SamplingParams(temperature=0),
@@ -101,7 +101,7 @@ def op_parts(hlo_text: str) -> dict[str, str]:
 
 def _part_of_source(src: str, opcode: str) -> str:
   for prefix, part in (("engine/sample.py", "sampling (sample.py)"),
-                       ("engine/decode.py", "decode.py: sampling-state gathers and scatters, page lookup"),
+                       ("engine/step.py", "step.py: decode-state reads and writes, page lookup"),
                        ("model/attention.py", "attention (attention.py)"),
                        ("model/kv_cache.py", "KV write (kv_cache.py)"),
                        ("model/llama.py", "other layer ops (llama.py: norms, rope, activations)")):
@@ -110,17 +110,33 @@ def _part_of_source(src: str, opcode: str) -> str:
   return "other (copy)" if opcode == "copy" else "other"
 
 
+def start_slots(engine: Engine, tables: np.ndarray, context: int, sampling: SamplingParams) -> None:
+  """Every slot of `tables` ready to decode at position `context` with `sampling`'s rows: a
+  one-token prompt chunk per slot at position context - 1 that ends its prompt (so the step loads
+  the request's sampling row and leaves the slot's position at context), at most
+  EngineConfig.max_prefill_seqs chunks per step. Positions before it hold no real KV (zeros):
+  what is timed is the work of reading them, not their values."""
+  chunks = [PrefillChunk(f"r{slot}", slot, [100 + slot], context - 1, list(tables[slot]), True,
+                         sampling, slot, (), ()) for slot in range(len(tables))]
+  per_step = engine.config.max_prefill_seqs
+  for at in range(0, len(chunks), per_step):
+    engine.step(StepPlan(prefills=tuple(chunks[at:at + per_step]))).result()
+
+
+def pages_for(context: int, steps: int) -> int:
+  """Pages of 16 per slot for the prompt's `context` positions and the 1 + steps decoded after."""
+  return -(-(context + steps + 1) // 16)
+
+
 def profile(engine: Engine, batch: int, context: int, steps: int, sampling: SamplingParams) -> collections.Counter:
-  pages = -(-context // 16)
-  row = SamplingRow.from_params(sampling, 0, (), (), engine.model_config.vocab_size).as_state()
-  for slot in range(batch):
-    engine.state = engine._set_sampling(engine.state, np.int32(slot), row)
+  pages = pages_for(context, steps)
   tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+  start_slots(engine, tables, context, sampling)
   slots = list(range(batch))
   engine.decode(slots, tables).result()
-  args = engine.decode_args(slots, tables)
-  compiled = engine._decode.lower(engine.params, engine.cache, engine.state, args.rows, args.page_tables,
-                                  engine.stop_ids).compile()
+  args, _ = engine.step_args(StepPlan(decode_slots=tuple(slots), page_tables=tables))
+  compiled = engine._step.lower(engine.params, engine.cache, engine.state, args,
+                                engine.stop_ids).compile()
   parts = op_parts(compiled.as_text())
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -147,11 +163,15 @@ def main() -> None:
   args = parser.parse_args()
   if "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
     parser.error("set XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true (XLA:CPU records ops only then)")
+  if args.context < 1:
+    parser.error("--context must be at least 1 (the prompt chunk that loads the sampling rows)")
   model, _ = checkpoint.load_model(args.model)
   for batch in (int(b) for b in args.batches.split(",")):
-    pages = -(-args.context // 16)
+    pages = pages_for(args.context, args.steps)
+    # window_pages=False: these tables are the one pool's (no window tables for local layers).
     config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                          max_model_len=max(pages * 16, 128), prefill_buckets=(32,), compilation_cache_dir=None)
+                          max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
+                          compilation_cache_dir=None, window_pages=False)
     times = profile(Engine(model, config), batch, args.context, args.steps, KINDS[args.sampling])
     total = sum(times.values())
     print(f"\nbatch {batch}, {args.sampling} rows: {total:.1f} ms of ops per step, load average "

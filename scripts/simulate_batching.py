@@ -14,9 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import EngineInfo, StepPlan
 from jaxserve.batching.runner import Runner
-from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
 
 
 class _Done:
@@ -29,26 +29,30 @@ class _Done:
 
 
 class NullEngine:
-  """plan.Engine doing no work; records which request each slot served in each step."""
+  """plan.Engine doing no work; records which request each slot served in each step. Its limits
+  are the default EngineConfig's (prefill buckets, prompts per step)."""
 
   def __init__(self, num_slots: int, num_pages: int = 4096, page_size: int = 16,
-               max_model_len: int = 2048, max_prefill_len: int = 512):
-    self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
-    self.max_model_len, self.max_prefill_len = max_model_len, max_prefill_len
-    self.can_share_pages = True
+               max_model_len: int = 2048, vocab_size: int = 49152):
+    config = EngineConfig(num_slots=num_slots, page_size=page_size, num_pages=num_pages,
+                          max_model_len=max_model_len)
+    self.num_slots = num_slots
+    self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len,
+                           config.prefill_buckets[-1], True, vocab_size,
+                           (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
+                           config.max_prefill_seqs)
     self.occupancy: list[dict[int, str]] = []  # Per device step: slot -> request id.
     self._owner: dict[int, str] = {}
     self._step: dict[int, str] = {}
-    self._ones = np.ones(num_slots, np.int32)
 
-  def prefill(self, chunk: PrefillChunk) -> _Done | None:
-    self._owner[chunk.slot] = self._step[chunk.slot] = chunk.request_id
-    return _Done(self._ones[:1]) if chunk.is_last else None
-
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray) -> _Done:
-    for slot in slots:
+  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> _Done:
+    """Token 1 for each decode slot, then for each chunk that ends its prompt."""
+    for chunk in plan.prefills:
+      self._owner[chunk.slot] = self._step[chunk.slot] = chunk.request_id
+    for slot in plan.decode_slots:
       self._step[slot] = self._owner[slot]
-    return _Done(self._ones)
+    n = len(plan.decode_slots) + sum(ch.is_last for ch in plan.prefills)
+    return _Done(np.ones(n, np.int32))
 
   def free(self, slot: int) -> None:
     pass
@@ -63,7 +67,7 @@ class NullTokenizer:
   stop_ids = frozenset()
   eos_id = None
 
-  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+  def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return ""
 
 
