@@ -102,13 +102,17 @@ def test_asking_for_prompt_logprobs_compiles_nothing(engine):
 
 
 def test_scoring_in_blocks_gives_the_whole_arrays_numbers():
-  """A long bucket is scored SCORE_BLOCK rows at a time (a [64, V] log-softmax, not [T, V]):
-  the same values as scoring every row at once, in the same row order."""
+  """A long bucket is scored SCORE_BLOCK rows at a time (the head and log-softmax of [64, D],
+  not [T, D]): the same values as scoring every row at once, in the same row order."""
   rng = np.random.default_rng(0)
   T = 3 * prompt_logprobs.SCORE_BLOCK
-  logits = jax.numpy.asarray(rng.normal(0, 4, (T, 500)), jax.numpy.float32)
+  hidden = jax.numpy.asarray(rng.normal(0, 1, (T, 16)), jax.numpy.float32)
+  weights = jax.numpy.asarray(rng.normal(0, 2, (16, 500)), jax.numpy.float32)
+  head = lambda x: x @ weights
   targets = jax.numpy.asarray(rng.integers(0, 500, T), jax.numpy.int32)
-  blocked, whole = prompt_logprobs.score_prompt(logits, targets), prompt_logprobs._score(logits, targets)
+  blocked = prompt_logprobs.score_prompt(head, hidden, targets)
+  whole = prompt_logprobs._score(head(hidden), targets)
   for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(blocked.ranks), np.asarray(whole.ranks))
   assert np.asarray(blocked.ranks).max() > 1  # Not all trivially first.

@@ -26,18 +26,19 @@ class PromptLogprobs:
   top_logprobs: jax.Array  # [T, min(NUM_TOP_LOGPROBS, V)] float32
 
 
-SCORE_BLOCK = 64  # Positions scored at once: a block's [64, V] log-softmax, not [T, V].
+SCORE_BLOCK = 64  # Positions scored at once: a block's [64, V] logits, not [T, V].
 
 
-def score_prompt(logits, targets) -> PromptLogprobs:
-  """logits [T, V] float32, targets [T] int32 (padding rows are scored and ignored). Scored
-  SCORE_BLOCK rows at a time when T is a multiple of it (row by row, so the same numbers): a
-  large vocabulary's [T, V] log-softmax would otherwise double the step's temp memory."""
-  T = logits.shape[0]
+def score_prompt(head, hidden, targets) -> PromptLogprobs:
+  """hidden [T, D] (the last layer's output), head: [..., D] -> logits [..., V] float32 (the
+  model's `head`), targets [T] int32 (padding rows are scored and ignored). Scored SCORE_BLOCK
+  rows at a time when T is a multiple of it (row by row, so the same numbers): a large
+  vocabulary's [T, V] logits and log-softmax would otherwise dwarf the step's other temp memory."""
+  T = hidden.shape[0]
   if T <= SCORE_BLOCK or T % SCORE_BLOCK:
-    return _score(logits, targets)
-  blocks = (logits.reshape(T // SCORE_BLOCK, SCORE_BLOCK, -1), targets.reshape(-1, SCORE_BLOCK))
-  scored = jax.lax.map(lambda block: _score(*block), blocks)
+    return _score(head(hidden), targets)
+  blocks = (hidden.reshape(T // SCORE_BLOCK, SCORE_BLOCK, -1), targets.reshape(-1, SCORE_BLOCK))
+  scored = jax.lax.map(lambda block: _score(head(block[0]), block[1]), blocks)
   return jax.tree.map(lambda x: x.reshape(T, *x.shape[2:]), scored)
 
 

@@ -76,9 +76,10 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
       block_rows=args.block_rows, block_seq=args.block_seq, num_decode_rows=D)
   model = nnx.merge(graphdef, params)
   scored = args.prefill_targets is not None
-  if scored:  # Every position's logits, for the prompt's scores: [1, T, V].
-    every, cache = model(tokens[None], cache, meta, attn, last_only=False)
-    logits, prompt = every[0, meta.sample_rows], score_prompt(every[0, D:], args.prefill_targets)
+  if scored:  # Every position's output [1, T, D], for the prompt's scores (in blocks).
+    every, cache = model(tokens[None], cache, meta, attn, hidden=True)
+    logits = model.head(every[0, meta.sample_rows])
+    prompt = score_prompt(model.head, every[0, D:], args.prefill_targets)
   else:
     logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
 

@@ -118,9 +118,11 @@ class Gemma3(nnx.Module):
                             fan_in=cfg.dim)
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
-               attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True):
+               attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True,
+               hidden: bool = False):
     """tokens [1, T] -> logits [B, V] at each sequence's last new token (meta.sample_rows), or
-    [1, T, V] at every token; and the cache."""
+    [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
+    the cache."""
     cfg = self.cfg
     embed = self.embed[...]
     # sqrt(D) rounded to the model dtype first, as Hugging Face does (in bfloat16 it is 25.25,
@@ -137,12 +139,17 @@ class Gemma3(nnx.Module):
     xs = (layer_state, jnp.arange(cfg.num_layers), jnp.asarray(layer_rope(cfg)),
           jnp.asarray(layer_windows(cfg)))
     (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
-    if last_only:
-      x = x[0, meta.sample_rows]  # [B, D]
+    if hidden:
+      return x, cache
+    return self.head(x[0, meta.sample_rows] if last_only else x), cache  # [B, D] or [1, T, D]
+
+  def head(self, x):
+    """The last layer's output [..., D] -> logits [..., V] float32 (soft-capped if set)."""
+    cfg = self.cfg
     x = norm(x, self.final_norm[...], cfg.norm_eps)
-    head = embed.T if cfg.tie_embeddings else self.lm_head[...]  # [D, V]
+    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V]
     logits = jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
       cap = cfg.final_logit_softcapping
       logits = cap * jnp.tanh(logits / cap)
-    return logits, cache
+    return logits

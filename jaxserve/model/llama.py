@@ -119,9 +119,11 @@ class Transformer(nnx.Module):
       self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, fan_in=cfg.dim)
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
-               attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True):
+               attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True,
+               hidden: bool = False):
     """tokens [1, T] -> logits [B, V] at each sequence's last new token (meta.sample_rows), or
-    [1, T, V] at every token; and the cache."""
+    [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
+    the cache."""
     x = self.embed[...][tokens]  # [B, T, D]
     inv_freq = rope_frequencies(self.cfg)
     graphdef, layer_state = nnx.split(self.layers)
@@ -134,8 +136,12 @@ class Transformer(nnx.Module):
 
     layer_ids = jnp.arange(self.cfg.num_layers)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (layer_state, layer_ids))
-    if last_only:
-      x = x[0, meta.sample_rows]  # [B, D]
+    if hidden:
+      return x, cache
+    return self.head(x[0, meta.sample_rows] if last_only else x), cache  # [B, D] or [1, T, D]
+
+  def head(self, x):
+    """The last layer's output [..., D] -> logits [..., V] float32."""
     x = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
     head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]  # [D, V]
-    return jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32), cache
+    return jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32)
