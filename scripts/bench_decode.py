@@ -8,9 +8,11 @@
 model's compiled programs or memory linger into the next one's), then prints them side by side
 with the ratios to the first model: on a loaded machine the ratios are the figures to keep.
 
-Decode is memory-bound: each step reads every weight once plus each slot's KV cache. The roofline
-is that byte count divided by the copy bandwidth this same machine shows in this same run (a large
-array copied by XLA), so the fraction holds even when the machine is slower or busier than usual.
+Decode is memory-bound at few slots and compute-bound at many: each step reads every weight once
+plus each slot's KV cache, and does 2 FLOPs per weight per slot plus its attention. The floor is
+max(bytes / copy bandwidth, FLOPs / GEMM rate), both rates measured on this machine in this same
+run (a large array copied by XLA; a 1024^3 float32 matmul by XLA), so the ratio holds even when
+the machine is slower or busier than usual.
 `--sampling` also times `sample()` alone on the same batches (greedy rows, top-k/top-p rows, plain
 temperature rows) and prints its share of the step; `--sampling-baseline` times another version
 of jaxserve/engine/sample.py (e.g. `git show main:jaxserve/engine/sample.py > /tmp/old.py`) in
@@ -33,6 +35,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import EngineConfig, SamplingParams
@@ -53,6 +56,24 @@ def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
   scale(x).block_until_ready()
   xla_best = min(_timed(lambda: scale(x).block_until_ready()) for _ in range(repeats))
   return 2 * num_bytes / min(numpy_best, xla_best)
+
+
+def gemm_rate(n: int = 1024, repeats: int = 5) -> float:
+  """FLOP/s of one n x n x n float32 matmul compiled by XLA (what the step's matmuls run on)."""
+  a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+  mm = jax.jit(lambda x: x @ x)
+  mm(a).block_until_ready()
+  return 2 * n ** 3 / min(_timed(lambda: mm(a).block_until_ready()) for _ in range(repeats))
+
+
+def step_flops(model, batch: int, context: int) -> int:
+  """FLOPs of one decode step: 2 per matmul weight per slot (every layer's, and the output head;
+  the embedding lookup does none), plus attention's scores and weighted sum over `context`."""
+  cfg = model.cfg
+  weights = sum(x.size for x in jax.tree.leaves(nnx.state(model.layers)) if x.ndim > 2)
+  weights += cfg.vocab_size * cfg.dim  # The output head.
+  attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+  return batch * (2 * weights + attention)
 
 
 def _timed(fn) -> float:
@@ -224,18 +245,21 @@ def main() -> None:
   if args.sampling_only:
     print_sampling({int(b): None for b in args.batches.split(",")}, model.cfg.vocab_size, args.sampling_baseline)
     return
-  bandwidth = copy_bandwidth()
+  bandwidth, rate = copy_bandwidth(), gemm_rate()
   load = os.getloadavg()[0]
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "
-        f"load average {load:.1f}; copy bandwidth {bandwidth / 1e9:.1f} GB/s\n")
-  print("| batch | ms/step | tokens/s | bytes/step (MB) | roofline ms | fraction of roofline |")
-  print("|---|---|---|---|---|---|")
+        f"load average {load:.1f}; copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"GEMM {rate / 1e9:.0f} GFLOP/s\n")
+  print("| batch | ms/step | tokens/s | bytes/step (MB) | bytes floor ms | GFLOP/step | FLOPs floor ms "
+        "| x floor |")
+  print("|---|---|---|---|---|---|---|---|")
   steps = {}
   for batch in (int(b) for b in args.batches.split(",")):
     ms = steps[batch] = decode_ms(model, batch, args.context, args.steps)
-    nbytes = step_bytes(model, batch, args.context)
-    roof = 1000 * nbytes / bandwidth
-    print(f"| {batch} | {ms:.1f} | {1000 * batch / ms:.0f} | {nbytes / 1e6:.0f} | {roof:.1f} | {roof / ms:.2f} |")
+    nbytes, flops = step_bytes(model, batch, args.context), step_flops(model, batch, args.context)
+    by_bytes, by_flops = 1000 * nbytes / bandwidth, 1000 * flops / rate
+    print(f"| {batch} | {ms:.1f} | {1000 * batch / ms:.0f} | {nbytes / 1e6:.0f} | {by_bytes:.1f} | "
+          f"{flops / 1e9:.1f} | {by_flops:.1f} | {ms / max(by_bytes, by_flops):.2f} |")
   if args.sampling:
     print_sampling(steps, model.cfg.vocab_size, args.sampling_baseline)
   print(f"\nprefill, {args.prefill}-token prompt: {prefill_tokens_per_s(model, args.prefill):.0f} tokens/s")

@@ -103,7 +103,7 @@ def _part_of_source(src: str, opcode: str) -> str:
   for prefix, part in (("engine/sample.py", "sampling (sample.py)"),
                        ("engine/step.py", "step.py: decode-state reads and writes, page lookup"),
                        ("model/attention.py", "attention (attention.py)"),
-                       ("model/kv_cache.py", "KV write (kv_cache.py)"),
+                       ("model/kv_cache.py", "KV page gather and write (kv_cache.py)"),
                        ("model/llama.py", "other layer ops (llama.py: norms, rope, activations)")):
     if src.startswith(prefix):
       return part
