@@ -29,8 +29,9 @@ from jaxserve.config import gemma3 as gemma3_config
 from jaxserve.config.engine import window_pages_per_seq
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, pull, weights
+from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
+from jaxserve.model.kv_cache import SCRATCH_PAGE, WindowedKV
 from mock_engine import MockTokenizer, assert_all_free, checked  # noqa: F401  (checked is a fixture)
 
 torch = pytest.importorskip("torch")
@@ -223,27 +224,46 @@ def reference(gguf_path, prompts, llm):
 
 
 def chunked_last_logits(model, ids, chunk: int, page_size: int):
-  """[V] logits after `ids`, prefilled `chunk` tokens at a time into a paged cache, with the
-  metadata an engine step builds (each chunk attends to the pages of the ones before it)."""
+  """[V] logits after `ids`, prefilled `chunk` tokens at a time into a paged cache with window
+  pages, with the metadata an engine step builds: each chunk attends to the pages of the ones
+  before it, and the local layers' window table holds only the pages its window can see. A page
+  that falls out of the window goes back to a free list that the next chunk takes from first, so
+  a long prompt's local layers overwrite the pages they freed (as the scheduler's would)."""
   pages = REAL_ENGINE.max_model_len // page_size  # The same shapes for every prompt: one compile.
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=pages * page_size, prefill_buckets=(chunk,))
-  cache, table = KVCache.create(model.cfg, engine), jnp.arange(1, pages + 1, dtype=jnp.int32)
+  cache = kv_cache.create(model.cfg, engine)
+  assert isinstance(cache, WindowedKV)
+  window, Z = model.cfg.sliding_window, page_size
+  free, held = list(range(cache.window.num_pages - 1, 0, -1)), {}  # pool page by table index
   for start in range(0, len(ids), chunk):
     piece = ids[start:start + chunk]
+    first, last = max(0, start - window + 1) // Z, (start + len(piece) - 1) // Z
+    for i in [i for i in held if i < first]:
+      free.append(held.pop(i))
+    for i in range(first, last + 1):
+      if i not in held:
+        assert free, "the window pool holds a window plus a chunk"
+        held[i] = free.pop()
+    table = np.zeros(2 * pages, np.int32)
+    table[:pages] = np.arange(1, pages + 1)
+    table[pages + np.array(list(held))] = list(held.values())
     tokens = jnp.asarray(piece + [0] * (chunk - len(piece)), jnp.int32)
-    logits, cache = _chunk(model, tokens, cache, table, jnp.int32(start), jnp.int32(len(piece)))
+    logits, cache = _chunk(model, tokens, cache, jnp.asarray(table), jnp.int32(start),
+                           jnp.int32(len(piece)))
   return np.asarray(logits[0])
 
 
 @nnx.jit
 def _chunk(model, tokens, cache, table, start, n):
-  T, Z = tokens.shape[0], cache.page_size
+  """table [2W]: the page table, then the window table."""
+  T, Z, W = tokens.shape[0], cache.page_size, table.shape[0] // 2
   positions = start + jnp.arange(T, dtype=jnp.int32)
-  page = table[jnp.minimum(positions // Z, table.shape[0] - 1)]
+  column = jnp.minimum(positions // Z, W - 1)
+  page = jnp.stack([table[column], table[W + column]])  # [2, T]
   page = jnp.where(jnp.arange(T) < n, page, SCRATCH_PAGE)  # Padding writes to the scratch page.
   rows = jnp.arange(T, dtype=jnp.int32)
-  meta = AttentionMetadata(positions=positions[None], cache_index=(page * Z + positions % Z)[None],
+  meta = AttentionMetadata(positions=positions[None], cache_index=page * Z + positions % Z,
                            page_tables=table[None], kv_lens=(start + n)[None],
                            cu_q_lens=jnp.stack([0, n]).astype(jnp.int32), sample_rows=(n - 1)[None],
                            block_rows=jnp.where(rows < n, rows, T)[None],
