@@ -87,13 +87,7 @@ def decode_ms(model, batch: int, context: int, steps: int) -> float:
   starts each slot at position `context` (the engine reads positions from its device state), so
   it attends to `context` cached positions plus the one it writes, as `step_bytes` counts. The
   cached KV is the pool's zeros: its values change no step time."""
-  pages = -(-(context + 1) // 16)
-  # window_pages=False: these tables are the one pool's (no window tables for local layers).
-  config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
-                        compilation_cache_dir=None, window_pages=False)
-  engine = Engine(model, config)
-  tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+  engine, tables = decode_engine(model, batch, context + 1)
   slots = list(range(batch))
   engine.state = at_position(engine.state, context)
   engine.decode(slots, tables).result()
@@ -107,6 +101,30 @@ def decode_ms(model, batch: int, context: int, steps: int) -> float:
   return 1000 * float(np.median(times))
 
 
+def decode_engine(model, batch: int, positions: int) -> tuple[Engine, np.ndarray]:
+  """An engine of `batch` slots and page tables [batch, pages] giving each slot pages of 16 of
+  its own for `positions` positions (also for profile_decode.py and bench_xla_flags.py).
+  window_pages=False: these tables are the one pool's (no window tables for local layers)."""
+  pages = -(-positions // 16)
+  config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
+                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
+                        compilation_cache_dir=None, window_pages=False)
+  tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+  return Engine(model, config), tables
+
+
+def prefill_engine(model, length: int) -> tuple[Engine, PrefillChunk]:
+  """An engine of one slot whose one prefill bucket is `length`, and a `length`-token chunk that
+  ends its prompt (greedy)."""
+  pages = -(-length // 16)
+  config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=pages * 16,
+                        prefill_buckets=(length,), compilation_cache_dir=None,
+                        window_pages=False)
+  chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
+                       SamplingParams(temperature=0), 0, (), ())
+  return Engine(model, config), chunk
+
+
 def at_position(state: DecodeState, position: int) -> DecodeState:
   """`state` with every slot's next token at `position`, placed as `state` is."""
   positions = np.full(state.positions.shape, position, np.int32)
@@ -115,13 +133,7 @@ def at_position(state: DecodeState, position: int) -> DecodeState:
 
 
 def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
-  pages = length // 16
-  config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=length,
-                        prefill_buckets=(length,), compilation_cache_dir=None,
-                        window_pages=False)
-  engine = Engine(model, config)
-  chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
-                       SamplingParams(temperature=0), 0, (), ())
+  engine, chunk = prefill_engine(model, length)
   engine.prefill(chunk).result()
   best = min(_timed(lambda: engine.prefill(chunk).result()) for _ in range(repeats))
   return length / best

@@ -15,17 +15,14 @@ process while compiling the decode step ("partition compile failed"). `--configs
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 
-import jax
 import numpy as np
+from bench_decode import at_position, decode_engine, prefill_engine
 
-from jaxserve.batching.plan import PrefillChunk, StepPlan
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.batching.plan import StepPlan
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.step import DecodeState
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.loading import checkpoint
 
@@ -72,36 +69,17 @@ class Program:
     return time.perf_counter() - start
 
 
-def at_position(state: DecodeState, position: int) -> DecodeState:
-  """`state` with every slot's next token at `position`, placed as `state` is."""
-  positions = np.full(state.positions.shape, position, np.int32)
-  return jax.device_put(dataclasses.replace(state, positions=positions),
-                        jax.tree.map(lambda x: x.sharding, state))
-
-
 def decode_program(model, batch: int, context: int) -> Program:
   """A decode step of every slot, each at position `context` (so it reads `context` cached
   positions and writes one more) on every call."""
-  pages = -(-(context + 1) // 16)
-  # window_pages=False: these tables are the one pool's (no window tables for local layers).
-  config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
-                        compilation_cache_dir=None, window_pages=False)
-  engine = Engine(model, config)
-  tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+  engine, tables = decode_engine(model, batch, context + 1)
   args, _ = engine.step_args(StepPlan(decode_slots=tuple(range(batch)), page_tables=tables))
   return Program(engine, args, reset=lambda state: at_position(state, context))
 
 
 def prefill_program(model, length: int) -> Program:
   """A prefill-only step of one `length`-token prompt that ends (samples its first token)."""
-  pages = -(-length // 16)
-  config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=pages * 16,
-                        prefill_buckets=(length,), compilation_cache_dir=None,
-                        window_pages=False)
-  engine = Engine(model, config)
-  chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
-                       SamplingParams(temperature=0), 0, (), ())
+  engine, chunk = prefill_engine(model, length)
   args, _ = engine.step_args(StepPlan(prefills=(chunk,)))
   return Program(engine, args)
 

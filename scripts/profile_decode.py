@@ -23,9 +23,10 @@ import tempfile
 
 import jax
 import numpy as np
+from bench_decode import decode_engine
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
 
@@ -123,16 +124,10 @@ def start_slots(engine: Engine, tables: np.ndarray, context: int, sampling: Samp
     engine.step(StepPlan(prefills=tuple(chunks[at:at + per_step]))).result()
 
 
-def pages_for(context: int, steps: int) -> int:
-  """Pages of 16 per slot for the prompt's `context` positions and the 1 + steps decoded after."""
-  return -(-(context + steps + 1) // 16)
-
-
-def profile(engine: Engine, batch: int, context: int, steps: int, sampling: SamplingParams) -> collections.Counter:
-  pages = pages_for(context, steps)
-  tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
+            sampling: SamplingParams) -> collections.Counter:
   start_slots(engine, tables, context, sampling)
-  slots = list(range(batch))
+  slots = list(range(len(tables)))
   engine.decode(slots, tables).result()
   args, _ = engine.step_args(StepPlan(decode_slots=tuple(slots), page_tables=tables))
   compiled = engine._step.lower(engine.params, engine.cache, engine.state, args,
@@ -167,12 +162,9 @@ def main() -> None:
     parser.error("--context must be at least 1 (the prompt chunk that loads the sampling rows)")
   model, _ = checkpoint.load_model(args.model)
   for batch in (int(b) for b in args.batches.split(",")):
-    pages = pages_for(args.context, args.steps)
-    # window_pages=False: these tables are the one pool's (no window tables for local layers).
-    config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
-                          max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
-                          compilation_cache_dir=None, window_pages=False)
-    times = profile(Engine(model, config), batch, args.context, args.steps, KINDS[args.sampling])
+    # The prompt's `context` positions and the 1 + steps decoded after.
+    engine, tables = decode_engine(model, batch, args.context + args.steps + 1)
+    times = profile(engine, tables, args.context, args.steps, KINDS[args.sampling])
     total = sum(times.values())
     print(f"\nbatch {batch}, {args.sampling} rows: {total:.1f} ms of ops per step, load average "
           f"{os.getloadavg()[0]:.1f}")
