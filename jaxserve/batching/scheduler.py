@@ -22,12 +22,11 @@ import bisect
 import collections
 import dataclasses
 import heapq
-import itertools
 import time
 
 import numpy as np
 
-from jaxserve.batching.kv_pages import PageAllocator, prefix_keys
+from jaxserve.batching.kv_pages import PageAllocator
 from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
@@ -64,8 +63,8 @@ class Scheduler:
     self._free_slots = list(range(info.num_slots))  # A heap: the lowest free slot is used first.
     self._released: list[int] = []
     self._max_pages_per_seq = self.pages.num_pages_for(info.max_model_len)
-    groups = 2 if self.window else 1  # Each slot's table, then its window table.
-    self._tables = np.zeros((info.num_slots, groups * self._max_pages_per_seq), np.int32)  # [S, G * W]
+    self._groups = 2 if self.window else 1  # Each slot's table, then its window table.
+    self._tables = np.zeros((info.num_slots, self._groups * self._max_pages_per_seq), np.int32)  # [S, G * W]
     self._decode_widths = info.decode_widths
     self.num_steps = 0
     self.num_prefill_tokens = 0  # Prefill tokens computed (recomputation included).
@@ -220,16 +219,19 @@ class Scheduler:
   def _window_hits(self, token_ids) -> int:
     """The most leading cached pages a request may reuse with window pages: those whose window
     (the pages its first computed position attends to) the window pool also holds."""
-    keys = []
-    for key, tokens in prefix_keys(token_ids, self.page_size):
-      if self.pages.find(key, tokens) is None:
-        break
-      keys.append((key, tokens))
-    for n in range(len(keys), 0, -1):
-      if all(self.window_pages.find(*keys[i]) is not None
+    hits = self.pages.match_prefix(token_ids)
+    for n in range(len(hits), 0, -1):
+      if all(self._window_page(hits[i], token_ids, i) is not None
              for i in range(self._first_window_page(n * self.page_size), n)):
         return n
     return 0
+
+  def _window_page(self, page: int, token_ids, i: int) -> int | None:
+    """The window pool's cached page for page i of `token_ids`, held (or cached) as `page`."""
+    return self.window_pages.find(self.pages.key_of(page), self._page_tokens(token_ids, i))
+
+  def _page_tokens(self, token_ids, i: int) -> tuple[int, ...]:
+    return tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
 
   def _first_window_page(self, position: int) -> int:
     """The first page a local layer's query at `position` attends to."""
@@ -269,10 +271,10 @@ class Scheduler:
     self._tables[req.slot, :len(table)] = table
     if self.window:  # The cached pages' window part, from the window pool.
       n, W = req.num_cached_pages, self._max_pages_per_seq
-      keys = list(itertools.islice(prefix_keys(req.all_token_ids, self.page_size), n))
       req.window_table = [0] * n
       for i in range(self._first_window_page(num_cached), n):
-        page = req.window_table[i] = self._tables[req.slot, W + i] = self.window_pages.find(*keys[i])
+        page = self._window_page(table[i], req.all_token_ids, i)
+        req.window_table[i] = self._tables[req.slot, W + i] = page
         self.window_pages.hold(page)
     bisect.insort(self.running, req, key=self._key)
     self.num_cached_tokens += num_cached
@@ -309,8 +311,8 @@ class Scheduler:
       self.pages.cache_pages(req.page_table, req.all_token_ids, req.num_cached_pages, num_full)
       for i in range(req.num_cached_pages, min(num_full, len(req.window_table))):
         if req.window_table[i]:  # Still held: its local layers' KV is findable too.
-          tokens = tuple(req.all_token_ids[i * self.page_size:(i + 1) * self.page_size])
-          self.window_pages.register(req.window_table[i], self.pages.key_of(req.page_table[i]), tokens)
+          self.window_pages.register(req.window_table[i], self.pages.key_of(req.page_table[i]),
+                                     self._page_tokens(req.all_token_ids, i))
       req.num_cached_pages = num_full
 
   def _release(self, req: Request) -> None:
@@ -330,8 +332,8 @@ class Scheduler:
     (with window pages, [num_slots, 2 * width]: that many columns of both tables)."""
     longest = max(len(r.page_table) for r in decodes)
     width = next(w for w in self._decode_widths if w >= longest)
-    S, groups = self._tables.shape[0], 2 if self.window else 1
-    return self._tables.reshape(S, groups, -1)[:, :, :width].reshape(S, groups * width)
+    S, G = self._tables.shape[0], self._groups
+    return self._tables.reshape(S, G, -1)[:, :, :width].reshape(S, G * width)
 
 
 def _wants_prompt_logprobs(req: Request) -> bool:

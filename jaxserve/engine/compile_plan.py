@@ -72,7 +72,7 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   mesh = placement.make_mesh(config.tp, 1, devices=list(devices)) if config.tp > 1 else None
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh))
-  packer = Packer(config, model.vocab_size, None, 2 if kv_cache.num_window_pages(model, config) else 1)
+  packer = Packer(config, model.vocab_size, None, cache.PAGE_GROUPS)
   abstract = lambda args: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
   programs = []
   for scored, shapes in ((False, packer.shapes()), (True, packer.scored_shapes())):

@@ -221,7 +221,7 @@ class Engine:
     self._slot_page_tables = kv_cache.slot_page_tables(config)
     self.can_share_pages = self._slot_page_tables is None  # A slot's own region holds no one else's KV.
     windowed = isinstance(self.cache, WindowedKV)
-    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables, 2 if windowed else 1)
+    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables, self.cache.PAGE_GROUPS)
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                            self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
                            (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,

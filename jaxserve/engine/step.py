@@ -64,7 +64,7 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
   seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1, 0, B - 1).astype(jnp.int32)
   real = (tok < cu_q_lens[-1]) & live[seq]  # [T]
   positions = jnp.where(real, starts[seq] + tok - cu_q_lens[seq], 0)  # [T]
-  G = 2 if isinstance(cache, WindowedKV) else 1  # Page groups: each has its own table.
+  G = cache.PAGE_GROUPS  # Page groups: each has its own table.
   W = tables.shape[1] // G
   column = jnp.minimum(positions // Z, W - 1)
   page = jnp.stack([tables[seq, g * W + column] for g in range(G)])  # [G, T]

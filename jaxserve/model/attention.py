@@ -101,11 +101,11 @@ def _attend_windowed(q, k, v, cache: WindowedKV, layer, meta: AttentionMetadata,
   index = jnp.asarray(cache.index, jnp.int32)[layer]
 
   def full(c: WindowedKV):
-    out, kv = attend(q, k, v, c.full, index, meta.group(0, 2), spec)
+    out, kv = attend(q, k, v, c.full, index, meta.group(0, c.PAGE_GROUPS), spec)
     return out, dataclasses.replace(c, full=kv)
 
   def local(c: WindowedKV):
-    out, kv = attend(q, k, v, c.window, index, meta.group(1, 2), spec, window=local_window,
+    out, kv = attend(q, k, v, c.window, index, meta.group(1, c.PAGE_GROUPS), spec, window=local_window,
                      local_window=local_window)
     return out, dataclasses.replace(c, window=kv)
 

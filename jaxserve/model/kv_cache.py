@@ -169,6 +169,7 @@ class KVCache:
 
   # The token-major layout's logical axis names; `axes` gives the running layout's.
   AXES = _TOKEN_AXES
+  PAGE_GROUPS = 1  # Page tables a step's sequence has (WindowedKV: 2).
 
   @classmethod
   def create(cls, model: ModelConfig, engine: EngineConfig, num_layers: int | None = None,
@@ -269,6 +270,7 @@ class WindowedKV:
                               num_pages=num_window_pages(model, engine)),
                is_window=local, index=index)
 
+  PAGE_GROUPS = 2  # Each sequence's page table, then its window table.
   page_size = property(lambda self: self.full.page_size)
   num_pages = property(lambda self: self.full.num_pages)  # Pages a full-pool table may name.
   layout = property(lambda self: self.full.layout)
