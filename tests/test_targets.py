@@ -1,4 +1,5 @@
-"""The engine's programs compiled by the real TPU and GPU compilers on this CPU-only machine.
+"""The engine's programs compiled by the real TPU and GPU compilers on this CPU-only machine,
+and the check that they are the programs the engine itself compiles at warm-up.
 
 TPU tests need libtpu (`pip install 'jax[tpu]==<the installed jax>'`), GPU tests the CUDA plugin
 (README: compiling for GPU) and JAX_PLATFORMS=cpu; each is skipped, with the reason, without them.
@@ -17,10 +18,13 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import TINY, TINY_ENGINE, count_compiles
 
 from jaxserve.cli import main as cli
-from jaxserve.config import EngineConfig
-from jaxserve.engine import compile_plan, targets
+from jaxserve.config import AttentionBackend, EngineConfig
+from jaxserve.engine import assembly, compile_plan, targets
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.step_args import StepShape
 from jaxserve.model import kv_cache
 from jaxserve.planning import capacity
 
@@ -38,7 +42,8 @@ SMALL = dict(num_slots=1, max_model_len=128, prefill_buckets=(32,), dtype="bfloa
 GEMMA3_270M = capacity.KNOWN_MODELS["gemma-3-270m"]
 # Gemma 3 at 1,024 tokens, past its 512-token window: window pages, so two pools (every page of
 # the 3 global layers, a window's of the 15 local ones) and tables twice as wide.
-CASES = {"smollm2-v5e": ("v5e", SMOLLM2, 512, {}), "llama-3-8b-v6e": ("v6e", LLAMA3_8B_2L, 4096, {}),
+CASES = {"smollm2-v5e": ("v5e", SMOLLM2, 512, {}),
+         "llama-3-8b-v6e": ("v6e", LLAMA3_8B_2L, 4096, {}),
          "smollm2-h100": ("h100", SMOLLM2, 512, {}),
          "gemma-3-270m-v5e": ("v5e", GEMMA3_270M, 512, dict(max_model_len=1024))}
 
@@ -62,6 +67,40 @@ def compiled(name: str):
 def weight_bytes(model) -> int:
   params = compile_plan.abstract_weights(model, "bfloat16")[1]
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def test_plan_compile_lists_the_programs_warmup_runs(tiny_model, monkeypatch):
+  """One assembly: the steps `Engine.warmup` runs (their shapes read from the arguments it
+  hands `run_step`, one compile each) are the programs `plan --compile` compiles
+  (engine_programs), in the same order, the scoring ones scoring in both."""
+  engine, ran = Engine(tiny_model, TINY_ENGINE), []
+  run_step = engine.run_step
+
+  def record(args, rows, *rest, **options):
+    shape = StepShape(args.decode_slots.shape[0], args.prefill_tokens.shape[0],
+                      args.decode_tables.shape[1])
+    ran.append((shape, args.prefill_targets is not None))
+    return run_step(args, rows, *rest, **options)
+
+  monkeypatch.setattr(engine, "run_step", record)
+  with count_compiles() as counts:
+    engine.warmup()
+  programs = compile_plan.engine_programs(TINY, TINY_ENGINE, engine.backend)
+  assert [(p.shape, p.scored) for p in programs] == ran
+  assert [p.name for p in programs] == [assembly.program_name(*r) for r in ran]
+  assert counts["compile"] == len(programs), counts
+  kinds = {(scored, shape.decode_rows > 0, shape.prefill_tokens > 0) for shape, scored in ran}
+  assert kinds == {(False, True, False), (False, False, True), (False, True, True),
+                   (True, False, True)}  # Decode-only, prefill-only, mixed, scoring.
+
+
+def test_neediest_are_the_largest_of_each_kind():
+  """The probe compiles, picked without compiling: the most rows of each kind of step."""
+  config = dataclasses.replace(TINY_ENGINE, num_slots=16, prefill_buckets=(16, 32, 64))
+  programs = compile_plan.engine_programs(TINY, config, AttentionBackend.PALLAS_TPU)
+  assert compile_plan.neediest(programs) == [
+      "step D=16 T=0 W=16", "step D=0 T=64 W=16", "step D=16 T=64 W=16",
+      "step D=0 T=64 W=16 scored"]
 
 
 @pytest.mark.parametrize("name", [case(n) for n in CASES])
@@ -109,11 +148,13 @@ def test_tensor_parallel_programs_compile_per_device():
     assert r["temp_bytes"] <= 0.05 * pool["bytes"] + 256 * MIB, (TEMP_BOUND, r, pool)
 
 
-@pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t)) for t in ("v5e", "v6e", "v5p", "v4")])
+@pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t))
+                                    for t in ("v5e", "v6e", "v5p", "v4")])
 def test_usable_bytes_is_the_tpu_compilers_own_limit(target):
   """A buffer just under the table's figure compiles; one just over it is refused."""
   device, usable = targets.abstract_device(target), targets.TARGETS[target].usable_bytes
-  report = lambda n: targets.compile_report(lambda x: x * 2, [jax.ShapeDtypeStruct((n // 4,), jnp.float32)],
+  report = lambda n: targets.compile_report(lambda x: x * 2,
+                                            [jax.ShapeDtypeStruct((n // 4,), jnp.float32)],
                                             device, donate=[0], name=f"{n} bytes")
   assert report(usable - 64 * MIB)["compiled"]
   refused = report(usable + 64 * MIB)
@@ -121,12 +162,14 @@ def test_usable_bytes_is_the_tpu_compilers_own_limit(target):
   assert refused["temp_bytes"] is None
 
 
-@pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t)) for t in ("h100", "h200")])
+@pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t))
+                                    for t in ("h100", "h200")])
 def test_gpu_device_is_the_spec_files_chip(target):
   t = targets.TARGETS[target]
   spec = (targets._SPECS / t.spec).read_text()
   assert int(re.search(r"device_memory_size: (\d+)", spec).group(1)) == t.usable_bytes
-  assert targets.abstract_device(target).device_kind == re.search(r'\bname: "([^"]+)"', spec).group(1)
+  kind = re.search(r'\bname: "([^"]+)"', spec).group(1)
+  assert targets.abstract_device(target).device_kind == kind
 
 
 @skip_without("v5e")

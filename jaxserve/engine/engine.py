@@ -9,12 +9,10 @@ one future (one async device-to-host copy). Every shape the engine compiles for 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -28,13 +26,10 @@ from jaxserve.config import (
   ModelConfig,
   default_attention_backend,
 )
-from jaxserve.engine import placement
+from jaxserve.engine import assembly, placement
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
-from jaxserve.engine.step import DecodeState
-from jaxserve.engine.step import step as step_fn
-from jaxserve.engine.step_args import Packer, StepArgs
+from jaxserve.engine.step_args import StepArgs
 from jaxserve.model import kv_cache
-from jaxserve.model.attention import AttentionSpec
 from jaxserve.model.kv_cache import WindowedKV
 from jaxserve.model.llama import Transformer
 from jaxserve.planning import capacity
@@ -191,51 +186,34 @@ class Engine:
     self.max_model_len = min(config.max_model_len, model.cfg.max_seq_len)
     self.max_prefill_len = config.prefill_buckets[-1]
     self.backend = backend
-    mesh = placement.mesh_for(config)
-    attn = AttentionSpec(self.backend, mesh)
     enable_compilation_cache(config.compilation_cache_dir)
 
-    graphdef, self.params = nnx.split(model)
-    self.state = DecodeState.create(config.num_slots, model.cfg.vocab_size)
-    self.stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)  # [E]
-    self.shardings, step_out = None, {}
-    if mesh is not None:
-      # One SPMD program over the mesh: the state goes to its shardings, and the steps return it
-      # in the same shardings, so donation aliases the buffers and no step recompiles.
-      s = self.shardings = placement.EngineShardings.create(
-          mesh, model.cfg, config, self.params, self.state)
-      self.params, self.state = s.place(self.params, s.params), s.place(self.state, s.state)
-      self.stop_ids = s.place(self.stop_ids, s.replicated)
-      self.cache = s.create_cache(model.cfg, config)
-      step_out = {"out_shardings": s.step_out}
-    else:
-      # Committed to the device, as every step's outputs are: an uncommitted first input would
-      # make the first shape warm-up compiles a different program from the one serving calls.
-      device = jax.local_devices()[0]
-      self.cache = jax.device_put(kv_cache.create(model.cfg, config), device)
-      self.state = jax.device_put(self.state, device)
+    graphdef, params = nnx.split(model)
+    # The steps, their shardings and the programs warm-up compiles: one assembly, shared with
+    # `plan --compile` (engine/assembly.py).
+    self.assembly = assembly.assemble(graphdef, params, model.cfg, config, backend,
+                                      placement.mesh_for(config))
+    self.shardings = self.assembly.shardings
+    self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
     self.max_model_len = fit_to_pool(self.max_model_len, self.num_pages, self.page_size)
-    self._slot_page_tables = kv_cache.slot_page_tables(config)
-    self.can_share_pages = self._slot_page_tables is None  # A slot's own region holds no one else's KV.
+    self.packer = self.assembly.packer
+    self._slot_page_tables = self.packer.slot_page_tables
+    # A slot's own region holds no one else's KV: no pages to share.
+    self.can_share_pages = self._slot_page_tables is None
     windowed = isinstance(self.cache, WindowedKV)
-    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables, self.cache.PAGE_GROUPS)
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                            self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
                            (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
                            config.max_prefill_seqs,
                            window=model.cfg.sliding_window if windowed else None,
                            num_window_pages=self.cache.window.num_pages if windowed else 0)
-    # The cache and decode state are donated: each step updates them in place.
-    self._step = jax.jit(functools.partial(step_fn, graphdef, attn=attn),
-                         donate_argnums=(1, 2), **step_out)
-    # Prefill-only steps that also score their prompt positions: the same function, whose
-    # args carry the targets (one more output, so its own jit).
-    scored_out = {"out_shardings": (*s.step_out, s.replicated)} if mesh is not None else {}
-    self._step_scored = jax.jit(functools.partial(step_fn, graphdef, attn=attn),
-                                donate_argnums=(1, 2), **scored_out)
+    # The cache and decode state are donated: each step updates them in place. Prefill-only
+    # steps that also score their prompt positions have one more output, so their own jit.
+    self._step = self.assembly.jit(scored=False)
+    self._step_scored = self.assembly.jit(scored=True)
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -301,13 +279,12 @@ class Engine:
     """Nothing to do on the device: a slot decodes only when the plan lists it."""
 
   def warmup(self) -> None:
-    """Compiles every step shape (and the scoring variant of the prefill-only ones). Runs only
-    padding: writes only to the scratch page."""
-    for shape in self.packer.shapes():
-      out = self.run_step(self.packer.template(shape), [])
-    for shape in self.packer.scored_shapes():
-      out = self.run_step(self.packer.template(shape, scored=True), [])
-    out._packed.block_until_ready()
+    """Compiles every program of the assembly (each step shape, and the scoring variant of the
+    prefill-only ones): the list `plan --compile` compiles too. Runs only padding: writes only
+    to the scratch page."""
+    for program in self.assembly.programs():
+      self.run_step(program.args, [])
+    jax.block_until_ready(self.state)  # An output of the last step: it has run.
 
 
 def fit_to_pool(max_model_len: int, num_pages: int, page_size: int) -> int:

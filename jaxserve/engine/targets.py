@@ -9,15 +9,19 @@ allocated: the arguments are `jax.ShapeDtypeStruct`s.
 
   TARGETS          the chips (planning/chips.py: a host-side table, so `jaxserve plan` needs no jax)
   abstract_device  a compile-only device of a target
+  lower            lowers one function for a device (or a mesh of them): its compile, to run later
   compile_report   compiles one function there: compiled or the compiler's error, and its memory
+  compile_reports  compiles many: lowered one after another, compiled on a pool of threads
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import importlib.util
 import os
 import pathlib
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -77,36 +81,76 @@ def on_device(tree: Any, device: jax.Device) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
+def lower(fn: Callable, abstract_args: Sequence[Any], device: jax.Device | None, *,
+          donate: Sequence[int] = (), shardings: Sequence[Any] | None = None,
+          out_shardings: Any = None) -> Callable[[], Any]:
+  """Lowers `fn(*abstract_args)` for `device`; returns its compile (a call that gives the
+  `jax.stages.Compiled`), to run on any thread.
+
+  `abstract_args` are pytrees of arrays or ShapeDtypeStructs (placed on `device` here, or, for a
+  program over a mesh of abstract devices, on `shardings`: one pytree of shardings per argument,
+  with `out_shardings` for the results); arguments `donate` are donated, as the engine donates
+  its cache and state."""
+  if shardings is None:
+    args, jit_options = on_device(tuple(abstract_args), device), {}
+  else:
+    place = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    args = tuple(jax.tree.map(place, a, sh) for a, sh in zip(abstract_args, shardings))
+    device = jax.tree.leaves(shardings[0])[0].mesh.devices.flat[0]
+    jit_options = {"out_shardings": out_shardings}
+  options = dict(_COMPILER_OPTIONS[_PLATFORM_OF_DEVICE[device.platform]])
+  lowered = jax.jit(fn, donate_argnums=tuple(donate), **jit_options).lower(*args)
+  return functools.partial(lowered.compile, options)
+
+
 def compile_report(fn: Callable, abstract_args: Sequence[Any], device: jax.Device | None, *,
                    donate: Sequence[int] = (), name: str | None = None,
                    shardings: Sequence[Any] | None = None, out_shardings: Any = None,
                    ) -> dict[str, Any]:
-  """Compiles `fn(*abstract_args)` for `device` and reports it.
+  """Compiles `fn(*abstract_args)` for `device` (see `lower`) and reports it: {name, compiled,
+  error, argument_bytes, temp_bytes, output_bytes, alias_bytes, seconds}. The error is the
+  compiler's message (None when it compiled), the byte counts come from `memory_analysis()`
+  (None on failure; per device over a mesh), `seconds` is the compile's wall time."""
+  lowering = functools.partial(lower, fn, abstract_args, device, donate=donate,
+                               shardings=shardings, out_shardings=out_shardings)
+  return compile_reports([(name or getattr(fn, "__name__", "program"), lowering)])[0]
 
-  `abstract_args` are pytrees of arrays or ShapeDtypeStructs (placed on `device` here, or, for a
-  program over a mesh of abstract devices, on `shardings`: one pytree of shardings per argument,
-  with `out_shardings` for the results; byte counts are then per device); arguments `donate`
-  are donated, as the engine donates its cache and state. Returns {name, compiled,
-  error, argument_bytes, temp_bytes, output_bytes, alias_bytes}: the error is the compiler's
-  message (None when it compiled), the byte counts come from `memory_analysis()` (None on failure).
-  """
-  report = {"name": name or getattr(fn, "__name__", "program"), "compiled": False, "error": None,
-            "argument_bytes": None, "temp_bytes": None, "output_bytes": None, "alias_bytes": None}
-  if shardings is None:
-    args, jit_options = on_device(tuple(abstract_args), device), {}
-  else:
-    args = tuple(jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), a, sh)
-                 for a, sh in zip(abstract_args, shardings))
-    device = jax.tree.leaves(shardings[0])[0].mesh.devices.flat[0]
-    jit_options = {"out_shardings": out_shardings}
-  options = dict(_COMPILER_OPTIONS[_PLATFORM_OF_DEVICE[device.platform]])
+
+def compile_reports(lowerings: Sequence[tuple[str, Callable[[], Callable[[], Any]]]],
+                    workers: int = 1) -> list[dict[str, Any]]:
+  """The report of each (name, lowering): a call that lowers a program and returns its compile
+  (a `lower` bound to its arguments). Lowering is Python, so it runs here, one after another;
+  the compiles run on `workers` threads (XLA compiles without the GIL), each starting as soon
+  as its program is lowered, so the next program lowers while the last ones compile."""
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    pending = []
+    for name, lowering in lowerings:
+      try:
+        compile_fn = lowering()
+      except Exception as e:  # A lowering error is the program's report too.
+        pending.append(_report(name, e))
+        continue
+      pending.append(pool.submit(_compiled_report, name, compile_fn))
+    return [p if isinstance(p, dict) else p.result() for p in pending]
+
+
+def _compiled_report(name: str, compile_fn: Callable[[], Any]) -> dict[str, Any]:
+  start = time.perf_counter()
   try:
-    lowered = jax.jit(fn, donate_argnums=tuple(donate), **jit_options).lower(*args)
-    memory = lowered.compile(options).memory_analysis()
+    memory = compile_fn().memory_analysis()
   except Exception as e:  # The compiler's verdict is the report: RESOURCE_EXHAUSTED, VMEM, ...
-    report["error"] = f"{type(e).__name__}: {e}"
-    return report
-  report.update(compiled=True, argument_bytes=memory.argument_size_in_bytes,
-                temp_bytes=memory.temp_size_in_bytes, output_bytes=memory.output_size_in_bytes,
-                alias_bytes=memory.alias_size_in_bytes)
-  return report
+    memory = e
+  return _report(name, memory, time.perf_counter() - start)
+
+
+def _report(name: str, memory_or_error, seconds: float = 0.0) -> dict[str, Any]:
+  report = {"name": name, "compiled": False, "error": None, "argument_bytes": None,
+            "temp_bytes": None, "output_bytes": None, "alias_bytes": None,
+            "seconds": round(seconds, 1)}
+  if isinstance(memory_or_error, Exception):
+    e = memory_or_error
+    return {**report, "error": f"{type(e).__name__}: {e}"}
+  m = memory_or_error
+  return {**report, "compiled": True, "argument_bytes": m.argument_size_in_bytes,
+          "temp_bytes": m.temp_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+          "alias_bytes": m.alias_size_in_bytes}

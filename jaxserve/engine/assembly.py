@@ -1,0 +1,120 @@
+"""The engine's step programs, assembled once: what `Engine` jits and warms up, and what
+`plan --compile` (compile_plan.py) compiles for a chip this machine does not have.
+
+`assemble` takes the model's graphdef and params (arrays, or ShapeDtypeStructs) and returns an
+`Assembly`: the step function (engine/step.py bound to the graphdef and the attention backend),
+what its calls donate and where their results live, where each argument lives over a mesh (and
+`place`, which puts the engine's arrays there), the Packer, and `programs()`: every program
+warm-up compiles, in order. `Engine` runs those programs
+on padding; compile_plan lowers the same ones on abstract arguments, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
+from jaxserve.engine import placement
+from jaxserve.engine.step import DecodeState, step
+from jaxserve.engine.step_args import Packer, StepArgs, StepShape
+from jaxserve.model import kv_cache
+from jaxserve.model.attention import AttentionSpec
+
+# The cache and the decode state: every step updates them in place.
+DONATE = (1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One program warm-up compiles: a step shape, plain or scoring its prompt positions, and the
+  padding arguments (numpy) it runs on."""
+
+  name: str  # "step D=.. T=.. W=..", " scored" after a scoring one.
+  shape: StepShape
+  scored: bool
+  args: StepArgs
+
+
+def program_name(shape: StepShape, scored: bool) -> str:
+  D, T, W = shape
+  return f"step D={D} T={T} W={W}" + (" scored" if scored else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembly:
+  """The engine's steps for one model and EngineConfig (see the module docstring)."""
+
+  model: ModelConfig
+  config: EngineConfig
+  step: Callable  # (params, cache, state, args, stop_ids) -> (cache, state, out[, prompt])
+  packer: Packer
+  cache: Any  # The KV cache's ShapeDtypeStructs (KVCache or WindowedKV).
+  state: DecodeState  # The decode state's ShapeDtypeStructs.
+  shardings: placement.EngineShardings | None  # Over a mesh; None on one device.
+
+  def out_shardings(self, scored: bool):
+    """Where a step's results live: (cache, state, out[, prompt]); None on one device."""
+    s = self.shardings
+    if s is None:
+      return None
+    return (*s.step_out, s.replicated) if scored else s.step_out
+
+  def jit(self, scored: bool):
+    """The step as the engine calls it: donating the cache and the decode state, and returning
+    them where they live, so no call copies them or recompiles."""
+    out = self.out_shardings(scored)
+    placed = {} if out is None else {"out_shardings": out}
+    return jax.jit(self.step, donate_argnums=DONATE, **placed)
+
+  def arg_shardings(self, args: StepArgs) -> tuple | None:
+    """Each argument's shardings over the mesh (params, cache, state, args, stop ids): the step
+    arguments and stop ids replicated. None on one device."""
+    s = self.shardings
+    if s is None:
+      return None
+    return (s.params, s.cache, s.state, jax.tree.map(lambda _: s.replicated, args), s.replicated)
+
+  def place(self, params, stop_ids: Sequence[int]) -> tuple:
+    """(params, cache, state, stop ids [E]): the engine's arrays where the steps take them, the
+    cache and a fresh decode state made here. Over a mesh each goes to its shardings (the cache
+    allocated shard by shard: it may fit no one device), which the steps return them in, so
+    donation aliases the buffers. On one device the cache and state are committed to it, as
+    every step's outputs are: an uncommitted first input would make the first program warm-up
+    compiles a different one from the one serving calls."""
+    state = DecodeState.create(self.config.num_slots, self.model.vocab_size)
+    stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)
+    s = self.shardings
+    if s is not None:
+      return (s.place(params, s.params), s.create_cache(self.model, self.config),
+              s.place(state, s.state), s.place(stop_ids, s.replicated))
+    device = jax.local_devices()[0]
+    cache = jax.device_put(kv_cache.create(self.model, self.config), device)
+    return params, cache, jax.device_put(state, device), stop_ids
+
+  def programs(self) -> list[Program]:
+    """Every program warm-up compiles, in order: one per step shape (Packer.shapes), then the
+    scoring variant of the prefill-only ones (Packer.scored_shapes)."""
+    p = self.packer
+    return [Program(program_name(shape, scored), shape, scored, p.template(shape, scored=scored))
+            for scored, shapes in ((False, p.shapes()), (True, p.scored_shapes()))
+            for shape in shapes]
+
+
+def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
+             backend: AttentionBackend, mesh: Mesh | None = None) -> Assembly:
+  """The engine's steps for `config` (after engine.engine_config_for, with its num_pages);
+  `mesh`: the tensor-parallel mesh, or None on one device."""
+  cache = jax.eval_shape(lambda: kv_cache.create(model, config))
+  state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
+  shardings = None
+  if mesh is not None:
+    shardings = placement.EngineShardings.create(mesh, model, config, params, state)
+  packer = Packer(config, model.vocab_size, kv_cache.slot_page_tables(config), cache.PAGE_GROUPS)
+  fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh))
+  return Assembly(model, config, fn, packer, cache, state, shardings)
