@@ -54,6 +54,7 @@ def random_params(cfg, seed: int) -> dict:
 def _greedy(engine, prompts, steps: int) -> dict:
   """Each prompt prefilled into its own slot, then `steps` decode steps of all of them."""
   import numpy as np
+  from support.engine_calls import decode, prefill
 
   from jaxserve.batching.plan import PrefillChunk
   from jaxserve.config import SamplingParams
@@ -64,9 +65,9 @@ def _greedy(engine, prompts, steps: int) -> dict:
   tokens, logprobs = [], []
   for slot, ids in enumerate(prompts):
     chunk = PrefillChunk(str(slot), slot, ids, 0, list(tables[slot]), True, greedy, 0, ids, ())
-    tokens.append([int(engine.prefill(chunk).result()[0])])
+    tokens.append([int(prefill(engine, chunk).result()[0])])
   for _ in range(steps):
-    future = engine.decode(range(len(prompts)), tables)
+    future = decode(engine, range(len(prompts)), tables)
     out, lp = future.result(), future.logprobs()[0]
     for slot in range(len(prompts)):
       tokens[slot].append(int(out[slot]))

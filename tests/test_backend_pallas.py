@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 from conftest import TINY_ENGINE
+from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, KVDtype, KVLayout, SamplingParams
@@ -22,11 +23,11 @@ def run(model, backend):
   rng = np.random.default_rng(3)
   a = list(rng.integers(2, 128, 20))
   b = a[:8] + list(rng.integers(2, 128, 5))
-  out = [engine.prefill(PrefillChunk("a", 0, a, 0, [1, 2, 3], True, GREEDY, 0, a, ())),
-         engine.prefill(PrefillChunk("b", 1, b[8:], 8, [1, 4], True, GREEDY, 0, b, ()))]
+  out = [prefill(engine, PrefillChunk("a", 0, a, 0, [1, 2, 3], True, GREEDY, 0, a, ())),
+         prefill(engine, PrefillChunk("b", 1, b[8:], 8, [1, 4], True, GREEDY, 0, b, ()))]
   tables = np.zeros((4, 4), np.int32)
   tables[0, :3], tables[1, :2] = [1, 2, 3], [1, 4]
-  out += [engine.decode([0, 1], tables) for _ in range(4)]
+  out += [decode(engine, [0, 1], tables) for _ in range(4)]
   return [f.result()[:2] for f in out], [f.logprobs()[0][:2] for f in out]
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 from conftest import TINY, TINY_ENGINE
 from flax import nnx
+from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import StepPlan
 from jaxserve.config import EngineConfig, KVLayout
@@ -56,14 +57,14 @@ def test_a_slot_decodes_the_same_alone_and_among_others():
     pages = {s: list(range(1 + 8 * s, 9 + 8 * s)) for s in range(3)}
     for s in slots:
       prompt = [5 + s, 9, 2, 7 * s + 1]
-      e.prefill(PrefillChunk(f"r{s}", s, prompt, 0, pages[s], True,
+      prefill(e, PrefillChunk(f"r{s}", s, prompt, 0, pages[s], True,
                              SamplingParams(temperature=0.0, logprobs=1), 0, prompt_token_ids=prompt))
     tables = np.zeros((4, 8), np.int32)
     for s in range(3):
       tables[s] = pages[s]
     out = []
     for _ in range(6):
-      f = e.decode(slots, tables)
+      f = decode(e, slots, tables)
       out.append((int(f.result()[1]), float(f.logprobs()[0][1])))
     return out
 

@@ -57,8 +57,7 @@ def smol():
 def service(smol):
   """The service's checks over the real tokenizer; no engine behind it (nothing is submitted)."""
   info = EngineInfo(num_slots=1, page_size=16, num_pages=2, max_model_len=MAX_MODEL_LEN,
-                    max_prefill_len=16, can_share_pages=True, vocab_size=smol.vocab_size,
-                    decode_widths=(1,))
+                    max_prefill_len=16, can_share_pages=True, vocab_size=smol.vocab_size)
   runner = types.SimpleNamespace(engine_info=info)
   return Service(runner, smol, "tiny", gateway.Gateway(), Metrics())
 

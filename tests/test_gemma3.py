@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import dense_logits
 from flax import nnx
+from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.batching.runner import Runner
@@ -105,11 +106,11 @@ def test_tiny_chunked_prefill_and_decode_match_transformers(tiny, tiny_hf):
   table = list(range(1, 17))
   greedy = SamplingParams(temperature=0)
   for start, end in ((0, 16), (16, 21)):
-    future = engine.prefill(PrefillChunk("r", 0, prompt[start:end], start, table, end == 21, greedy,
+    future = prefill(engine, PrefillChunk("r", 0, prompt[start:end], start, table, end == 21, greedy,
                                          0, prompt_token_ids=prompt))
   ours = [int(future.result()[0])]
   for _ in range(11):
-    ours.append(int(engine.decode([0], np.array([table], np.int32)).result()[0]))
+    ours.append(int(decode(engine, [0], np.array([table], np.int32)).result()[0]))
   ids = list(prompt)
   with torch.no_grad():
     for _ in range(12):

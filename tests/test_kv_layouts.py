@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import TINY, TINY_ENGINE
 from flax import nnx
+from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
@@ -105,10 +106,10 @@ def _engine_run(model, config):
   n_a, n_b = -(-40 // Z), -(-20 // Z)  # Pages for the prompt plus what decode adds.
   tables = np.zeros((4, n_a), np.int32)
   tables[0], tables[2, :n_b] = np.arange(1, n_a + 1)[::-1], n_a + 1 + np.arange(n_b)
-  out = [engine.prefill(_chunk(0, a[:13], 0, tables[0], False)),
-         engine.prefill(_chunk(0, a[13:], 13, tables[0], True, a)),
-         engine.prefill(_chunk(2, b, 0, tables[2], True, b))]
-  out += [engine.decode([0, 2], tables) for _ in range(6)]
+  out = [prefill(engine, _chunk(0, a[:13], 0, tables[0], False)),
+         prefill(engine, _chunk(0, a[13:], 13, tables[0], True, a)),
+         prefill(engine, _chunk(2, b, 0, tables[2], True, b))]
+  out += [decode(engine, [0, 2], tables) for _ in range(6)]
   tokens = [o.result() for o in out[1:]]
   logprobs = [o.logprobs()[2] for o in out[1:]]  # Top-20 logprobs of every sampled row.
   return np.concatenate([t.reshape(-1) for t in tokens]), np.concatenate([l.reshape(-1) for l in logprobs])
@@ -171,7 +172,7 @@ def test_pallas_backend_refuses_other_layouts(tiny_model, layout):
   engine = Engine(tiny_model, dataclasses.replace(ENGINE, kv_layout=layout,
                                                   attention_backend=AttentionBackend.PALLAS))
   with pytest.raises(ValueError, match="ragged KV layout"):
-    engine.prefill(_chunk(0, [3, 4, 5], 0, [1], True, [3, 4, 5]))
+    prefill(engine, _chunk(0, [3, 4, 5], 0, [1], True, [3, 4, 5]))
 
 
 def test_ragged_layout_stores_only_floats():

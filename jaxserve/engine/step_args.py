@@ -8,8 +8,8 @@ token axis:
           [D, D + Tp)   the prefill chunks back to back, then padding, Tp a prefill bucket
   sequences [0, D)      the decode rows, one each;  [D, D + Bp) the prefill chunks, Bp = min(Tp, S, max_prefill_seqs)
 
-Chunks of one request in one plan are merged into one sequence, so a slot is never two
-sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages once per
+A plan holds at most one chunk per request (the scheduler's plans fit one call), so a slot is
+never two sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages once per
 query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed rows (T for
 none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
 nb = ceil(Tp / Tb) + Bp holds any packing. Shape letters: the key in jaxserve/model/__init__.py.
@@ -96,19 +96,10 @@ class Packer:
     slots in order, then its prompts that end in this step). bitmask [samples, ceil(V/32)]: row i
     the plan's i-th sample's allowed tokens (None: all free)."""
     c = self.config
-    if plan.is_empty:
-      raise ValueError("an empty plan: nothing to run")
-    chunks = merge_chunks(plan.prefills)
-    if len(chunks) > c.max_prefill_seqs:
-      raise ValueError(f"a step of {len(chunks)} prompts: at most {c.max_prefill_seqs} "
-                       "(EngineConfig.max_prefill_seqs)")
-    decodes = list(plan.decode_slots)
+    chunks, decodes = list(plan.prefills), list(plan.decode_slots)
+    self._check(chunks, decodes)
     num_tokens = sum(len(ch.token_ids) for ch in chunks)
-    if num_tokens > c.prefill_buckets[-1]:
-      raise ValueError(f"a step of {num_tokens} prefill tokens: at most {c.prefill_buckets[-1]}")
     scored = [ch.prompt_logprob_targets is not None for ch in chunks]
-    if any(scored) and (decodes or not all(scored)):
-      raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
     Tp = _bucket(c.prefill_buckets, num_tokens) if chunks else 0
     W = self.width
     if chunks:  # A step with prefill runs every decode row or none (`shapes()`).
@@ -138,6 +129,24 @@ class Packer:
         at += len(ch.token_ids)
       args = args._replace(prefill_targets=targets)
     return args, samples
+
+  def _check(self, chunks: Sequence[PrefillChunk], decodes: Sequence[int]) -> None:
+    """Raises ValueError for a plan that does not fit one call (the scheduler makes none)."""
+    c = self.config
+    if not chunks and not decodes:
+      raise ValueError("an empty plan: nothing to run")
+    if len(chunks) > c.max_prefill_seqs:
+      raise ValueError(f"a step of {len(chunks)} prompts: at most {c.max_prefill_seqs} "
+                       "(EngineConfig.max_prefill_seqs)")
+    if len({ch.slot for ch in chunks}) != len(chunks):
+      raise ValueError("a step holds two prefill chunks of one slot: one chunk per sequence")
+    lens = [len(ch.token_ids) for ch in chunks]
+    if any(n <= 0 for n in lens) or sum(lens) > c.prefill_buckets[-1]:
+      raise ValueError(f"a step of prefill chunks of {lens} tokens: each at least 1, at most "
+                       f"{c.prefill_buckets[-1]} in all (the largest prefill bucket)")
+    scored = [ch.prompt_logprob_targets is not None for ch in chunks]
+    if any(scored) and (decodes or not all(scored)):
+      raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
 
   def template(self, shape: StepShape, scored: bool = False) -> StepArgs:
     """Arrays of `shape` that run nothing but padding (warm-up, and multihost's receive buffers)."""
@@ -221,24 +230,6 @@ class Packer:
     row = np.full(2 * W, SCRATCH_PAGE, np.int32)
     row[:len(ch.page_table)], row[W:W + len(ch.window_table)] = ch.page_table, ch.window_table
     return row
-
-
-def merge_chunks(chunks: Sequence[PrefillChunk]) -> list[PrefillChunk]:
-  """Consecutive chunks of one request become one: one sequence per slot in a step."""
-  merged: list[PrefillChunk] = []
-  for ch in chunks:
-    prev = merged[-1] if merged else None
-    if prev is not None and prev.slot == ch.slot and prev.start_pos + len(prev.token_ids) == ch.start_pos:
-      targets = ch.prompt_logprob_targets
-      if targets is not None:  # Both ask (one request): the first's targets cover all its tokens.
-        targets = tuple(prev.prompt_logprob_targets) + tuple(targets)
-      merged[-1] = dataclasses.replace(ch, token_ids=tuple(prev.token_ids) + tuple(ch.token_ids),
-                                       start_pos=prev.start_pos, prompt_logprob_targets=targets)
-    else:
-      merged.append(ch)
-  if len({ch.slot for ch in merged}) != len(merged):
-    raise ValueError("a step holds two prefill chunks of one slot that do not follow each other")
-  return merged
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:
