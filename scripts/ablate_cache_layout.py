@@ -33,7 +33,7 @@ import tqdm
 from flax import nnx
 
 from jaxserve.batching.kv_pages import PageAllocator
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.batching.runner import Runner
 from jaxserve.config import (
   AttentionBackend,
@@ -158,13 +158,14 @@ def decode_ms(engine: Engine, s: Settings, context: int) -> float:
   greedy = SamplingParams(temperature=0)
   for slot in range(s.num_slots):
     ids = list(range(100, 100 + context))
-    engine.prefill(PrefillChunk("t", slot, ids, 0, list(tables[slot]), True, greedy, 0, ids, ()))
+    chunk = PrefillChunk("t", slot, ids, 0, list(tables[slot]), True, greedy, 0, ids, ())
+    engine.step(StepPlan(prefills=(chunk,)))
   width = -(-(context + s.timed_steps + 2) // engine.page_size)
-  engine.decode(range(s.num_slots), tables[:, :width]).result()  # Compiles this width.
+  engine.step(StepPlan(decode_slots=tuple(range(s.num_slots)), page_tables=tables[:, :width])).result()  # Compiles this width.
   times = []
   for _ in range(s.timed_steps):
     t = time.perf_counter()
-    engine.decode(range(s.num_slots), tables[:, :width]).result()
+    engine.step(StepPlan(decode_slots=tuple(range(s.num_slots)), page_tables=tables[:, :width])).result()
     times.append(time.perf_counter() - t)
   return 1e3 * float(np.median(times))
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import sample as sample_lib
 from jaxserve.engine.engine import Engine
@@ -90,13 +90,13 @@ def decode_ms(model, batch: int, context: int, steps: int) -> float:
   engine, tables = decode_engine(model, batch, context + 1)
   slots = list(range(batch))
   engine.state = at_position(engine.state, context)
-  engine.decode(slots, tables).result()
+  engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
   times = []
   for _ in range(steps):
     engine.state = at_position(engine.state, context)
     jax.block_until_ready(engine.state)
     start = time.perf_counter()
-    engine.decode(slots, tables).result()
+    engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
     times.append(time.perf_counter() - start)
   return 1000 * float(np.median(times))
 
@@ -134,8 +134,8 @@ def at_position(state: DecodeState, position: int) -> DecodeState:
 
 def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
   engine, chunk = prefill_engine(model, length)
-  engine.prefill(chunk).result()
-  best = min(_timed(lambda: engine.prefill(chunk).result()) for _ in range(repeats))
+  engine.step(StepPlan(prefills=(chunk,))).result()
+  best = min(_timed(lambda: engine.step(StepPlan(prefills=(chunk,))).result()) for _ in range(repeats))
   return length / best
 
 

@@ -128,7 +128,7 @@ def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
             sampling: SamplingParams) -> collections.Counter:
   start_slots(engine, tables, context, sampling)
   slots = list(range(len(tables)))
-  engine.decode(slots, tables).result()
+  engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
   args, _ = engine.step_args(StepPlan(decode_slots=tuple(slots), page_tables=tables))
   compiled = engine._step.lower(engine.params, engine.cache, engine.state, args,
                                 engine.stop_ids).compile()
@@ -136,7 +136,7 @@ def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(steps):
-        engine.decode(slots, tables).result()
+        engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
     (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
     with gzip.open(path) as f:
       events = json.load(f)
