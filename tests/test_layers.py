@@ -162,3 +162,11 @@ def test_the_device_side_loads_lazily():
           "jaxserve.LLM\nassert 'jax' in sys.modules\nprint('ok')")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_offline_api_imports_no_network_code():
+  """`jaxserve.LLM` is the engine alone: the servers' gRPC and aiohttp stay unloaded."""
+  code = ("import sys, jaxserve\njaxserve.LLM\nimport jaxserve.llm\n"
+          "print(sorted(m for m in ('grpc', 'aiohttp') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-3000:]
