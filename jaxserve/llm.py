@@ -44,7 +44,8 @@ class LLM:
   def generate(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                chat: bool = False) -> list[Completion]:
-    """One Completion per prompt, in input order (.text, .token_ids, .finish_reason)."""
+    """One Completion per prompt, in input order (.text, .token_ids, .finish_reason, and
+    .logprobs: one TokenLogprobs per output token when a SamplingParams asks for logprobs > 0)."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
