@@ -10,6 +10,7 @@ import threading
 
 import grpc
 
+from jaxserve import llm
 from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
@@ -84,7 +85,7 @@ class ServerThread:
 
 def start_tiny(path: str, keys_file: str | None = None, **config) -> ServerThread:
   engine, tokenizer = warm_engine(path)
-  loaded = server.Loaded(engine, tokenizer, "tiny")
+  loaded = llm.Loaded(engine, tokenizer, "tiny")
   cfg = server.ServerConfig(grpc_port=0, http_port=0, keys_file=keys_file, **config)
   return ServerThread(server.Server(lambda: loaded, cfg)).start()
 

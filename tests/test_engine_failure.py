@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import server_harness as h
+from jaxserve import llm
 from jaxserve.api import server
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -47,7 +48,7 @@ def test_open_streams_get_internal_and_health_stays_down(tiny_checkpoint):
   engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
   faulty = FaultyEngine(engine)
   cfg = server.ServerConfig(grpc_port=0, http_port=0)
-  st = h.ServerThread(server.Server(lambda: server.Loaded(faulty, tokenizer, "tiny"), cfg)).start()
+  st = h.ServerThread(server.Server(lambda: llm.Loaded(faulty, tokenizer, "tiny"), cfg)).start()
   with grpc.insecure_channel(st.grpc_address) as ch:
     stub = h.stub(ch)
     done = list(stub.Generate(h.text_request("Hello", max_tokens=5, ignore_eos=True)))
@@ -83,7 +84,7 @@ def test_serve_exits_nonzero_when_the_engine_dies(tiny_checkpoint):
   """What a supervisor sees: `run_until_signal` returns 1 (not 0, not a hang)."""
   engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
   faulty = FaultyEngine(engine, armed=True)
-  srv = server.Server(lambda: server.Loaded(faulty, tokenizer, "tiny"),
+  srv = server.Server(lambda: llm.Loaded(faulty, tokenizer, "tiny"),
                       server.ServerConfig(grpc_port=0, http_port=None))
   said, codes = [], []
 

@@ -57,10 +57,10 @@ def _client(name: str) -> str:
 def served(tmp_path_factory):
   import server_harness as h
   from jaxserve.api import server
-  from jaxserve.llm import LLM
+  from jaxserve.llm import LLM, Loaded
 
   llm = LLM(None, engine_config=ENGINE)
-  loaded = server.Loaded(llm.engine, llm.tokenizer, "smollm2")
+  loaded = Loaded(llm.engine, llm.tokenizer, "smollm2")
   srv = h.ServerThread(server.Server(lambda: loaded, server.ServerConfig(grpc_port=0, http_port=0)))
   srv.start()
   yield srv, llm

@@ -24,6 +24,7 @@ from conftest import count_compiles, dense_logits
 from flax import nnx
 
 import server_harness as h
+from jaxserve import llm
 from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching.runner import Runner
@@ -134,7 +135,7 @@ def offline(loaded):
 def srv(loaded, offline):
   _, tokenizer, engine = loaded
   cfg = server.ServerConfig(grpc_port=0, http_port=0)
-  st = h.ServerThread(server.Server(lambda: server.Loaded(engine, tokenizer, NAME), cfg)).start()
+  st = h.ServerThread(server.Server(lambda: llm.Loaded(engine, tokenizer, NAME), cfg)).start()
   yield st
   st.close()
 
@@ -266,7 +267,7 @@ def end_of_turn_srv(loaded):
                   stop_ids=tokenizer.stop_ids)
   engine.warmup()
   cfg = server.ServerConfig(grpc_port=0, http_port=0)
-  st = h.ServerThread(server.Server(lambda: server.Loaded(engine, tokenizer, "tiny"), cfg)).start()
+  st = h.ServerThread(server.Server(lambda: llm.Loaded(engine, tokenizer, "tiny"), cfg)).start()
   yield st, end_of_turn
   st.close()
 

@@ -168,3 +168,23 @@ def test_a_line_carries_its_constraint(tiny_checkpoint, tmp_path):
   assert by_id["choice"]["text"] in ("yes", "no")
   assert "regex constraint is invalid" in by_id["bad"]["error"]
   assert "constraint kind must be one of" in by_id["kind"]["error"]
+
+
+def test_logprobs_are_written_one_per_output_token_when_asked(tiny_checkpoint, tmp_path):
+  """--logprobs 2 for every line but one that sets its own 0; greedy (the flags' default), so
+  each chosen token is its own most likely one."""
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  write_jsonl(inp, [{"id": "a", "prompt": "Hello there", "max_tokens": 5},
+                    {"id": "b", "prompt": "General Kenobi", "max_tokens": 3, "logprobs": 3},
+                    {"id": "none", "prompt": "Hi", "max_tokens": 2, "logprobs": 0}])
+  assert run(tiny_checkpoint, inp, out, "--token-ids", "--logprobs", "2") == 0
+  a, b, none = read_jsonl(out)
+  for record, num_top in ((a, 2), (b, 3)):
+    entries = record["logprobs"]
+    assert len(entries) == record["completion_tokens"] == len(record["token_ids"])
+    assert [e["token_id"] for e in entries] == record["token_ids"]
+    for e in entries:
+      assert len(e["top"]) == num_top and e["top"][0]["token_id"] == e["token_id"]
+      assert e["logprob"] == pytest.approx(e["top"][0]["logprob"]) and e["logprob"] <= 0
+      assert [t["logprob"] for t in e["top"]] == sorted((t["logprob"] for t in e["top"]), reverse=True)
+  assert "logprobs" not in none and none["completion_tokens"] == 2

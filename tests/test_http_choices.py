@@ -104,6 +104,38 @@ def test_n_choices_with_seeds_share_the_prompt_pages(srv, engine):
   assert srv.scheduler.num_cached_tokens - cached_before >= 2 * 16 * (len(ids) // 16)
 
 
+
+def count_calls(monkeypatch, obj, *names) -> dict[str, int]:
+  """Wraps each method of `obj` in a spy that counts its calls and runs the real one."""
+  calls = dict.fromkeys(names, 0)
+  for name in names:
+    real = getattr(obj, name)
+
+    def spy(*args, _real=real, _name=name, **kwargs):
+      calls[_name] += 1
+      return _real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, spy)
+  return calls
+
+
+def test_n_runs_share_one_tokenization_of_their_prompt(srv, engine, monkeypatch):
+  _, tokenizer = engine
+  calls = count_calls(monkeypatch, srv.server.service.tokenizer, "encode", "apply_chat_template")
+  messages = [{"role": "user", "content": TEXT}]
+  sampling = {"max_tokens": 5, "temperature": 30.0, "seed": 5}
+  out = post(srv, {"messages": messages, "n": 4, **sampling}, "/v1/chat/completions")
+  assert calls == {"encode": 1, "apply_chat_template": 1}
+  ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)
+  assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+  for j, choice in enumerate(out["choices"]):
+    want = offline(engine, ids, **{**sampling, "seed": 5 + j}).text
+    assert choice["message"]["content"] == want
+  assert out["usage"]["completion_tokens"] == 20
+  calls.update(encode=0)
+  out = post(srv, {"prompt": ["The sky is", "Once upon a time"], "n": 3, "max_tokens": 2})
+  assert calls["encode"] == 2 and len(out["choices"]) == 6  # Once per prompt.
+
 def test_several_prompts_with_n_are_choices_in_order(srv, engine):
   _, tokenizer = engine
   prompts = ["The sky is", [int(i) for i in tokenizer.encode("Once upon a time")]]

@@ -89,8 +89,9 @@ def test_http_echo_prompt_logprobs_match_transformers(llm, hf_model, prompts):
 
   import server_harness as h
   from jaxserve.api import server
+  from jaxserve.llm import Loaded
 
-  loaded = server.Loaded(llm.engine, llm.tokenizer, "smollm2")
+  loaded = Loaded(llm.engine, llm.tokenizer, "smollm2")
   srv = h.ServerThread(server.Server(lambda: loaded, server.ServerConfig(grpc_port=0, http_port=0)))
   srv.start()
   try:

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import server_harness as h
+from jaxserve import llm
 from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 
@@ -42,7 +43,7 @@ def gated_server(tiny_checkpoint, **config):
 
   def load():
     assert warmed.wait(60)
-    return server.Loaded(engine, tokenizer, "tiny")
+    return llm.Loaded(engine, tokenizer, "tiny")
 
   cfg = server.ServerConfig(grpc_port=0, http_port=0, **config)
   return h.ServerThread(server.Server(load, cfg)).start(wait_ready=False), warmed

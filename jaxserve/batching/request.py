@@ -121,9 +121,17 @@ class Request:
   def is_finished(self) -> bool:
     return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
-  def completion(self, text: str) -> Completion:
-    return Completion(self.request_id, self.prompt_token_ids, tuple(self.output_token_ids), text,
-                      self.finish_reason, self.stop_reason, self.num_cached_tokens, self.timings)
+  def completion(self, outputs: Sequence[RequestOutput]) -> Completion:
+    """The finished request from all its outputs: their texts joined, each output token's
+    logprobs when the sampling asked for them, the prompt's (from the first output)."""
+    logprobs = None
+    if self.sampling.logprobs:
+      logprobs = tuple(lp for o in outputs for lp in o.logprobs or ())
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None),
+                           None)
+    return Completion(self.request_id, self.prompt_token_ids, tuple(self.output_token_ids),
+                      "".join(o.text for o in outputs), self.finish_reason, self.stop_reason,
+                      self.num_cached_tokens, self.timings, logprobs, prompt_logprobs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,4 +176,6 @@ class Completion:
   stop_reason: int | str | None
   num_cached_tokens: int
   timings: RequestTimings
+  # One per token of token_ids when SamplingParams.logprobs > 0 (vLLM's CompletionOutput.logprobs).
+  logprobs: tuple[TokenLogprobs, ...] | None = None
   prompt_logprobs: Sequence[TokenLogprobs | None] | None = None  # As RequestOutput's.

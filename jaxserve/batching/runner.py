@@ -128,18 +128,14 @@ class Runner:
     """Runs every (prompt_ids, sampling) to completion; results in input order. Every prompt is
     checked before any runs."""
     reqs = [self.new_request(ids, sampling) for ids, sampling in prompts]
-    texts = {r.request_id: [] for r in reqs}
-    prompt_logprobs = {}
+    outputs = {r.request_id: [] for r in reqs}
     queued = collections.deque(reqs)
     while queued or self.has_unfinished:
       while queued and len(self.scheduler.waiting) < self.scheduler.config.max_queue_len:
         self.submit(queued.popleft())
       for out in self.step():
-        texts.get(out.request_id, []).append(out.text)
-        if out.prompt_logprobs is not None:
-          prompt_logprobs[out.request_id] = out.prompt_logprobs
-    return [dataclasses.replace(r.completion("".join(texts[r.request_id])),
-                                prompt_logprobs=prompt_logprobs.get(r.request_id)) for r in reqs]
+        outputs.get(out.request_id, []).append(out)
+    return [r.completion(outputs[r.request_id]) for r in reqs]
 
   def _dispatch(self, scheduled: ScheduledStep) -> _Dispatched | None:
     plan = scheduled.plan

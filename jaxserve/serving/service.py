@@ -209,9 +209,12 @@ class Service:
     except ValueError as e:
       raise gateway.invalid(str(e)) from e
 
-  async def generate(self, key: ApiKey, inp: GenerateInput) -> AsyncIterator[Chunk]:
+  async def generate(self, key: ApiKey, inp: GenerateInput,
+                     prepared: Prepared | None = None) -> AsyncIterator[Chunk]:
+    """`prepared`: `prepare(inp)`'s result when the caller has it already (the n runs of one
+    prompt share one: its tokenization, template and checks are done once)."""
     received = time.monotonic()
-    ids, sampling, tokenize, chunk_tokens = self.prepare(inp)
+    ids, sampling, tokenize, chunk_tokens = prepared or self.prepare(inp)
     await self.compile_constraint(sampling)
     lease = self.gateway.admit(key, len(ids), sampling.max_tokens, can_shorten=inp.max_tokens is None)
     if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
