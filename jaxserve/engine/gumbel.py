@@ -52,7 +52,8 @@ def gumbel_draw(scaled, seeds, positions):
 
 def gumbel_at(seeds, positions, ids, V: int):
   """jax.random.gumbel(noise_key(seed, position), (V,))[ids] for each row, without the other
-  V - N values: threefry's bits for element j hash (key, j) alone. ids [B, N] -> [B, N] float32."""
+  V - Vc values: threefry's bits for element j hash (key, j) alone. seeds [B, 2], positions [B],
+  ids [B, Vc] -> [B, Vc] float32."""
   tiny = jnp.finfo(jnp.float32).tiny
 
   def one(seed, position, j):

@@ -38,7 +38,7 @@ class Sampled:
 
 
 def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Sampled:
-  """logits [B, V] float32, one state row per b, positions [B], stop_ids [E], bitmask
+  """logits [B, V] float32, one state row per b, positions [B], stop_ids [Vs], bitmask
   [B, ceil(V/32)] int32 (each row's allowed tokens; None: no row is constrained) -> Sampled.
 
   Each [B, V] pass costs about a millisecond at B = 64 on CPU, so only what some row uses runs:
@@ -92,11 +92,11 @@ def _ban(x, eos, ignore_eos):
 
 def _group_max(x, axis: int, groups, eos_groups, ignore_eos):
   """The max over `axis` of x [B, ...] for every group, the banned stop ids left out: the raw
-  max (one pass, no banned copy of [B, V] written), then the groups `groups` [E] that hold a
+  max (one pass, no banned copy of [B, V] written), then the groups `groups` [Vs] that hold a
   stop id redone from their few values. eos_groups: eos laid out as x[0]."""
-  m = jnp.max(x, axis)  # [B, G]
+  m = jnp.max(x, axis)  # [B, groups]
   redo = jnp.max(_ban(jnp.take(x, groups, axis=3 - axis),
-                      jnp.take(eos_groups, groups, axis=2 - axis), ignore_eos), axis)  # [B, E]
+                      jnp.take(eos_groups, groups, axis=2 - axis), ignore_eos), axis)  # [B, Vs]
   return m.at[:, groups].set(redo, mode="drop")
 
 
@@ -144,7 +144,7 @@ def _draw(logits, eos, stop_ids, st: SamplingState, positions):
   """
   greedy = st.temperature == 0
   temperature = jnp.where(greedy, 1.0, st.temperature)[:, None]  # [B, 1]
-  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)  # [B, N], [B]
+  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)  # [B, Vc], [B]
   tokens, fits = _fast_draw(logits, eos, temperature, idx, rest, st, positions)
   # Only the raw logits and [V] enter the branch: a banned or scaled [B, V] would be written out.
   return jax.lax.cond(jnp.all(fits | greedy), lambda *_: tokens, _full_draw,
@@ -159,7 +159,7 @@ _GROUP_SIZE = 16
 
 
 def _candidates(logits, eos, stop_ids, ignore_eos):
-  """(ids [B, N], rest [B]): every token whose (banned, `_ban`) logit is above rest[b] is among
+  """(ids [B, Vc], rest [B]): every token whose (banned, `_ban`) logit is above rest[b] is among
   ids[b]; ids >= V are padding. Small vocabularies are candidates whole (rest = -inf)."""
   B, V = logits.shape
   groups = -(-V // _GROUP_SIZE)
@@ -173,7 +173,8 @@ def _candidates(logits, eos, stop_ids, ignore_eos):
   top, ids = jax.lax.top_k(group_max, NUM_CANDIDATE_GROUPS)
   # A reduction, not top[:, -1]: slicing top_k's values makes XLA:CPU sort the whole row instead.
   rest = jnp.min(top, -1)
-  ids = ids[:, :, None] + groups * jnp.arange(_GROUP_SIZE, dtype=jnp.int32)  # [B, G, R]
+  # [B, NUM_CANDIDATE_GROUPS, _GROUP_SIZE]: the tokens of each chosen group.
+  ids = ids[:, :, None] + groups * jnp.arange(_GROUP_SIZE, dtype=jnp.int32)
   return ids.reshape(B, -1), rest
 
 
@@ -182,7 +183,7 @@ def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   Nothing here reads [B, V] but the candidates' gather (and one pass when top-k is off)."""
   V = logits.shape[-1]
   safe = jnp.minimum(idx, V - 1)
-  picked = _ban(jnp.take_along_axis(logits, safe, 1), eos[safe], st.ignore_eos)  # [B, N]
+  picked = _ban(jnp.take_along_axis(logits, safe, 1), eos[safe], st.ignore_eos)  # [B, Vc]
   head = (idx < V) & (picked > rest[:, None])
   cand = picked / temperature  # The same division as the whole row's scaled logits.
   rest_scaled = rest / temperature[:, 0]
@@ -244,7 +245,7 @@ def _masked_sum(x, mask):
 
 def _nucleus(probs, top, rest_mass, st: SamplingState, iters: int = 32):
   """top-p's threshold [B, 1]: the largest t whose tokens (probability >= t) hold at least p of
-  the mass, over the candidates' probs [B, N] plus rest_mass(t) from the other tokens; 0 (keep
+  the mass, over the candidates' probs [B, Vc] plus rest_mass(t) from the other tokens; 0 (keep
   all) at p = 1, and below `top`, the largest probability."""
   mass = lambda t: _masked_sum(probs, probs >= t) + rest_mass(t)
   nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
@@ -271,9 +272,9 @@ def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
   m = jnp.max(scaled, -1, keepdims=True)
   e = jnp.where(in_top_k, jnp.exp(scaled - m), 0)  # [B, V]
   safe = jnp.minimum(idx, V - 1)
-  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, N]
+  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, Vc]
   cand = jnp.take_along_axis(scaled, safe, 1)
-  e_head = jnp.where(head & (off | (_order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, N]
+  e_head = jnp.where(head & (off | (_order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, Vc]
   tail = logits <= rest[:, None]  # [B, V]: the tokens not in the candidates' head
   z = _masked_sum(e_head, True) + _masked_sum(e, tail)
   probs = e / z  # [B, V]

@@ -1,9 +1,9 @@
 """Per-slot sampling state: every request's sampling settings as one row of device arrays.
 
-A request's SamplingParams become a SamplingRow (host numpy values) when it is admitted; the
-rows of a step are stacked into a SamplingState, whose leaves are [S, ...] arrays (S decode
-slots, V vocabulary). Every setting is a value, never a shape, so no request can trigger a
-recompile. engine/sample.py reads the state; this module only builds it.
+A request's SamplingParams become a SamplingRow (host numpy values) when it is admitted; rows
+are stacked into a SamplingState, whose leaves are [Bs, ...] arrays in the decode state (one row
+per decode slot) and [B, ...] as sample() reads them (one per row of a step). Every setting is a
+value, never a shape, so no request can trigger a recompile. engine/sample.py reads the state.
 """
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ from jaxserve.config import SamplingParams
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingState:
-  """One row per decode slot."""
+  """One row per decode slot (shape letters: the key in jaxserve/model/__init__.py)."""
 
-  temperature: jax.Array  # [S] float32; 0 = greedy
-  top_k: jax.Array  # [S] int32; 0 = off
-  top_p: jax.Array  # [S] float32
-  min_p: jax.Array  # [S] float32
-  repetition_penalty: jax.Array  # [S] float32
-  presence_penalty: jax.Array  # [S] float32
-  frequency_penalty: jax.Array  # [S] float32
-  seed: jax.Array  # [S, 2] uint32: a 64-bit seed as two words
-  ignore_eos: jax.Array  # [S] bool
-  want_logprobs: jax.Array  # [S] bool
-  has_bias: jax.Array  # [S] bool: logit_bias or allowed_token_ids set (else logit_bias is zeros)
-  prompt_mask: jax.Array  # [S, V] bool: token ids in the prompt (repetition penalty)
-  output_counts: jax.Array  # [S, V] int32: times each token was generated (all penalties)
-  # [S, V] float32: added to the logits (logit_bias; -inf outside allowed_token_ids). Zeros for
+  temperature: jax.Array  # [Bs] float32; 0 = greedy
+  top_k: jax.Array  # [Bs] int32; 0 = off
+  top_p: jax.Array  # [Bs] float32
+  min_p: jax.Array  # [Bs] float32
+  repetition_penalty: jax.Array  # [Bs] float32
+  presence_penalty: jax.Array  # [Bs] float32
+  frequency_penalty: jax.Array  # [Bs] float32
+  seed: jax.Array  # [Bs, 2] uint32: a 64-bit seed as two words
+  ignore_eos: jax.Array  # [Bs] bool
+  want_logprobs: jax.Array  # [Bs] bool
+  has_bias: jax.Array  # [Bs] bool: logit_bias or allowed_token_ids set (else logit_bias is zeros)
+  prompt_mask: jax.Array  # [Bs, V] bool: token ids in the prompt (repetition penalty)
+  output_counts: jax.Array  # [Bs, V] int32: times each token was generated (all penalties)
+  # [Bs, V] float32: added to the logits (logit_bias; -inf outside allowed_token_ids). Zeros for
   # a request without either, and x + 0.0 == x, so its tokens are those of no bias at all.
   logit_bias: jax.Array
 
@@ -73,7 +73,7 @@ class SamplingRow:
     prompt_mask = np.zeros(vocab_size, bool)
     prompt_mask[np.asarray(prompt_ids, np.int64)] = True
     counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab_size).astype(np.int32)
-    # Every sampler setting becomes a [S] array of its type: top_k an int32 (capped at V), the
+    # Every sampler setting becomes a [Bs] array of its type: top_k an int32 (capped at V), the
     # rest float32.
     values = {f: np.float32(getattr(p, f)) for f in SamplingParams.SAMPLER_FIELDS}
     values["top_k"] = np.int32(min(p.top_k, vocab_size))
