@@ -11,7 +11,8 @@ tool calls).
 Structured output: `response_format` json_object / json_schema, vLLM's guided_json, guided_regex,
 guided_choice and guided_grammar (at most one of them) become `SamplingParams.constraint`; chat's
 `tools` with tool_choice "required" or a named function become a constraint too
-(text/tool_calls.py), "auto" offers the tools to the model and parses its calls, "none" ignores them.
+(text/tool_calls.py), "auto" offers the tools to the model and parses its calls, "none" ignores
+them.
 
 Every function here is pure and raises only `ApiError` (INVALID_ARGUMENT) naming the field.
 """
@@ -22,7 +23,7 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from jaxserve.config import Constraint, SamplingParams, is_int, short
+from jaxserve.config import Constraint, SamplingParams, is_int, json_type, short
 from jaxserve.serving.gateway import invalid
 from jaxserve.serving.service import GenerateInput, Prompt
 from jaxserve.text import tool_calls
@@ -86,7 +87,7 @@ def parse_body(data: bytes) -> dict[str, Any]:
   except ValueError as e:
     raise invalid(f"the request body is not JSON: {e}") from e
   if not isinstance(body, dict):
-    raise invalid(f"the request body must be a JSON object, got {_json_type(body)}")
+    raise invalid(f"the request body must be a JSON object, got {json_type(body)}")
   return body
 
 
@@ -101,7 +102,8 @@ def completion_request(body: Mapping[str, Any]) -> Request:
   logprobs = body.get("logprobs")
   if echo and logprobs is not None:  # The prompt's tokens get as many top logprobs as the rest.
     asked = body.get("prompt_logprobs", 0)
-    body["prompt_logprobs"] = max(asked, logprobs) if is_int(asked) and is_int(logprobs) else logprobs
+    both_ints = is_int(asked) and is_int(logprobs)
+    body["prompt_logprobs"] = max(asked, logprobs) if both_ints else logprobs
   prompts = _completion_prompts(body)
   req = _request(body, prompts[0], logprobs, "max_tokens", DEFAULT_COMPLETION_TOKENS)
   if "prompt_logprobs" in body:  # SamplingParams checks it.
@@ -123,7 +125,8 @@ def completion_request(body: Mapping[str, Any]) -> Request:
 
 
 def chat_request(body: Mapping[str, Any]) -> Request:
-  parallel = body.get("parallel_tool_calls")  # Read before _present drops it: OpenAI's default is true.
+  # Read before _present drops it: OpenAI's default is true.
+  parallel = body.get("parallel_tool_calls")
   if parallel is not None and not _is_bool(parallel):
     raise invalid(f"parallel_tool_calls must be true or false, got {short(parallel)}")
   body = _present(body, CHAT_FIELDS, "/v1/chat/completions")
@@ -134,7 +137,8 @@ def chat_request(body: Mapping[str, Any]) -> Request:
     raise invalid("top_logprobs needs logprobs: true")
   top = body.get("top_logprobs", 0)
   if not (is_int(top) and 0 <= top <= SamplingParams.MAX_LOGPROBS):
-    raise invalid(f"top_logprobs must be an int in [0, {SamplingParams.MAX_LOGPROBS}], got {short(top)}")
+    raise invalid(f"top_logprobs must be an int in [0, {SamplingParams.MAX_LOGPROBS}], "
+                  f"got {short(top)}")
   max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
   tools, choice, name = _tools(body)
   prompt = Prompt(messages=_messages(body), tools=tools if choice == "auto" else None)
@@ -181,7 +185,8 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
   inp = GenerateInput(prompt, sampling, max_tokens=body.get(max_field),
                       default_max_tokens=default_max_tokens, logprobs=logprobs,
                       request_id=None, priority=body.get("priority", 0),
-                      model=body.get("model", ""), truncate_prompt=body.get("truncate_prompt", False))
+                      model=body.get("model", ""),
+                      truncate_prompt=body.get("truncate_prompt", False))
   return Request(inp, body.get("stream", False), options.get("include_usage", False), n=n,
                  want_logprobs=logprobs is not None)
 
@@ -334,11 +339,6 @@ def _unicode(text: str, field: str) -> str:
   except UnicodeEncodeError as e:
     raise invalid(f"{field} is not valid Unicode: {e.reason} at character {e.start}") from e
   return text
-
-
-def _json_type(value: Any) -> str:
-  names = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-  return names.get(type(value), "a number")
 
 
 def _is_str(x: Any) -> bool:

@@ -1,5 +1,6 @@
 """On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
 
+The rows are engine/sampling_state.py's SamplingState; the random noise is engine/gumbel.py's.
 The constraint mask first (a row's allowed-token bitmask from its grammar,
 engine/constraint_mask.py; all ones for an unconstrained row, which leaves its logits exactly as
 they were), so the reported logprobs are those of the masked distribution; then penalties and the
@@ -16,108 +17,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.extend.random import threefry2x32_p
 
 from jaxserve.config import SamplingParams
 from jaxserve.engine.constraint_mask import apply_token_bitmask
+from jaxserve.engine.gumbel import GUMBEL_MAX, gumbel_at, gumbel_draw, is_jax_gumbel
+from jaxserve.engine.sampling_state import SamplingRow, SamplingState  # noqa: F401
+
+# SamplingRow above is re-exported for engine/step_args.py, until it imports sampling_state.
 
 NUM_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingState:
-  """One row per decode slot."""
-
-  temperature: jax.Array  # [S] float32; 0 = greedy
-  top_k: jax.Array  # [S] int32; 0 = off
-  top_p: jax.Array  # [S] float32
-  min_p: jax.Array  # [S] float32
-  repetition_penalty: jax.Array  # [S] float32
-  presence_penalty: jax.Array  # [S] float32
-  frequency_penalty: jax.Array  # [S] float32
-  seed: jax.Array  # [S, 2] uint32: a 64-bit seed as two words
-  ignore_eos: jax.Array  # [S] bool
-  want_logprobs: jax.Array  # [S] bool
-  has_bias: jax.Array  # [S] bool: logit_bias or allowed_token_ids set (else logit_bias is zeros)
-  prompt_mask: jax.Array  # [S, V] bool: token ids in the prompt (repetition penalty)
-  output_counts: jax.Array  # [S, V] int32: times each token was generated (all penalties)
-  # [S, V] float32: added to the logits (logit_bias; -inf outside allowed_token_ids). Zeros for
-  # a request without either, and x + 0.0 == x, so its tokens are those of no bias at all.
-  logit_bias: jax.Array
-
-  @classmethod
-  def create(cls, num_slots: int, vocab_size: int) -> SamplingState:
-    rows = SamplingRow.from_params(SamplingParams(), seed=0, prompt_ids=(), output_ids=(), vocab_size=vocab_size)
-    return jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x)[None], num_slots, axis=0), rows.as_state())
-
-  def plain_where_not(self, samples) -> SamplingState:
-    """Rows where samples [B] is False (padding, a prompt chunk that samples nothing) made
-    greedy, unfiltered and unpenalized: their tokens are thrown away, and a row left with a
-    temperature would send the whole batch down the slow draw."""
-    off = ~samples
-    plain = lambda x, value: jnp.where(off, jnp.asarray(value, x.dtype), x)
-    return dataclasses.replace(
-        self, temperature=plain(self.temperature, 0), top_k=plain(self.top_k, 0),
-        top_p=plain(self.top_p, 1), min_p=plain(self.min_p, 0),
-        repetition_penalty=plain(self.repetition_penalty, 1),
-        presence_penalty=plain(self.presence_penalty, 0),
-        frequency_penalty=plain(self.frequency_penalty, 0),
-        want_logprobs=self.want_logprobs & samples, has_bias=self.has_bias & samples)
-
-  def row(self, slot) -> SamplingState:
-    """The one-row state of `slot`, [1, ...] on every leaf."""
-    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1), self)
-
-  def set_row(self, slot, row: SamplingState) -> SamplingState:
-    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, 0), self, row)
-
-  def count(self, tokens, active) -> SamplingState:
-    """Adds one generated `tokens` [S] to each active slot's counts."""
-    counts = self.output_counts.at[jnp.arange(tokens.shape[0]), tokens].add(active.astype(jnp.int32))
-    return dataclasses.replace(self, output_counts=counts)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingRow:
-  """One request's sampling settings as host numpy values, ready to become a state row."""
-
-  values: dict
-
-  @classmethod
-  def from_params(cls, p: SamplingParams, seed: int, prompt_ids, output_ids, vocab_size: int) -> SamplingRow:
-    prompt_mask = np.zeros(vocab_size, bool)
-    prompt_mask[np.asarray(prompt_ids, np.int64)] = True
-    counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab_size).astype(np.int32)
-    # Every sampler setting becomes a [S] array of its type: top_k an int32 (capped at V), the
-    # rest float32.
-    values = {f: np.float32(getattr(p, f)) for f in SamplingParams.SAMPLER_FIELDS}
-    values["top_k"] = np.int32(min(p.top_k, vocab_size))
-    return cls(dict(
-        values,
-        seed=np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32),
-        ignore_eos=np.bool_(p.ignore_eos), want_logprobs=np.bool_(p.logprobs > 0),
-        has_bias=np.bool_(bool(p.logit_bias) or p.allowed_token_ids is not None),
-        prompt_mask=prompt_mask, output_counts=counts[:vocab_size],
-        logit_bias=_bias_row(p, vocab_size)))
-
-  def as_state(self) -> SamplingState:
-    return SamplingState(**self.values)
-
-
-def _bias_row(p: SamplingParams, vocab_size: int) -> np.ndarray:
-  """[V] float32: p.logit_bias at its ids, -inf outside p.allowed_token_ids (ids past the
-  vocabulary are the gateway's to refuse; here they are dropped)."""
-  row = np.zeros(vocab_size, np.float32)
-  if p.allowed_token_ids is not None:
-    row[:] = -np.inf
-    allowed = np.asarray(p.allowed_token_ids, np.int64)
-    row[allowed[allowed < vocab_size]] = 0.0
-  for token, bias in p.logit_bias:
-    if token < vocab_size:
-      row[token] += np.float32(bias)
-  return row
 
 
 @jax.tree_util.register_dataclass
@@ -130,7 +38,7 @@ class Sampled:
 
 
 def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Sampled:
-  """logits [B, V] float32, one state row per b, positions [B], stop_ids [E], bitmask
+  """logits [B, V] float32, one state row per b, positions [B], stop_ids [Vs], bitmask
   [B, ceil(V/32)] int32 (each row's allowed tokens; None: no row is constrained) -> Sampled.
 
   Each [B, V] pass costs about a millisecond at B = 64 on CPU, so only what some row uses runs:
@@ -142,8 +50,10 @@ def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Samp
                           bitmask)
   # Both branches run the rest: a branch returning its operand would copy [B, V].
   adjust = jnp.any(_has_penalty(st) | st.has_bias)
-  return jax.lax.cond(adjust, lambda: _sample(_penalize(logits, st) + st.logit_bias, logits, st, positions, stop_ids),
-                      lambda: _sample(logits, logits, st, positions, stop_ids))
+  return jax.lax.cond(
+      adjust,
+      lambda: _sample(_penalize(logits, st) + st.logit_bias, logits, st, positions, stop_ids),
+      lambda: _sample(logits, logits, st, positions, stop_ids))
 
 
 def _sample(logits, raw, st: SamplingState, positions, stop_ids) -> Sampled:
@@ -182,11 +92,11 @@ def _ban(x, eos, ignore_eos):
 
 def _group_max(x, axis: int, groups, eos_groups, ignore_eos):
   """The max over `axis` of x [B, ...] for every group, the banned stop ids left out: the raw
-  max (one pass, no banned copy of [B, V] written), then the groups `groups` [E] that hold a
+  max (one pass, no banned copy of [B, V] written), then the groups `groups` [Vs] that hold a
   stop id redone from their few values. eos_groups: eos laid out as x[0]."""
-  m = jnp.max(x, axis)  # [B, G]
-  redo = jnp.max(_ban(jnp.take(x, groups, axis=3 - axis), jnp.take(eos_groups, groups, axis=2 - axis),
-                      ignore_eos), axis)  # [B, E]
+  m = jnp.max(x, axis)  # [B, groups]
+  redo = jnp.max(_ban(jnp.take(x, groups, axis=3 - axis),
+                      jnp.take(eos_groups, groups, axis=2 - axis), ignore_eos), axis)  # [B, Vs]
   return m.at[:, groups].set(redo, mode="drop")
 
 
@@ -196,7 +106,8 @@ def _argmax(x, eos, stop_ids, ignore_eos, block: int = 128):
   than this max over blocks. (Its fused max drops NaN: NaN logits, a broken model's, get some
   token, not jnp.argmax's first NaN.) [B, V] -> [B] int32."""
   B, V = x.shape
-  pad = lambda a, value: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -V % block)], constant_values=value)
+  pad = lambda a, value: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -V % block)],
+                                 constant_values=value)
   blocks = pad(x, -jnp.inf).reshape(B, -1, block)  # [B, V / block, block]
   eos_blocks = pad(eos, False).reshape(-1, block)
   first = jnp.argmax(_group_max(blocks, 2, stop_ids // block, eos_blocks, ignore_eos), -1)  # [B]
@@ -215,7 +126,8 @@ def _penalize(logits, st: SamplingState):
   seen = st.prompt_mask | (st.output_counts > 0)
   rep = st.repetition_penalty[:, None]
   logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-  logits = logits - st.presence_penalty[:, None] * (counts > 0) - st.frequency_penalty[:, None] * counts
+  logits = (logits - st.presence_penalty[:, None] * (counts > 0)
+            - st.frequency_penalty[:, None] * counts)
   return logits
 
 
@@ -226,12 +138,13 @@ def _draw(logits, eos, stop_ids, st: SamplingState, positions):
   The candidate path filters and draws among the tokens above `rest` (about NUM_CANDIDATE_GROUPS
   of them, `_candidates`) and says per row whether that is exact: whether every token at or below
   `rest` is filtered out (or could not win the draw), and whether the thresholds found among the
-  candidates are those the whole row gives. When a row is not, `_full_draw` does the whole vocabulary.
+  candidates are those the whole row gives. When a row is not, `_full_draw` does the whole
+  vocabulary.
   Both paths sum candidates and the rest apart, so their probabilities agree bit for bit.
   """
   greedy = st.temperature == 0
   temperature = jnp.where(greedy, 1.0, st.temperature)[:, None]  # [B, 1]
-  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)  # [B, N], [B]
+  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)  # [B, Vc], [B]
   tokens, fits = _fast_draw(logits, eos, temperature, idx, rest, st, positions)
   # Only the raw logits and [V] enter the branch: a banned or scaled [B, V] would be written out.
   return jax.lax.cond(jnp.all(fits | greedy), lambda *_: tokens, _full_draw,
@@ -243,12 +156,10 @@ def _draw(logits, eos, stop_ids, st: SamplingState, positions):
 # the smallest of their maxima.
 NUM_CANDIDATE_GROUPS = 64
 _GROUP_SIZE = 16
-# jax.random.gumbel's largest value: -log(-log(1 - 2**-23)) = 15.94 (its uniforms have 23 bits).
-_GUMBEL_MAX = 16.0
 
 
 def _candidates(logits, eos, stop_ids, ignore_eos):
-  """(ids [B, N], rest [B]): every token whose (banned, `_ban`) logit is above rest[b] is among
+  """(ids [B, Vc], rest [B]): every token whose (banned, `_ban`) logit is above rest[b] is among
   ids[b]; ids >= V are padding. Small vocabularies are candidates whole (rest = -inf)."""
   B, V = logits.shape
   groups = -(-V // _GROUP_SIZE)
@@ -257,11 +168,13 @@ def _candidates(logits, eos, stop_ids, ignore_eos):
   padded = jnp.pad(logits, ((0, 0), (0, groups * _GROUP_SIZE - V)), constant_values=-jnp.inf)
   eos_groups = jnp.pad(eos, (0, groups * _GROUP_SIZE - V)).reshape(_GROUP_SIZE, groups)
   # [B, groups]: group g = g, g + groups, ...
-  group_max = _group_max(padded.reshape(B, _GROUP_SIZE, groups), 1, stop_ids % groups, eos_groups, ignore_eos)
+  group_max = _group_max(padded.reshape(B, _GROUP_SIZE, groups), 1, stop_ids % groups,
+                         eos_groups, ignore_eos)
   top, ids = jax.lax.top_k(group_max, NUM_CANDIDATE_GROUPS)
   # A reduction, not top[:, -1]: slicing top_k's values makes XLA:CPU sort the whole row instead.
   rest = jnp.min(top, -1)
-  ids = ids[:, :, None] + groups * jnp.arange(_GROUP_SIZE, dtype=jnp.int32)  # [B, G, R]
+  # [B, NUM_CANDIDATE_GROUPS, _GROUP_SIZE]: the tokens of each chosen group.
+  ids = ids[:, :, None] + groups * jnp.arange(_GROUP_SIZE, dtype=jnp.int32)
   return ids.reshape(B, -1), rest
 
 
@@ -270,7 +183,7 @@ def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   Nothing here reads [B, V] but the candidates' gather (and one pass when top-k is off)."""
   V = logits.shape[-1]
   safe = jnp.minimum(idx, V - 1)
-  picked = _ban(jnp.take_along_axis(logits, safe, 1), eos[safe], st.ignore_eos)  # [B, N]
+  picked = _ban(jnp.take_along_axis(logits, safe, 1), eos[safe], st.ignore_eos)  # [B, Vc]
   head = (idx < V) & (picked > rest[:, None])
   cand = picked / temperature  # The same division as the whole row's scaled logits.
   rest_scaled = rest / temperature[:, 0]
@@ -279,33 +192,37 @@ def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   # top-k among the candidates: exact when the k-th largest lies above every other token.
   keys = jnp.where(head, _order_keys(cand), 0)
   k = jnp.where(off, V, st.top_k[:, None])
-  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, jnp.zeros_like(keys[:, :1]),
-                    jnp.max(keys, -1, keepdims=True), 32)
+  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k,
+                    jnp.zeros_like(keys[:, :1]), jnp.max(keys, -1, keepdims=True), 32)
   rest_key = _order_keys(rest_scaled)[:, None]
   in_top_k = head & (off | (keys >= kth))
   m = jnp.max(jnp.where(head, cand, -jnp.inf), -1, keepdims=True)  # [B, 1]: the row's max
   e = jnp.where(in_top_k, jnp.exp(cand - m), 0)
   # With top-k off the rest is in the softmax's sum: one pass over [B, V], only when a row needs it.
   tail_rows = off & needs_filter & (st.temperature > 0)[:, None]
-  z_rest = jax.lax.cond(jnp.any(tail_rows),
-                        lambda: _masked_sum(jnp.exp(_ban(logits, eos, st.ignore_eos) / temperature - m),
-                                            (_ban(logits, eos, st.ignore_eos) <= rest[:, None]) & tail_rows),
-                        lambda: jnp.zeros_like(m))
+  banned = lambda: _ban(logits, eos, st.ignore_eos)
+  z_rest = jax.lax.cond(
+      jnp.any(tail_rows),
+      lambda: _masked_sum(jnp.exp(banned() / temperature - m),
+                          (banned() <= rest[:, None]) & tail_rows),
+      lambda: jnp.zeros_like(m))
   probs = e / (_masked_sum(e, True) + z_rest)
   top = jnp.max(probs, -1, keepdims=True)
   nucleus = _nucleus(probs, top, lambda t: 0.0, st)
-  keep = jnp.where(needs_filter, in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top), head)
+  keep = jnp.where(needs_filter,
+                   in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top), head)
   # A bound on every other token's probability (1 + 2**-20: exp need not be exactly monotone).
   p_rest = jnp.exp(rest_scaled[:, None] - m) / (_masked_sum(e, True) + z_rest) * (1 + 2**-20)
-  exact = ~needs_filter | ((off | (kth > rest_key)) & (~off | (st.top_p[:, None] >= 1) | (p_rest < nucleus)))
+  exact = ~needs_filter | ((off | (kth > rest_key))
+                           & (~off | (st.top_p[:, None] >= 1) | (p_rest < nucleus)))
   rest_out = needs_filter & (~off | (p_rest < nucleus) | (p_rest < st.min_p[:, None] * top))
   rest_out |= (rest_scaled == -jnp.inf)[:, None]
-  perturbed = jnp.where(keep, cand + _gumbel_at(st.seed, positions, safe, V), -jnp.inf)
+  perturbed = jnp.where(keep, cand + gumbel_at(st.seed, positions, safe, V), -jnp.inf)
   best = jnp.max(perturbed, -1, keepdims=True)
-  # Others' perturbed logits are at most rest + _GUMBEL_MAX: above that, the draw is a candidate.
-  rest_loses = best > rest_scaled[:, None] + _GUMBEL_MAX
+  # Others' perturbed logits are at most rest + GUMBEL_MAX: above that, the draw is a candidate.
+  rest_loses = best > rest_scaled[:, None] + GUMBEL_MAX
   tokens = jnp.min(jnp.where(keep & (perturbed == best), idx, V), -1)  # argmax's first maximum
-  fits = exact & jnp.any(keep, -1, keepdims=True) & (rest_out | rest_loses) & _threefry_gumbel()
+  fits = exact & jnp.any(keep, -1, keepdims=True) & (rest_out | rest_loses) & is_jax_gumbel()
   return tokens.astype(positions.dtype), fits[:, 0]
 
 
@@ -315,52 +232,7 @@ def _full_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   greedy = st.temperature == 0
   filtered = jax.lax.cond(jnp.any(_needs_filter(st) & ~greedy), _filter, lambda *a: a[1],
                           logits, scaled, idx, rest, st)
-  return _gumbel_draw(filtered, st.seed, positions)
-
-
-def _gumbel_draw(scaled, seeds, positions):
-  """Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits). [B, V] -> [B]."""
-
-  def one(row, seed, position):
-    return jnp.argmax(row + jax.random.gumbel(_key(seed, position), row.shape)).astype(positions.dtype)
-
-  return jax.vmap(one)(scaled, seeds, positions)
-
-
-def _key(seed, position):
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), position)
-
-
-def _gumbel_at(seeds, positions, ids, V: int):
-  """jax.random.gumbel(_key(seed, position), (V,))[ids] for each row, without the other V - N
-  values: threefry's bits for element j hash (key, j) alone. [B, N] float32."""
-  tiny = jnp.finfo(jnp.float32).tiny
-
-  def one(seed, position, j):
-    k1, k2 = jax.random.key_data(_key(seed, position))
-    j = j.astype(jnp.uint32)
-    k1, k2 = jnp.broadcast_to(k1, j.shape), jnp.broadcast_to(k2, j.shape)
-    if jax.config.jax_threefry_partitionable:  # element j hashes the 64-bit counter (0, j)
-      b1, b2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(j), j)
-      bits = b1 ^ b2
-    else:  # counters 0..V-1 (padded to even) hashed in pairs (i, i + half)
-      half = (V + 1) // 2
-      low = j < half
-      x0 = jnp.where(low, j, j - half)
-      x1 = jnp.where(low, jnp.where(j + half < V, j + half, 0), j)
-      b1, b2 = threefry2x32_p.bind(k1, k2, x0, x1)
-      bits = jnp.where(low, b1, b2)
-    floats = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-    uniform = jnp.maximum(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
-    return -jnp.log(-jnp.log(uniform))
-
-  return jax.vmap(one)(seeds, positions, ids)
-
-
-def _threefry_gumbel() -> bool:
-  """Whether jax.random.gumbel is the one `_gumbel_at` reproduces (JAX's default)."""
-  return (jax.config.jax_default_prng_impl == "threefry2x32"
-          and not jax.config.jax_high_dynamic_range_gumbel)
+  return gumbel_draw(filtered, st.seed, positions)
 
 
 def _needs_filter(st: SamplingState):
@@ -373,7 +245,7 @@ def _masked_sum(x, mask):
 
 def _nucleus(probs, top, rest_mass, st: SamplingState, iters: int = 32):
   """top-p's threshold [B, 1]: the largest t whose tokens (probability >= t) hold at least p of
-  the mass, over the candidates' probs [B, N] plus rest_mass(t) from the other tokens; 0 (keep
+  the mass, over the candidates' probs [B, Vc] plus rest_mass(t) from the other tokens; 0 (keep
   all) at p = 1, and below `top`, the largest probability."""
   mass = lambda t: _masked_sum(probs, probs >= t) + rest_mass(t)
   nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
@@ -400,9 +272,9 @@ def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
   m = jnp.max(scaled, -1, keepdims=True)
   e = jnp.where(in_top_k, jnp.exp(scaled - m), 0)  # [B, V]
   safe = jnp.minimum(idx, V - 1)
-  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, N]
+  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, Vc]
   cand = jnp.take_along_axis(scaled, safe, 1)
-  e_head = jnp.where(head & (off | (_order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, N]
+  e_head = jnp.where(head & (off | (_order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, Vc]
   tail = logits <= rest[:, None]  # [B, V]: the tokens not in the candidates' head
   z = _masked_sum(e_head, True) + _masked_sum(e, tail)
   probs = e / z  # [B, V]
