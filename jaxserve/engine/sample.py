@@ -21,9 +21,7 @@ import jax.numpy as jnp
 from jaxserve.config import SamplingParams
 from jaxserve.engine.constraint_mask import apply_token_bitmask
 from jaxserve.engine.gumbel import GUMBEL_MAX, gumbel_at, gumbel_draw, is_jax_gumbel
-from jaxserve.engine.sampling_state import SamplingRow, SamplingState  # noqa: F401
-
-# SamplingRow above is re-exported for engine/step_args.py, until it imports sampling_state.
+from jaxserve.engine.sampling_state import SamplingState
 
 NUM_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
 

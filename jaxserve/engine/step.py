@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.engine.prompt_logprobs import score_prompt
-from jaxserve.engine.sample import SamplingState, sample
+from jaxserve.engine.sample import sample
+from jaxserve.engine.sampling_state import SamplingState
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 

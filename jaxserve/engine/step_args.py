@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine.sample import SamplingRow, SamplingState
+from jaxserve.engine.sampling_state import SamplingRow, SamplingState
 from jaxserve.model.kv_cache import SCRATCH_PAGE
 
 
