@@ -4,7 +4,6 @@ the engine builds for a step, and one slot decoded alone giving the tokens it ge
 import dataclasses
 
 import numpy as np
-from conftest import TINY, TINY_ENGINE
 from flax import nnx
 
 from jaxserve.batching.plan import StepPlan
@@ -12,6 +11,7 @@ from jaxserve.config import EngineConfig, KVLayout
 from jaxserve.engine.engine import Engine
 from jaxserve.model.kv_cache import SCRATCH_PAGE
 from jaxserve.model.llama import Transformer
+from support.tiny import TINY, TINY_ENGINE
 
 
 def test_batch_buckets_are_powers_of_four_up_to_the_slots():

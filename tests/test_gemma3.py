@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import dense_logits
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk
@@ -33,6 +32,7 @@ from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import SCRATCH_PAGE, WindowedKV
 from mock_engine import MockTokenizer, assert_all_free, checked  # noqa: F401  (checked is a fixture)
+from support.tiny import dense_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
