@@ -19,6 +19,8 @@ from jaxserve.model.llama import Transformer
 # test_step.py still imports TINY_ENGINE and count_compiles from here (to move to support.tiny).
 from support.tiny import TINY, TINY_ENGINE, count_compiles  # noqa: F401
 
+pytest_plugins = ("support.skip_allowlist",)  # --allowed-skips, which .ci/run passes.
+
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Transformer:
