@@ -54,10 +54,10 @@ def random_params(cfg, seed: int) -> dict:
 def _greedy(engine, prompts, steps: int) -> dict:
   """Each prompt prefilled into its own slot, then `steps` decode steps of all of them."""
   import numpy as np
-  from support.engine_calls import decode, prefill
 
   from jaxserve.batching.plan import PrefillChunk
   from jaxserve.config import SamplingParams
+  from support.engine_calls import decode, prefill
 
   width = -(-(max(map(len, prompts)) + steps + 1) // engine.page_size)
   tables = np.arange(1, 1 + len(prompts) * width, dtype=np.int32).reshape(len(prompts), width)

@@ -6,12 +6,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE
-from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, KVDtype, KVLayout, SamplingParams
 from jaxserve.engine.engine import Engine, default_backend, engine_config_for
+from support.engine_calls import decode, prefill
+from support.tiny import TINY_ENGINE
 
 GREEDY = SamplingParams(temperature=0, logprobs=1)  # Logprobs are computed only when asked.
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 import urllib.error
 import urllib.request
 from typing import Any, Callable
@@ -15,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
+from support import server_harness as h
 
 VOCAB = 49152  # The tiny checkpoint has the default model's (SmolLM2's) tokenizer.
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -321,10 +320,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint, tmp_path_factory):
-  st = h.start_tiny(str(tiny_checkpoint), h.write_keys(tmp_path_factory.mktemp("keys") / "k.json"))
-  yield st
-  st.close()
+def srv_options():
+  return dict(keys=True)
 
 
 @pytest.fixture(scope="module")
@@ -358,10 +355,7 @@ def test_a_bad_request_is_refused_by_name_and_the_server_keeps_serving(client, c
 
 
 def test_after_the_table_every_slot_and_block_is_free(client, srv):
-  deadline = time.monotonic() + 10
-  while not h.idle(srv.scheduler):
-    assert time.monotonic() < deadline, "the engine never went idle"
-    time.sleep(0.01)
+  h.wait_idle(srv)
 
 
 def test_a_long_prompt_is_cut_to_its_tail_with_truncate_prompt(client):

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-import script_loader
 from jaxserve.loading import pull
 from jaxserve.text.tokenizer import Tokenizer
+from support import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 bp = script_loader.load("bench_peers")

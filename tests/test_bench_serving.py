@@ -7,21 +7,13 @@ import pathlib
 
 import pytest
 
-import script_loader
-import server_harness
+from support import script_loader, server_harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_script():
   return script_loader.load("bench_serving")
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_checkpoint):
-  server = server_harness.start_tiny(str(tiny_checkpoint))
-  yield server
-  server.close()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from jaxserve.text.constraint import (
 )
 from jaxserve.text.constraint_vocab import vocab_bytes
 from jaxserve.text.tokenizer import Tokenizer
-from tests.conftest import count_compiles
+from support.tiny import count_compiles
 
 # Three levels: objects, arrays, enums, bounded integers and numbers, required and optional fields.
 NESTED_SCHEMA = {

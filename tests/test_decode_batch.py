@@ -4,15 +4,15 @@ the engine builds for a step, and one slot decoded alone giving the tokens it ge
 import dataclasses
 
 import numpy as np
-from conftest import TINY, TINY_ENGINE
 from flax import nnx
-from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import StepPlan
 from jaxserve.config import EngineConfig, KVLayout
 from jaxserve.engine.engine import Engine
 from jaxserve.model.kv_cache import SCRATCH_PAGE
 from jaxserve.model.llama import Transformer
+from support.engine_calls import decode, prefill
+from support.tiny import TINY, TINY_ENGINE
 
 
 def test_batch_buckets_are_powers_of_four_up_to_the_slots():

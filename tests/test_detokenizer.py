@@ -5,21 +5,10 @@ import pytest
 from hypothesis import strategies as st
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
-from jaxserve.loading import pull
 from jaxserve.text.detokenizer import IncrementalDetokenizer
 from jaxserve.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
-
-
-@pytest.fixture(scope="module")
-def smol():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.SMOLLM2))
-
-
-@pytest.fixture(scope="module")
-def gemma():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.GEMMA3))
 
 
 @pytest.fixture(scope="module")

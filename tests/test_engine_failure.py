@@ -10,14 +10,14 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import server_harness as h
 from jaxserve import llm
 from jaxserve.api import server
+from support import server_harness as h
+from support.server_harness import health
 
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = h.HEALTH.NOT_SERVING
+SERVING = h.HEALTH.SERVING
 LONG = dict(max_tokens=100, ignore_eos=True)
 
 
@@ -38,10 +38,6 @@ class FaultyEngine:
     if self.armed.is_set():
       raise FloatingPointError("injected fault in step")
     return self._engine.step(plan)
-
-
-def health(channel):
-  return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
 def test_open_streams_get_internal_and_health_stays_down(tiny_checkpoint):
@@ -89,10 +85,7 @@ def test_serve_exits_nonzero_when_the_engine_dies(tiny_checkpoint):
   said, codes = [], []
 
   def client():
-    deadline = time.monotonic() + 60
-    while "jaxserve: ready" not in said:
-      assert time.monotonic() < deadline
-      time.sleep(0.01)
+    assert h.wait_until(lambda: "jaxserve: ready" in said, 60)
     with grpc.insecure_channel(f"127.0.0.1:{srv.ports['grpc']}") as ch:
       try:
         list(h.stub(ch).Generate(h.text_request("Hello", max_tokens=4)))

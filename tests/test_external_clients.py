@@ -55,9 +55,9 @@ def _client(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  import server_harness as h
   from jaxserve.api import server
   from jaxserve.llm import LLM, Loaded
+  from support import server_harness as h
 
   llm = LLM(None, engine_config=ENGINE)
   loaded = Loaded(llm.engine, llm.tokenizer, "smollm2")

@@ -31,13 +31,11 @@ from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.stop import OutputText
 from jaxserve.config import SamplingParams
 from jaxserve.engine.sampling_state import SamplingRow
-from jaxserve.loading import pull
 from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.serving.metrics import Metrics
 from jaxserve.serving.service import Prompt, Service
 from jaxserve.text.detokenizer import IncrementalDetokenizer
-from jaxserve.text.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 128
 SETTINGS = hypothesis.settings(max_examples=200, deadline=None, derandomize=True,
@@ -46,11 +44,6 @@ SETTINGS = hypothesis.settings(max_examples=200, deadline=None, derandomize=True
 SAMPLING_FIELDS = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
                    "ignore_eos"]
-
-
-@pytest.fixture(scope="module")
-def smol():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.SMOLLM2))
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import dense_logits
 from flax import nnx
-from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.batching.runner import Runner
@@ -33,7 +31,9 @@ from jaxserve.loading import checkpoint, pull, weights
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import SCRATCH_PAGE, WindowedKV
-from mock_engine import MockTokenizer, assert_all_free, checked  # noqa: F401  (checked is a fixture)
+from support.engine_calls import decode, prefill
+from support.mock_engine import MockTokenizer, assert_all_free
+from support.tiny import dense_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

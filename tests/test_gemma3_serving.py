@@ -20,12 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from conftest import count_compiles, dense_logits
 from flax import nnx
 
-import server_harness as h
-from jaxserve import llm
-from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, ModelConfig, ModelFamily, SamplingParams, SchedulerConfig
@@ -33,6 +29,9 @@ from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, pull
 from jaxserve.model.gemma3 import Gemma3
 from jaxserve.text.tokenizer import Tokenizer
+from support import server_harness as h
+from support.openai_http import openai_client
+from support.tiny import count_compiles, dense_logits
 
 
 def tiny_gemma3(vocab_size: int) -> Gemma3:
@@ -127,17 +126,14 @@ def _requests(tokenizer):
 def offline(loaded):
   _, tokenizer, engine = loaded
   requests = _requests(tokenizer)
-  outs = Runner(engine, tokenizer).generate(list(requests.values()))
+  outs = h.offline(engine, tokenizer, list(requests.values()))
   return dict(zip(requests, outs))
 
 
 @pytest.fixture(scope="module")
-def srv(loaded, offline):
+def srv_options(loaded, offline):  # The offline reference first: it shares the engine.
   _, tokenizer, engine = loaded
-  cfg = server.ServerConfig(grpc_port=0, http_port=0)
-  st = h.ServerThread(server.Server(lambda: llm.Loaded(engine, tokenizer, NAME), cfg)).start()
-  yield st
-  st.close()
+  return dict(engine=(engine, tokenizer, NAME))
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +152,7 @@ def _grpc_request(ids, sampling: SamplingParams, **fields) -> pb.GenerateRequest
 
 
 def _stream(stub, req) -> tuple[list[int], str, int]:
-  msgs = list(stub.Generate(req, timeout=120))
+  msgs = h.generate(stub, req, None, 120)
   return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs[-1].finish_reason
 
 
@@ -216,7 +212,7 @@ def test_grpc_logprobs_match_a_dense_forward_pass(stub, loaded):
 
 
 def _client(srv) -> openai.OpenAI:
-  return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
+  return openai_client(srv, "none", timeout=120)
 
 
 @pytest.mark.real_model
@@ -266,8 +262,7 @@ def end_of_turn_srv(loaded):
                                       prefill_buckets=(32,), compilation_cache_dir=None),
                   stop_ids=tokenizer.stop_ids)
   engine.warmup()
-  cfg = server.ServerConfig(grpc_port=0, http_port=0)
-  st = h.ServerThread(server.Server(lambda: llm.Loaded(engine, tokenizer, "tiny"), cfg)).start()
+  st = h.serve(engine, tokenizer, "tiny")
   yield st, end_of_turn
   st.close()
 

@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-import script_loader
 from jaxserve.planning import capacity
+from support import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 gb = script_loader.load("generate_batch")

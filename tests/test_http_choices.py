@@ -4,15 +4,13 @@ are checked against the offline Runner on the same engine."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import numpy as np
 import pytest
 
-import server_harness as h
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams
+from support import openai_http
+from support import server_harness as h
 
 TEXT = "Roses are red, violets are"
 
@@ -22,26 +20,13 @@ def engine(tiny_checkpoint):
   return h.warm_engine(str(tiny_checkpoint))
 
 
-@pytest.fixture(scope="module")
-def srv(engine, tiny_checkpoint):
-  st = h.start_tiny(str(tiny_checkpoint))
-  yield st
-  st.close()
-
-
 def offline(engine, prompt_ids, **sampling):
-  e, tokenizer = engine
-  (out,) = Runner(e, tokenizer).generate([(prompt_ids, SamplingParams(**sampling))])
+  (out,) = h.offline(*engine, [(prompt_ids, SamplingParams(**sampling))])
   return out
 
 
-def post(srv, body, path="/v1/completions"):
-  req = urllib.request.Request(srv.http_url + path, data=json.dumps(body).encode(), method="POST")
-  with urllib.request.urlopen(req, timeout=120) as resp:
-    raw = resp.read().decode()
-  if body.get("stream"):
-    return [json.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
-  return json.loads(raw)
+def post(srv, body):
+  return openai_http.post(srv, body, key=None, timeout=120)  # The server here has no API keys.
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 3])
@@ -208,8 +193,8 @@ def test_grpc_prompt_logprobs_on_the_first_response(srv, engine):
   ids = tokenizer.encode(TEXT)
   ref = offline(engine, ids, temperature=0, max_tokens=2, prompt_logprobs=2)
   with grpc.insecure_channel(srv.grpc_address) as channel:
-    msgs = list(h.stub(channel).Generate(pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=ids), temperature=0, max_tokens=2, prompt_logprobs=2)))
+    msgs = h.generate(h.stub(channel), pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), temperature=0, max_tokens=2, prompt_logprobs=2), None)
   first = msgs[0].prompt_logprobs
   assert [e.token_id for e in first] == ids and not any(m.prompt_logprobs for m in msgs[1:])
   assert not first[0].HasField("logprob") and first[0].rank == 0

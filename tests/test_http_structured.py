@@ -15,8 +15,9 @@ import openai
 import pydantic
 import pytest
 
-import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
+from support import server_harness as h
+from support.openai_http import openai_client
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "maxLength": 6},
@@ -47,16 +48,13 @@ class Flat(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint, tmp_path_factory):
-  st = h.start_tiny(str(tiny_checkpoint), h.write_keys(tmp_path_factory.mktemp("keys") / "k.json"))
-  yield st
-  st.close()
+def srv_options():
+  return dict(keys=True)
 
 
 @pytest.fixture(scope="module")
 def client(srv) -> openai.OpenAI:
-  return openai.OpenAI(base_url=srv.http_url + "/v1", api_key=h.KEYS["alice"], max_retries=0,
-                       timeout=120)
+  return openai_client(srv, timeout=120)
 
 
 def test_response_format_json_schema_and_json_object(client):
@@ -182,9 +180,8 @@ def test_langchain_structured_output_and_bind_tools(srv):
 def test_grpc_constraint_oneof(srv):
   with grpc.insecure_channel(srv.grpc_address) as ch:
     stub = h.stub(ch)
-    run = lambda **f: "".join(r.text for r in stub.Generate(
-        pb.GenerateRequest(**{"text": "x", "max_tokens": 80, "temperature": 1.0, "seed": 2, **f}),
-        metadata=h.auth(), timeout=120))
+    run = lambda **f: "".join(r.text for r in h.generate(stub, pb.GenerateRequest(
+        **{"text": "x", "max_tokens": 80, "temperature": 1.0, "seed": 2, **f}), timeout=120))
     jsonschema.validate(json.loads(run(json_schema=json.dumps(SCHEMA))), SCHEMA)
     assert run(choice=pb.Choices(options=["up", "down"])) in ("up", "down")
     assert re.fullmatch(r"[a-c]{2}", run(regex="[a-c]{2}"))

@@ -15,15 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, TINY_ENGINE
 from flax import nnx
-from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, slot_page_tables
+from support.engine_calls import decode, prefill
+from support.tiny import TINY, TINY_ENGINE
 
 GREEDY = SamplingParams(temperature=0, logprobs=20)  # The top-20 logprobs are compared below.
 SMALL = EngineConfig(num_slots=3, page_size=4, num_pages=12, max_model_len=16,

@@ -7,14 +7,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import TINY, TINY_ENGINE, dense_forward, dense_logits
 from flax import nnx
-from support.engine_calls import decode, prefill
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.model.llama import Transformer
+from support.engine_calls import decode, prefill
+from support.tiny import TINY, TINY_ENGINE, dense_forward, dense_logits
 
 GREEDY = SamplingParams(temperature=0, logprobs=1)  # Logprobs are computed only when asked.
 

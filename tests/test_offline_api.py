@@ -5,10 +5,10 @@ import grpc
 import numpy as np
 import pytest
 
-import server_harness as h
 from jaxserve.api import server
 from jaxserve.config import SamplingParams
 from jaxserve.llm import LLM, Loaded
+from support import server_harness as h
 
 TEXT = "Roses are red, violets are"
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}

@@ -9,13 +9,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE, count_compiles, dense_logits
 
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.engine import Engine
-from mock_engine import MockTokenizer
+from support.mock_engine import MockTokenizer
+from support.tiny import TINY_ENGINE, count_compiles, dense_logits
 
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(1, 127, 50)]  # 50 > bucket 32: chunked.
 

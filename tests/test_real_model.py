@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import count_compiles, dense_logits
 
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.loading import pull
+from support.tiny import count_compiles, dense_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -87,9 +87,9 @@ def test_http_echo_prompt_logprobs_match_transformers(llm, hf_model, prompts):
   import json
   import urllib.request
 
-  import server_harness as h
   from jaxserve.api import server
   from jaxserve.llm import Loaded
+  from support import server_harness as h
 
   loaded = Loaded(llm.engine, llm.tokenizer, "smollm2")
   srv = h.ServerThread(server.Server(lambda: loaded, server.ServerConfig(grpc_port=0, http_port=0)))

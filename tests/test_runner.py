@@ -8,7 +8,7 @@ import pytest
 from jaxserve.batching.request import FinishReason, RequestRejected, RequestStatus
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
-from mock_engine import MockEngine, MockTokenizer, checked, reference_generate, weighted_sum  # noqa: F401  (a fixture)
+from support.mock_engine import MockEngine, MockTokenizer, reference_generate, weighted_sum
 
 _ENGINE_ARGS = ("num_slots", "page_size", "num_pages", "max_model_len", "max_prefill_len",
                 "next_token")

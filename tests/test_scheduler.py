@@ -12,7 +12,7 @@ import pytest
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.config import QueuePolicy, SamplingParams, SchedulerConfig
-from mock_engine import MockEngine, checked  # noqa: F401  (checked is a fixture)
+from support.mock_engine import MockEngine
 
 _ids = itertools.count()
 

@@ -4,14 +4,12 @@ code, API keys and rate limits, reflection, metrics and the per-request log line
 
 import logging
 import math
-import time
 import urllib.request
 
 import grpc
 import jax
 import numpy as np
 import pytest
-from conftest import dense_logits
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -19,10 +17,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
-from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
+from support import server_harness as h
+from support.server_harness import generate, wait_idle
+from support.tiny import dense_logits
 
 SEEDED = dict(temperature=1.0, repetition_penalty=5.0)  # The tiny model repeats itself without.
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -49,16 +48,12 @@ def offline(tiny_checkpoint):
   """The offline runner's completions for _cases, on the engine the server will use."""
   engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
   cases = _cases(tokenizer)
-  return cases, Runner(engine, tokenizer).generate([(ids, sp) for _, ids, sp in cases])
+  return cases, h.offline(engine, tokenizer, [(ids, sp) for _, ids, sp in cases])
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint, offline, tmp_path_factory):
-  keys = h.write_keys(tmp_path_factory.mktemp("keys") / "keys.json")
-  st = h.start_tiny(str(tiny_checkpoint), keys,
-                    scheduler=SchedulerConfig(max_queue_len=MAX_QUEUE_LEN))
-  yield st
-  st.close()
+def srv_options(offline):  # The offline reference first: it shares the engine with the server.
+  return dict(keys=True, scheduler=SchedulerConfig(max_queue_len=MAX_QUEUE_LEN))
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +65,6 @@ def channel(srv):
 @pytest.fixture
 def stub(channel):
   return h.stub(channel)
-
-
-def generate(stub, req, key="alice"):
-  return list(stub.Generate(req, metadata=h.auth(key), timeout=60))
-
-
-def wait_idle(srv, timeout=10.0):
-  deadline = time.monotonic() + timeout
-  while not h.idle(srv.scheduler):
-    assert time.monotonic() < deadline, "the engine never went idle"
-    time.sleep(0.01)
 
 
 def error_of(stub, req, key="alice") -> grpc.RpcError:
@@ -360,9 +344,7 @@ def test_the_log_line_breaks_down_the_wait_without_the_prompt(stub, caplog):
   secret = "zebra-umbrella-secret"
   msgs = generate(stub, h.text_request(f"Tell me about {secret}", max_tokens=3))
   rid = msgs[-1].request_id
-  deadline = time.monotonic() + 5
-  while not [r for r in caplog.records if rid in r.getMessage()] and time.monotonic() < deadline:
-    time.sleep(0.01)
+  h.wait_until(lambda: any(rid in r.getMessage() for r in caplog.records), 5)
   (line,) = [r.getMessage() for r in caplog.records if rid in r.getMessage()]
   for part in ("key=alice", "reason=length", "completion_tokens=3", "queue=", "prefill=", "ttft=",
                f"prompt_tokens={msgs[-1].usage.prompt_tokens}"):

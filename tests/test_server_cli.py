@@ -10,19 +10,14 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.cli import main as cli
 from jaxserve.loading import checkpoint
+from support import server_harness as h
+from support.server_harness import HEALTH, health
 
 QUESTION = "What is the capital of France?"
-HEALTH = health_pb2.HealthCheckResponse
-
-
-def health(channel) -> int:
-  return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
 def chat(text, **fields) -> pb.GenerateRequest:

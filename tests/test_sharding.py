@@ -8,11 +8,6 @@ stays on one device like the rest of the suite.
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
@@ -22,21 +17,13 @@ from jaxserve.config import EngineConfig, KVLayout, ModelConfig
 from jaxserve.model import axes
 from jaxserve.model.kv_cache import ragged_lanes
 from jaxserve.planning.capacity import KNOWN_MODELS
+from support.workers import PROMPTS, run_worker
 
-WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
 # 8 heads over 4 KV heads, MLP 96 and vocabulary 128: every split up to tp=4 divides.
 TINY8 = dict(vocab_size=128, dim=64, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16,
              hidden_dim=96, max_seq_len=256, name="tiny8")
-PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 3, 50, 60, 61, 62, 2], [5]]
 LAYOUTS = [[1, 1], [2, 1], [4, 1], [1, 2], [2, 2]]  # [tp, dp]
 HAS_CONTIGUOUS = hasattr(KVLayout, "CONTIGUOUS")
-
-
-def run_worker(args: dict, timeout: float = 600) -> dict:
-  proc = subprocess.run([sys.executable, str(WORKER), json.dumps(args)], capture_output=True,
-                        text=True, timeout=timeout)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import threading
 import time
 
 import grpc
-from test_server_cli import HEALTH, health
 
-import server_harness as h
+from support import server_harness as h
+from support.server_harness import HEALTH, health
 
 NUM_REQUESTS = 16
 

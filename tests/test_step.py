@@ -7,13 +7,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import TINY, TINY_ENGINE, count_compiles
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.model.llama import Transformer
+from support.tiny import TINY, TINY_ENGINE, count_compiles
 
 GREEDY = SamplingParams(temperature=0, logprobs=2)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.3, logprobs=2)

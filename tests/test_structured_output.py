@@ -15,7 +15,7 @@ import pytest
 import jaxserve
 from jaxserve import Constraint, EngineConfig, SamplingParams
 from jaxserve.batching.request import FinishReason
-from tests.conftest import count_compiles
+from support.tiny import count_compiles
 
 # Three levels: objects, arrays, enums, bounded integers, required fields; small enough that an
 # object ends within a few dozen tokens.

@@ -49,18 +49,8 @@ def _hf_tokenizer(model):
 
 
 @pytest.fixture(scope="module")
-def smol():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.SMOLLM2))
-
-
-@pytest.fixture(scope="module")
 def hf_smol():
   return _hf_tokenizer(pull.SMOLLM2)
-
-
-@pytest.fixture(scope="module")
-def gemma():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.GEMMA3))
 
 
 @pytest.fixture(scope="module")

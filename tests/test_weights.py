@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import dense_logits
 
 from jaxserve.cli import main as cli
 from jaxserve.loading import checkpoint, weights
+from support.tiny import dense_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
-import pytest
 
 from jaxserve.batching.plan import EngineInfo, PrefillChunk, StepPlan
 
@@ -202,15 +201,3 @@ def assert_all_free(scheduler) -> None:
     assert window.num_free_pages == window.num_usable_pages
     assert all(window.ref_count(b) == 0 for b in range(window.num_pages))
   assert sorted(scheduler._free_slots) == list(range(len(scheduler.pools.tables)))
-
-
-@pytest.fixture
-def checked():
-  """Registers schedulers (or runners); after the test, asserts each is back to all-free."""
-  items = []
-  yield lambda x: items.append(x) or x
-  for x in items:
-    if hasattr(x, "scheduler"):
-      assert not x.has_unfinished
-      x = x.scheduler
-    assert_all_free(x)
