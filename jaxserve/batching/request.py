@@ -1,11 +1,11 @@
 """One request's host state: its tokens, counters, status and timestamps.
 
-The runner creates a `Request`, the scheduler moves it between queues and owns its KV counters, the
-runner appends the sampled tokens and decides when it stops. Token counters:
+The runner creates a `Request` and decides when it stops; the scheduler moves it between queues,
+owns its KV counters and appends the sampled tokens the runner hands back (`Scheduler.update`).
+Token counters:
 
   all_token_ids        prompt + the output tokens that have reached the host
   num_pending_tokens   sampled on the device, not read back yet (the overlap keeps one step in flight)
-  num_tokens           len(all_token_ids) + num_pending_tokens: the sequence length the device sees
   num_computed_tokens  positions whose KV write has been dispatched
 """
 
@@ -108,10 +108,6 @@ class Request:
   @property
   def num_output_tokens(self) -> int:
     return len(self.all_token_ids) - len(self.prompt_token_ids)
-
-  @property
-  def num_tokens(self) -> int:
-    return len(self.all_token_ids) + self.num_pending_tokens
 
   @property
   def is_prefilling(self) -> bool:

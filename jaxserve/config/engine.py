@@ -161,11 +161,6 @@ class EngineConfig:
       b *= 4
     return tuple(sizes) + (self.num_slots,)
 
-  @property
-  def decode_width_buckets(self) -> tuple[int, ...]:
-    """Page-table widths decode is compiled for (see `width_buckets`)."""
-    return width_buckets(self.max_pages_per_seq)
-
 
 def width_buckets(max_pages: int, smallest: int = 8) -> tuple[int, ...]:
   """Page-table widths: attention reads only as many pages as the longest running sequence

@@ -45,7 +45,7 @@ class Kind(enum.IntEnum):
   SCORED_STEP = 2  # A step that also scores its prompt positions (its args carry the targets).
 
 
-# The header, [kind, D, Tp, W] int32: the step's StepShape, which sets every shape of the arrays
+# The header, [kind, Bd, Tp, W] int32: the step's StepShape, which sets every shape of the arrays
 # that follow.
 _HEADER_SHAPE = (4,)
 

@@ -5,9 +5,9 @@ token and position from `DecodeState` on the device and writes the sampled ones 
 host can dispatch step n+1 before step n's tokens reach it. Logits and sampling run only at the
 rows that sample: one per decode row and one per sequence whose prompt ends here.
 
-Padding decode rows name slot S (out of range): they read slot S-1's state, write to the scratch
+Padding decode rows name slot Bs (out of range): they read slot Bs-1's state, write to the scratch
 page, and every write back to the state drops them. Shape letters: jaxserve/model/__init__.py
-(B: sequences of the step, D + Bp).
+(B: sequences of the step, Bd + Bp).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-  tokens: jax.Array  # [S] int32: each slot's next input token (the last one sampled)
-  positions: jax.Array  # [S] int32: where that token sits (= KV entries already written)
+  tokens: jax.Array  # [Bs] int32: each slot's next input token (the last one sampled)
+  positions: jax.Array  # [Bs] int32: where that token sits (= KV entries already written)
   sampling: SamplingState
 
   @classmethod
@@ -45,16 +45,16 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
 
   out packs the Sampled values of every sequence into one int32 array, so one transfer brings
   them to the host (engine.TokenFuture unpacks it)."""
-  S, Z = state.tokens.shape[0], cache.page_size
-  D = args.decode_slots.shape[0]
+  Bs, Z = state.tokens.shape[0], cache.page_size
+  Bd = args.decode_slots.shape[0]
   slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
-  live = slots < S
-  mine = jnp.minimum(slots, S - 1)  # [B]: safe to gather with.
-  dec_mine = mine[:D]
+  live = slots < Bs
+  mine = jnp.minimum(slots, Bs - 1)  # [B]: safe to gather with.
+  dec_mine = mine[:Bd]
   # Read through one-hot rows, not a gather: under dp the state is split by slot over `data`.
-  read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(S)[None, :], x[None, :], 0), 1)
-  starts = _cat(jnp.where(live[:D], read(state.positions), 0), args.prefill_starts)
-  q_lens = _cat(jnp.ones(D, jnp.int32), args.prefill_lens)  # [B]
+  read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(Bs)[None, :], x[None, :], 0), 1)
+  starts = _cat(jnp.where(live[:Bd], read(state.positions), 0), args.prefill_starts)
+  q_lens = _cat(jnp.ones(Bd, jnp.int32), args.prefill_lens)  # [B]
   kv_lens = starts + q_lens  # [B]: where each sequence's sampled token will sit.
   tables = _cat(args.decode_tables, args.prefill_tables)  # [B, G * W]
   tokens = _cat(read(state.tokens), args.prefill_tokens)  # [T]
@@ -74,26 +74,26 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
       positions=positions[None], cache_index=page * Z + positions % Z,
       page_tables=tables, kv_lens=jnp.where(live, kv_lens, jnp.minimum(kv_lens, 1)),
       cu_q_lens=cu_q_lens, sample_rows=jnp.maximum(cu_q_lens[1:] - 1, 0),
-      block_rows=args.block_rows, block_seq=args.block_seq, num_decode_rows=D)
+      block_rows=args.block_rows, block_seq=args.block_seq, num_decode_rows=Bd)
   model = nnx.merge(graphdef, params)
   scored = args.prefill_targets is not None
   if scored:  # Every position's output [1, T, D], for the prompt's scores (in blocks).
     every, cache = model(tokens[None], cache, meta, attn, hidden=True)
     logits = model.head(every[0, meta.sample_rows])
-    prompt = score_prompt(model.head, every[0, D:], args.prefill_targets)
+    prompt = score_prompt(model.head, every[0, Bd:], args.prefill_targets)
   else:
     logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
 
-  samples = live & _cat(jnp.ones(D, bool), args.prefill_samples)  # [B]
+  samples = live & _cat(jnp.ones(Bd, bool), args.prefill_samples)  # [B]
   # A prompt that ends here brings its request's sampling settings.
   sampling = state.sampling
   if args.prefill_slots.shape[0]:
-    new_row, has_new = _writer(jnp.where(args.prefill_samples & live[D:], args.prefill_slots, S), S)
+    new_row, has_new = _writer(jnp.where(args.prefill_samples & live[Bd:], args.prefill_slots, Bs), Bs)
     sampling = jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
   rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
   sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
-  row, hit = _writer(jnp.where(samples, slots, S), S)  # The row that samples each slot's token.
-  token = sampled.tokens[row]  # [S]
+  row, hit = _writer(jnp.where(samples, slots, Bs), Bs)  # The row that samples each slot's token.
+  token = sampled.tokens[row]  # [Bs]
   counts = sampling.output_counts + (hit[:, None] & (token[:, None] == jnp.arange(
       sampling.output_counts.shape[1])[None, :])).astype(jnp.int32)
   state = DecodeState(
@@ -113,17 +113,17 @@ def _cat(decode_part, prefill_part):
   return jnp.concatenate([decode_part, prefill_part])
 
 
-def _writer(targets, S: int):
-  """targets [B] (a slot per row, S for none; no slot twice) -> (row [S], hit [S]): the row that
+def _writer(targets, Bs: int):
+  """targets [B] (a slot per row, Bs for none; no slot twice) -> (row [Bs], hit [Bs]): the row that
   writes each slot, and whether one does. Updates of the per-slot state are gathers from the
   rows plus a select, never a scatter: the state is split by slot over `data`, and a scatter's
   out-of-range 'drop' index is not dropped once XLA partitions it into per-device indices."""
-  match = targets[:, None] == jnp.arange(S)[None, :]  # [B, S]
+  match = targets[:, None] == jnp.arange(Bs)[None, :]  # [B, Bs]
   return jnp.argmax(match, axis=0), jnp.any(match, axis=0)
 
 
 def _put(x, new, hit):
-  """x [S, ...] with row s replaced by new[s] where hit[s]."""
+  """x [Bs, ...] with row s replaced by new[s] where hit[s]."""
   return jnp.where(hit.reshape((-1,) + (1,) * (x.ndim - 1)), new.astype(x.dtype), x)
 
 
