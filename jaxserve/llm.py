@@ -52,7 +52,8 @@ class LLM:
       sampling_params = [sampling_params or SamplingParams()] * len(prompts)
     if len(sampling_params) != len(prompts):
       raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-    return self.runner.generate([(self.encode(p, chat), s) for p, s in zip(prompts, sampling_params)])
+    return self.runner.generate([(self.encode(p, chat), s)
+                                 for p, s in zip(prompts, sampling_params)])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,9 @@ page tables point at it). A page is in exactly one of three states:
 Automatic prefix caching: a full page is keyed by SHA-256 of its parent page's key and its token
 ids, so one key names the whole prefix up to that page. The hash is cryptographic because pages
 are shared across tenants: with Python's hash() a crafted collision would let one prompt reuse
-another's KV (the class of vLLM's CVE-2025-25183); a page's own tokens are still compared too. A new request walks its prompt page
-by page and reuses every page whose key is cached; only the rest is prefilled. When no free page is
-left, the least recently freed cached page is evicted.
+another's KV (the class of vLLM's CVE-2025-25183); a page's own tokens are still compared too.
+A new request walks its prompt page by page and reuses every page whose key is cached; only the
+rest is prefilled. When no free page is left, the least recently freed cached page is evicted.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
   return hashlib.sha256(parent + np.asarray(token_ids, "<i4").tobytes()).digest()
 
 
-def prefix_keys(token_ids: Sequence[int], page_size: int) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+def prefix_keys(token_ids: Sequence[int],
+                page_size: int) -> Iterator[tuple[bytes, tuple[int, ...]]]:
   """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily."""
   parent = _ROOT_HASH
   for i in range((len(token_ids) - 1) // page_size):

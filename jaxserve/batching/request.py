@@ -5,7 +5,8 @@ owns its KV counters and appends the sampled tokens the runner hands back (`Sche
 Token counters:
 
   all_token_ids        prompt + the output tokens that have reached the host
-  num_pending_tokens   sampled on the device, not read back yet (the overlap keeps one step in flight)
+  num_pending_tokens   sampled on the device, not read back yet (the overlap keeps one step in
+                       flight)
   num_computed_tokens  positions whose KV write has been dispatched
 """
 
@@ -86,7 +87,8 @@ class Request:
   # Prompt tokens the prefix cache held at the first admission (usage's cached_tokens; never
   # more than the prompt: a preempted request's later hits are its own recomputed KV).
   num_cached_tokens: int = 0
-  timings: RequestTimings = dataclasses.field(default_factory=lambda: RequestTimings(time.monotonic()))
+  timings: RequestTimings = dataclasses.field(
+      default_factory=lambda: RequestTimings(time.monotonic()))
   # sampling.constraint compiled for the vocabulary (a text.constraint.Grammar); None: free text.
   grammar: Any = None
   # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.

