@@ -45,7 +45,8 @@ def tiny_checkpoint(tmp_path_factory, default_model):
                             name="tiny-smollm2-vocab")
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   path = tmp_path_factory.mktemp("ckpt") / "tiny"
-  checkpoint.save(path, cfg, jax.tree.map(lambda x: x, nnx.to_pure_dict(nnx.state(model))), default_model[1])
+  checkpoint.save(path, cfg, jax.tree.map(lambda x: x, nnx.to_pure_dict(nnx.state(model))),
+                  default_model[1])
   return path
 
 

@@ -1,4 +1,5 @@
-"""The Pallas attention backend (interpret mode on CPU) against the reference backend, in the engine."""
+"""The Pallas attention backend (interpret mode on CPU) against the reference backend, in the
+engine."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def test_pallas_backend_refuses_kv_dtypes_the_ragged_layout_cannot_store(tiny_mo
   with pytest.raises(ValueError, match=named):
     engine_config_for(config, backend)
   # The reference backend stores every dtype: the same config builds an engine there.
-  engine = Engine(tiny_model, dataclasses.replace(config, attention_backend=AttentionBackend.REFERENCE))
+  engine = Engine(tiny_model,
+                  dataclasses.replace(config, attention_backend=AttentionBackend.REFERENCE))
   assert engine.config.kv_layout is KVLayout.PAGED_TOKEN_MAJOR
 
 

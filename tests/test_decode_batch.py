@@ -36,7 +36,8 @@ def test_rows_name_the_decoding_slots_then_padding():
   assert rows == [0] and one.prefill_tokens.shape == (0,)  # Decode only: no prefill part.
   two, rows = e.step_args(StepPlan(decode_slots=(3, 0), page_tables=tables))
   np.testing.assert_array_equal(two.decode_slots, [3, 0, 4, 4])  # 4 = num_slots: padding.
-  np.testing.assert_array_equal(two.decode_tables[:, :3], [[10, 11, 12], [1, 2, 3], [0] * 3, [0] * 3])
+  np.testing.assert_array_equal(two.decode_tables[:, :3],
+                                [[10, 11, 12], [1, 2, 3], [0] * 3, [0] * 3])
   assert (two.decode_tables[2:] == SCRATCH_PAGE).all() and rows == [0, 1]
 
 
@@ -58,7 +59,8 @@ def test_a_slot_decodes_the_same_alone_and_among_others():
     for s in slots:
       prompt = [5 + s, 9, 2, 7 * s + 1]
       prefill(e, PrefillChunk(f"r{s}", s, prompt, 0, pages[s], True,
-                             SamplingParams(temperature=0.0, logprobs=1), 0, prompt_token_ids=prompt))
+                             SamplingParams(temperature=0.0, logprobs=1), 0,
+                             prompt_token_ids=prompt))
     tables = np.zeros((4, 8), np.int32)
     for s in range(3):
       tables[s] = pages[s]

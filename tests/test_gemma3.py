@@ -106,8 +106,8 @@ def test_tiny_chunked_prefill_and_decode_match_transformers(tiny, tiny_hf):
   table = list(range(1, 17))
   greedy = SamplingParams(temperature=0)
   for start, end in ((0, 16), (16, 21)):
-    future = prefill(engine, PrefillChunk("r", 0, prompt[start:end], start, table, end == 21, greedy,
-                                         0, prompt_token_ids=prompt))
+    future = prefill(engine, PrefillChunk("r", 0, prompt[start:end], start, table, end == 21,
+                                         greedy, 0, prompt_token_ids=prompt))
   ours = [int(future.result()[0])]
   for _ in range(11):
     ours.append(int(decode(engine, [0], np.array([table], np.int32)).result()[0]))

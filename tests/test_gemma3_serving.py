@@ -60,7 +60,8 @@ def test_no_request_compiles_after_warmup():
     requests.append((ids, SamplingParams(
         temperature=float(rng.choice([0, 0.7, 1.3])), top_k=int(rng.choice([0, 5])),
         top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.05])),
-        repetition_penalty=float(rng.choice([1.0, 1.2])), presence_penalty=float(rng.choice([0, 0.5])),
+        repetition_penalty=float(rng.choice([1.0, 1.2])),
+        presence_penalty=float(rng.choice([0, 0.5])),
         frequency_penalty=float(rng.choice([0, 0.3])), seed=i if i % 2 else None,
         max_tokens=int(rng.integers(1, 24)), ignore_eos=i % 3 == 0, logprobs=i % 4,
         stop=["the"] if i % 5 == 0 else ())))
@@ -79,7 +80,8 @@ ENGINE_FLAGS = ["--slots", "4", "--page-size", "16", "--num-pages", "64", "--max
                 "--buckets", "64"]
 NAME = "gemma-3-270m"
 CHAT = [{"role": "user", "content": "What is a mortgage rate?"}]
-CHAT_TEXT = "<bos><start_of_turn>user\nWhat is a mortgage rate?<end_of_turn>\n<start_of_turn>model\n"
+CHAT_TEXT = ("<bos><start_of_turn>user\nWhat is a mortgage rate?<end_of_turn>\n"
+             "<start_of_turn>model\n")
 TEXT = "The capital of France is"
 STOP = "largest"  # In TEXT's greedy continuation (" ... It is the largest city in France ...").
 SEEDED = dict(temperature=1.0, seed=7, repetition_penalty=1.3, max_tokens=12)
@@ -153,7 +155,8 @@ def _grpc_request(ids, sampling: SamplingParams, **fields) -> pb.GenerateRequest
 
 def _stream(stub, req) -> tuple[list[int], str, int]:
   msgs = h.generate(stub, req, None, 120)
-  return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs[-1].finish_reason
+  return ([t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs),
+          msgs[-1].finish_reason)
 
 
 @pytest.mark.real_model
@@ -239,7 +242,8 @@ def test_jaxserve_generate_with_the_packaged_name(checkpoints, loaded, offline):
   env = {**os.environ, "JAXSERVE_CHECKPOINTS": str(checkpoints), "JAX_PLATFORMS": "cpu"}
   run = subprocess.run(
       [sys.executable, "-m", "jaxserve.cli", "generate", "--model", NAME, *ENGINE_FLAGS,
-       "--max-tokens", "16", CHAT[0]["content"]], env=env, capture_output=True, text=True, timeout=600)
+       "--max-tokens", "16", CHAT[0]["content"]], env=env, capture_output=True, text=True,
+      timeout=600)
   assert run.returncode == 0, run.stderr[-2000:]
   assert run.stdout == offline["chat"].text + "\n"  # The text, then a newline.
   assert "[16 tokens, finish: length" in run.stderr

@@ -66,7 +66,8 @@ def test_completions_stream_and_whole(srv, offline):
   ids, done = offline["text"]
   c = client(srv)
   extra = {"repetition_penalty": TEXT_SAMPLING["repetition_penalty"]}  # vLLM's extra field.
-  common = dict(model="tiny", prompt=TEXT, max_tokens=12, temperature=1.0, seed=21, extra_body=extra)
+  common = dict(model="tiny", prompt=TEXT, max_tokens=12, temperature=1.0, seed=21,
+                extra_body=extra)
   whole = c.completions.create(**common)
   assert whole.choices[0].text == done.text and whole.choices[0].finish_reason == "length"
   assert whole.usage.prompt_tokens == len(ids)

@@ -53,7 +53,8 @@ def test_openai_fields_that_do_not_apply_are_taken_and_developer_acts_as_system(
   plain = c.chat.completions.create(messages=CHAT, **base).choices[0].message.content
   extras = dict(store=False, metadata={"team": "a"}, service_tier="auto",
                 parallel_tool_calls=False, user="u-1", response_format={"type": "text"})
-  assert c.chat.completions.create(messages=CHAT, **base, **extras).choices[0].message.content == plain
+  assert c.chat.completions.create(messages=CHAT, **base,
+                                   **extras).choices[0].message.content == plain
   developer = [{"role": "developer", "content": CHAT[0]["content"]}, CHAT[1]]
   assert c.chat.completions.create(messages=developer, **base).choices[0].message.content == plain
   assert c.completions.create(prompt="Hi", user="u-1", **base).choices[0].finish_reason

@@ -47,7 +47,8 @@ def _written_cache(layout, kv_dtype, rng):
   pos = np.arange(16)
   slots = tables[:, pos // 4] * 4 + pos % 4  # [2, 16]
   shape = (2, 16, TINY.num_kv_heads, TINY.head_dim)
-  k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+  k, v = (rng.standard_normal(shape).astype(np.float32),
+          rng.standard_normal(shape).astype(np.float32))
   cache = jax.jit(lambda c: c.write(1, jnp.asarray(slots), k, v))(cache)
   junk = jnp.full((2, 3, *shape[2:]), 1e3)
   cache = cache.write(1, jnp.zeros((2, 3), jnp.int32), junk, junk)
@@ -61,12 +62,14 @@ RAGGED_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16)
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_write_then_gather_round_trips(layout, kv_dtype):
   if layout is KVLayout.RAGGED and kv_dtype not in RAGGED_DTYPES:
-    pytest.skip("the ragged layout stores float32 and bfloat16 only (test_ragged_layout_stores_only_floats)")
+    pytest.skip("the ragged layout stores float32 and bfloat16 only "
+                "(test_ragged_layout_stores_only_floats)")
   cache, tables, k, v = _written_cache(layout, kv_dtype, np.random.default_rng(0))
   tol = ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(k))
   gk, gv = cache.gather(1, jnp.asarray(tables))
   assert np.all(np.abs(np.asarray(gk, np.float32) - k) <= tol)
-  assert np.all(np.abs(np.asarray(gv, np.float32) - v) <= ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(v)))
+  assert np.all(np.abs(np.asarray(gv, np.float32) - v)
+                <= ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(v)))
 
 
 def test_int8_scale_is_per_token_and_head():
@@ -112,7 +115,8 @@ def _engine_run(model, config):
   out += [decode(engine, [0, 2], tables) for _ in range(6)]
   tokens = [o.result() for o in out[1:]]
   logprobs = [o.logprobs()[2] for o in out[1:]]  # Top-20 logprobs of every sampled row.
-  return np.concatenate([t.reshape(-1) for t in tokens]), np.concatenate([l.reshape(-1) for l in logprobs])
+  return (np.concatenate([t.reshape(-1) for t in tokens]),
+          np.concatenate([l.reshape(-1) for l in logprobs]))
 
 
 # One prefill bucket and one decode width: two compilations per engine.
@@ -177,4 +181,5 @@ def test_pallas_backend_refuses_other_layouts(tiny_model, layout):
 
 def test_ragged_layout_stores_only_floats():
   with pytest.raises(ValueError, match="float32 or bfloat16"):
-    KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.RAGGED, kv_dtype=KVDtype.INT8))
+    KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.RAGGED,
+                                             kv_dtype=KVDtype.INT8))

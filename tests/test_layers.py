@@ -27,7 +27,8 @@ def layers() -> list[tuple[int, list[str], set[int], bool]]:
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
     if len(cells) < 5 or not cells[0].isdigit():
       continue
-    names = [n.rstrip("/").removesuffix(".py").replace("/", ".") for n in re.findall(r"`([^`]+)`", cells[1])]
+    names = [n.rstrip("/").removesuffix(".py").replace("/", ".")
+             for n in re.findall(r"`([^`]+)`", cells[1])]
     below = {int(n) for n in re.findall(r"\d+", cells[2])}
     rows.append((int(cells[0]), names, below, cells[4].startswith("yes")))
   return rows
@@ -188,18 +189,21 @@ def test_the_host_side_imports_without_jax():
       "sys.modules['jax'] = None  # Any import of jax now raises ImportError.\n"
       f"import importlib\nfor m in {mods!r}:\n  importlib.import_module(m)\n"
       "from jaxserve.cli import main\n"
-      "assert main.main(['plan', '--model', 'llama-2-7b', '--context', '4096', '--memory-gib', '24']) == 0\n"
+      "assert main.main(['plan', '--model', 'llama-2-7b', '--context', '4096', "
+      "'--memory-gib', '24']) == 0\n"
       "main.build_parser().parse_args(['client', 'hi'])\n"
       "import jaxserve\nassert jaxserve.SamplingParams(temperature=0).greedy\n"
       "print('ok')\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_the_device_side_loads_lazily():
   code = ("import sys, jaxserve\nassert 'jax' not in sys.modules\n"
           "jaxserve.LLM\nassert 'jax' in sys.modules\nprint('ok')")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 

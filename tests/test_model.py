@@ -75,7 +75,8 @@ def test_parameters_carry_logical_axis_names(tiny_model):
 
 
 def test_layers_run_under_one_scan_whatever_the_depth():
-  """The traced program has the same size for 2 and 8 layers: compile time does not grow with depth."""
+  """The traced program has the same size for 2 and 8 layers: compile time does not grow with
+  depth."""
 
   def num_eqns(num_layers):
     model = Transformer(dataclasses.replace(TINY, num_layers=num_layers), rngs=nnx.Rngs(0))

@@ -71,7 +71,8 @@ def test_processes_with_different_engines_refuse_to_start():
   """A flag given to one host only: both processes exit with the difference named, not a hang."""
   multi = dict(model=MP8, requests=REQUESTS, devices=4, layout=[4, 2], warmup=False,
                coordinator=f"127.0.0.1:{free_port()}", num_processes=2)
-  procs = [_launch(dict(multi, process_id=i, engine=dict(num_pages=128 - 32 * i))) for i in range(2)]
+  procs = [_launch(dict(multi, process_id=i, engine=dict(num_pages=128 - 32 * i)))
+           for i in range(2)]
   for proc in procs:
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0

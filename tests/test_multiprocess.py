@@ -16,7 +16,8 @@ LAYOUTS = [[8, 1], [4, 2]]  # [tp, dp]: model split across hosts; model within, 
 
 def test_two_processes_match_one(tmp_path):
   common = dict(model=MP8, prompts=PROMPTS, steps=4)
-  mp = dict(common, devices=4, layouts=LAYOUTS, coordinator=f"127.0.0.1:{free_port()}", num_processes=2)
+  mp = dict(common, devices=4, layouts=LAYOUTS, coordinator=f"127.0.0.1:{free_port()}",
+            num_processes=2)
   procs = [subprocess.Popen([sys.executable, str(SHARDING_WORKER),
                              json.dumps(dict(mp, process_id=i))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -391,7 +391,8 @@ def test_a_constrained_request_sits_out_while_its_last_token_is_in_flight(checke
     in_flight = [r for c, r in zip(out.plan.prefills, out.prefill_requests) if c.is_last]
     in_flight += list(out.decode_requests)
     assert constrained not in out.decode_requests or constrained.num_pending_tokens == 1
-  assert [constrained.request_id in d for d in decoded[1:7]] == [False, True, False, True, False, True]
+  assert ([constrained.request_id in d for d in decoded[1:7]]
+          == [False, True, False, True, False, True])
   assert all(free.request_id in d for d in decoded[1:6])
   for r in (free, constrained):
     s.abort(r)

@@ -85,7 +85,8 @@ def test_streams_match_the_offline_runner(stub, offline, srv):
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert len({m.request_id for m in msgs}) == 1
     last = msgs[-1]
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(ids), sampling.max_tokens)
+    assert ((last.usage.prompt_tokens, last.usage.completion_tokens)
+            == (len(ids), sampling.max_tokens))
     t = last.timings
     assert 0 < t.time_to_first_token <= t.total
     # The first token's wait is tokenizing, queueing and prefilling (plus handing between threads).
@@ -94,7 +95,8 @@ def test_streams_match_the_offline_runner(stub, offline, srv):
 
 
 def test_chunk_tokens_groups_tokens_per_message(stub):
-  req = pb.GenerateRequest(text="Once upon a time", max_tokens=12, seed=5, ignore_eos=True, **SEEDED)
+  req = pb.GenerateRequest(text="Once upon a time", max_tokens=12, seed=5, ignore_eos=True,
+                           **SEEDED)
   singles = generate(stub, req)
   req.chunk_tokens = 5
   chunks = generate(stub, req)
@@ -121,7 +123,8 @@ def test_logprobs_match_a_dense_forward_pass(stub, tiny_checkpoint):
                                                   temperature=0.0, logprobs=0))
   assert [len(m.logprobs[0].top) for m in only_chosen] == [0, 0]
   np.testing.assert_allclose(only_chosen[0].logprobs[0].logprob, first.logprob, atol=1e-6)
-  assert not generate(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_tokens=1))[0].logprobs
+  assert not generate(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
+                                               max_tokens=1))[0].logprobs
 
 
 def test_cancel_mid_stream_frees_the_slot_and_blocks(stub, srv):
@@ -137,7 +140,8 @@ def test_cancel_mid_stream_frees_the_slot_and_blocks(stub, srv):
   # Aborted soon after the cancel, not run to max_tokens.
   assert srv.scheduler.num_decode_tokens - decoded_before < 60
   # The engine keeps serving.
-  assert generate(stub, h.text_request("Hi", max_tokens=2))[-1].finish_reason == pb.FINISH_REASON_LENGTH
+  assert (generate(stub, h.text_request("Hi", max_tokens=2))[-1].finish_reason
+          == pb.FINISH_REASON_LENGTH)
 
 
 ids_of = lambda ids: dict(token_ids=pb.TokenIds(ids=ids))
@@ -157,7 +161,8 @@ ids_of = lambda ids: dict(token_ids=pb.TokenIds(ids=ids))
     (dict(**ids_of([5, 49152])), "token_ids[1]"),
     (dict(**ids_of([5, -1])), "token_ids[1]"),
     (dict(**ids_of(list(range(1, 126))), max_tokens=4), "context window"),
-    (dict(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "messages[0]"),
+    (dict(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])),
+     "messages[0]"),
 ])
 def test_a_bad_field_is_invalid_argument_naming_it(stub, fields, named):
   e = error_of(stub, pb.GenerateRequest(**fields))
@@ -234,13 +239,15 @@ def test_tokens_per_minute_limit_counts_prompt_and_completion(stub):
   assert "tokens per minute" in e.details() and "20" in e.details()
   # A request that stops early hands back what it did not use: 10 + 1 used of 20 reserved.
   stopped = generate(stub, pb.GenerateRequest(**ids_of(prompt), max_tokens=10, temperature=0.0,
-                                              stop_token_ids=[_greedy_first(stub, prompt)]), "carol")
+                                              stop_token_ids=[_greedy_first(stub, prompt)]),
+                     "carol")
   assert stopped[-1].usage.completion_tokens == 1
   assert generate(stub, pb.GenerateRequest(**ids_of(prompt[:2]), max_tokens=7), "carol")  # 9 <= 9
 
 
 def _greedy_first(stub, prompt):
-  return generate(stub, pb.GenerateRequest(**ids_of(prompt), max_tokens=1, temperature=0.0))[0].token_ids[0]
+  return generate(stub, pb.GenerateRequest(**ids_of(prompt), max_tokens=1,
+                                           temperature=0.0))[0].token_ids[0]
 
 
 def test_a_full_queue_is_resource_exhausted(stub, srv):

@@ -28,8 +28,9 @@ def chat(text, **fields) -> pb.GenerateRequest:
 @pytest.fixture(scope="module")
 def serve_process(tmp_path_factory):
   log = tmp_path_factory.mktemp("serve") / "stderr.log"
-  args = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--model", str(checkpoint.resolve(None)),
-          "--grpc-port", "0", "--http-port", "0", "--slots", "2", "--buckets", "32",
+  args = [sys.executable, "-m", "jaxserve.cli.main", "serve",
+          "--model", str(checkpoint.resolve(None)), "--grpc-port", "0", "--http-port", "0",
+          "--slots", "2", "--buckets", "32",
           "--max-model-len", "128", "--num-pages", "32", "--drain-timeout", "60"]
   with open(log, "w") as stderr:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,

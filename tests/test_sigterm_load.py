@@ -1,5 +1,6 @@
 """SIGTERM while `jaxserve serve` is loaded (the tiny model, as a process): every request ends with
-either its complete output or UNAVAILABLE, the process exits 0, and none is lost without a status."""
+either its complete output or UNAVAILABLE, the process exits 0, and none is lost without a
+status."""
 
 import os
 import re

@@ -68,4 +68,5 @@ def test_no_tests_stays_exit_5_and_a_line_without_a_reason_is_refused(suite):
   run = run_pytest(suite, "--allowed-skips", "allowed.txt", "test_tiny.py")
   assert run.returncode == 4 and "gives no reason" in run.stderr, run.stderr
   (suite / "allowed.txt").write_text("")
-  assert run_pytest(suite, "--allowed-skips", "allowed.txt", "-k", "nothing_matches").returncode == 5
+  assert run_pytest(suite, "--allowed-skips", "allowed.txt", "-k",
+                    "nothing_matches").returncode == 5

@@ -37,10 +37,12 @@ def test_a_mixed_plan_packs_decode_rows_then_chunks():
   assert args.decode_slots.tolist() == [1, 4, 4, 4] and args.prefill_tokens.shape == (16,)
   assert args.decode_tables.shape == (4, e.packer.width)
   assert args.prefill_slots.tolist() == [0, 3, 4, 4] and args.prefill_lens.tolist() == [12, 3, 0, 0]
-  assert args.prefill_starts.tolist()[:2] == [0, 0] and args.prefill_samples.tolist()[:2] == [True, True]
+  assert (args.prefill_starts.tolist()[:2] == [0, 0]
+          and args.prefill_samples.tolist()[:2] == [True, True])
   assert rows == [0, 4, 5]  # The decode row, then the two sequences that sample.
   # Each sequence starts its own query block; rows are on the whole token axis (4 + 16).
-  assert args.block_rows[0, :12].tolist() == list(range(4, 16)) and (args.block_rows[0, 12:] == 20).all()
+  assert (args.block_rows[0, :12].tolist() == list(range(4, 16))
+          and (args.block_rows[0, 12:] == 20).all())
   assert args.block_rows[1, :3].tolist() == [16, 17, 18] and args.block_seq[:2].tolist() == [4, 5]
 
 
@@ -111,7 +113,8 @@ def test_no_plan_compiles_after_warmup(tiny_model):
   tables[0, :16] = np.arange(1, 17)
   tables[1, :8] = np.arange(17, 25)
   with count_compiles() as counts:
-    e.step(StepPlan(prefills=(chunk(2, [7, 8], 0, [30], True, [7, 8]),))).result()  # The first shape.
+    # The first shape.
+    e.step(StepPlan(prefills=(chunk(2, [7, 8], 0, [30], True, [7, 8]),))).result()
     e.step(StepPlan(prefills=(chunk(0, range(2, 32), 0, tables[0], False),))).result()
     e.step(StepPlan(prefills=(chunk(0, [5] * 30, 30, tables[0], True, [5] * 60),
                               chunk(1, [3], 0, tables[1], True, [3])))).result()

@@ -54,7 +54,8 @@ def dense_forward(model: Transformer, ids, page_size: int):
   n = ids.shape[0]
   pages = n // page_size
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
-                        max_model_len=pages * page_size, prefill_buckets=(page_size,), dtype=_dtype(model))
+                        max_model_len=pages * page_size, prefill_buckets=(page_size,),
+                        dtype=_dtype(model))
   meta = AttentionMetadata.one_sequence(n, page_size)
   logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
   return logits[0]
