@@ -137,7 +137,8 @@ def at_position(state: DecodeState, position: int) -> DecodeState:
 def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
   engine, chunk = prefill_engine(model, length)
   engine.step(StepPlan(prefills=(chunk,))).result()
-  best = min(_timed(lambda: engine.step(StepPlan(prefills=(chunk,))).result()) for _ in range(repeats))
+  best = min(_timed(lambda: engine.step(StepPlan(prefills=(chunk,))).result())
+             for _ in range(repeats))
   return length / best
 
 

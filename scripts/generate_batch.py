@@ -80,7 +80,8 @@ def parse_line(text: str, line: int) -> Spec:
     raise ValueError(f"id must be a string or an integer, got {rid!r}")
   given = [f for f in PROMPT_FIELDS if f in d]
   if len(given) != 1:
-    raise ValueError(f"a line needs exactly one of {', '.join(PROMPT_FIELDS)}, got {given or 'none'}")
+    raise ValueError(f"a line needs exactly one of {', '.join(PROMPT_FIELDS)}, "
+                     f"got {given or 'none'}")
   return Spec(line, rid, given[0], d[given[0]], {k: d[k] for k in d if k in SAMPLING_FIELDS})
 
 
@@ -177,9 +178,11 @@ class Output:
       self._file.close()
       self._file = None
     records = self._records()
-    records.sort(key=lambda r: (input_order.get(_key(r.get("id")), r.get("line", 0)), r.get("line", 0)))
+    records.sort(key=lambda r: (input_order.get(_key(r.get("id")), r.get("line", 0)),
+                                r.get("line", 0)))
     tmp = self.path.with_name(self.path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+                   encoding="utf-8")
     os.replace(tmp, self.path)
 
   def _records(self) -> list[dict]:
@@ -216,7 +219,8 @@ class Progress:
     if force or now - self._last >= self.interval:
       self._last = now
       rate = self.num_tokens / max(now - self.start, 1e-9)
-      print(f"[{self.num_done}/{self.total} requests] {self.num_tokens} tokens, {rate:.1f} tokens/s",
+      print(f"[{self.num_done}/{self.total} requests] {self.num_tokens} tokens, "
+            f"{rate:.1f} tokens/s",
             end=self._end, file=self.stream, flush=True)
 
   def close(self) -> None:
@@ -243,7 +247,8 @@ def plan(input_path: pathlib.Path, output: Output) -> tuple[list, dict, int]:
       if output.is_done(rid, line):
         num_skipped += 1
       elif isinstance(item, Spec) and _key(rid) in seen:
-        work.append({"id": rid, "line": line, "error": f"duplicate id {rid!r}: an earlier line has it"})
+        work.append({"id": rid, "line": line,
+                     "error": f"duplicate id {rid!r}: an earlier line has it"})
       else:
         work.append(item)
       seen.add(_key(rid))
@@ -306,19 +311,22 @@ def format_summary(s: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("input", type=pathlib.Path, help="JSONL, one request per line")
   p.add_argument("output", type=pathlib.Path, help="JSONL results; an existing file is resumed")
   flags.add_engine_flags(p)  # --model --dtype --slots --page-size --num-pages --memory-fraction ...
   flags.add_sampling_flags(p)  # The defaults a line's own fields override.
   p.add_argument("--max-batched-tokens", type=int, default=512, help="prefill tokens per step")
-  p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
+  p.add_argument("--ignore-eos", action="store_true",
+                 help="generate max_tokens whatever the model says")
   p.add_argument("--chat", action="store_true", help="wrap `prompt` text in the chat template")
   p.add_argument("--token-ids", action="store_true", help="write the output token ids too")
   p.add_argument("--logprobs", type=int, default=0,
                  help="write each output token's logprob and this many top alternatives "
                  "(0: none; a line's own `logprobs` overrides it)")
-  p.add_argument("--progress-interval", type=float, default=1.0, help="seconds between progress lines")
+  p.add_argument("--progress-interval", type=float, default=1.0,
+                 help="seconds between progress lines")
   return p
 
 
