@@ -307,7 +307,7 @@ def test_real_greedy_continuations_match_transformers(llm, prompts, reference):
     assert list(out.token_ids) == reference[kind][1], kind
   # The local layers kept only their window's pages, and gave every one back.
   scheduler = llm.runner.scheduler
-  assert isinstance(llm.engine.cache, WindowedKV) and scheduler.window == 512
+  assert isinstance(llm.engine.cache, WindowedKV) and scheduler.pools.window == 512
   assert_all_free(scheduler)
   # Again: the prefix cache serves the long prompt's pages, the window pool its last window.
   again = llm.generate([prompts["long"]], greedy)[0]

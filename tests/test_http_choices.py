@@ -25,8 +25,9 @@ def offline(engine, prompt_ids, **sampling):
   return out
 
 
-def post(srv, body):
-  return openai_http.post(srv, body, key=None, timeout=120)  # The server here has no API keys.
+def post(srv, body, path="/v1/completions"):
+  # The server here has no API keys.
+  return openai_http.post(srv, body, path, key=None, timeout=120)
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 3])

@@ -38,7 +38,8 @@ SMALL = dict(num_slots=1, max_model_len=128, prefill_buckets=(32,), dtype="bfloa
 GEMMA3_270M = capacity.KNOWN_MODELS["gemma-3-270m"]
 # Gemma 3 at 1,024 tokens, past its 512-token window: window pages, so two pools (every page of
 # the 3 global layers, a window's of the 15 local ones) and tables twice as wide.
-CASES = {"smollm2-v5e": ("v5e", SMOLLM2, 512, {}), "llama-3-8b-v6e": ("v6e", LLAMA3_8B_2L, 4096, {}),
+CASES = {"smollm2-v5e": ("v5e", SMOLLM2, 512, {}),
+         "llama-3-8b-v6e": ("v6e", LLAMA3_8B_2L, 4096, {}),
          "smollm2-h100": ("h100", SMOLLM2, 512, {}),
          "gemma-3-270m-v5e": ("v5e", GEMMA3_270M, 512, dict(max_model_len=1024))}
 
@@ -109,24 +110,28 @@ def test_tensor_parallel_programs_compile_per_device():
     assert r["temp_bytes"] <= 0.05 * pool["bytes"] + 256 * MIB, (TEMP_BOUND, r, pool)
 
 
-@pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t)) for t in ("v5e", "v6e", "v5p", "v4")])
+@pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t))
+                                    for t in ("v5e", "v6e", "v5p", "v4")])
 def test_usable_bytes_is_the_tpu_compilers_own_limit(target):
   """A buffer just under the table's figure compiles; one just over it is refused."""
   device, usable = targets.abstract_device(target), targets.TARGETS[target].usable_bytes
-  report = lambda n: targets.compile_report(lambda x: x * 2, [jax.ShapeDtypeStruct((n // 4,), jnp.float32)],
-                                            device, donate=[0], name=f"{n} bytes")
+  report = lambda n: targets.compile_report(
+      lambda x: x * 2, [jax.ShapeDtypeStruct((n // 4,), jnp.float32)], device, donate=[0],
+      name=f"{n} bytes")
   assert report(usable - 64 * MIB)["compiled"]
   refused = report(usable + 64 * MIB)
   assert not refused["compiled"] and "RESOURCE_EXHAUSTED" in refused["error"]
   assert refused["temp_bytes"] is None
 
 
-@pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t)) for t in ("h100", "h200")])
+@pytest.mark.parametrize("target", [pytest.param(t, marks=skip_without(t))
+                                    for t in ("h100", "h200")])
 def test_gpu_device_is_the_spec_files_chip(target):
   t = targets.TARGETS[target]
   spec = (targets._SPECS / t.spec).read_text()
   assert int(re.search(r"device_memory_size: (\d+)", spec).group(1)) == t.usable_bytes
-  assert targets.abstract_device(target).device_kind == re.search(r'\bname: "([^"]+)"', spec).group(1)
+  name = re.search(r'\bname: "([^"]+)"', spec).group(1)
+  assert targets.abstract_device(target).device_kind == name
 
 
 @skip_without("v5e")

@@ -203,17 +203,20 @@ def format_table(result: dict[str, Any]) -> str:
   rows = [f"{'program':<20} {'compiled':>8} {'argument':>10} {'temp':>10} {'output':>10} "
           f"{'alias':>10}  (MiB)"]
   for r in result["programs"]:
-    rows.append(f"{r['name']:<20} {'yes' if r['compiled'] else 'NO':>8} {mib(r['argument_bytes']):>10} "
-                f"{mib(r['temp_bytes']):>10} {mib(r['output_bytes']):>10} {mib(r['alias_bytes']):>10}")
+    rows.append(f"{r['name']:<20} {'yes' if r['compiled'] else 'NO':>8} "
+                f"{mib(r['argument_bytes']):>10} {mib(r['temp_bytes']):>10} "
+                f"{mib(r['output_bytes']):>10} {mib(r['alias_bytes']):>10}")
     if r["error"]:
       rows.append(f"  error: {r['error'][:300]}")
   pool = result["kv_pool"]
   window = f" + {pool['window_pages']} window pages" if pool.get("window_pages") else ""
-  rows.append(f"KV pool: {pool['pages']} pages{window} of {pool['page_size']} tokens ({pool['tokens']} "
-              f"tokens), {mib(pool['bytes'])} MiB; pools compiled: {result['tries']}")
+  rows.append(f"KV pool: {pool['pages']} pages{window} of {pool['page_size']} tokens "
+              f"({pool['tokens']} tokens), {mib(pool['bytes'])} MiB; "
+              f"pools compiled: {result['tries']}")
   worst = max((need_bytes(r) for r in result["programs"] if r["compiled"]), default=0)
-  rows.append(f"{result['target']}: largest need {mib(worst)} MiB of {mib(result['usable_bytes'])} MiB "
-              f"x {result['memory_fraction']}: {'fits' if result['fits'] else 'DOES NOT FIT'}")
+  rows.append(f"{result['target']}: largest need {mib(worst)} MiB of "
+              f"{mib(result['usable_bytes'])} MiB x {result['memory_fraction']}: "
+              f"{'fits' if result['fits'] else 'DOES NOT FIT'}")
   return "\n".join(rows)
 
 
@@ -223,7 +226,8 @@ def run_compile(args) -> int:
   model = capacity.load_model_config(args.model)
   config = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                         memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
-                        dtype=args.dtype, prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
+                        dtype=args.dtype,
+                        prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         tp=args.tp, compilation_cache_dir=None, window_pages=args.window_pages)
   result = compile_engine(args.compile, model, config)
   print(json.dumps(result, indent=1) if args.json else format_table(result))

@@ -109,7 +109,8 @@ def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> Engine
   ValueError when the backend cannot store the config's kv_dtype (EngineConfig.check_backend)."""
   config.check_backend(backend)
   if config.kv_layout is None:
-    layout = KVLayout.PAGED_TOKEN_MAJOR if backend is AttentionBackend.REFERENCE else KVLayout.RAGGED
+    reference = backend is AttentionBackend.REFERENCE
+    layout = KVLayout.PAGED_TOKEN_MAJOR if reference else KVLayout.RAGGED
     config = dataclasses.replace(config, kv_layout=layout)
   return config
 
@@ -156,9 +157,11 @@ class Engine:
     self.num_pages = self.cache.num_pages
     self.max_model_len = fit_to_pool(self.max_model_len, self.num_pages, self.page_size)
     self._slot_page_tables = kv_cache.slot_page_tables(config)
-    self.can_share_pages = self._slot_page_tables is None  # A slot's own region holds no one else's KV.
+    # A slot's own region holds no one else's KV.
+    self.can_share_pages = self._slot_page_tables is None
     windowed = isinstance(self.cache, WindowedKV)
-    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables, self.cache.PAGE_GROUPS)
+    self.packer = Packer(config, model.cfg.vocab_size, self._slot_page_tables,
+                         self.cache.PAGE_GROUPS)
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                            self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
                            config.prefill_buckets, config.dtype.value,
@@ -259,5 +262,6 @@ def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
     pages = int(np.min(multihost_utils.process_allgather(np.int32(pages))))
   logging.info("KV pool: %d pages of %d tokens (%d tokens) from %.0f%% of %.2f GiB on %s, "
                "less %.2f GiB of weights", pages, config.page_size, pages * config.page_size,
-               100 * config.memory_fraction, memory / 2**30, device.device_kind, weight_bytes / 2**30)
+               100 * config.memory_fraction, memory / 2**30, device.device_kind,
+               weight_bytes / 2**30)
   return dataclasses.replace(config, num_pages=pages)

@@ -95,8 +95,8 @@ def compile_report(fn: Callable, abstract_args: Sequence[Any], device: jax.Devic
   if shardings is None:
     args, jit_options = on_device(tuple(abstract_args), device), {}
   else:
-    args = tuple(jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), a, sh)
-                 for a, sh in zip(abstract_args, shardings))
+    placed = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    args = tuple(jax.tree.map(placed, a, sh) for a, sh in zip(abstract_args, shardings))
     device = jax.tree.leaves(shardings[0])[0].mesh.devices.flat[0]
     jit_options = {"out_shardings": out_shardings}
   options = dict(_COMPILER_OPTIONS[_PLATFORM_OF_DEVICE[device.platform]])
