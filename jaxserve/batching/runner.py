@@ -4,6 +4,10 @@ Each step is one engine call (`Engine.step(plan)`: every prefill chunk and decod
 plan). `step()` overlaps host and device. It dispatches step n+1 before it reads step n's tokens:
 
   schedule(n+1) -> dispatch(n+1) -> read tokens of n (TokenFuture.result) -> outputs of n
+    -> Scheduler.update(tokens of n)
+
+The plan is final: the engine runs it as given, in one call, and the step's tokens go back to the
+scheduler in one call (nano-vllm's schedule() / postprocess()).
 
 Planning needs no token values (decode reads its input token from the engine's device state), and
 the engine runs its steps in dispatch order, so while the host waits for step n, step n+1 is
