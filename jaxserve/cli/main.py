@@ -56,32 +56,20 @@ def run_generate(args) -> int:
 
 def run_serve(args) -> int:
   import asyncio
-  import signal
 
   import jax
   from absl import logging
 
   from jaxserve import llm
   from jaxserve.api import server
-  from jaxserve.config import QueuePolicy, SchedulerConfig
   from jaxserve.engine import multihost
 
   init_distributed(args)
   logging.set_verbosity(logging.INFO)
   engine_cfg = engine_config(args)  # Bad engine flags fail here, before any server starts.
   if not multihost.is_leader():
-    # Processes 1..n serve nothing: they repeat process 0's engine calls until it stops them.
-    # Signals are process 0's to handle: its drain still needs every process's devices.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, signal.SIG_IGN)
-    multihost.follow(llm.load_engine(args.model, engine_cfg).engine)
-    return 0
-  scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
-  config = server.ServerConfig(
-      host=args.host, grpc_port=args.grpc_port,
-      http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
-      keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
-      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler)
+    return _follow(args, engine_cfg)
+  config = _server_config(args)
   leaders = []  # Process 0 of several: the engine that broadcasts each step to the others.
 
   def load():
@@ -98,6 +86,32 @@ def run_serve(args) -> int:
   if code == 0 and leaders:
     leaders[0].stop()
   return code
+
+
+def _follow(args, engine_cfg) -> int:
+  """Processes 1..n serve nothing: they repeat process 0's engine calls until it stops them."""
+  import signal
+
+  from jaxserve import llm
+  from jaxserve.engine import multihost
+
+  # Signals are process 0's to handle: its drain still needs every process's devices.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, signal.SIG_IGN)
+  multihost.follow(llm.load_engine(args.model, engine_cfg).engine)
+  return 0
+
+
+def _server_config(args):
+  from jaxserve.api import server
+  from jaxserve.config import QueuePolicy, SchedulerConfig
+
+  scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
+  return server.ServerConfig(
+      host=args.host, grpc_port=args.grpc_port,
+      http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
+      keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
+      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler)
 
 
 def _add_serve_parser(sub) -> None:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import SamplingParams
+from jaxserve.engine.bisection import bisect, bisect_int, order_keys
 from jaxserve.engine.constraint_mask import apply_token_bitmask
 from jaxserve.engine.gumbel import GUMBEL_MAX, gumbel_at, gumbel_draw, is_jax_gumbel
 from jaxserve.engine.sampling_state import SamplingState
@@ -187,23 +188,11 @@ def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   rest_scaled = rest / temperature[:, 0]
   off = (st.top_k <= 0)[:, None]  # [B, 1]
   needs_filter = _needs_filter(st)[:, None]
-  # top-k among the candidates: exact when the k-th largest lies above every other token.
-  keys = jnp.where(head, _order_keys(cand), 0)
-  k = jnp.where(off, V, st.top_k[:, None])
-  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k,
-                    jnp.zeros_like(keys[:, :1]), jnp.max(keys, -1, keepdims=True), 32)
-  rest_key = _order_keys(rest_scaled)[:, None]
-  in_top_k = head & (off | (keys >= kth))
+  kth, rest_key, in_top_k = _top_k(cand, head, off, rest_scaled, st.top_k, V)
   m = jnp.max(jnp.where(head, cand, -jnp.inf), -1, keepdims=True)  # [B, 1]: the row's max
   e = jnp.where(in_top_k, jnp.exp(cand - m), 0)
-  # With top-k off the rest is in the softmax's sum: one pass over [B, V], only when a row needs it.
-  tail_rows = off & needs_filter & (st.temperature > 0)[:, None]
-  banned = lambda: _ban(logits, eos, st.ignore_eos)
-  z_rest = jax.lax.cond(
-      jnp.any(tail_rows),
-      lambda: _masked_sum(jnp.exp(banned() / temperature - m),
-                          (banned() <= rest[:, None]) & tail_rows),
-      lambda: jnp.zeros_like(m))
+  z_rest = _rest_mass(logits, eos, temperature, rest, m,
+                      off & needs_filter & (st.temperature > 0)[:, None], st.ignore_eos)
   probs = e / (_masked_sum(e, True) + z_rest)
   top = jnp.max(probs, -1, keepdims=True)
   nucleus = _nucleus(probs, top, lambda t: 0.0, st)
@@ -215,13 +204,41 @@ def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
                            & (~off | (st.top_p[:, None] >= 1) | (p_rest < nucleus)))
   rest_out = needs_filter & (~off | (p_rest < nucleus) | (p_rest < st.min_p[:, None] * top))
   rest_out |= (rest_scaled == -jnp.inf)[:, None]
-  perturbed = jnp.where(keep, cand + gumbel_at(st.seed, positions, safe, V), -jnp.inf)
+  tokens, rest_loses = _gumbel_max(cand, keep, idx, safe, rest_scaled, st.seed, positions, V)
+  fits = exact & jnp.any(keep, -1, keepdims=True) & (rest_out | rest_loses) & is_jax_gumbel()
+  return tokens.astype(positions.dtype), fits[:, 0]
+
+
+def _top_k(cand, head, off, rest_scaled, top_k, V: int):
+  """top-k among the candidates cand [B, Vc] (exact when the k-th largest lies above every other
+  token) -> (kth [B, 1] and rest_key [B, 1], order keys; in_top_k [B, Vc])."""
+  keys = jnp.where(head, order_keys(cand), 0)
+  k = jnp.where(off, V, top_k[:, None])
+  kth = bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k,
+                   jnp.zeros_like(keys[:, :1]), jnp.max(keys, -1, keepdims=True), 32)
+  rest_key = order_keys(rest_scaled)[:, None]
+  return kth, rest_key, head & (off | (keys >= kth))
+
+
+def _rest_mass(logits, eos, temperature, rest, m, tail_rows, ignore_eos):
+  """[B, 1]: the mass exp(x - m) of tail_rows' tokens at or below `rest`. With top-k off the
+  rest is in the softmax's sum: one pass over [B, V], only when a row needs it."""
+  banned = lambda: _ban(logits, eos, ignore_eos)
+  return jax.lax.cond(
+      jnp.any(tail_rows),
+      lambda: _masked_sum(jnp.exp(banned() / temperature - m),
+                          (banned() <= rest[:, None]) & tail_rows),
+      lambda: jnp.zeros_like(m))
+
+
+def _gumbel_max(cand, keep, idx, safe, rest_scaled, seed, positions, V: int):
+  """The draw among the kept candidates -> (tokens [B], [B, 1]: no other token can win)."""
+  perturbed = jnp.where(keep, cand + gumbel_at(seed, positions, safe, V), -jnp.inf)
   best = jnp.max(perturbed, -1, keepdims=True)
   # Others' perturbed logits are at most rest + GUMBEL_MAX: above that, the draw is a candidate.
   rest_loses = best > rest_scaled[:, None] + GUMBEL_MAX
   tokens = jnp.min(jnp.where(keep & (perturbed == best), idx, V), -1)  # argmax's first maximum
-  fits = exact & jnp.any(keep, -1, keepdims=True) & (rest_out | rest_loses) & is_jax_gumbel()
-  return tokens.astype(positions.dtype), fits[:, 0]
+  return tokens, rest_loses
 
 
 def _full_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions):
@@ -246,33 +263,30 @@ def _nucleus(probs, top, rest_mass, st: SamplingState, iters: int = 32):
   the mass, over the candidates' probs [B, Vc] plus rest_mass(t) from the other tokens; 0 (keep
   all) at p = 1, and below `top`, the largest probability."""
   mass = lambda t: _masked_sum(probs, probs >= t) + rest_mass(t)
-  nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
+  nucleus = bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
   return jnp.where(st.top_p[:, None] < 1, nucleus, 0)
 
 
 def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
   """Masks to -inf what top-k, then top-p, then min-p remove. scaled [B, V] (temperature-scaled).
 
-  Thresholds are found by bisection rather than a sort: on CPU a 49k-wide sort per row costs
-  ~10x more. Sums add the candidates (`_candidates`) and the rest apart, as `_fast_draw` does.
-  """
+  Thresholds are found by bisection (engine/bisection.py), not a sort. Sums add the candidates
+  (`_candidates`) and the rest apart, as `_fast_draw` does."""
   V = scaled.shape[-1]
   off = (st.top_k <= 0)[:, None]
   k = jnp.where(off, V, st.top_k[:, None])  # [B, 1]
-  # top-k bisects over the logits' order-preserving uint32 keys, not their values: 32 halvings
-  # of [0, 2**32) end on the k-th largest key exactly, whatever the row holds (-inf from
-  # ignore_eos or a logit bias, or a range of 1e38 that float halvings would not resolve).
-  keys = _order_keys(scaled)  # [B, V] uint32
+  # top-k bisects over the logits' order keys, not their values: exact whatever the row holds.
+  keys = order_keys(scaled)  # [B, V] uint32
   lo = jnp.zeros_like(keys[:, :1])  # [B, 1]: every key is >= 0, so ok(lo) holds.
   hi = jnp.max(keys, -1, keepdims=True)
-  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi, iters)
+  kth = bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi, iters)
   in_top_k = off | (keys >= kth)  # [B, V]
   m = jnp.max(scaled, -1, keepdims=True)
   e = jnp.where(in_top_k, jnp.exp(scaled - m), 0)  # [B, V]
   safe = jnp.minimum(idx, V - 1)
   head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, Vc]
   cand = jnp.take_along_axis(scaled, safe, 1)
-  e_head = jnp.where(head & (off | (_order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, Vc]
+  e_head = jnp.where(head & (off | (order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, Vc]
   tail = logits <= rest[:, None]  # [B, V]: the tokens not in the candidates' head
   z = _masked_sum(e_head, True) + _masked_sum(e, tail)
   probs = e / z  # [B, V]
@@ -283,38 +297,3 @@ def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
   # which the probability 0 of every token top-k removed would pass.
   keep = in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
   return jnp.where(_needs_filter(st)[:, None] & ~keep, -jnp.inf, scaled)
-
-
-def _order_keys(x):
-  """float32 [...] -> uint32 [...] in the same order (-inf lowest): IEEE bits, with negatives'
-  bits flipped and positives' sign bit set."""
-  # -0.0 as 0.0: adding a logit bias row (zeros without one) always made it so.
-  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
-  negative = (bits >> 31) == 1
-  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def _bisect_int(ok, lo, hi, iters: int):
-  """The largest integer t in [lo, hi] with ok(t), for ok true at lo and monotone decreasing in
-  t; exact after `iters` >= log2(hi - lo + 1) halvings. Unsigned: hi - lo never overflows."""
-
-  def halve(_, bounds):
-    lo, hi = bounds
-    span = hi - lo
-    mid = lo + span // 2 + (span & 1)  # The upper middle, so lo = mid always makes progress.
-    good = ok(mid) & (span > 0)
-    return jnp.where(good, mid, lo), jnp.where(good | (span == 0), hi, mid - 1)
-
-  return jax.lax.fori_loop(0, iters, halve, (lo, hi))[0]
-
-
-def _bisect(ok, lo, hi, iters: int):
-  """The largest t in [lo, hi] with ok(t), for ok true at lo and monotone decreasing in t."""
-
-  def halve(_, bounds):
-    lo, hi = bounds
-    mid = (lo + hi) / 2
-    good = ok(mid)
-    return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
-
-  return jax.lax.fori_loop(0, iters, halve, (lo, hi))[0]

@@ -45,11 +45,29 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
 
   out packs the Sampled values of every sequence into one int32 array, so one transfer brings
   them to the host (engine.TokenFuture unpacks it)."""
-  Bs, Z = state.tokens.shape[0], cache.page_size
-  Bd = args.decode_slots.shape[0]
+  Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
   slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
   live = slots < Bs
   mine = jnp.minimum(slots, Bs - 1)  # [B]: safe to gather with.
+  starts, q_lens, kv_lens, tables, tokens = _sequences(state, args, live, mine)
+  meta = _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, cache.page_size,
+                   cache.PAGE_GROUPS)
+  model = nnx.merge(graphdef, params)
+  logits, cache, prompt = _forward(model, tokens, cache, meta, attn, args)
+  samples = live & _cat(jnp.ones(Bd, bool), args.prefill_samples)  # [B]
+  sampling = _take_new_settings(state.sampling, args, live, Bs)
+  rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
+  sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
+  state = _write_back(state, sampling, sampled.tokens, jnp.where(samples, slots, Bs), kv_lens)
+  if prompt is not None:
+    return cache, state, pack_sampled(sampled), prompt
+  return cache, state, pack_sampled(sampled)
+
+
+def _sequences(state: DecodeState, args, live, mine):
+  """-> (starts, q_lens, kv_lens [B], tables [B, G * W], tokens [T]): the step's sequences,
+  decode rows (their input token and position read from the state) then prefill chunks."""
+  Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
   dec_mine = mine[:Bd]
   # Read through one-hot rows, not a gather: under dp the state is split by slot over `data`.
   read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(Bs)[None, :], x[None, :], 0),
@@ -59,52 +77,66 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
   kv_lens = starts + q_lens  # [B]: where each sequence's sampled token will sit.
   tables = _cat(args.decode_tables, args.prefill_tables)  # [B, G * W]
   tokens = _cat(read(state.tokens), args.prefill_tokens)  # [T]
+  return starts, q_lens, kv_lens, tables, tokens
 
+
+def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
+              G: int) -> AttentionMetadata:
+  """Each token's sequence, position and cache entry (Z: page size; G: page groups, each with
+  its own table). Padding tokens, and the tokens of padding rows, write to the scratch page."""
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
-  T, B = tokens.shape[0], slots.shape[0]
+  T, B = tokens.shape[0], live.shape[0]
   tok = jnp.arange(T, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1,
                  0, B - 1).astype(jnp.int32)
   real = (tok < cu_q_lens[-1]) & live[seq]  # [T]
   positions = jnp.where(real, starts[seq] + tok - cu_q_lens[seq], 0)  # [T]
-  G = cache.PAGE_GROUPS  # Page groups: each has its own table.
   W = tables.shape[1] // G
   column = jnp.minimum(positions // Z, W - 1)
   page = jnp.stack([tables[seq, g * W + column] for g in range(G)])  # [G, T]
   page = jnp.where(real[None], page, SCRATCH_PAGE)
-  meta = AttentionMetadata(
+  return AttentionMetadata(
       positions=positions[None], cache_index=page * Z + positions % Z,
       page_tables=tables, kv_lens=jnp.where(live, kv_lens, jnp.minimum(kv_lens, 1)),
       cu_q_lens=cu_q_lens, sample_rows=jnp.maximum(cu_q_lens[1:] - 1, 0),
-      block_rows=args.block_rows, block_seq=args.block_seq, num_decode_rows=Bd)
-  model = nnx.merge(graphdef, params)
-  scored = args.prefill_targets is not None
-  if scored:  # Every position's output [1, T, D], for the prompt's scores (in blocks).
-    every, cache = model(tokens[None], cache, meta, attn, hidden=True)
-    logits = model.head(every[0, meta.sample_rows])
-    prompt = score_prompt(model.head, every[0, Bd:], args.prefill_targets)
-  else:
-    logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
+      block_rows=args.block_rows, block_seq=args.block_seq,
+      num_decode_rows=args.decode_slots.shape[0])
 
-  samples = live & _cat(jnp.ones(Bd, bool), args.prefill_samples)  # [B]
-  # A prompt that ends here brings its request's sampling settings.
-  sampling = state.sampling
-  if args.prefill_slots.shape[0]:
-    new_row, has_new = _writer(jnp.where(args.prefill_samples & live[Bd:], args.prefill_slots, Bs),
-                               Bs)
-    sampling = jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
-  rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
-  sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
-  row, hit = _writer(jnp.where(samples, slots, Bs), Bs)  # The row that samples each slot's token.
-  token = sampled.tokens[row]  # [Bs]
+
+def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args):
+  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None)."""
+  if args.prefill_targets is None:
+    logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
+    return logits, cache, None
+  # Every position's output [1, T, D], for the prompt's scores (in blocks).
+  every, cache = model(tokens[None], cache, meta, attn, hidden=True)
+  logits = model.head(every[0, meta.sample_rows])
+  prompt = score_prompt(model.head, every[0, meta.num_decode_rows:], args.prefill_targets)
+  return logits, cache, prompt
+
+
+def _take_new_settings(sampling: SamplingState, args, live, Bs: int) -> SamplingState:
+  """A prompt that ends here brings its request's sampling settings."""
+  if not args.prefill_slots.shape[0]:
+    return sampling
+  Bd = args.decode_slots.shape[0]
+  new_row, has_new = _writer(jnp.where(args.prefill_samples & live[Bd:], args.prefill_slots, Bs),
+                             Bs)
+  return jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
+
+
+def _write_back(state: DecodeState, sampling: SamplingState, tokens, targets,
+                kv_lens) -> DecodeState:
+  """tokens [B] sampled; targets [B]: the slot each row samples for (Bs for none) -> the state
+  with those slots' next input token, position and output counts."""
+  Bs = state.tokens.shape[0]
+  row, hit = _writer(targets, Bs)  # The row that samples each slot's token.
+  token = tokens[row]  # [Bs]
   counts = sampling.output_counts + (hit[:, None] & (token[:, None] == jnp.arange(
       sampling.output_counts.shape[1])[None, :])).astype(jnp.int32)
-  state = DecodeState(
+  return DecodeState(
       tokens=_put(state.tokens, token, hit), positions=_put(state.positions, kv_lens[row], hit),
       sampling=dataclasses.replace(sampling, output_counts=counts))
-  if scored:
-    return cache, state, pack_sampled(sampled), prompt
-  return cache, state, pack_sampled(sampled)
 
 
 def _cat(decode_part, prefill_part):

@@ -216,19 +216,7 @@ class Service:
     prompt share one: its tokenization, template and checks are done once)."""
     received = time.monotonic()
     ids, sampling, tokenize, chunk_tokens = prepared or self.prepare(inp)
-    await self.compile_constraint(sampling)
-    lease = self.gateway.admit(key, len(ids), sampling.max_tokens,
-                               can_shorten=inp.max_tokens is None)
-    if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
-      sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
-    try:
-      stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority)
-    except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.
-      lease.refund()
-      raise gateway.invalid(str(e)) from e
-    except EngineDead as e:  # It died a moment ago; `refusing` is about to say so.
-      lease.refund()
-      raise ApiError(Status.UNAVAILABLE, "the engine failed; the server is restarting") from e
+    stream, lease = await self._submit(key, inp, ids, sampling)
     self._active.add(stream)
     self._idle.clear()
     num_out, reason, failed = 0, None, False
@@ -247,14 +235,37 @@ class Service:
       failed = True
       raise
     finally:
-      self._active.discard(stream)
-      self._cut.discard(stream.request_id)
-      if not self._active:
-        self._idle.set()
+      self._release(stream)
       if reason is None:  # The consumer left before the end (a cancel, a disconnect).
         stream.abort()
         if not failed:
           self._record(stream, key, FinishReason.ABORT, received, tokenize, num_out, lease)
+
+  async def _submit(self, key: ApiKey, inp: GenerateInput, ids: Sequence[int],
+                    sampling: SamplingParams) -> tuple[RequestStream, gateway.Lease]:
+    """Admits the request under the key's limits, then hands it to the engine thread; a request
+    the engine refuses gives the key its tokens back."""
+    await self.compile_constraint(sampling)
+    lease = self.gateway.admit(key, len(ids), sampling.max_tokens,
+                               can_shorten=inp.max_tokens is None)
+    if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
+      sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
+    try:
+      stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority)
+    except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.
+      lease.refund()
+      raise gateway.invalid(str(e)) from e
+    except EngineDead as e:  # It died a moment ago; `refusing` is about to say so.
+      lease.refund()
+      raise ApiError(Status.UNAVAILABLE, "the engine failed; the server is restarting") from e
+    return stream, lease
+
+  def _release(self, stream: RequestStream) -> None:
+    """Forgets an ended (or abandoned) stream; the last one out wakes `wait_idle`."""
+    self._active.discard(stream)
+    self._cut.discard(stream.request_id)
+    if not self._active:
+      self._idle.set()
 
   async def _chunks(self, stream: RequestStream, chunk_tokens: int,
                     lease: gateway.Lease) -> AsyncIterator[list[RequestOutput]]:
