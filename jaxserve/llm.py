@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+import dataclasses
+from typing import Any, Sequence, Union
 
-from jaxserve.api.server import Loaded
 from jaxserve.batching.request import Completion
 from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
@@ -44,14 +44,26 @@ class LLM:
   def generate(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                chat: bool = False) -> list[Completion]:
-    """One Completion per prompt, in input order (.text, .token_ids, .finish_reason)."""
+    """One Completion per prompt, in input order (.text, .token_ids, .finish_reason, and
+    .logprobs: one TokenLogprobs per output token when a SamplingParams asks for logprobs > 0)."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
       sampling_params = [sampling_params or SamplingParams()] * len(prompts)
     if len(sampling_params) != len(prompts):
       raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-    return self.runner.generate([(self.encode(p, chat), s) for p, s in zip(prompts, sampling_params)])
+    return self.runner.generate([(self.encode(p, chat), s)
+                                 for p, s in zip(prompts, sampling_params)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+  """What `load_engine` returns, and what api.server.Server's `load` gives it: a warmed-up engine
+  and its tokenizer."""
+
+  engine: Any  # jaxserve.engine.engine.Engine, or any plan.Engine.
+  tokenizer: Any
+  model_name: str
 
 
 def load_engine(model: str | None, engine_config: EngineConfig,

@@ -11,7 +11,7 @@ each sequence's pages, with an optional sliding window. Four pieces:
                    (platform.py).
   jnp reference    ragged_reference.py: the same contract in plain jnp, written for clarity.
   sweep test       tests/test_kernels_ragged.py runs both variants in interpret mode against the
-                   reference over ragged steps (inputs from ragged_testing.py).
+                   reference over ragged steps (inputs from tests/support/ragged_testing.py).
 The KV pages are the lane-dense layout of ragged_layout.py: kv_pages [L, P, Z, Cr], one row per
 token holding its K heads then its V heads, float32 or bfloat16 only. Page 0 is the engine's
 scratch page and never in the valid part of a page table. Page tables are int32.

@@ -48,7 +48,8 @@ def block_seq_ranges(cu_q_lens, num_blocks: int, block_q: int):
   """For each query block, the sequences [seq_lo, seq_hi) whose tokens fall inside it."""
   starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q  # [num_blocks]
   seq_lo = jnp.searchsorted(cu_q_lens[1:], starts, side="right")  # First sequence ending past it.
-  seq_hi = jnp.searchsorted(cu_q_lens[:-1], starts + block_q, side="left")  # Starting before its end.
+  # Starting before its end.
+  seq_hi = jnp.searchsorted(cu_q_lens[:-1], starts + block_q, side="left")
   return seq_lo.astype(jnp.int32), seq_hi.astype(jnp.int32)
 
 

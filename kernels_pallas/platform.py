@@ -1,17 +1,12 @@
 """Which variant of a kernel runs: the TPU one (Mosaic), the GPU one (Triton), or on CPU the TPU
-one in interpret mode."""
+one in interpret mode. Platform is jaxserve's one enum of JAX backends (jaxserve/config/engine.py,
+a lower layer)."""
 
 from __future__ import annotations
 
-import enum
-
 import jax
 
-
-class Platform(enum.Enum):
-  TPU = "tpu"
-  GPU = "gpu"
-  CPU = "cpu"  # No kernel compiler: the TPU variant in interpret mode.
+from jaxserve.config import Platform
 
 
 def resolve(platform: str | Platform | None, interpret: bool | None) -> tuple[Platform, bool]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas import ragged_checks, ragged_gpu, ragged_tpu
-from kernels_pallas.platform import resolve
+from kernels_pallas.platform import Platform, resolve
 
 
 def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
@@ -39,7 +39,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
   platform, interpret = resolve(platform, interpret)
   layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
-  variant = ragged_gpu if platform.value == "gpu" else ragged_tpu
+  variant = ragged_gpu if platform is Platform.GPU else ragged_tpu
   return variant.ragged_paged_attention(
       q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs, layer, dims=dims,
       sm_scale=ragged_checks.scale(sm_scale, dims.head_dim), sliding_window=sliding_window,

@@ -33,7 +33,7 @@ import tqdm
 from flax import nnx
 
 from jaxserve.batching.kv_pages import PageAllocator
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.batching.runner import Runner
 from jaxserve.config import (
   AttentionBackend,
@@ -158,13 +158,17 @@ def decode_ms(engine: Engine, s: Settings, context: int) -> float:
   greedy = SamplingParams(temperature=0)
   for slot in range(s.num_slots):
     ids = list(range(100, 100 + context))
-    engine.prefill(PrefillChunk("t", slot, ids, 0, list(tables[slot]), True, greedy, 0, ids, ()))
+    chunk = PrefillChunk("t", slot, ids, 0, list(tables[slot]), True, greedy, 0, ids, ())
+    engine.step(StepPlan(prefills=(chunk,)))
   width = -(-(context + s.timed_steps + 2) // engine.page_size)
-  engine.decode(range(s.num_slots), tables[:, :width]).result()  # Compiles this width.
+  # Compiles this width.
+  engine.step(StepPlan(decode_slots=tuple(range(s.num_slots)),
+                       page_tables=tables[:, :width])).result()
   times = []
   for _ in range(s.timed_steps):
     t = time.perf_counter()
-    engine.decode(range(s.num_slots), tables[:, :width]).result()
+    engine.step(StepPlan(decode_slots=tuple(range(s.num_slots)),
+                         page_tables=tables[:, :width])).result()
     times.append(time.perf_counter() - t)
   return 1e3 * float(np.median(times))
 
@@ -202,7 +206,8 @@ def run(args) -> list[dict]:
   model, tokenizer = checkpoint.load_model(args.model)
   if args.quick and args.model is None:  # CI: a tiny random model, real tokenizer, fast compiles.
     model = Transformer(tiny_like(model.cfg.vocab_size), rngs=nnx.Rngs(0))
-  work = make_workload(np.random.default_rng(0), s.num_requests, model.cfg.vocab_size, s.max_model_len)
+  work = make_workload(np.random.default_rng(0), s.num_requests, model.cfg.vocab_size,
+                       s.max_model_len)
   # A longer stream from the same mix for the capacity count, so no budget holds all of it.
   fit_work = make_workload(np.random.default_rng(1), 500, model.cfg.vocab_size, s.max_model_len)
   probe_len = max(64, *(v.page_size for v in variants))  # Whole pages at every page size.
@@ -229,7 +234,8 @@ def write_report(out: pathlib.Path, rows, s: Settings, model_cfg) -> None:
   out.mkdir(parents=True, exist_ok=True)
   lines = [f"# KV-cache layout ablation: {model_cfg.name}",
            f"{s.num_requests} requests, {s.num_slots} slots, max_len {s.max_model_len}, "
-           f"fit budget {s.budget_bytes / 2**20:.2f} MiB, decode step at {s.num_slots} x 64 tokens.",
+           f"fit budget {s.budget_bytes / 2**20:.2f} MiB, decode step at {s.num_slots} x 64 "
+           "tokens.",
            "", "| variant | fit in budget | mean frag | decode step ms | prefix hit rate | "
            "greedy agree | max logit err | cache MiB |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -262,7 +268,8 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true",
                       help="few variants and requests (CI, < 2 min); without --model, a tiny "
                       "random model with the default model's tokenizer")
-  parser.add_argument("--model", default=None, help="model path or name (default: the default model)")
+  parser.add_argument("--model", default=None,
+                      help="model path or name (default: the default model)")
   args = parser.parse_args(argv)
   run(args)
   print((pathlib.Path(args.out) / "results.md").read_text())

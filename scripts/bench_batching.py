@@ -35,11 +35,13 @@ def run(llm: LLM, config: SchedulerConfig, work) -> tuple[float, int, int]:
   runner = Runner(llm.engine, llm.tokenizer, config)
   start = time.perf_counter()
   outs = runner.generate(work)
-  return time.perf_counter() - start, sum(len(o.token_ids) for o in outs), runner.scheduler.num_steps
+  return (time.perf_counter() - start, sum(len(o.token_ids) for o in outs),
+          runner.scheduler.num_steps)
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--requests", type=int, default=48)
   parser.add_argument("--slots", type=int, default=8)
   parser.add_argument("--seed", type=int, default=0)
@@ -57,7 +59,8 @@ def main() -> None:
   print("|---|---|---|---|---|")
   for name, (wall, tokens, steps) in (("static", static), ("continuous", continuous)):
     print(f"| {name} | {wall:.1f} | {tokens} | {tokens / wall:.1f} | {steps} |")
-  print(f"\ncontinuous / static throughput: {(continuous[1] / continuous[0]) / (static[1] / static[0]):.2f}x")
+  print(f"\ncontinuous / static throughput: "
+        f"{(continuous[1] / continuous[0]) / (static[1] / static[0]):.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
   python scripts/bench_decode.py [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
   python scripts/bench_decode.py --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
-  python scripts/bench_decode.py --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY] [--sampling-only]
+  python scripts/bench_decode.py --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY]
+      [--sampling-only]
 
 `--compare` runs each model in its own fresh process, one after the other in the same run (no
 model's compiled programs or memory linger into the next one's), then prints them side by side
@@ -37,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import sample as sample_lib
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.sampling_state import SamplingRow
 from jaxserve.engine.step import DecodeState
 from jaxserve.loading import checkpoint
 
@@ -90,13 +92,13 @@ def decode_ms(model, batch: int, context: int, steps: int) -> float:
   engine, tables = decode_engine(model, batch, context + 1)
   slots = list(range(batch))
   engine.state = at_position(engine.state, context)
-  engine.decode(slots, tables).result()
+  engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
   times = []
   for _ in range(steps):
     engine.state = at_position(engine.state, context)
     jax.block_until_ready(engine.state)
     start = time.perf_counter()
-    engine.decode(slots, tables).result()
+    engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
     times.append(time.perf_counter() - start)
   return 1000 * float(np.median(times))
 
@@ -134,8 +136,9 @@ def at_position(state: DecodeState, position: int) -> DecodeState:
 
 def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
   engine, chunk = prefill_engine(model, length)
-  engine.prefill(chunk).result()
-  best = min(_timed(lambda: engine.prefill(chunk).result()) for _ in range(repeats))
+  engine.step(StepPlan(prefills=(chunk,))).result()
+  best = min(_timed(lambda: engine.step(StepPlan(prefills=(chunk,))).result())
+             for _ in range(repeats))
   return length / best
 
 
@@ -161,12 +164,14 @@ def sampling_ms(module, batch: int, vocab: int, params: SamplingParams, repeats:
   logits = rng.normal(size=(batch, vocab)).astype(np.float32) * 2
   top = rng.integers(0, vocab, (batch, 8))
   np.put_along_axis(logits, top, rng.uniform(8, 14, (batch, 8)).astype(np.float32), 1)
-  rows = [module.SamplingRow.from_params(params, i, (), (), vocab).as_state() for i in range(batch)]
+  rows = [SamplingRow.from_params(params, i, (), (), vocab).as_state() for i in range(batch)]
   state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *rows)
   fn = jax.jit(module.sample)
-  args = (jnp.asarray(logits), state, jnp.arange(batch, dtype=jnp.int32) + 100, jnp.asarray([0], jnp.int32))
+  args = (jnp.asarray(logits), state, jnp.arange(batch, dtype=jnp.int32) + 100,
+          jnp.asarray([0], jnp.int32))
   fn(*args).tokens.block_until_ready()
-  return 1000 * float(np.median([_timed(lambda: fn(*args).tokens.block_until_ready()) for _ in range(repeats)]))
+  times = [_timed(lambda: fn(*args).tokens.block_until_ready()) for _ in range(repeats)]
+  return 1000 * float(np.median(times))
 
 
 def load_sample_module(path: str):
@@ -205,16 +210,19 @@ def compare(args) -> None:
   results = []
   for name in args.compare.split(","):
     cmd = [sys.executable, __file__, "--json", "--model", name, "--batches", args.batches,
-           "--context", str(args.context), "--steps", str(args.steps), "--prefill", str(args.prefill)]
+           "--context", str(args.context), "--steps", str(args.steps),
+           "--prefill", str(args.prefill)]
     load = os.getloadavg()[0]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     results.append({**json.loads(out.strip().splitlines()[-1]), "load": load})
   base = results[0]
   print("| model | load avg at start | " + " | ".join(
-      f"batch {r['batch']} ms/step (x first)" for r in base["rows"]) + " | prefill tokens/s (x first) |")
+      f"batch {r['batch']} ms/step (x first)" for r in base["rows"])
+        + " | prefill tokens/s (x first) |")
   print("|---" * (3 + len(base["rows"])) + "|")
   for r in results:
-    steps = [f"{row['ms']:.1f} ({row['ms'] / b['ms']:.2f}x)" for row, b in zip(r["rows"], base["rows"])]
+    steps = [f"{row['ms']:.1f} ({row['ms'] / b['ms']:.2f}x)"
+             for row, b in zip(r["rows"], base["rows"])]
     prefill = r["prefill_tokens_per_s"]
     print(f"| {r['model']} | {r['load']:.1f} | " + " | ".join(steps) +
           f" | {prefill:.0f} ({prefill / base['prefill_tokens_per_s']:.2f}x) |")
@@ -233,18 +241,25 @@ def print_sampling(steps: dict, vocab: int, baseline: str | None) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--model", default=None, help="a packaged name or a path (default: the default model)")
-  parser.add_argument("--compare", default=None, help="comma-separated models, each in a fresh process")
-  parser.add_argument("--json", action="store_true", help="print one JSON line of this model's figures")
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default=None,
+                      help="a packaged name or a path (default: the default model)")
+  parser.add_argument("--compare", default=None,
+                      help="comma-separated models, each in a fresh process")
+  parser.add_argument("--json", action="store_true",
+                      help="print one JSON line of this model's figures")
   parser.add_argument("--batches", default="1,8,32")
   parser.add_argument("--context", type=int, default=256, help="tokens already cached per slot")
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tokens/s")
   parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
-  parser.add_argument("--sampling", action="store_true", help="also time sample() alone, and its share")
-  parser.add_argument("--sampling-baseline", default=None, help="another sample.py to time beside it")
-  parser.add_argument("--sampling-only", action="store_true", help="time sample() alone, no decode steps")
+  parser.add_argument("--sampling", action="store_true",
+                      help="also time sample() alone, and its share")
+  parser.add_argument("--sampling-baseline", default=None,
+                      help="another sample.py to time beside it")
+  parser.add_argument("--sampling-only", action="store_true",
+                      help="time sample() alone, no decode steps")
   args = parser.parse_args()
   if args.compare:
     compare(args)
@@ -255,15 +270,16 @@ def main() -> None:
 
   model, _ = checkpoint.load_model(args.model)
   if args.sampling_only:
-    print_sampling({int(b): None for b in args.batches.split(",")}, model.cfg.vocab_size, args.sampling_baseline)
+    print_sampling({int(b): None for b in args.batches.split(",")}, model.cfg.vocab_size,
+                   args.sampling_baseline)
     return
   bandwidth, rate = copy_bandwidth(), gemm_rate()
   load = os.getloadavg()[0]
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "
         f"load average {load:.1f}; copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
         f"GEMM {rate / 1e9:.0f} GFLOP/s\n")
-  print("| batch | ms/step | tokens/s | bytes/step (MB) | bytes floor ms | GFLOP/step | FLOPs floor ms "
-        "| x floor |")
+  print("| batch | ms/step | tokens/s | bytes/step (MB) | bytes floor ms | GFLOP/step "
+        "| FLOPs floor ms | x floor |")
   print("|---|---|---|---|---|---|---|---|")
   steps = {}
   for batch in (int(b) for b in args.batches.split(",")):
@@ -274,7 +290,8 @@ def main() -> None:
           f"{flops / 1e9:.1f} | {by_flops:.1f} | {ms / max(by_bytes, by_flops):.2f} |")
   if args.sampling:
     print_sampling(steps, model.cfg.vocab_size, args.sampling_baseline)
-  print(f"\nprefill, {args.prefill}-token prompt: {prefill_tokens_per_s(model, args.prefill):.0f} tokens/s")
+  tokens_per_s = prefill_tokens_per_s(model, args.prefill)
+  print(f"\nprefill, {args.prefill}-token prompt: {tokens_per_s:.0f} tokens/s")
   if args.startup:
     cold, warm = startup_seconds()
     print(f"start-up (load + compile all buckets): cold {cold:.1f} s, warm {warm:.1f} s "

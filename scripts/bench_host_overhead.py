@@ -42,7 +42,7 @@ class ZeroEngine:
                           max_model_len=max_model_len)
     self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len,
                            config.prefill_buckets[-1], True, vocab_size,
-                           (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
+                           config.prefill_buckets, config.dtype.value,
                            config.max_prefill_seqs)
     rng = np.random.default_rng(0)
     # Ordinary word-piece ids of a gpt2-style vocab, so the detokenizer makes real text.
@@ -56,8 +56,6 @@ class ZeroEngine:
     tokens = self._tokens[self._n % len(self._tokens)]
     return _Done(np.resize(tokens, n))
 
-  def free(self, slot: int) -> None:
-    pass
 
 
 class NullTokenizer:

@@ -1,4 +1,4 @@
-"""The same work, side by side, in one run: jaxserve against Hugging Face transformers and llama.cpp.
+"""The same work, side by side, in one run: jaxserve vs Hugging Face transformers and llama.cpp.
 
   python scripts/bench_peers.py                        # jaxserve and transformers
   python scripts/bench_peers.py --install-llama-cpp    # also llama.cpp (compiles it on first use)
@@ -131,7 +131,8 @@ class JaxServe:
   def run(self, work: Sequence[dict]) -> Run:
     from jaxserve.config import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in work]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
+              for r in work]
 
     def go():
       done = self.llm.generate([r["prompt_token_ids"] for r in work], params)
@@ -164,7 +165,8 @@ class Transformers:
       mask[row, width - len(p):] = 1
     with torch.inference_mode():
       out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, pad_token_id=self.pad, streamer=_FirstToken(on_first))
+                                do_sample=False, pad_token_id=self.pad,
+                                streamer=_FirstToken(on_first))
     return out[:, width:]  # [B, new]
 
   def run(self, work: Sequence[dict]) -> Run:
@@ -250,7 +252,8 @@ class LlamaCppParallel:
     lib.llama_backend_init()
     # llama-cpp-python's own log callback prints what this logger's level lets through.
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    self.model = lib.llama_model_load_from_file(str(args.gguf).encode(), lib.llama_model_default_params())
+    self.model = lib.llama_model_load_from_file(str(args.gguf).encode(),
+                                                lib.llama_model_default_params())
     p = lib.llama_context_default_params()
     p.n_ctx = args.slots * args.max_model_len  # Split evenly between the sequences.
     p.n_batch = p.n_ubatch = self.batch_size = 512
@@ -278,7 +281,8 @@ class LlamaCppParallel:
     running = {}  # slot -> [request index, position of the next token]
     while queue or running:
       rows = [(outputs[i][-1], pos, slot, True) for slot, (i, pos) in running.items()]
-      while queue and free and len(rows) + len(work[queue[-1]]["prompt_token_ids"]) <= self.batch_size:
+      while (queue and free
+             and len(rows) + len(work[queue[-1]]["prompt_token_ids"]) <= self.batch_size):
         i, slot = queue.pop(), free.pop()
         lib.llama_memory_seq_rm(mem, slot, -1, -1)
         ids = work[i]["prompt_token_ids"]
@@ -315,7 +319,8 @@ class LlamaCppParallel:
 
   def _argmax(self, row: int) -> int:
     import numpy as np
-    logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row), shape=(self.vocab,))
+    logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row),
+                                   shape=(self.vocab,))
     return int(logits.argmax())
 
 
@@ -326,7 +331,8 @@ def install_llama_cpp(timeout_s: float) -> str | None:
     return None
   except ImportError:
     pass
-  print(f"installing llama-cpp-python (compiles llama.cpp; up to {timeout_s:.0f} s)", file=sys.stderr)
+  print(f"installing llama-cpp-python (compiles llama.cpp; up to {timeout_s:.0f} s)",
+        file=sys.stderr)
   try:
     done = subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python"],
                           capture_output=True, text=True, timeout=timeout_s)
@@ -347,14 +353,17 @@ def agreement(run: Run, reference: Run) -> float:
 def summarize(runs: dict[str, list[Run]], skipped: dict[str, str]) -> dict:
   """Per system the median-wall run of the rounds, with ratios against jaxserve's."""
   report = {"systems": {}, "skipped": skipped}
-  medians = {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2] for name, rs in runs.items()}
+  medians = {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2]
+             for name, rs in runs.items()}
   ours = medians.get("jaxserve")
   for name, r in medians.items():
     row = {k: v for k, v in dataclasses.asdict(r).items() if k != "outputs"}
-    row.update(generated_tokens_per_s=r.generated_tokens_per_s, prompt_tokens_per_s=r.prompt_tokens_per_s,
+    row.update(generated_tokens_per_s=r.generated_tokens_per_s,
+               prompt_tokens_per_s=r.prompt_tokens_per_s,
                rounds_wall_s=[x.wall_s for x in runs[name]])
     if ours is not None and name != "jaxserve":
-      row.update(jaxserve_speedup=r.wall_s / ours.wall_s, jaxserve_ttft_ratio=ours.mean_ttft_s / r.mean_ttft_s,
+      row.update(jaxserve_speedup=r.wall_s / ours.wall_s,
+                 jaxserve_ttft_ratio=ours.mean_ttft_s / r.mean_ttft_s,
                  token_agreement_with_jaxserve=agreement(r, ours))
     report["systems"][name] = row
   return report
@@ -369,29 +378,39 @@ def markdown(report: dict) -> str:
         f"{r['jaxserve_speedup']:.2f}x", f"{r['jaxserve_ttft_ratio']:.2f}",
         f"{r['token_agreement_with_jaxserve']:.0%}") if "jaxserve_speedup" in r else ("n/a",) * 3
     lines.append(f"| {name} | {r['wall_s']:.1f} | {r['generated_tokens_per_s']:.1f} | "
-                 f"{r['prompt_tokens_per_s']:.1f} | {r['mean_ttft_s']:.2f} | " + " | ".join(extra) + " |")
+                 f"{r['prompt_tokens_per_s']:.1f} | {r['mean_ttft_s']:.2f} | "
+                 + " | ".join(extra) + " |")
   lines += [f"| {name} | skipped: {why} | | | | | | |" for name, why in report["skipped"].items()]
   return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--systems", default="jaxserve,transformers,llama.cpp,llama.cpp-parallel",
                  help=f"comma-separated, from {', '.join(SYSTEMS)}")
   p.add_argument("--workload", type=pathlib.Path, default=WORKLOAD)
-  p.add_argument("--write-workload", action="store_true", help="regenerate --workload from --seed, then exit")
+  p.add_argument("--write-workload", action="store_true",
+                 help="regenerate --workload from --seed, then exit")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--quick", action="store_true", help="4 short requests made on the fly (for tests)")
-  p.add_argument("--rounds", type=int, default=1, help="interleaved passes; the median is reported")
+  p.add_argument("--quick", action="store_true",
+                 help="4 short requests made on the fly (for tests)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="interleaved passes; the median is reported")
   p.add_argument("--jaxserve-model", default=None,
-                 help="jaxserve's model (default: the default model, like the peers); for tests only")
-  p.add_argument("--slots", type=int, default=16, help="jaxserve's slots and llama.cpp's parallel sequences")
-  p.add_argument("--buckets", type=lambda s: tuple(int(b) for b in s.split(",")), default=(64, 128, 256))
+                 help="jaxserve's model (default: the default model, like the peers); "
+                 "for tests only")
+  p.add_argument("--slots", type=int, default=16,
+                 help="jaxserve's slots and llama.cpp's parallel sequences")
+  p.add_argument("--buckets", type=lambda s: tuple(int(b) for b in s.split(",")),
+                 default=(64, 128, 256))
   p.add_argument("--max-model-len", type=int, default=1024)
-  p.add_argument("--num-pages", type=int, default=16 * 512 // 16 + 1, help="16 x 512 tokens, + scratch")
+  p.add_argument("--num-pages", type=int, default=16 * 512 // 16 + 1,
+                 help="16 x 512 tokens, + scratch")
   p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
   p.add_argument("--hf-batch", type=int, default=16, help="transformers' static batch size")
-  p.add_argument("--install-llama-cpp", action="store_true", help="pip install llama-cpp-python if missing")
+  p.add_argument("--install-llama-cpp", action="store_true",
+                 help="pip install llama-cpp-python if missing")
   p.add_argument("--install-timeout", type=float, default=1800.0)
   p.add_argument("--json", type=pathlib.Path, default=None, help="write the report here")
   p.add_argument("--markdown", type=pathlib.Path, default=None, help="write the table here")
@@ -422,7 +441,8 @@ def run_rounds(systems: Sequence, work: Sequence[dict], rounds: int) -> dict[str
       r = s.run(work)
       runs[s.name].append(r)
       print(f"  {r.wall_s:.1f} s, {r.generated_tokens_per_s:.1f} generated tokens/s, mean TTFT "
-            f"{r.mean_ttft_s:.2f} s (load average {r.loadavg[1]:.2f} after)", file=sys.stderr, flush=True)
+            f"{r.mean_ttft_s:.2f} s (load average {r.loadavg[1]:.2f} after)", file=sys.stderr,
+            flush=True)
   return runs
 
 

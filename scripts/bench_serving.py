@@ -1,7 +1,8 @@
 """Load generator against a running `jaxserve serve`, over gRPC streaming.
 
-  python scripts/bench_serving.py --address 127.0.0.1:50051 --workload scripts/workloads/peers_64.jsonl \
-      --request-rate 4 [--num-requests 64] [--json out.json]
+  python scripts/bench_serving.py --address 127.0.0.1:50051 \
+      --workload scripts/workloads/peers_64.jsonl --request-rate 4 [--num-requests 64] \
+      [--json out.json]
   python scripts/bench_serving.py --concurrency 16 ...          # a fixed number in flight instead
 
 Requests arrive as a Poisson process at --request-rate per second (inter-arrival times drawn from
@@ -100,7 +101,8 @@ async def run(args) -> tuple[list[Result], float]:
 
 def summarize(results: list[Result], wall: float) -> dict:
   ok = [r for r in results if r.ok]
-  stats = lambda xs: ({"mean": float(np.mean(xs)), **{f"p{p}": float(np.percentile(xs, p)) for p in (50, 90, 99)}}
+  stats = lambda xs: ({"mean": float(np.mean(xs)),
+                       **{f"p{p}": float(np.percentile(xs, p)) for p in (50, 90, 99)}}
                       if xs else {})
   tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
   out_tokens = sum(r.output_tokens for r in ok)
@@ -123,19 +125,22 @@ def print_report(s: dict) -> None:
   for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
     row = s[name]
     if row:
-      print(f"| {name[:-2].upper()} ms | " + " | ".join(f"{1000 * row[k]:.1f}" for k in ("mean", "p50", "p90", "p99")) + " |")
+      print(f"| {name[:-2].upper()} ms | "
+            + " | ".join(f"{1000 * row[k]:.1f}" for k in ("mean", "p50", "p90", "p99")) + " |")
   for error in s["errors"]:
     print(f"error: {error}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--address", default="127.0.0.1:50051")
   parser.add_argument("--workload", default="scripts/workloads/peers_64.jsonl")
   parser.add_argument("--num-requests", type=int, default=None, help="first N lines (default: all)")
   mode = parser.add_mutually_exclusive_group()
   mode.add_argument("--request-rate", type=float, default=4.0, help="Poisson arrivals per second")
-  mode.add_argument("--concurrency", type=int, default=0, help="requests in flight, instead of a rate")
+  mode.add_argument("--concurrency", type=int, default=0,
+                    help="requests in flight, instead of a rate")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--api-key", default=None)
   parser.add_argument("--json", default=None, help="write the summary here")

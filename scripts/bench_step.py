@@ -49,8 +49,9 @@ def workload(args) -> None:
   from jaxserve.llm import LLM
 
   work = [json.loads(line) for line in WORKLOAD.read_text().splitlines()][:args.requests]
-  cfg = EngineConfig(num_slots=args.slots, page_size=16, max_model_len=512, num_pages=args.slots * 32 + 1,
-                     prefill_buckets=(64, 128, 256), compilation_cache_dir=None)
+  cfg = EngineConfig(num_slots=args.slots, page_size=16, max_model_len=512,
+                     num_pages=args.slots * 32 + 1, prefill_buckets=(64, 128, 256),
+                     compilation_cache_dir=None)
   llm = LLM(None, engine_config=cfg)
   counting = CountingEngine(llm.runner.engine)
   llm.runner.engine = counting
@@ -61,7 +62,8 @@ def workload(args) -> None:
     iterations[0] += 1
     return step()
   llm.runner.step = counted_step
-  params = [SamplingParams(temperature=0, max_tokens=min(r["max_tokens"], args.max_tokens), ignore_eos=True)
+  params = [SamplingParams(temperature=0, max_tokens=min(r["max_tokens"], args.max_tokens),
+                           ignore_eos=True)
             for r in work]
   load = os.getloadavg()[0]
   t0 = time.monotonic()
@@ -88,8 +90,8 @@ def decode_steps(args) -> None:
   out = {}
   for slots in args.slots_list:
     pages = 8
-    cfg = EngineConfig(num_slots=slots, page_size=16, num_pages=slots * pages + 1, max_model_len=128,
-                       prefill_buckets=(128,), compilation_cache_dir=None)
+    cfg = EngineConfig(num_slots=slots, page_size=16, num_pages=slots * pages + 1,
+                       max_model_len=128, prefill_buckets=(128,), compilation_cache_dir=None)
     engine = Engine(model, cfg)
     tables = np.arange(1, slots * pages + 1, dtype=np.int32).reshape(slots, pages)
     greedy = SamplingParams(temperature=0)
@@ -116,7 +118,8 @@ def run_in(tree: pathlib.Path, mode: str, args) -> dict:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--old", type=pathlib.Path, help="a source tree of the design to compare with")
   p.add_argument("--mode", choices=("compare", "workload", "decode"), default="compare")
   p.add_argument("--requests", type=int, default=64)
@@ -135,9 +138,11 @@ def main() -> None:
   same = results["old"].pop("tokens") == results["new"].pop("tokens")
   ratio = lambda k: results["new"][k] / results["old"][k]
   results["same_tokens"] = same
-  results["new_over_old"] = {k: ratio(k) for k in ("wall_s", "calls_per_iteration", "ttft_mean_s", "ttft_p90_s")}
-  results["new_over_old"]["decode_ms"] = {s: results["new"]["decode_ms"][s] / results["old"]["decode_ms"][s]
-                                          for s in results["new"]["decode_ms"]}
+  results["new_over_old"] = {k: ratio(k) for k in ("wall_s", "calls_per_iteration",
+                                                    "ttft_mean_s", "ttft_p90_s")}
+  results["new_over_old"]["decode_ms"] = {
+      s: results["new"]["decode_ms"][s] / results["old"]["decode_ms"][s]
+      for s in results["new"]["decode_ms"]}
   print(json.dumps(results, indent=1))
 
 

@@ -22,8 +22,9 @@ from jaxserve import Constraint, EngineConfig, SamplingParams
 from jaxserve.text.constraint import ConstraintCompiler
 
 SCHEMAS = {
-    "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                              "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "flat": {"type": "object",
+             "properties": {"name": {"type": "string", "maxLength": 16},
+                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
              "required": ["name", "age"]},
     "nested": {"type": "object", "properties": {
         "id": {"type": "integer", "minimum": 1, "maximum": 999},
@@ -78,14 +79,17 @@ def main(argv=None) -> int:
   llm = jaxserve.LLM(engine_config=EngineConfig(num_slots=args.slots, max_model_len=512,
                                                 prefill_buckets=(64, 128)))
   prompts = [f"Describe user number {i} of a website as JSON." for i in range(args.requests)]
-  free = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens) for i in range(args.requests)]
+  free = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens)
+          for i in range(args.requests)]
   constraint = Constraint.json_schema(SCHEMAS["nested"])
   half = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens,
                          constraint=constraint if i % 2 else None) for i in range(args.requests)]
-  llm.generate(prompts[:2], half[:2], chat=True)  # Warms the grammar cache and the llguidance tokenizer.
+  # Warms the grammar cache and the llguidance tokenizer.
+  llm.generate(prompts[:2], half[:2], chat=True)
   result = {"none": run(llm, prompts, free), "half": run(llm, prompts, half),
             "compile_ms": compile_times(llm.tokenizer)}
-  result["half_over_none_tokens_per_s"] = result["half"]["tokens_per_s"] / result["none"]["tokens_per_s"]
+  result["half_over_none_tokens_per_s"] = (result["half"]["tokens_per_s"]
+                                           / result["none"]["tokens_per_s"])
   if args.json:
     print(json.dumps(result, indent=2))
   print("| workload | tokens | steps | wall s | tokens/s | ms/step | mask rows | mask ms/step |")

@@ -85,14 +85,16 @@ def prefill_program(model, length: int) -> Program:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default=None)
   parser.add_argument("--batches", default="16,64")
   parser.add_argument("--context", type=int, default=128)
   parser.add_argument("--prefill", type=int, default=256)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=3, help="calls per configuration per round")
-  parser.add_argument("--configs", default=None, help="comma-separated indices into CONFIGS (default all)")
+  parser.add_argument("--configs", default=None,
+                      help="comma-separated indices into CONFIGS (default all)")
   args = parser.parse_args()
   if args.configs:
     keep = [list(CONFIGS)[int(i)] for i in args.configs.split(",")]
@@ -109,8 +111,8 @@ def main() -> None:
       for c in program.compiled:
         times[p, c] += [program.run(c) for _ in range(args.steps)]
     load.append(os.getloadavg()[0])
-  print(f"load average {min(load):.1f}-{max(load):.1f}; ms per call, median of {args.rounds} rounds x "
-        f"{args.steps} calls (x default)\n")
+  print(f"load average {min(load):.1f}-{max(load):.1f}; ms per call, median of {args.rounds} "
+        f"rounds x {args.steps} calls (x default)\n")
   print("| configuration | " + " | ".join(programs) + " |")
   print("|---" * (1 + len(programs)) + "|")
   for c in CONFIGS:

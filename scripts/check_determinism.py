@@ -131,7 +131,8 @@ def format_report(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M-Instruct")
   p.add_argument("--prompts", type=int, default=32)
   p.add_argument("--max-tokens", type=int, default=32)

@@ -1,4 +1,4 @@
-"""llguidance vs xgrammar on the default model's vocabulary (SmolLM2: byte-level BPE, 49,152 tokens).
+"""llguidance vs xgrammar on the default model's vocab (SmolLM2: byte-level BPE, 49,152 tokens).
 
 Both engines get their tokenizer info from jaxserve's Tokenizer (`constraint.vocab_bytes`), never a
 hub download. Measured: the installed size of each package and of what it pulls in, the time to
@@ -43,10 +43,12 @@ WORKLOADS = {
     "json_schema": ("json_schema", json.dumps(NESTED_SCHEMA), json.dumps({
         "id": 4211, "status": "paid", "customer": {"name": "Marie Curie", "address": {
             "city": "Paris", "country": "FR", "zip": "75005"}},
-        "items": [{"sku": "A-100", "qty": 2}, {"sku": "B-7", "qty": 15}, {"sku": "C-3", "qty": 1}]})),
+        "items": [{"sku": "A-100", "qty": 2}, {"sku": "B-7", "qty": 15},
+                  {"sku": "C-3", "qty": 1}]})),
     "regex": ("regex", r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T[0-9]{2}:[0-9]{2}",
               "2024-05-17T09:30"),
-    "choice": ("choice", json.dumps(["positive", "negative", "neutral", "mixed", "not sure"]), "neutral"),
+    "choice": ("choice", json.dumps(["positive", "negative", "neutral", "mixed", "not sure"]),
+               "neutral"),
     "grammar": ("grammar", 'root ::= expr\nexpr ::= term (("+" | "-") term)*\n'
                 'term ::= factor (("*" | "/") factor)*\nfactor ::= [0-9]+ | "(" expr ")"',
                 "(12+3)*4-5/(6+78)"),
@@ -61,34 +63,41 @@ FEATURES = [
     ("pattern", {"type": "string", "pattern": "^[a-z]+$"}, "abc", "ABC"),
     ("format: date", {"type": "string", "format": "date"}, "2024-01-31", "tomorrow"),
     ("format: email", {"type": "string", "format": "email"}, "a@b.co", "no email"),
-    ("format: uuid", {"type": "string", "format": "uuid"}, "123e4567-e89b-12d3-a456-426614174000", "x"),
+    ("format: uuid", {"type": "string", "format": "uuid"}, "123e4567-e89b-12d3-a456-426614174000",
+     "x"),
     ("enum", {"enum": ["a", "b"]}, "a", "c"),
     ("const", {"const": "x"}, "x", "y"),
-    ("minItems/maxItems", {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2},
+    ("minItems/maxItems", {"type": "array", "items": {"type": "integer"}, "minItems": 1,
+                           "maxItems": 2},
      [1], [1, 2, 3]),
-    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 2], [1, 1]),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 2],
+     [1, 1]),
     ("prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
                      "items": False}, [1, "a"], ["a", 1]),
     ("contains", {"type": "array", "contains": {"const": 1}}, [0, 1], [0]),
-    ("required + additionalProperties false", {"type": "object", "properties": {"a": {"type": "integer"}},
-                                               "required": ["a"], "additionalProperties": False},
+    ("required + additionalProperties false",
+     {"type": "object", "properties": {"a": {"type": "integer"}},
+      "required": ["a"], "additionalProperties": False},
      {"a": 1}, {"b": 1}),
     ("additionalProperties schema", {"type": "object", "additionalProperties": {"type": "integer"}},
      {"x": 1}, {"x": "s"}),
     ("patternProperties", {"type": "object", "patternProperties": {"^n_": {"type": "integer"}},
                            "additionalProperties": False}, {"n_a": 1}, {"m": 1}),
-    ("propertyNames", {"type": "object", "propertyNames": {"maxLength": 3}}, {"ab": 1}, {"abcd": 1}),
+    ("propertyNames", {"type": "object", "propertyNames": {"maxLength": 3}}, {"ab": 1},
+     {"abcd": 1}),
     ("maxProperties", {"type": "object", "maxProperties": 1}, {"a": 1}, {"a": 1, "b": 2}),
     ("anyOf", {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 1}]}, "a", "abc"),
     ("oneOf (both match)", {"oneOf": [{"type": "integer", "multipleOf": 2},
                                       {"type": "integer", "multipleOf": 3}]}, 4, 6),
-    ("allOf", {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]}, 3, 7),
+    ("allOf", {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]},
+     3, 7),
     ("$ref/$defs", {"$defs": {"p": {"type": "integer", "maximum": 3}}, "type": "array",
                     "items": {"$ref": "#/$defs/p"}}, [1], [9]),
     ("recursive $ref", {"$defs": {"n": {"type": "object", "properties": {"c": {
         "type": "array", "items": {"$ref": "#/$defs/n"}}}, "additionalProperties": False}},
         "$ref": "#/$defs/n"}, {"c": [{"c": []}]}, {"c": [{"d": 1}]}),
-    ("if/then/else", {"if": {"type": "integer"}, "then": {"minimum": 0}, "else": {"type": "string"}}, 1, -1),
+    ("if/then/else",
+     {"if": {"type": "integer"}, "then": {"minimum": 0}, "else": {"type": "string"}}, 1, -1),
     ("not", {"not": {"type": "string"}}, 1, "a"),
     ("dependentRequired", {"type": "object", "properties": {"a": {}, "b": {}},
                            "dependentRequired": {"a": ["b"]}}, {"a": 1, "b": 2}, {"a": 1}),
@@ -101,7 +110,8 @@ class Llguidance:
   name = "llguidance"
 
   def __init__(self, tokenizer: Tokenizer):
-    self.compiler = ConstraintCompiler(tokenizer, max_grammars=0)  # Cache off: every compile counts.
+    # Cache off: every compile counts.
+    self.compiler = ConstraintCompiler(tokenizer, max_grammars=0)
 
   def compile(self, kind: str, text: str):
     return self.compiler.compile(Constraint(kind, text))
@@ -130,8 +140,8 @@ class Xgrammar:
     for i in special:  # An empty token is one xgrammar never matches in text.
       token_bytes[i] = b""
     self.stops = sorted(tokenizer.stop_ids)
-    info = xgrammar.TokenizerInfo(token_bytes, xgrammar.VocabType.RAW, vocab_size=tokenizer.vocab_size,
-                                  stop_token_ids=self.stops)
+    info = xgrammar.TokenizerInfo(token_bytes, xgrammar.VocabType.RAW,
+                                  vocab_size=tokenizer.vocab_size, stop_token_ids=self.stops)
     self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
     self.batch = xgrammar.BatchGrammarMatcher(max_threads=2)
 
@@ -219,12 +229,15 @@ def report_install(names) -> None:
   for name in names:
     requires = importlib.metadata.requires(name) or []
     runtime = [r.split(";")[0].strip() for r in requires if "extra ==" not in r]
-    deps = ", ".join(f"{r} ({installed_mib(r.split('>')[0].split('=')[0].split('<')[0])})" for r in runtime)
-    print(f"{name} {importlib.metadata.version(name)}: {installed_mib(name)}; requires: {deps or 'nothing'}")
+    deps = ", ".join(f"{r} ({installed_mib(r.split('>')[0].split('=')[0].split('<')[0])})"
+                     for r in runtime)
+    print(f"{name} {importlib.metadata.version(name)}: {installed_mib(name)}; "
+          f"requires: {deps or 'nothing'}")
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--xgrammar-path", help="a folder holding xgrammar (pip install --target)")
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
@@ -237,11 +250,13 @@ def main() -> None:
   for cls in (Llguidance, Xgrammar):
     engine, wall, _ = timed(lambda: cls(tokenizer), 1)
     print(f"\n## {cls.name}: tokenizer info in {wall:.0f} ms")
-    print("| constraint | compile ms (wall / cpu) | first mask ms | mask ms/step, 1 seq | 16 seqs |")
+    print("| constraint | compile ms (wall / cpu) | first mask ms | mask ms/step, 1 seq | "
+          "16 seqs |")
     print("|---|---|---|---|---|")
     for label, (kind, text, output) in WORKLOADS.items():
       grammar, wall, cpu = timed(lambda: engine.compile(kind, text), args.repeats)
-      _, first, _ = timed(lambda: engine.fill([engine.matcher(grammar)], np.full((1, words), -1, np.int32)), 1)
+      _, first, _ = timed(lambda: engine.fill([engine.matcher(grammar)],
+                                              np.full((1, words), -1, np.int32)), 1)
       ids = tokenizer.encode(output)
       one = mask_times(engine, grammar, ids, 1, words)
       many = mask_times(engine, grammar, ids, 16, words)

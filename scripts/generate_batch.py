@@ -11,7 +11,10 @@ overriding the command line's defaults, `constraint` included, as one-key JSON:
 
 Each output line: id, line (the input line number), text, finish_reason, prompt_tokens,
 completion_tokens, cached_tokens and timings (queue_s, ttft_s, e2e_s, counted from submission:
-every request is submitted at the start, so they include the wait for a slot). A malformed line,
+every request is submitted at the start, so they include the wait for a slot); with `--token-ids`,
+token_ids; for a request with `logprobs` > 0 (the line's field, or `--logprobs`), logprobs: one
+{token_id, logprob, top: [{token_id, logprob}, ...]} per output token, its top `logprobs`
+alternatives most likely first (as the gRPC API's TokenLogprob). A malformed line,
 an unknown field, a bad sampling value or a request too long for the engine gets a line with
 `error` instead, and the run goes on.
 
@@ -38,14 +41,14 @@ import sys
 import time
 from typing import Any, TextIO
 
-from jaxserve.batching.request import Completion, FinishReason, Request
+from jaxserve.batching.request import Completion, FinishReason, Request, RequestOutput
 from jaxserve.cli import flags
 from jaxserve.cli import main as cli
 from jaxserve.config import Constraint, SamplingParams, SchedulerConfig
 from jaxserve.llm import LLM
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"logprobs"}
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 KNOWN_FIELDS = frozenset({"id", *PROMPT_FIELDS}) | SAMPLING_FIELDS
 
 
@@ -77,7 +80,8 @@ def parse_line(text: str, line: int) -> Spec:
     raise ValueError(f"id must be a string or an integer, got {rid!r}")
   given = [f for f in PROMPT_FIELDS if f in d]
   if len(given) != 1:
-    raise ValueError(f"a line needs exactly one of {', '.join(PROMPT_FIELDS)}, got {given or 'none'}")
+    raise ValueError(f"a line needs exactly one of {', '.join(PROMPT_FIELDS)}, "
+                     f"got {given or 'none'}")
   return Spec(line, rid, given[0], d[given[0]], {k: d[k] for k in d if k in SAMPLING_FIELDS})
 
 
@@ -135,6 +139,11 @@ def result_record(spec: Spec, c: Completion, with_ids: bool) -> dict:
     record["error"] = "aborted"
   if with_ids:
     record["token_ids"] = list(c.token_ids)
+  if c.logprobs is not None:
+    record["logprobs"] = [
+        {"token_id": t, "logprob": lp.logprob,
+         "top": [{"token_id": i, "logprob": p} for i, p in zip(lp.top_ids, lp.top_logprobs)]}
+        for t, lp in zip(c.token_ids, c.logprobs)]
   return record
 
 
@@ -169,9 +178,11 @@ class Output:
       self._file.close()
       self._file = None
     records = self._records()
-    records.sort(key=lambda r: (input_order.get(_key(r.get("id")), r.get("line", 0)), r.get("line", 0)))
+    records.sort(key=lambda r: (input_order.get(_key(r.get("id")), r.get("line", 0)),
+                                r.get("line", 0)))
     tmp = self.path.with_name(self.path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+                   encoding="utf-8")
     os.replace(tmp, self.path)
 
   def _records(self) -> list[dict]:
@@ -208,7 +219,8 @@ class Progress:
     if force or now - self._last >= self.interval:
       self._last = now
       rate = self.num_tokens / max(now - self.start, 1e-9)
-      print(f"[{self.num_done}/{self.total} requests] {self.num_tokens} tokens, {rate:.1f} tokens/s",
+      print(f"[{self.num_done}/{self.total} requests] {self.num_tokens} tokens, "
+            f"{rate:.1f} tokens/s",
             end=self._end, file=self.stream, flush=True)
 
   def close(self) -> None:
@@ -235,7 +247,8 @@ def plan(input_path: pathlib.Path, output: Output) -> tuple[list, dict, int]:
       if output.is_done(rid, line):
         num_skipped += 1
       elif isinstance(item, Spec) and _key(rid) in seen:
-        work.append({"id": rid, "line": line, "error": f"duplicate id {rid!r}: an earlier line has it"})
+        work.append({"id": rid, "line": line,
+                     "error": f"duplicate id {rid!r}: an earlier line has it"})
       else:
         work.append(item)
       seen.add(_key(rid))
@@ -246,7 +259,7 @@ def generate(llm: LLM, work: list, output: Output, defaults: SamplingParams, cha
              with_ids: bool, progress: Progress) -> list[dict]:
   """Runs the work through the continuous-batching runner; returns the records written."""
   runner, written = llm.runner, []
-  live: dict[str, tuple[Spec, Request, list[str]]] = {}
+  live: dict[str, tuple[Spec, Request, list[RequestOutput]]] = {}
   queue = collections.deque(work)
 
   def emit(record: dict, num_tokens: int = 0) -> None:
@@ -268,11 +281,11 @@ def generate(llm: LLM, work: list, output: Output, defaults: SamplingParams, cha
       runner.submit(req)
       live[req.request_id] = (item, req, [])
     for out in runner.step():
-      spec, req, texts = live[out.request_id]
-      texts.append(out.text)
+      spec, req, outputs = live[out.request_id]
+      outputs.append(out)
       if out.finished:
         del live[out.request_id]
-        emit(result_record(spec, req.completion("".join(texts)), with_ids), len(out.token_ids))
+        emit(result_record(spec, req.completion(outputs), with_ids), len(out.token_ids))
       else:
         progress.update(0, len(out.token_ids))
   return written
@@ -298,16 +311,22 @@ def format_summary(s: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("input", type=pathlib.Path, help="JSONL, one request per line")
   p.add_argument("output", type=pathlib.Path, help="JSONL results; an existing file is resumed")
   flags.add_engine_flags(p)  # --model --dtype --slots --page-size --num-pages --memory-fraction ...
   flags.add_sampling_flags(p)  # The defaults a line's own fields override.
   p.add_argument("--max-batched-tokens", type=int, default=512, help="prefill tokens per step")
-  p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
+  p.add_argument("--ignore-eos", action="store_true",
+                 help="generate max_tokens whatever the model says")
   p.add_argument("--chat", action="store_true", help="wrap `prompt` text in the chat template")
   p.add_argument("--token-ids", action="store_true", help="write the output token ids too")
-  p.add_argument("--progress-interval", type=float, default=1.0, help="seconds between progress lines")
+  p.add_argument("--logprobs", type=int, default=0,
+                 help="write each output token's logprob and this many top alternatives "
+                 "(0: none; a line's own `logprobs` overrides it)")
+  p.add_argument("--progress-interval", type=float, default=1.0,
+                 help="seconds between progress lines")
   return p
 
 
@@ -317,7 +336,8 @@ def main(argv=None) -> int:
   work, order, num_skipped = plan(args.input, output)
   if work:
     try:
-      defaults = dataclasses.replace(flags.sampling_params(args), ignore_eos=args.ignore_eos)
+      defaults = dataclasses.replace(flags.sampling_params(args), ignore_eos=args.ignore_eos,
+                                     logprobs=args.logprobs)
       llm = LLM(args.model, engine_config=cli.engine_config(args),
                 scheduler_config=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens))
     except (ValueError, FileNotFoundError) as e:

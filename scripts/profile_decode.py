@@ -102,6 +102,7 @@ def op_parts(hlo_text: str) -> dict[str, str]:
 
 def _part_of_source(src: str, opcode: str) -> str:
   for prefix, part in (("engine/sample.py", "sampling (sample.py)"),
+                       ("engine/gumbel.py", "sampling (gumbel.py)"),
                        ("engine/step.py", "step.py: decode-state reads and writes, page lookup"),
                        ("model/attention.py", "attention (attention.py)"),
                        ("model/kv_cache.py", "KV page gather and write (kv_cache.py)"),
@@ -128,7 +129,7 @@ def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
             sampling: SamplingParams) -> collections.Counter:
   start_slots(engine, tables, context, sampling)
   slots = list(range(len(tables)))
-  engine.decode(slots, tables).result()
+  engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
   args, _ = engine.step_args(StepPlan(decode_slots=tuple(slots), page_tables=tables))
   compiled = engine._step.lower(engine.params, engine.cache, engine.state, args,
                                 engine.stop_ids).compile()
@@ -136,7 +137,7 @@ def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(steps):
-        engine.decode(slots, tables).result()
+        engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
     (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
     with gzip.open(path) as f:
       events = json.load(f)
@@ -149,15 +150,18 @@ def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default=None)
   parser.add_argument("--batches", default="16,64")
   parser.add_argument("--context", type=int, default=128)
   parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--sampling", choices=sorted(KINDS), default="greedy", help="every slot's sampling")
+  parser.add_argument("--sampling", choices=sorted(KINDS), default="greedy",
+                      help="every slot's sampling")
   args = parser.parse_args()
   if "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
-    parser.error("set XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true (XLA:CPU records ops only then)")
+    parser.error("set XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true "
+                 "(XLA:CPU records ops only then)")
   if args.context < 1:
     parser.error("--context must be at least 1 (the prompt chunk that loads the sampling rows)")
   model, _ = checkpoint.load_model(args.model)

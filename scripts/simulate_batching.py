@@ -39,7 +39,7 @@ class NullEngine:
     self.num_slots = num_slots
     self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len,
                            config.prefill_buckets[-1], True, vocab_size,
-                           (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
+                           config.prefill_buckets, config.dtype.value,
                            config.max_prefill_seqs)
     self.occupancy: list[dict[int, str]] = []  # Per device step: slot -> request id.
     self._owner: dict[int, str] = {}
@@ -54,8 +54,6 @@ class NullEngine:
     n = len(plan.decode_slots) + sum(ch.is_last for ch in plan.prefills)
     return _Done(np.ones(n, np.int32))
 
-  def free(self, slot: int) -> None:
-    pass
 
   def end_step(self) -> None:
     if self._step:

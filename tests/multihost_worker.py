@@ -34,7 +34,7 @@ def _serve(engine, args: dict) -> dict:
   from jaxserve.batching.runner import Runner
   from jaxserve.config import SamplingParams, SchedulerConfig
   from jaxserve.engine import multihost
-  from mock_engine import MockTokenizer
+  from support.mock_engine import MockTokenizer
 
   leader = multihost.LeaderEngine(engine) if "coordinator" in args else None
   # A prefill budget of 24 tokens splits the longest prompt into chunks of two buckets.

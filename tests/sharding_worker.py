@@ -17,7 +17,8 @@ def _setup(args: dict) -> None:
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args['devices']}"
   if "coordinator" in args:
     import jax
-    jax.distributed.initialize(coordinator_address=args["coordinator"], num_processes=args["num_processes"],
+    jax.distributed.initialize(coordinator_address=args["coordinator"],
+                               num_processes=args["num_processes"],
                                process_id=args["process_id"], initialization_timeout=60)
 
 
@@ -42,11 +43,13 @@ def random_params(cfg, seed: int) -> dict:
   import numpy as np
 
   rng = np.random.default_rng(seed)
-  L, D, N, K, H, F = cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+  L, D, N, K, H, F = (cfg.num_layers, cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.hidden_dim)
   w = lambda *shape, fan_in: (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
   norm = lambda *shape: (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
   layers = dict(attn_norm=norm(L, D), mlp_norm=norm(L, D), wq=w(L, D, N, H, fan_in=D),
-                wk=w(L, D, K, H, fan_in=D), wv=w(L, D, K, H, fan_in=D), wo=w(L, N, H, D, fan_in=N * H),
+                wk=w(L, D, K, H, fan_in=D), wv=w(L, D, K, H, fan_in=D),
+                wo=w(L, N, H, D, fan_in=N * H),
                 w_gate=w(L, D, F, fan_in=D), w_up=w(L, D, F, fan_in=D), w_down=w(L, F, D, fan_in=F))
   return dict(embed=0.1 * w(cfg.vocab_size, D, fan_in=1), final_norm=norm(D), layers=layers)
 
@@ -57,6 +60,7 @@ def _greedy(engine, prompts, steps: int) -> dict:
 
   from jaxserve.batching.plan import PrefillChunk
   from jaxserve.config import SamplingParams
+  from support.engine_calls import decode, prefill
 
   width = -(-(max(map(len, prompts)) + steps + 1) // engine.page_size)
   tables = np.arange(1, 1 + len(prompts) * width, dtype=np.int32).reshape(len(prompts), width)
@@ -64,9 +68,9 @@ def _greedy(engine, prompts, steps: int) -> dict:
   tokens, logprobs = [], []
   for slot, ids in enumerate(prompts):
     chunk = PrefillChunk(str(slot), slot, ids, 0, list(tables[slot]), True, greedy, 0, ids, ())
-    tokens.append([int(engine.prefill(chunk).result()[0])])
+    tokens.append([int(prefill(engine, chunk).result()[0])])
   for _ in range(steps):
-    future = engine.decode(range(len(prompts)), tables)
+    future = decode(engine, range(len(prompts)), tables)
     out, lp = future.result(), future.logprobs()[0]
     for slot in range(len(prompts)):
       tokens[slot].append(int(out[slot]))
@@ -77,7 +81,8 @@ def _greedy(engine, prompts, steps: int) -> dict:
 def _device0_param_bytes(params) -> int:
   import jax
   dev = jax.devices()[0]
-  return sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards if s.device == dev)
+  return sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
+             if s.device == dev)
 
 
 def _collectives(engine, tables) -> dict:
@@ -85,7 +90,8 @@ def _collectives(engine, tables) -> dict:
 
   from jaxserve.batching.plan import StepPlan
 
-  plan = StepPlan(decode_slots=tuple(range(engine.num_slots)), page_tables=np.asarray(tables, np.int32))
+  plan = StepPlan(decode_slots=tuple(range(engine.num_slots)),
+                  page_tables=np.asarray(tables, np.int32))
   args, _ = engine.step_args(plan)
   hlo = engine._step.lower(engine.params, engine.cache, engine.state, args,
                            engine.stop_ids).compile().as_text()
@@ -101,8 +107,9 @@ def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major
   # One decode width (max_model_len / page_size = 8 pages) and one prefill bucket: 2 compilations.
   # The persistent cache makes the HLO dump (a second compile of decode) a cache hit.
   config = EngineConfig(num_slots=args.get("slots", 4), page_size=8, num_pages=64, max_model_len=64,
-                        prefill_buckets=(32,), compilation_cache_dir=args.get("cache_dir"), tp=tp, dp=dp,
-                        kv_layout=KVLayout(kv_layout), attention_backend=AttentionBackend(backend))
+                        prefill_buckets=(32,), compilation_cache_dir=args.get("cache_dir"), tp=tp,
+                        dp=dp, kv_layout=KVLayout(kv_layout),
+                        attention_backend=AttentionBackend(backend))
   engine = Engine(_model(args, tp, dp), config)
   result = _greedy(engine, args["prompts"], args["steps"])
   result["param_bytes_device0"] = _device0_param_bytes(engine.params)

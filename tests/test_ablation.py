@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from conftest import TINY
 
-import script_loader
 from jaxserve.config import KVDtype, KVLayout
+from support import script_loader
+from support.tiny import TINY
 
 ablate = script_loader.load("ablate_cache_layout")
 

@@ -1,4 +1,5 @@
-"""The Pallas attention backend (interpret mode on CPU) against the reference backend, in the engine."""
+"""The Pallas attention backend (interpret mode on CPU) against the reference backend, in the
+engine."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, KVDtype, KVLayout, SamplingParams
 from jaxserve.engine.engine import Engine, default_backend, engine_config_for
+from support.engine_calls import decode, prefill
+from support.tiny import TINY_ENGINE
 
 GREEDY = SamplingParams(temperature=0, logprobs=1)  # Logprobs are computed only when asked.
 
@@ -22,11 +24,11 @@ def run(model, backend):
   rng = np.random.default_rng(3)
   a = list(rng.integers(2, 128, 20))
   b = a[:8] + list(rng.integers(2, 128, 5))
-  out = [engine.prefill(PrefillChunk("a", 0, a, 0, [1, 2, 3], True, GREEDY, 0, a, ())),
-         engine.prefill(PrefillChunk("b", 1, b[8:], 8, [1, 4], True, GREEDY, 0, b, ()))]
+  out = [prefill(engine, PrefillChunk("a", 0, a, 0, [1, 2, 3], True, GREEDY, 0, a, ())),
+         prefill(engine, PrefillChunk("b", 1, b[8:], 8, [1, 4], True, GREEDY, 0, b, ()))]
   tables = np.zeros((4, 4), np.int32)
   tables[0, :3], tables[1, :2] = [1, 2, 3], [1, 4]
-  out += [engine.decode([0, 1], tables) for _ in range(4)]
+  out += [decode(engine, [0, 1], tables) for _ in range(4)]
   return [f.result()[:2] for f in out], [f.logprobs()[0][:2] for f in out]
 
 
@@ -58,7 +60,8 @@ def test_pallas_backend_refuses_kv_dtypes_the_ragged_layout_cannot_store(tiny_mo
   with pytest.raises(ValueError, match=named):
     engine_config_for(config, backend)
   # The reference backend stores every dtype: the same config builds an engine there.
-  engine = Engine(tiny_model, dataclasses.replace(config, attention_backend=AttentionBackend.REFERENCE))
+  engine = Engine(tiny_model,
+                  dataclasses.replace(config, attention_backend=AttentionBackend.REFERENCE))
   assert engine.config.kv_layout is KVLayout.PAGED_TOKEN_MAJOR
 
 

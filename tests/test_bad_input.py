@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 import urllib.error
 import urllib.request
 from typing import Any, Callable
@@ -15,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
+from support import server_harness as h
 
 VOCAB = 49152  # The tiny checkpoint has the default model's (SmolLM2's) tokenizer.
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -39,7 +38,8 @@ class Client:
 
   def tokenize(self, req: pb.TokenizeRequest) -> tuple[Any, str]:
     try:
-      return grpc.StatusCode.OK, str(h.stub(self.channel).Tokenize(req, metadata=h.auth(), timeout=30))
+      return grpc.StatusCode.OK, str(h.stub(self.channel).Tokenize(req, metadata=h.auth(),
+                                                                   timeout=30))
     except grpc.RpcError as e:
       return e.code(), e.details()
 
@@ -142,7 +142,8 @@ CASES = [
         text="Hi", temperature=float("nan")),
     gen("grpc-temperature-inf", "temperature must be >= 0 and finite", text="Hi",
         temperature=float("inf")),
-    gen("grpc-temperature-negative", "temperature must be >= 0 and finite (at most 3.4e38), got -0.5",
+    gen("grpc-temperature-negative",
+        "temperature must be >= 0 and finite (at most 3.4e38), got -0.5",
         text="Hi", temperature=-0.5),
     gen("grpc-top-p-zero", "top_p must be in (0, 1], got 0.0", text="Hi", top_p=0.0),
     gen("grpc-top-p-above-one", "top_p must be in (0, 1], got 1.01", text="Hi", top_p=1.01),
@@ -193,8 +194,8 @@ CASES = [
         _bad_utf8(pb.GenerateRequest(chat=chat(("user", "hello"))), b"hello", b"he\xc3\x28o"),
         "bad UTF-8"),
     raw("grpc-not-protobuf", "Generate", b"\xff\xff\xff\xff", "not a valid message"),
-    raw("grpc-truncated-message", "Generate", pb.GenerateRequest(text="hello").SerializeToString()[:4],
-        "not a valid message"),
+    raw("grpc-truncated-message", "Generate",
+        pb.GenerateRequest(text="hello").SerializeToString()[:4], "not a valid message"),
     raw("grpc-model-info-not-protobuf", "GetModelInfo", b"\x0a\x05ab", "not a valid message"),
     # gRPC Tokenize.
     Case("tokenize-unknown-model", lambda c: c.tokenize(pb.TokenizeRequest(text="Hi", model="x")),
@@ -235,7 +236,8 @@ CASES = [
     post("http-max-tokens-string", {**P, "max_tokens": "5"}, "max_tokens must be an int"),
     post("http-temperature-nan", b'{"prompt": "Hi", "temperature": NaN}', "temperature"),
     post("http-temperature-infinity", b'{"prompt": "Hi", "temperature": Infinity}', "temperature"),
-    post("http-temperature-true", {**P, "temperature": True}, "temperature must be >= 0 and finite"),
+    post("http-temperature-true", {**P, "temperature": True},
+         "temperature must be >= 0 and finite"),
     post("http-temperature-1e39", {**P, "temperature": 1e39}, "(at most 3.4e38), got 1e+39"),
     post("http-temperature-string", {**P, "temperature": "hot"}, "temperature"),
     post("http-temperature-too-big-for-a-float", {**P, "temperature": 10**400}, "temperature"),
@@ -290,7 +292,8 @@ CASES = [
     # HTTP /v1/chat/completions.
     post_chat("chat-no-messages", {"max_tokens": 1}, "messages must be a non-empty list"),
     post_chat("chat-empty-messages", {**M, "messages": []}, "messages must be a non-empty list"),
-    post_chat("chat-message-not-object", {**M, "messages": ["Hi"]}, "messages[0] must be an object"),
+    post_chat("chat-message-not-object", {**M, "messages": ["Hi"]},
+              "messages[0] must be an object"),
     post_chat("chat-unknown-role", {**M, "messages": [{"role": "wizard", "content": "x"}]},
               "messages[0] has role 'wizard'"),
     post_chat("chat-role-not-string", {**M, "messages": [{"role": ["user"], "content": "x"}]},
@@ -321,10 +324,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint, tmp_path_factory):
-  st = h.start_tiny(str(tiny_checkpoint), h.write_keys(tmp_path_factory.mktemp("keys") / "k.json"))
-  yield st
-  st.close()
+def srv_options():
+  return dict(keys=True)
 
 
 @pytest.fixture(scope="module")
@@ -358,10 +359,7 @@ def test_a_bad_request_is_refused_by_name_and_the_server_keeps_serving(client, c
 
 
 def test_after_the_table_every_slot_and_block_is_free(client, srv):
-  deadline = time.monotonic() + 10
-  while not h.idle(srv.scheduler):
-    assert time.monotonic() < deadline, "the engine never went idle"
-    time.sleep(0.01)
+  h.wait_idle(srv)
 
 
 def test_a_long_prompt_is_cut_to_its_tail_with_truncate_prompt(client):

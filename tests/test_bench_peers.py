@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-import script_loader
 from jaxserve.loading import pull
 from jaxserve.text.tokenizer import Tokenizer
+from support import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 bp = script_loader.load("bench_peers")
@@ -71,8 +71,9 @@ def test_quick_mode_runs_jaxserve_and_skips_a_missing_peer(tiny_checkpoint, tmp_
 
   monkeypatch.setattr(bp, "import_llama_cpp", missing)  # As on a machine without it.
   out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-  assert bp.main(["--quick", "--systems", "jaxserve,llama.cpp", "--jaxserve-model", str(tiny_checkpoint),
-                  "--slots", "4", "--buckets", "32", "--max-model-len", "128", "--num-pages", "64",
+  assert bp.main(["--quick", "--systems", "jaxserve,llama.cpp",
+                  "--jaxserve-model", str(tiny_checkpoint), "--slots", "4", "--buckets", "32",
+                  "--max-model-len", "128", "--num-pages", "64",
                   "--json", str(out_json), "--markdown", str(out_md)]) == 0
   report = json.loads(out_json.read_text())
   work = bp.make_workload(tokenizer, 0, num_requests=4, prompt_lens=(8, 32), max_tokens=(4, 16))
@@ -85,4 +86,5 @@ def test_quick_mode_runs_jaxserve_and_skips_a_missing_peer(tiny_checkpoint, tmp_
   assert "not installed" in report["skipped"]["llama.cpp"]
   assert "--install-llama-cpp" in report["skipped"]["llama.cpp"]
   md = out_md.read_text()
-  assert md.startswith("| system | wall s |") and "| jaxserve |" in md and "| llama.cpp | skipped" in md
+  assert (md.startswith("| system | wall s |") and "| jaxserve |" in md
+          and "| llama.cpp | skipped" in md)

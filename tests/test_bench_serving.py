@@ -7,8 +7,7 @@ import pathlib
 
 import pytest
 
-import script_loader
-import server_harness
+from support import script_loader, server_harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -17,16 +16,10 @@ def load_script():
   return script_loader.load("bench_serving")
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_checkpoint):
-  server = server_harness.start_tiny(str(tiny_checkpoint))
-  yield server
-  server.close()
-
-
 @pytest.fixture
 def workload(tmp_path):
-  items = [{"prompt_token_ids": list(range(100 + i, 110 + 2 * i)), "max_tokens": 3 + i} for i in range(6)]
+  items = [{"prompt_token_ids": list(range(100 + i, 110 + 2 * i)), "max_tokens": 3 + i}
+           for i in range(6)]
   path = tmp_path / "w.jsonl"
   path.write_text("".join(json.dumps(item) + "\n" for item in items))
   return path, sum(item["max_tokens"] for item in items)
@@ -37,7 +30,8 @@ def test_reports_latencies_and_throughput(srv, workload, tmp_path, mode):
   path, num_tokens = workload
   out = tmp_path / "summary.json"
   bench = load_script()
-  assert bench.main(["--address", srv.grpc_address, "--workload", str(path), "--json", str(out), *mode]) == 0
+  assert bench.main(["--address", srv.grpc_address, "--workload", str(path), "--json", str(out),
+                     *mode]) == 0
   s = json.loads(out.read_text())
   assert s["requests"] == 6 and s["failed"] == 0
   # End of sequence is ignored: every request streams its whole budget.
@@ -54,6 +48,7 @@ def test_failures_are_counted_not_hidden(srv, tmp_path):
   path.write_text(json.dumps({"prompt_token_ids": [5] * 10, "max_tokens": 100000}) + "\n")
   bench = load_script()
   out = tmp_path / "summary.json"
-  assert bench.main(["--address", srv.grpc_address, "--workload", str(path), "--json", str(out)]) == 1
+  assert bench.main(["--address", srv.grpc_address, "--workload", str(path),
+                     "--json", str(out)]) == 1
   s = json.loads(out.read_text())
   assert s["failed"] == 1 and s["errors"] and s["errors"][0].startswith("INVALID_ARGUMENT")

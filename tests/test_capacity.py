@@ -274,11 +274,13 @@ def test_gemma3_param_counts_are_the_published_ones():
 
 
 def test_gemma3_known_models_read_their_layer_pattern():
-  for cfg, layers, window in ((GEMMA3_270M, 18, 512), (GEMMA3_4B, 34, 1024), (GEMMA3_12B, 48, 1024)):
+  for cfg, layers, window in ((GEMMA3_270M, 18, 512), (GEMMA3_4B, 34, 1024),
+                              (GEMMA3_12B, 48, 1024)):
     assert cfg.local_layers == tuple((i + 1) % 6 != 0 for i in range(layers))
     assert cfg.sliding_window == window
   assert (GEMMA3_4B.num_heads, GEMMA3_4B.num_kv_heads, GEMMA3_4B.head_dim) == (8, 4, 256)
-  assert (GEMMA3_12B.num_heads, GEMMA3_12B.num_kv_heads, GEMMA3_12B.rope_linear_factor) == (16, 8, 8.0)
+  assert (GEMMA3_12B.num_heads, GEMMA3_12B.num_kv_heads,
+          GEMMA3_12B.rope_linear_factor) == (16, 8, 8.0)
 
 
 def test_window_pages_count_the_page_a_window_straddles():
@@ -309,7 +311,8 @@ def test_num_kv_pages_with_a_window_pool_by_hand():
   page of the main pool holds only the global layers. 270M, bfloat16, pages of 16: one layer's
   page is 16,384 B; 8 GiB, no weights. Every page for all 18 layers: 8,589,934,592 // 294,912
   = 29,127. A window pool of 1 + 16 * 35 = 561 pages * 15 local layers * 16,384 B =
-  137,871,360 B; the rest over 3 global layers' 49,152 B pages: 8,452,063,232 // 49,152 = 171,957."""
+  137,871,360 B; the rest over 3 global layers' 49,152 B pages: 8,452,063,232 // 49,152 =
+  171,957."""
   assert capacity.num_kv_pages(GEMMA3_270M, 8 * GIB, 1.0, 16, KVDtype.BFLOAT16, 0) == 29_127
   assert capacity.num_kv_pages(GEMMA3_270M, 8 * GIB, 1.0, 16, KVDtype.BFLOAT16, 0,
                                num_window_pages=561) == 171_957

@@ -14,11 +14,13 @@ FLAGS = ["--max-tokens", "6", "--buckets", "16,32", "--slots", "2", "--num-pages
 
 
 def test_generate_streams_the_offline_result(tiny_checkpoint, capsys):
-  assert cli.main(["generate", "What is a mortgage rate?", "--model", str(tiny_checkpoint), *FLAGS]) == 0
+  assert cli.main(["generate", "What is a mortgage rate?", "--model", str(tiny_checkpoint),
+                   *FLAGS]) == 0
   out = capsys.readouterr()
   llm = LLM(str(tiny_checkpoint), engine_config=cli.engine_config(cli.build_parser().parse_args(
       ["generate", "x", *FLAGS])), warmup=False)
-  expected = llm.generate("What is a mortgage rate?", SamplingParams(temperature=0, max_tokens=6), chat=True)[0]
+  expected = llm.generate("What is a mortgage rate?", SamplingParams(temperature=0, max_tokens=6),
+                          chat=True)[0]
   assert out.out == expected.text + "\n"
   assert "time to first token" in out.err and "tokens/s" in out.err
   assert f"[{len(expected.token_ids)} tokens, finish: {expected.finish_reason.value}" in out.err

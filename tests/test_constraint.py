@@ -24,7 +24,7 @@ from jaxserve.text.constraint import (
 )
 from jaxserve.text.constraint_vocab import vocab_bytes
 from jaxserve.text.tokenizer import Tokenizer
-from tests.conftest import count_compiles
+from support.tiny import count_compiles
 
 # Three levels: objects, arrays, enums, bounded integers and numbers, required and optional fields.
 NESTED_SCHEMA = {
@@ -42,7 +42,8 @@ NESTED_SCHEMA = {
                     "type": "object",
                     "properties": {
                         "level": {"type": "integer", "minimum": -3, "maximum": 250},
-                        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                 "maxItems": 3},
                     },
                     "required": ["level", "tags"],
                     "additionalProperties": False,
@@ -58,7 +59,8 @@ NESTED_SCHEMA = {
     "additionalProperties": False,
 }
 VALID_DOC = {"name": "Ada", "age": 36, "role": "admin",
-             "address": {"city": "London", "zip": "02139", "geo": {"level": -2, "tags": ["a", "c"]}},
+             "address": {"city": "London", "zip": "02139",
+                         "geo": {"level": -2, "tags": ["a", "c"]}},
              "scores": [5, -5, 0]}
 # [0-9], not \d: llguidance's \d is any Unicode digit, as in Python's re, but its Unicode tables
 # are newer than Python 3.11's, so random draws can find digits that re does not know.
@@ -85,7 +87,8 @@ def allowed_ids(compiler, matcher) -> np.ndarray:
 def unpack(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
   """[B, W] int32 -> [B, V] bool, written apart from the code under test: token t is bit t of
   the row's little-endian bytes."""
-  return np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+  return np.unpackbits(bitmask.view(np.uint8), axis=1,
+                       bitorder="little")[:, :vocab_size].astype(bool)
 
 
 def sample_random(compiler, tokenizer, constraint, rng, max_len=2000, closers=None,
@@ -115,9 +118,11 @@ def sample_random(compiler, tokenizer, constraint, rng, max_len=2000, closers=No
 
 @pytest.mark.parametrize("make, message", [
     (lambda: check(Constraint.json_schema('{"type": "object",')), "the schema is not valid JSON"),
-    (lambda: check(Constraint.json_schema([{"type": "object"}])), "the schema must be a JSON object, got an array"),
+    (lambda: check(Constraint.json_schema([{"type": "object"}])),
+     "the schema must be a JSON object, got an array"),
     (lambda: check(Constraint.json_schema({"type": "objekt"})), "Invalid type: objekt"),
-    (lambda: check(Constraint.json_schema({"type": "object", "if": {}})), 'Unimplemented keys: \\["if"\\]'),
+    (lambda: check(Constraint.json_schema({"type": "object", "if": {}})),
+     'Unimplemented keys: \\["if"\\]'),
     (lambda: check(Constraint.json_schema({"type": "string", "pattern": "(("})), "unclosed group"),
     (lambda: check(Constraint.json_schema({"$ref": "#/$defs/missing"})), "does not exist"),
     (lambda: check(Constraint.regex("((")), "(?s)regex constraint is invalid.*unclosed group"),
@@ -125,11 +130,15 @@ def sample_random(compiler, tokenizer, constraint, rng, max_len=2000, closers=No
     (lambda: check(Constraint.regex("a{3,1}")), "invalid repetition count range"),
     (lambda: check(Constraint.choice([])), "the options must be a non-empty list of strings"),
     (lambda: check(Constraint.choice(["yes", 3])), "option 1 must be a non-empty string, got 3"),
-    (lambda: check(Constraint.grammar('start: "a" | b')), '(?s)grammar constraint is invalid.*unknown name: "b"'),
-    (lambda: check(Constraint.grammar('root ::= ("a"')), "(?s)grammar constraint is invalid.*Expected '\\)'"),
+    (lambda: check(Constraint.grammar('start: "a" | b')),
+     '(?s)grammar constraint is invalid.*unknown name: "b"'),
+    (lambda: check(Constraint.grammar('root ::= ("a"')),
+     "(?s)grammar constraint is invalid.*Expected '\\)'"),
     (lambda: check(Constraint.grammar("  ")), "the grammar is empty"),
-    (lambda: check(Constraint("xml", "<a/>")), "constraint kind must be one of json_object, json_schema"),
-    (lambda: check(Constraint(ConstraintKind.JSON_OBJECT, "{}")), "json_object constraint takes no text"),
+    (lambda: check(Constraint("xml", "<a/>")),
+     "constraint kind must be one of json_object, json_schema"),
+    (lambda: check(Constraint(ConstraintKind.JSON_OBJECT, "{}")),
+     "json_object constraint takes no text"),
 ])
 def test_invalid_constraints_name_the_problem(make, message):
   with pytest.raises(ValueError, match=message):
@@ -137,8 +146,10 @@ def test_invalid_constraints_name_the_problem(make, message):
 
 
 def test_valid_constraints_are_canonical_and_take_kind_names():
-  assert Constraint("json_schema", '{ "type" :  "object" }') == Constraint.json_schema({"type": "object"})
-  assert Constraint.json_schema(NESTED_SCHEMA).text.startswith('{"type":"object","properties":{"name"')
+  assert (Constraint("json_schema", '{ "type" :  "object" }')
+          == Constraint.json_schema({"type": "object"}))
+  assert Constraint.json_schema(NESTED_SCHEMA).text.startswith(
+      '{"type":"object","properties":{"name"')
   assert Constraint.grammar('root ::= "yes" | "no"').kind is ConstraintKind.GRAMMAR  # GBNF
   assert Constraint.regex(PHONE) != Constraint.regex(DATE)
 
@@ -161,7 +172,8 @@ def test_compiles_off_the_event_loop_once_per_constraint(tokenizer):
   constraint = Constraint.json_schema(NESTED_SCHEMA)
 
   async def compile_many():
-    return await asyncio.gather(*[asyncio.to_thread(compiler.compile, constraint) for _ in range(8)])
+    return await asyncio.gather(*[asyncio.to_thread(compiler.compile, constraint)
+                                  for _ in range(8)])
 
   grammars = asyncio.run(compile_many())
   assert all(g is grammars[0] for g in grammars)

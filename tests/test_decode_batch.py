@@ -4,7 +4,6 @@ the engine builds for a step, and one slot decoded alone giving the tokens it ge
 import dataclasses
 
 import numpy as np
-from conftest import TINY, TINY_ENGINE
 from flax import nnx
 
 from jaxserve.batching.plan import StepPlan
@@ -12,6 +11,8 @@ from jaxserve.config import EngineConfig, KVLayout
 from jaxserve.engine.engine import Engine
 from jaxserve.model.kv_cache import SCRATCH_PAGE
 from jaxserve.model.llama import Transformer
+from support.engine_calls import decode, prefill
+from support.tiny import TINY, TINY_ENGINE
 
 
 def test_batch_buckets_are_powers_of_four_up_to_the_slots():
@@ -35,7 +36,8 @@ def test_rows_name_the_decoding_slots_then_padding():
   assert rows == [0] and one.prefill_tokens.shape == (0,)  # Decode only: no prefill part.
   two, rows = e.step_args(StepPlan(decode_slots=(3, 0), page_tables=tables))
   np.testing.assert_array_equal(two.decode_slots, [3, 0, 4, 4])  # 4 = num_slots: padding.
-  np.testing.assert_array_equal(two.decode_tables[:, :3], [[10, 11, 12], [1, 2, 3], [0] * 3, [0] * 3])
+  np.testing.assert_array_equal(two.decode_tables[:, :3],
+                                [[10, 11, 12], [1, 2, 3], [0] * 3, [0] * 3])
   assert (two.decode_tables[2:] == SCRATCH_PAGE).all() and rows == [0, 1]
 
 
@@ -56,14 +58,15 @@ def test_a_slot_decodes_the_same_alone_and_among_others():
     pages = {s: list(range(1 + 8 * s, 9 + 8 * s)) for s in range(3)}
     for s in slots:
       prompt = [5 + s, 9, 2, 7 * s + 1]
-      e.prefill(PrefillChunk(f"r{s}", s, prompt, 0, pages[s], True,
-                             SamplingParams(temperature=0.0, logprobs=1), 0, prompt_token_ids=prompt))
+      prefill(e, PrefillChunk(f"r{s}", s, prompt, 0, pages[s], True,
+                             SamplingParams(temperature=0.0, logprobs=1), 0,
+                             prompt_token_ids=prompt))
     tables = np.zeros((4, 8), np.int32)
     for s in range(3):
       tables[s] = pages[s]
     out = []
     for _ in range(6):
-      f = e.decode(slots, tables)
+      f = decode(e, slots, tables)
       out.append((int(f.result()[1]), float(f.logprobs()[0][1])))
     return out
 

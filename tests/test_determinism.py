@@ -2,9 +2,9 @@
 greedy and seeded request gets exactly its tokens from a run alone, when it shares the batch with
 other requests, reads a cached prefix, is prefilled in chunks, or is preempted and recomputed."""
 
-import script_loader
-import server_harness as h
 from jaxserve.config import EngineConfig
+from support import script_loader
+from support import server_harness as h
 
 cd = script_loader.load("check_determinism")
 

@@ -5,21 +5,10 @@ import pytest
 from hypothesis import strategies as st
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
-from jaxserve.loading import pull
 from jaxserve.text.detokenizer import IncrementalDetokenizer
 from jaxserve.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
-
-
-@pytest.fixture(scope="module")
-def smol():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.SMOLLM2))
-
-
-@pytest.fixture(scope="module")
-def gemma():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.GEMMA3))
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +76,8 @@ def test_prompt_context_keeps_the_first_tokens_space(smol, gemma):
 
 
 def test_dummy_prefix_space_is_kept_after_the_first_token(llama_style):
-  hello, world, again = (llama_style.token_to_id(t) for t in ("Hello", "\u2581world", "\u2581again"))
+  hello, world, again = (llama_style.token_to_id(t)
+                         for t in ("Hello", "\u2581world", "\u2581again"))
   assert llama_style.detokenize([world]) == "world"  # Alone, the space goes...
   assert _stream(llama_style, [hello, world, again]) == ["Hello", " world", " again", ""]
   assert _stream(llama_style, [world, again]) == ["world", " again", ""]

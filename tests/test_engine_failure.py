@@ -10,13 +10,14 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import server_harness as h
+from jaxserve import llm
 from jaxserve.api import server
+from support import server_harness as h
+from support.server_harness import health
 
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = h.HEALTH.NOT_SERVING
+SERVING = h.HEALTH.SERVING
 LONG = dict(max_tokens=100, ignore_eos=True)
 
 
@@ -39,15 +40,11 @@ class FaultyEngine:
     return self._engine.step(plan)
 
 
-def health(channel):
-  return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
-
-
 def test_open_streams_get_internal_and_health_stays_down(tiny_checkpoint):
   engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
   faulty = FaultyEngine(engine)
   cfg = server.ServerConfig(grpc_port=0, http_port=0)
-  st = h.ServerThread(server.Server(lambda: server.Loaded(faulty, tokenizer, "tiny"), cfg)).start()
+  st = h.ServerThread(server.Server(lambda: llm.Loaded(faulty, tokenizer, "tiny"), cfg)).start()
   with grpc.insecure_channel(st.grpc_address) as ch:
     stub = h.stub(ch)
     done = list(stub.Generate(h.text_request("Hello", max_tokens=5, ignore_eos=True)))
@@ -83,15 +80,12 @@ def test_serve_exits_nonzero_when_the_engine_dies(tiny_checkpoint):
   """What a supervisor sees: `run_until_signal` returns 1 (not 0, not a hang)."""
   engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
   faulty = FaultyEngine(engine, armed=True)
-  srv = server.Server(lambda: server.Loaded(faulty, tokenizer, "tiny"),
+  srv = server.Server(lambda: llm.Loaded(faulty, tokenizer, "tiny"),
                       server.ServerConfig(grpc_port=0, http_port=None))
   said, codes = [], []
 
   def client():
-    deadline = time.monotonic() + 60
-    while "jaxserve: ready" not in said:
-      assert time.monotonic() < deadline
-      time.sleep(0.01)
+    assert h.wait_until(lambda: "jaxserve: ready" in said, 60)
     with grpc.insecure_channel(f"127.0.0.1:{srv.ports['grpc']}") as ch:
       try:
         list(h.stub(ch).Generate(h.text_request("Hello", max_tokens=4)))

@@ -25,9 +25,10 @@ TARGETS = {AttentionBackend.PALLAS_TPU: ("tpu", "tpu_custom_call"),
 # SmolLM2's attention shape (GQA 9:3, head_dim 64), two layers.
 MODEL = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
                     hidden_dim=256, max_seq_len=256)
-ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=32, max_model_len=256, prefill_buckets=(32,),
-                      kv_layout=KVLayout.RAGGED)
-SHAPES = {"decode": StepShape(4, 0, 8), "prefill": StepShape(0, 32, 16), "mixed": StepShape(1, 32, 8)}
+ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=32, max_model_len=256,
+                      prefill_buckets=(32,), kv_layout=KVLayout.RAGGED)
+SHAPES = {"decode": StepShape(4, 0, 8), "prefill": StepShape(0, 32, 16),
+          "mixed": StepShape(1, 32, 8)}
 
 
 def export(backend, shape: StepShape) -> str:

@@ -28,7 +28,8 @@ LOGLIKELIHOOD = [{"context": "The capital of France is", "continuation": " Paris
                  {"context": "A week has seven", "continuation": " days"}]
 CHOICE = [{"question": "What color is the sky on a clear day?", "choices": ["blue", "green", "red"],
            "label": 0},
-          {"question": "How many legs does a dog have?", "choices": ["two", "four", "six"], "label": 1},
+          {"question": "How many legs does a dog have?", "choices": ["two", "four", "six"],
+           "label": 1},
           {"question": "Which animal says moo?", "choices": ["cat", "duck", "cow"], "label": 2}]
 GENERATE = [{"question": "Q: What is 2 + 3?\nA:", "answer": " 5"},
             {"question": "Q: Name the opposite of hot.\nA:", "answer": " cold"}]
@@ -37,8 +38,9 @@ TASKS = {
                     {"doc_to_text": "{{context}}", "doc_to_target": "{{continuation}}",
                      "metric_list": [{"metric": "perplexity"}, {"metric": "acc"}]}),
     "jaxserve_mc": ("multiple_choice", CHOICE,
-                    {"doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_choice": "{{choices}}",
-                     "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}]}),
+                    {"doc_to_text": "Question: {{question}}\nAnswer:",
+                     "doc_to_choice": "{{choices}}", "doc_to_target": "{{label}}",
+                     "metric_list": [{"metric": "acc"}]}),
     "jaxserve_gen": ("generate_until", GENERATE,
                      {"doc_to_text": "{{question}}", "doc_to_target": "{{answer}}",
                       "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8, "do_sample": False},
@@ -55,12 +57,12 @@ def _client(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  import server_harness as h
   from jaxserve.api import server
-  from jaxserve.llm import LLM
+  from jaxserve.llm import LLM, Loaded
+  from support import server_harness as h
 
   llm = LLM(None, engine_config=ENGINE)
-  loaded = server.Loaded(llm.engine, llm.tokenizer, "smollm2")
+  loaded = Loaded(llm.engine, llm.tokenizer, "smollm2")
   srv = h.ServerThread(server.Server(lambda: loaded, server.ServerConfig(grpc_port=0, http_port=0)))
   srv.start()
   yield srv, llm
@@ -77,7 +79,8 @@ def hf_tokenizer(tmp_path_factory):
 
   path = pull.gguf_path()
   out = tmp_path_factory.mktemp("hf_tokenizer")
-  transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
+  transformers.AutoTokenizer.from_pretrained(str(path.parent),
+                                             gguf_file=path.name).save_pretrained(out)
   return out
 
 
@@ -133,7 +136,8 @@ def test_guidellm_benchmarks_the_server(served, hf_tokenizer, tmp_path):
   report = tmp_path / "report.json"
   env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
   run = subprocess.run(
-      [_client("guidellm"), "run", "--backend", f"kind=openai_http,target={srv.http_url},model=smollm2",
+      [_client("guidellm"), "run",
+       "--backend", f"kind=openai_http,target={srv.http_url},model=smollm2",
        "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=4",
        "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=4",
        "--tokenizer", f"kind=huggingface_auto,model={hf_tokenizer}",

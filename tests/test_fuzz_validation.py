@@ -30,14 +30,12 @@ from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.stop import OutputText
 from jaxserve.config import SamplingParams
-from jaxserve.engine.sample import SamplingRow
-from jaxserve.loading import pull
+from jaxserve.engine.sampling_state import SamplingRow
 from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.serving.metrics import Metrics
 from jaxserve.serving.service import Prompt, Service
 from jaxserve.text.detokenizer import IncrementalDetokenizer
-from jaxserve.text.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 128
 SETTINGS = hypothesis.settings(max_examples=200, deadline=None, derandomize=True,
@@ -49,16 +47,10 @@ SAMPLING_FIELDS = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty
 
 
 @pytest.fixture(scope="module")
-def smol():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.SMOLLM2))
-
-
-@pytest.fixture(scope="module")
 def service(smol):
   """The service's checks over the real tokenizer; no engine behind it (nothing is submitted)."""
   info = EngineInfo(num_slots=1, page_size=16, num_pages=2, max_model_len=MAX_MODEL_LEN,
-                    max_prefill_len=16, can_share_pages=True, vocab_size=smol.vocab_size,
-                    decode_widths=(1,))
+                    max_prefill_len=16, can_share_pages=True, vocab_size=smol.vocab_size)
   runner = types.SimpleNamespace(engine_info=info)
   return Service(runner, smol, "tiny", gateway.Gateway(), Metrics())
 
@@ -171,8 +163,9 @@ def _assert_prepared(service, prepared) -> None:
 
 # OpenAI bodies. In range: short prompts and max_tokens <= 16, so any mix fits the context.
 _TEXT = st.text(min_size=1, max_size=20)
-_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                            "content": st.text(max_size=20)}), min_size=1, max_size=2)
+_VALID_ROLES = st.sampled_from(["system", "user", "assistant"])
+_MESSAGES = st.lists(st.fixed_dictionaries({"role": _VALID_ROLES, "content": st.text(max_size=20)}),
+                     min_size=1, max_size=2)
 _HTTP_VALID = {
     **_VALID, "stop": st.one_of(_STOP_TEXT, _VALID["stop"]),
     "prompt": st.one_of(_TEXT, st.lists(st.integers(0, 49151), min_size=1, max_size=8)),
@@ -217,7 +210,8 @@ def test_property_http_bodies_run_or_are_refused_by_name(service, chat, data):
   valid = _CHAT_VALID if chat else _COMPLETION_VALID
   valid = {k: v for k, v in valid.items() if k != ("prompt" if chat else "messages")}
   target, value, in_range, body = data.draw(_one_bad_field(valid, _BODY_KEYS, _http_garbage))
-  body.setdefault("messages" if chat else "prompt", data.draw(valid["messages" if chat else "prompt"]))
+  text_key = "messages" if chat else "prompt"
+  body.setdefault(text_key, data.draw(valid[text_key]))
   body[target] = value
   parse = openai_request.chat_request if chat else openai_request.completion_request
   try:
@@ -269,7 +263,8 @@ def test_property_chat_messages_are_rendered_or_refused_by_name(service, message
 
 
 @SETTINGS
-@hypothesis.given(data=st.one_of(st.binary(max_size=64), _JSON.map(lambda v: json.dumps(v).encode()),
+@hypothesis.given(data=st.one_of(st.binary(max_size=64),
+                                 _JSON.map(lambda v: json.dumps(v).encode()),
                                  _JSON_TEXT.map(lambda t: t.encode("utf-8", "surrogatepass"))))
 def test_property_any_body_bytes_parse_to_an_object_or_are_refused(data):
   try:
@@ -282,7 +277,8 @@ def test_property_any_body_bytes_parse_to_an_object_or_are_refused(data):
 
 # gRPC requests: every field within its proto type.
 _PROTO_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
-_CHAT = lambda roles, min_size: st.lists(st.tuples(roles, _PROTO_TEXT), min_size=min_size, max_size=2).map(
+_CHAT = lambda roles, min_size: st.lists(
+    st.tuples(roles, _PROTO_TEXT), min_size=min_size, max_size=2).map(
     lambda m: pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in m]))
 _GRPC_VALID = {
     **_VALID, "max_tokens": st.integers(1, 16), "logprobs": st.integers(0, 20),
@@ -302,9 +298,11 @@ _GRPC_GARBAGE = {
     "logprobs": st.integers(0, 2**32 - 1) | st.integers(0, 22),
     "chunk_tokens": st.integers(0, 2**32 - 1) | st.integers(4090, 4100),
     "stop": st.lists(_PROTO_TEXT, max_size=70),
-    "stop_token_ids": st.lists(st.integers(-2**31, 2**31 - 1) | st.integers(49150, 49153), max_size=3),
+    "stop_token_ids": st.lists(st.integers(-2**31, 2**31 - 1) | st.integers(49150, 49153),
+                               max_size=3),
     "ignore_eos": st.booleans(), "priority": st.integers(-2**31, 2**31 - 1),
-    "request_id": _PROTO_TEXT | st.text(min_size=250, max_size=260), "truncate_prompt": st.booleans(),
+    "request_id": _PROTO_TEXT | st.text(min_size=250, max_size=260),
+    "truncate_prompt": st.booleans(),
     "model": st.sampled_from(["", "tiny", "gpt-4"]), "text": _PROTO_TEXT,
     "token_ids": st.lists(st.integers(-2**31, 2**31 - 1) | st.integers(0, 100), max_size=140).map(
         lambda i: pb.TokenIds(ids=i)),
@@ -378,7 +376,8 @@ def byte_tokens(smol):
 def _smol_ids(smol, byte_tokens):
   multi = [byte_tokens[b] for b in "é日😀".encode() if b in byte_tokens]
   return st.one_of(st.sampled_from(multi), st.sampled_from(sorted(byte_tokens.values())),
-                   st.sampled_from(smol.encode("Hi <|im_end|> there, world!") + sorted(smol.stop_ids)),
+                   st.sampled_from(smol.encode("Hi <|im_end|> there, world!")
+                                   + sorted(smol.stop_ids)),
                    st.integers(0, smol.vocab_size - 1))
 
 

@@ -171,7 +171,8 @@ def test_sampling_params():
                                   ({"top_p": 2.0}, None, "top_p"),
                                   ({"top_k": "5"}, None, "top_k"),
                                   ({"stop": "x"}, None, "stop"),
-                                  ({}, 21, "logprobs"), ({}, -1, "logprobs"), ({}, True, "logprobs")]:
+                                  ({}, 21, "logprobs"), ({}, -1, "logprobs"),
+                                  ({}, True, "logprobs")]:
     e = status_of(gateway.sampling_params, fields, 4, logprobs)
     assert e.status is Status.INVALID_ARGUMENT and named in e.message
 

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import dense_logits
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk
@@ -32,7 +31,9 @@ from jaxserve.loading import checkpoint, pull, weights
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import SCRATCH_PAGE, WindowedKV
-from mock_engine import MockTokenizer, assert_all_free, checked  # noqa: F401  (checked is a fixture)
+from support.engine_calls import decode, prefill
+from support.mock_engine import MockTokenizer, assert_all_free
+from support.tiny import dense_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -105,11 +106,11 @@ def test_tiny_chunked_prefill_and_decode_match_transformers(tiny, tiny_hf):
   table = list(range(1, 17))
   greedy = SamplingParams(temperature=0)
   for start, end in ((0, 16), (16, 21)):
-    future = engine.prefill(PrefillChunk("r", 0, prompt[start:end], start, table, end == 21, greedy,
-                                         0, prompt_token_ids=prompt))
+    future = prefill(engine, PrefillChunk("r", 0, prompt[start:end], start, table, end == 21,
+                                         greedy, 0, prompt_token_ids=prompt))
   ours = [int(future.result()[0])]
   for _ in range(11):
-    ours.append(int(engine.decode([0], np.array([table], np.int32)).result()[0]))
+    ours.append(int(decode(engine, [0], np.array([table], np.int32)).result()[0]))
   ids = list(prompt)
   with torch.no_grad():
     for _ in range(12):
@@ -306,7 +307,7 @@ def test_real_greedy_continuations_match_transformers(llm, prompts, reference):
     assert list(out.token_ids) == reference[kind][1], kind
   # The local layers kept only their window's pages, and gave every one back.
   scheduler = llm.runner.scheduler
-  assert isinstance(llm.engine.cache, WindowedKV) and scheduler.window == 512
+  assert isinstance(llm.engine.cache, WindowedKV) and scheduler.pools.window == 512
   assert_all_free(scheduler)
   # Again: the prefix cache serves the long prompt's pages, the window pool its last window.
   again = llm.generate([prompts["long"]], greedy)[0]

@@ -20,11 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from conftest import count_compiles, dense_logits
 from flax import nnx
 
-import server_harness as h
-from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, ModelConfig, ModelFamily, SamplingParams, SchedulerConfig
@@ -32,6 +29,9 @@ from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, pull
 from jaxserve.model.gemma3 import Gemma3
 from jaxserve.text.tokenizer import Tokenizer
+from support import server_harness as h
+from support.openai_http import openai_client
+from support.tiny import count_compiles, dense_logits
 
 
 def tiny_gemma3(vocab_size: int) -> Gemma3:
@@ -60,7 +60,8 @@ def test_no_request_compiles_after_warmup():
     requests.append((ids, SamplingParams(
         temperature=float(rng.choice([0, 0.7, 1.3])), top_k=int(rng.choice([0, 5])),
         top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.05])),
-        repetition_penalty=float(rng.choice([1.0, 1.2])), presence_penalty=float(rng.choice([0, 0.5])),
+        repetition_penalty=float(rng.choice([1.0, 1.2])),
+        presence_penalty=float(rng.choice([0, 0.5])),
         frequency_penalty=float(rng.choice([0, 0.3])), seed=i if i % 2 else None,
         max_tokens=int(rng.integers(1, 24)), ignore_eos=i % 3 == 0, logprobs=i % 4,
         stop=["the"] if i % 5 == 0 else ())))
@@ -79,7 +80,8 @@ ENGINE_FLAGS = ["--slots", "4", "--page-size", "16", "--num-pages", "64", "--max
                 "--buckets", "64"]
 NAME = "gemma-3-270m"
 CHAT = [{"role": "user", "content": "What is a mortgage rate?"}]
-CHAT_TEXT = "<bos><start_of_turn>user\nWhat is a mortgage rate?<end_of_turn>\n<start_of_turn>model\n"
+CHAT_TEXT = ("<bos><start_of_turn>user\nWhat is a mortgage rate?<end_of_turn>\n"
+             "<start_of_turn>model\n")
 TEXT = "The capital of France is"
 STOP = "largest"  # In TEXT's greedy continuation (" ... It is the largest city in France ...").
 SEEDED = dict(temperature=1.0, seed=7, repetition_penalty=1.3, max_tokens=12)
@@ -126,17 +128,14 @@ def _requests(tokenizer):
 def offline(loaded):
   _, tokenizer, engine = loaded
   requests = _requests(tokenizer)
-  outs = Runner(engine, tokenizer).generate(list(requests.values()))
+  outs = h.offline(engine, tokenizer, list(requests.values()))
   return dict(zip(requests, outs))
 
 
 @pytest.fixture(scope="module")
-def srv(loaded, offline):
+def srv_options(loaded, offline):  # The offline reference first: it shares the engine.
   _, tokenizer, engine = loaded
-  cfg = server.ServerConfig(grpc_port=0, http_port=0)
-  st = h.ServerThread(server.Server(lambda: server.Loaded(engine, tokenizer, NAME), cfg)).start()
-  yield st
-  st.close()
+  return dict(engine=(engine, tokenizer, NAME))
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +154,9 @@ def _grpc_request(ids, sampling: SamplingParams, **fields) -> pb.GenerateRequest
 
 
 def _stream(stub, req) -> tuple[list[int], str, int]:
-  msgs = list(stub.Generate(req, timeout=120))
-  return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs[-1].finish_reason
+  msgs = h.generate(stub, req, None, 120)
+  return ([t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs),
+          msgs[-1].finish_reason)
 
 
 @pytest.mark.real_model
@@ -215,7 +215,7 @@ def test_grpc_logprobs_match_a_dense_forward_pass(stub, loaded):
 
 
 def _client(srv) -> openai.OpenAI:
-  return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
+  return openai_client(srv, "none", timeout=120)
 
 
 @pytest.mark.real_model
@@ -242,7 +242,8 @@ def test_jaxserve_generate_with_the_packaged_name(checkpoints, loaded, offline):
   env = {**os.environ, "JAXSERVE_CHECKPOINTS": str(checkpoints), "JAX_PLATFORMS": "cpu"}
   run = subprocess.run(
       [sys.executable, "-m", "jaxserve.cli", "generate", "--model", NAME, *ENGINE_FLAGS,
-       "--max-tokens", "16", CHAT[0]["content"]], env=env, capture_output=True, text=True, timeout=600)
+       "--max-tokens", "16", CHAT[0]["content"]], env=env, capture_output=True, text=True,
+      timeout=600)
   assert run.returncode == 0, run.stderr[-2000:]
   assert run.stdout == offline["chat"].text + "\n"  # The text, then a newline.
   assert "[16 tokens, finish: length" in run.stderr
@@ -265,8 +266,7 @@ def end_of_turn_srv(loaded):
                                       prefill_buckets=(32,), compilation_cache_dir=None),
                   stop_ids=tokenizer.stop_ids)
   engine.warmup()
-  cfg = server.ServerConfig(grpc_port=0, http_port=0)
-  st = h.ServerThread(server.Server(lambda: server.Loaded(engine, tokenizer, "tiny"), cfg)).start()
+  st = h.serve(engine, tokenizer, "tiny")
   yield st, end_of_turn
   st.close()
 

@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-import script_loader
 from jaxserve.planning import capacity
+from support import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 gb = script_loader.load("generate_batch")
@@ -44,15 +44,18 @@ def test_results_come_back_in_input_order_with_their_own_budgets(tiny_checkpoint
   assert all(r["finish_reason"] == "length" and "error" not in r for r in records)
   assert [r["line"] for r in records] == [1, 2, 3, 4, 5, 6]
   # Greedy, so each text and token list must equal the offline API's for the same prompt.
-  llm = gb.LLM(str(tiny_checkpoint), engine_config=gb.cli.engine_config(gb.build_parser().parse_args(
-      ["x", "y", *ENGINE_FLAGS])))
+  llm = gb.LLM(str(tiny_checkpoint),
+               engine_config=gb.cli.engine_config(gb.build_parser().parse_args(
+                   ["x", "y", *ENGINE_FLAGS])))
   expected = llm.generate([r["prompt"] for r in ROWS],
-                          [gb.SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
+                          [gb.SamplingParams(temperature=0, max_tokens=r["max_tokens"],
+                                             ignore_eos=True)
                            for r in ROWS])
   for rec, c in zip(records, expected):
     assert rec["token_ids"] == list(c.token_ids) and rec["text"] == c.text
     assert rec["prompt_tokens"] == len(c.prompt_token_ids)
-  chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat["messages"]), add_bos=False)
+  chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat["messages"]),
+                                  add_bos=False)
   assert records[5]["prompt_tokens"] == len(chat_ids)
   for r in records:
     t = r["timings"]
@@ -129,8 +132,8 @@ def test_bad_lines_get_an_error_and_the_run_goes_on(tiny_checkpoint, tmp_path):
 
 def test_memory_fraction_sizes_the_pool_from_total_memory(tiny_checkpoint):
   """--memory-fraction reaches the engine, which sizes its pool at start-up (on CPU, from RAM)."""
-  args = gb.build_parser().parse_args(["x", "y", "--model", str(tiny_checkpoint), "--page-size", "8",
-                                       "--memory-fraction", "0.001"])
+  args = gb.build_parser().parse_args(["x", "y", "--model", str(tiny_checkpoint),
+                                       "--page-size", "8", "--memory-fraction", "0.001"])
   llm = gb.LLM(args.model, engine_config=gb.cli.engine_config(args), warmup=False)
   cfg = llm.model.cfg
   assert (cfg.dim, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (64, 2, 2, 16)
@@ -168,3 +171,24 @@ def test_a_line_carries_its_constraint(tiny_checkpoint, tmp_path):
   assert by_id["choice"]["text"] in ("yes", "no")
   assert "regex constraint is invalid" in by_id["bad"]["error"]
   assert "constraint kind must be one of" in by_id["kind"]["error"]
+
+
+def test_logprobs_are_written_one_per_output_token_when_asked(tiny_checkpoint, tmp_path):
+  """--logprobs 2 for every line but one that sets its own 0; greedy (the flags' default), so
+  each chosen token is its own most likely one."""
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  write_jsonl(inp, [{"id": "a", "prompt": "Hello there", "max_tokens": 5},
+                    {"id": "b", "prompt": "General Kenobi", "max_tokens": 3, "logprobs": 3},
+                    {"id": "none", "prompt": "Hi", "max_tokens": 2, "logprobs": 0}])
+  assert run(tiny_checkpoint, inp, out, "--token-ids", "--logprobs", "2") == 0
+  a, b, none = read_jsonl(out)
+  for record, num_top in ((a, 2), (b, 3)):
+    entries = record["logprobs"]
+    assert len(entries) == record["completion_tokens"] == len(record["token_ids"])
+    assert [e["token_id"] for e in entries] == record["token_ids"]
+    for e in entries:
+      assert len(e["top"]) == num_top and e["top"][0]["token_id"] == e["token_id"]
+      assert e["logprob"] == pytest.approx(e["top"][0]["logprob"]) and e["logprob"] <= 0
+      assert [t["logprob"] for t in e["top"]] == sorted((t["logprob"] for t in e["top"]),
+                                                        reverse=True)
+  assert "logprobs" not in none and none["completion_tokens"] == 2

@@ -2,16 +2,15 @@
 checked against the offline Runner on the same engine."""
 
 import json
-import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
-import server_harness as h
-from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams
+from support import server_harness as h
+from support.openai_http import openai_client as client
 
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is a prime number?"}]
@@ -26,28 +25,14 @@ def offline(tiny_checkpoint):
   engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
   chat_ids = tokenizer.encode(tokenizer.apply_chat_template(CHAT), add_bos=False)
   text_ids = tokenizer.encode(TEXT)
-  chat, text = Runner(engine, tokenizer).generate([
+  chat, text = h.offline(engine, tokenizer, [
       (chat_ids, SamplingParams(**CHAT_SAMPLING)), (text_ids, SamplingParams(**TEXT_SAMPLING))])
   return {"chat": (chat_ids, chat), "text": (text_ids, text)}
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint, offline, tmp_path_factory):
-  st = h.start_tiny(str(tiny_checkpoint), h.write_keys(tmp_path_factory.mktemp("keys") / "k.json"))
-  yield st
-  st.close()
-
-
-def client(srv, key="alice") -> openai.OpenAI:
-  return openai.OpenAI(base_url=srv.http_url + "/v1", api_key=h.KEYS.get(key, key), max_retries=0,
-                       timeout=60)
-
-
-def wait_idle(srv, timeout=10.0):
-  deadline = time.monotonic() + timeout
-  while not h.idle(srv.scheduler):
-    assert time.monotonic() < deadline, "the engine never went idle"
-    time.sleep(0.01)
+def srv_options(offline):  # The offline reference first: it shares the engine with the server.
+  return dict(keys=True)
 
 
 def test_streaming_chat_completion(srv, offline):
@@ -81,7 +66,8 @@ def test_completions_stream_and_whole(srv, offline):
   ids, done = offline["text"]
   c = client(srv)
   extra = {"repetition_penalty": TEXT_SAMPLING["repetition_penalty"]}  # vLLM's extra field.
-  common = dict(model="tiny", prompt=TEXT, max_tokens=12, temperature=1.0, seed=21, extra_body=extra)
+  common = dict(model="tiny", prompt=TEXT, max_tokens=12, temperature=1.0, seed=21,
+                extra_body=extra)
   whole = c.completions.create(**common)
   assert whole.choices[0].text == done.text and whole.choices[0].finish_reason == "length"
   assert whole.usage.prompt_tokens == len(ids)
@@ -138,7 +124,7 @@ def test_a_body_that_is_not_json_is_a_400(srv):
 
 
 def test_closing_the_stream_aborts_the_request(srv):
-  wait_idle(srv)
+  h.wait_idle(srv)
   decoded_before = srv.scheduler.num_decode_tokens
   stream = client(srv).chat.completions.create(model="tiny", messages=CHAT, stream=True,
                                                max_tokens=95, temperature=1.0, seed=4,
@@ -146,7 +132,7 @@ def test_closing_the_stream_aborts_the_request(srv):
   for _, _ in zip(range(3), stream):
     pass
   stream.close()
-  wait_idle(srv)
+  h.wait_idle(srv)
   assert srv.scheduler.num_decode_tokens - decoded_before < 60
 
 

@@ -4,15 +4,13 @@ are checked against the offline Runner on the same engine."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import numpy as np
 import pytest
 
-import server_harness as h
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams
+from support import openai_http
+from support import server_harness as h
 
 TEXT = "Roses are red, violets are"
 
@@ -22,26 +20,14 @@ def engine(tiny_checkpoint):
   return h.warm_engine(str(tiny_checkpoint))
 
 
-@pytest.fixture(scope="module")
-def srv(engine, tiny_checkpoint):
-  st = h.start_tiny(str(tiny_checkpoint))
-  yield st
-  st.close()
-
-
 def offline(engine, prompt_ids, **sampling):
-  e, tokenizer = engine
-  (out,) = Runner(e, tokenizer).generate([(prompt_ids, SamplingParams(**sampling))])
+  (out,) = h.offline(*engine, [(prompt_ids, SamplingParams(**sampling))])
   return out
 
 
 def post(srv, body, path="/v1/completions"):
-  req = urllib.request.Request(srv.http_url + path, data=json.dumps(body).encode(), method="POST")
-  with urllib.request.urlopen(req, timeout=120) as resp:
-    raw = resp.read().decode()
-  if body.get("stream"):
-    return [json.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
-  return json.loads(raw)
+  # The server here has no API keys.
+  return openai_http.post(srv, body, path, key=None, timeout=120)
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 3])
@@ -103,6 +89,38 @@ def test_n_choices_with_seeds_share_the_prompt_pages(srv, engine):
   # Runs 1 and 2 reused run 0's full pages.
   assert srv.scheduler.num_cached_tokens - cached_before >= 2 * 16 * (len(ids) // 16)
 
+
+
+def count_calls(monkeypatch, obj, *names) -> dict[str, int]:
+  """Wraps each method of `obj` in a spy that counts its calls and runs the real one."""
+  calls = dict.fromkeys(names, 0)
+  for name in names:
+    real = getattr(obj, name)
+
+    def spy(*args, _real=real, _name=name, **kwargs):
+      calls[_name] += 1
+      return _real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, spy)
+  return calls
+
+
+def test_n_runs_share_one_tokenization_of_their_prompt(srv, engine, monkeypatch):
+  _, tokenizer = engine
+  calls = count_calls(monkeypatch, srv.server.service.tokenizer, "encode", "apply_chat_template")
+  messages = [{"role": "user", "content": TEXT}]
+  sampling = {"max_tokens": 5, "temperature": 30.0, "seed": 5}
+  out = post(srv, {"messages": messages, "n": 4, **sampling}, "/v1/chat/completions")
+  assert calls == {"encode": 1, "apply_chat_template": 1}
+  ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)
+  assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+  for j, choice in enumerate(out["choices"]):
+    want = offline(engine, ids, **{**sampling, "seed": 5 + j}).text
+    assert choice["message"]["content"] == want
+  assert out["usage"]["completion_tokens"] == 20
+  calls.update(encode=0)
+  out = post(srv, {"prompt": ["The sky is", "Once upon a time"], "n": 3, "max_tokens": 2})
+  assert calls["encode"] == 2 and len(out["choices"]) == 6  # Once per prompt.
 
 def test_several_prompts_with_n_are_choices_in_order(srv, engine):
   _, tokenizer = engine
@@ -176,8 +194,8 @@ def test_grpc_prompt_logprobs_on_the_first_response(srv, engine):
   ids = tokenizer.encode(TEXT)
   ref = offline(engine, ids, temperature=0, max_tokens=2, prompt_logprobs=2)
   with grpc.insecure_channel(srv.grpc_address) as channel:
-    msgs = list(h.stub(channel).Generate(pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=ids), temperature=0, max_tokens=2, prompt_logprobs=2)))
+    msgs = h.generate(h.stub(channel), pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), temperature=0, max_tokens=2, prompt_logprobs=2), None)
   first = msgs[0].prompt_logprobs
   assert [e.token_id for e in first] == ids and not any(m.prompt_logprobs for m in msgs[1:])
   assert not first[0].HasField("logprob") and first[0].rank == 0

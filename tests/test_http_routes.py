@@ -2,53 +2,28 @@
 tokenizer routes, OpenAI's fields that do not apply here, logit_bias, and the defaults and
 logprob details clients read; outputs checked against the offline Runner on the same engine."""
 
-import json
-import urllib.error
-import urllib.request
-
 import openai
 import pytest
-from conftest import count_compiles
 
-import server_harness as h
 from jaxserve.batching.runner import Runner
 from jaxserve.config import Constraint, SamplingParams
+from support import server_harness as h
+from support.openai_http import call
+from support.openai_http import openai_client as client
+from support.tiny import count_compiles
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
 EMOJI = "\U0001F600"  # Four UTF-8 bytes: SmolLM2 spells it as byte-level pieces.
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint, tmp_path_factory):
-  st = h.start_tiny(str(tiny_checkpoint), h.write_keys(tmp_path_factory.mktemp("keys") / "k.json"))
-  yield st
-  st.close()
+def srv_options():
+  return dict(keys=True)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_checkpoint):
   return h.warm_engine(str(tiny_checkpoint))[1]
-
-
-def client(srv, key="alice") -> openai.OpenAI:
-  return openai.OpenAI(base_url=srv.http_url + "/v1", api_key=h.KEYS[key], max_retries=0,
-                       timeout=60)
-
-
-def call(srv, path, body=None, method=None, key="alice"):
-  """(status, parsed JSON or raw text) of one request to `path`."""
-  data = None if body is None else json.dumps(body).encode()
-  req = urllib.request.Request(srv.http_url + path, data=data, method=method,
-                               headers={"Authorization": f"Bearer {h.KEYS[key]}"})
-  try:
-    with urllib.request.urlopen(req, timeout=60) as r:
-      status, raw = r.status, r.read().decode()
-  except urllib.error.HTTPError as e:
-    status, raw = e.code, e.read().decode()
-  try:
-    return status, json.loads(raw)
-  except ValueError:
-    return status, raw
 
 
 def test_completions_default_to_16_tokens_and_chat_to_the_rest_of_the_window(srv):
@@ -78,7 +53,8 @@ def test_openai_fields_that_do_not_apply_are_taken_and_developer_acts_as_system(
   plain = c.chat.completions.create(messages=CHAT, **base).choices[0].message.content
   extras = dict(store=False, metadata={"team": "a"}, service_tier="auto",
                 parallel_tool_calls=False, user="u-1", response_format={"type": "text"})
-  assert c.chat.completions.create(messages=CHAT, **base, **extras).choices[0].message.content == plain
+  assert c.chat.completions.create(messages=CHAT, **base,
+                                   **extras).choices[0].message.content == plain
   developer = [{"role": "developer", "content": CHAT[0]["content"]}, CHAT[1]]
   assert c.chat.completions.create(messages=developer, **base).choices[0].message.content == plain
   assert c.completions.create(prompt="Hi", user="u-1", **base).choices[0].finish_reason

@@ -15,8 +15,9 @@ import openai
 import pydantic
 import pytest
 
-import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
+from support import server_harness as h
+from support.openai_http import openai_client
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "maxLength": 6},
@@ -47,16 +48,13 @@ class Flat(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint, tmp_path_factory):
-  st = h.start_tiny(str(tiny_checkpoint), h.write_keys(tmp_path_factory.mktemp("keys") / "k.json"))
-  yield st
-  st.close()
+def srv_options():
+  return dict(keys=True)
 
 
 @pytest.fixture(scope="module")
 def client(srv) -> openai.OpenAI:
-  return openai.OpenAI(base_url=srv.http_url + "/v1", api_key=h.KEYS["alice"], max_retries=0,
-                       timeout=120)
+  return openai_client(srv, timeout=120)
 
 
 def test_response_format_json_schema_and_json_object(client):
@@ -94,7 +92,8 @@ def test_guided_regex_choice_and_grammar(client):
 
 def test_streaming_a_constrained_chat_gives_the_same_text(client):
   fields = dict(model="tiny", messages=ASK, max_tokens=80, temperature=1.0, seed=9,
-                response_format={"type": "json_schema", "json_schema": {"name": "h", "schema": SCHEMA}})
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "h", "schema": SCHEMA}})
   whole = client.chat.completions.create(**fields).choices[0].message.content
   streamed = "".join(c.choices[0].delta.content or "" for c in
                      client.chat.completions.create(**fields, stream=True) if c.choices)
@@ -103,9 +102,11 @@ def test_streaming_a_constrained_chat_gives_the_same_text(client):
 
 @pytest.mark.parametrize("body, message", [
     ({"guided_regex": "(("}, "regex constraint is invalid"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "Invalid type: objekt"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "needs json_schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type must be"),
     ({"guided_grammar": 'start: "a" | b'}, 'unknown name: "b"'),
     ({"guided_choice": []}, "non-empty list of strings"),
@@ -124,7 +125,8 @@ def test_tool_choice_required_returns_tool_calls_whose_arguments_validate(client
   params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
   for seed in range(3):
     out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=90, seed=seed,
-                                         temperature=1.0, tools=[WEATHER, TIME], tool_choice="required")
+                                         temperature=1.0, tools=[WEATHER, TIME],
+                                         tool_choice="required")
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls
@@ -148,7 +150,8 @@ def test_a_named_tool_streams_as_tool_call_deltas(client):
 def test_tool_call_history_and_auto_and_none_are_accepted(client):
   history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
                  {"id": "call_1", "type": "function",
-                  "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+                  "function": {"name": "get_weather",
+                               "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
              {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
   # "auto" offers the tools in a system message longer than the tiny model's 128-token window:
   # truncate_prompt keeps its tail.
@@ -160,8 +163,8 @@ def test_tool_call_history_and_auto_and_none_are_accepted(client):
 
 
 def test_langchain_structured_output_and_bind_tools(srv):
-  llm = langchain_openai.ChatOpenAI(base_url=srv.http_url + "/v1", api_key=h.KEYS["alice"], model="tiny",
-                               temperature=0, max_tokens=60, max_retries=0)
+  llm = langchain_openai.ChatOpenAI(base_url=srv.http_url + "/v1", api_key=h.KEYS["alice"],
+                                    model="tiny", temperature=0, max_tokens=60, max_retries=0)
   result = llm.with_structured_output(Flat).invoke("Describe a pet.")
   assert isinstance(result, Flat)
 
@@ -182,13 +185,13 @@ def test_langchain_structured_output_and_bind_tools(srv):
 def test_grpc_constraint_oneof(srv):
   with grpc.insecure_channel(srv.grpc_address) as ch:
     stub = h.stub(ch)
-    run = lambda **f: "".join(r.text for r in stub.Generate(
-        pb.GenerateRequest(**{"text": "x", "max_tokens": 80, "temperature": 1.0, "seed": 2, **f}),
-        metadata=h.auth(), timeout=120))
+    run = lambda **f: "".join(r.text for r in h.generate(stub, pb.GenerateRequest(
+        **{"text": "x", "max_tokens": 80, "temperature": 1.0, "seed": 2, **f}), timeout=120))
     jsonschema.validate(json.loads(run(json_schema=json.dumps(SCHEMA))), SCHEMA)
     assert run(choice=pb.Choices(options=["up", "down"])) in ("up", "down")
     assert re.fullmatch(r"[a-c]{2}", run(regex="[a-c]{2}"))
     assert run(json_object=True, max_tokens=4).startswith("{")  # Cut by max_tokens: a start.
     with pytest.raises(grpc.RpcError) as e:
       run(grammar='start: "a" | b')
-    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and 'unknown name: "b"' in e.value.details()
+    assert (e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            and 'unknown name: "b"' in e.value.details())

@@ -10,14 +10,8 @@ import numpy as np
 import pytest
 
 import kernels_pallas
-from kernels_pallas import (
-  ragged_checks,
-  ragged_gpu,
-  ragged_layout,
-  ragged_reference,
-  ragged_testing,
-  ragged_tpu,
-)
+from kernels_pallas import ragged_checks, ragged_gpu, ragged_layout, ragged_reference, ragged_tpu
+from support import ragged_testing
 
 
 @pytest.mark.parametrize("heads,dim,dtype,lanes,padding", [
@@ -99,7 +93,7 @@ def _prefill_reference(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens):
 
 def test_reference_attention_equals_the_prefill_reference_on_the_written_pages():
   """Two independent references agree once the ragged one has written the new K/V."""
-  shape = ragged_testing.StepShape(6, 2, 16, 8, 4)
+  shape = ragged_testing.KernelShape(6, 2, 16, 8, 4)
   args, kw = ragged_testing.step_inputs(np.random.default_rng(0), [(3, 5), (1, 8), (9, 0)],
                                         shape, num_tokens=16, num_seqs_max=3)
   out, pages = ragged_reference.ragged_paged_attention_reference(*args, **kw)
@@ -146,7 +140,7 @@ def _run_variant(variant, args, kw, sliding_window, block_q, per_chunk):
 def test_kernel_matches_reference(variant, config):
   n, k, h, z, width, dtype, window, kind, block_q, per_chunk = config
   batch = _batches(z, width)[kind]
-  shape = ragged_testing.StepShape(n, k, h, z, width, dtype)
+  shape = ragged_testing.KernelShape(n, k, h, z, width, dtype)
   num_tokens = sum(q for q, _ in batch) + 5  # Padding rows past the last sequence.
   args, kw = ragged_testing.step_inputs(np.random.default_rng(h + z), batch, shape,
                                         num_tokens=num_tokens, num_seqs_max=len(batch) + 2)
@@ -170,7 +164,7 @@ def test_kernel_matches_reference(variant, config):
 
 
 def test_cpu_platform_runs_interpreted_and_matches():
-  shape = ragged_testing.StepShape(9, 3, 64, 16, 4)
+  shape = ragged_testing.KernelShape(9, 3, 64, 16, 4)
   args, kw = ragged_testing.step_inputs(np.random.default_rng(1), [(1, 20), (9, 16), (0, 0)],
                                         shape, num_tokens=16, num_seqs_max=4)
   out, pages = kernels_pallas.ragged_paged_attention(*args, **kw)  # platform None -> cpu here
@@ -185,7 +179,7 @@ def test_cpu_platform_runs_interpreted_and_matches():
 
 @pytest.mark.parametrize("z,h,name", [(12, 64, "page_size"), (16, 24, "head_dim")])
 def test_gpu_variant_rejects_sizes_triton_cannot_tile(z, h, name):
-  shape = ragged_testing.StepShape(4, 2, h, z, 2)
+  shape = ragged_testing.KernelShape(4, 2, h, z, 2)
   args, kw = ragged_testing.step_inputs(np.random.default_rng(5), [(3, 0)], shape, num_tokens=8,
                                         num_seqs_max=1)
   with pytest.raises(ValueError, match=f"{name} must be a power of two"):
@@ -193,7 +187,7 @@ def test_gpu_variant_rejects_sizes_triton_cannot_tile(z, h, name):
 
 
 def test_single_layer_pages_without_layer():
-  shape = ragged_testing.StepShape(4, 2, 64, 8, 4, num_layers=1)
+  shape = ragged_testing.KernelShape(4, 2, 64, 8, 4, num_layers=1)
   args, kw = ragged_testing.step_inputs(np.random.default_rng(2), [(2, 7), (1, 0)], shape,
                                         num_tokens=8, num_seqs_max=2, layer=0)
   args[3] = args[3][0]  # [P, Z, C]
@@ -218,7 +212,7 @@ BAD_ARGS = [
 
 @pytest.mark.parametrize("name,index,break_arg", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
 def test_bad_arguments_raise_value_error_naming_them(name, index, break_arg):
-  shape = ragged_testing.StepShape(4, 2, 64, 8, 2)
+  shape = ragged_testing.KernelShape(4, 2, 64, 8, 2)
   args, kw = ragged_testing.step_inputs(np.random.default_rng(3), [(3, 0), (1, 9)], shape,
                                         num_tokens=8, num_seqs_max=2)
   args[index] = break_arg(args)
@@ -227,7 +221,7 @@ def test_bad_arguments_raise_value_error_naming_them(name, index, break_arg):
 
 
 def test_tpu_rejects_page_sizes_that_tiles_would_pad():
-  shape = ragged_testing.StepShape(4, 2, 64, 8, 2, jnp.bfloat16)  # bf16 tiles are 16 rows
+  shape = ragged_testing.KernelShape(4, 2, 64, 8, 2, jnp.bfloat16)  # bf16 tiles are 16 rows
   args, kw = ragged_testing.step_inputs(np.random.default_rng(4), [(3, 0)], shape, num_tokens=8,
                                         num_seqs_max=1)
   with pytest.raises(ValueError, match="page_size must be a multiple of 16"):
@@ -238,7 +232,7 @@ def test_tpu_rejects_page_sizes_that_tiles_would_pad():
 
 @pytest.mark.parametrize("variant", ["tpu", "gpu"])
 def test_a_step_of_only_padding_writes_nothing_and_gives_zeros(variant):
-  shape = ragged_testing.StepShape(9, 3, 64, 16, 4)
+  shape = ragged_testing.KernelShape(9, 3, 64, 16, 4)
   args, kw = ragged_testing.step_inputs(np.random.default_rng(1), [(1, 20), (9, 16), (0, 0)],
                                         shape, num_tokens=16, num_seqs_max=4)
   args[7] = jnp.int32(0)  # No live sequence: every table, length and token is to be ignored.

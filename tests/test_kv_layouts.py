@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, TINY_ENGINE
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk
@@ -23,6 +22,8 @@ from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, S
 from jaxserve.engine.engine import Engine
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, slot_page_tables
+from support.engine_calls import decode, prefill
+from support.tiny import TINY, TINY_ENGINE
 
 GREEDY = SamplingParams(temperature=0, logprobs=20)  # The top-20 logprobs are compared below.
 SMALL = EngineConfig(num_slots=3, page_size=4, num_pages=12, max_model_len=16,
@@ -46,7 +47,8 @@ def _written_cache(layout, kv_dtype, rng):
   pos = np.arange(16)
   slots = tables[:, pos // 4] * 4 + pos % 4  # [2, 16]
   shape = (2, 16, TINY.num_kv_heads, TINY.head_dim)
-  k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+  k, v = (rng.standard_normal(shape).astype(np.float32),
+          rng.standard_normal(shape).astype(np.float32))
   cache = jax.jit(lambda c: c.write(1, jnp.asarray(slots), k, v))(cache)
   junk = jnp.full((2, 3, *shape[2:]), 1e3)
   cache = cache.write(1, jnp.zeros((2, 3), jnp.int32), junk, junk)
@@ -60,12 +62,14 @@ RAGGED_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16)
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_write_then_gather_round_trips(layout, kv_dtype):
   if layout is KVLayout.RAGGED and kv_dtype not in RAGGED_DTYPES:
-    pytest.skip("the ragged layout stores float32 and bfloat16 only (test_ragged_layout_stores_only_floats)")
+    pytest.skip("the ragged layout stores float32 and bfloat16 only "
+                "(test_ragged_layout_stores_only_floats)")
   cache, tables, k, v = _written_cache(layout, kv_dtype, np.random.default_rng(0))
   tol = ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(k))
   gk, gv = cache.gather(1, jnp.asarray(tables))
   assert np.all(np.abs(np.asarray(gk, np.float32) - k) <= tol)
-  assert np.all(np.abs(np.asarray(gv, np.float32) - v) <= ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(v)))
+  assert np.all(np.abs(np.asarray(gv, np.float32) - v)
+                <= ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(v)))
 
 
 def test_int8_scale_is_per_token_and_head():
@@ -105,13 +109,14 @@ def _engine_run(model, config):
   n_a, n_b = -(-40 // Z), -(-20 // Z)  # Pages for the prompt plus what decode adds.
   tables = np.zeros((4, n_a), np.int32)
   tables[0], tables[2, :n_b] = np.arange(1, n_a + 1)[::-1], n_a + 1 + np.arange(n_b)
-  out = [engine.prefill(_chunk(0, a[:13], 0, tables[0], False)),
-         engine.prefill(_chunk(0, a[13:], 13, tables[0], True, a)),
-         engine.prefill(_chunk(2, b, 0, tables[2], True, b))]
-  out += [engine.decode([0, 2], tables) for _ in range(6)]
+  out = [prefill(engine, _chunk(0, a[:13], 0, tables[0], False)),
+         prefill(engine, _chunk(0, a[13:], 13, tables[0], True, a)),
+         prefill(engine, _chunk(2, b, 0, tables[2], True, b))]
+  out += [decode(engine, [0, 2], tables) for _ in range(6)]
   tokens = [o.result() for o in out[1:]]
   logprobs = [o.logprobs()[2] for o in out[1:]]  # Top-20 logprobs of every sampled row.
-  return np.concatenate([t.reshape(-1) for t in tokens]), np.concatenate([l.reshape(-1) for l in logprobs])
+  return (np.concatenate([t.reshape(-1) for t in tokens]),
+          np.concatenate([l.reshape(-1) for l in logprobs]))
 
 
 # One prefill bucket and one decode width: two compilations per engine.
@@ -171,9 +176,10 @@ def test_pallas_backend_refuses_other_layouts(tiny_model, layout):
   engine = Engine(tiny_model, dataclasses.replace(ENGINE, kv_layout=layout,
                                                   attention_backend=AttentionBackend.PALLAS))
   with pytest.raises(ValueError, match="ragged KV layout"):
-    engine.prefill(_chunk(0, [3, 4, 5], 0, [1], True, [3, 4, 5]))
+    prefill(engine, _chunk(0, [3, 4, 5], 0, [1], True, [3, 4, 5]))
 
 
 def test_ragged_layout_stores_only_floats():
   with pytest.raises(ValueError, match="float32 or bfloat16"):
-    KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.RAGGED, kv_dtype=KVDtype.INT8))
+    KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.RAGGED,
+                                             kv_dtype=KVDtype.INT8))

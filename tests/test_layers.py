@@ -1,5 +1,7 @@
-"""The package's layering, as the README's table draws it: imports go only downward, no module
-imports itself back through others, and the host side imports without JAX."""
+"""The package's layering, as the README's table draws it: a graph, each layer importing only the
+layers its row names (and theirs, in turn), so the front ends and the device side are siblings
+that never import each other; no module imports itself back through others; the host side
+imports without JAX."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxserve", "kernels_pallas")
 
 
-def layers() -> list[tuple[int, list[str], bool]]:
-  """(layer, modules or packages, imports jax) for each row of the README's layer table."""
+def layers() -> list[tuple[int, list[str], set[int], bool]]:
+  """(layer, modules or packages, the layers it may import, imports jax) for each row of the
+  README's layer table."""
   text = (ROOT / "README.md").read_text()
   table = text[text.index("## Layers"):]
   rows = []
@@ -22,11 +25,22 @@ def layers() -> list[tuple[int, list[str], bool]]:
     if line.startswith("## "):
       break
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
-    if len(cells) < 4 or not cells[0].isdigit():
+    if len(cells) < 5 or not cells[0].isdigit():
       continue
-    names = [n.rstrip("/").removesuffix(".py").replace("/", ".") for n in re.findall(r"`([^`]+)`", cells[1])]
-    rows.append((int(cells[0]), names, cells[3].startswith("yes")))
+    names = [n.rstrip("/").removesuffix(".py").replace("/", ".")
+             for n in re.findall(r"`([^`]+)`", cells[1])]
+    below = {int(n) for n in re.findall(r"\d+", cells[2])}
+    rows.append((int(cells[0]), names, below, cells[4].startswith("yes")))
   return rows
+
+
+def importable(rows) -> dict[int, set[int]]:
+  """Each layer's importable layers: those its row names, and theirs, transitively. Rows name
+  only lower layers (a test checks), so one pass upward closes the graph."""
+  out = {}
+  for layer, _, below, _ in sorted(rows):
+    out[layer] = set(below).union(*(out[b] for b in below))
+  return out
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -42,7 +56,7 @@ def modules() -> dict[str, pathlib.Path]:
 def owner(module: str, rows) -> tuple[int, str] | None:
   """(layer, table entry) of `module`: the longest entry that is it or a package above it."""
   best = None
-  for layer, names, _ in rows:
+  for layer, names, _, _ in rows:
     for name in names:
       full = name if name.startswith(PACKAGES) else f"jaxserve.{name}"
       if module == full or module.startswith(full + "."):
@@ -80,15 +94,16 @@ def test_every_module_sits_in_one_layer_of_the_readme_table():
   assert not homeless, f"modules the README's layer table does not place: {homeless}"
 
 
-def upward_imports(g: dict[str, set[str]], rows) -> list[str]:
-  found = []
+def disallowed_imports(g: dict[str, set[str]], rows) -> list[str]:
+  """Each import of another table entry whose layer the importer's row cannot reach."""
+  allowed, found = importable(rows), []
   for module, deps in g.items():
     if module == "jaxserve":  # The facade: its one device import is lazy (PEP 562).
       continue
     layer, entry = owner(module, rows)
-    for dep in deps:
-      dep_layer, dep_entry = owner(dep, rows) if dep != "jaxserve" else (-1, "jaxserve")
-      if dep_entry != entry and dep_layer >= layer:
+    for dep in deps - {"jaxserve"}:  # The facade again: eagerly, the configs only.
+      dep_layer, dep_entry = owner(dep, rows)
+      if dep_entry != entry and dep_layer not in allowed[layer]:
         found.append(f"{module} (layer {layer}) imports {dep} (layer {dep_layer})")
   return found
 
@@ -111,8 +126,15 @@ def circles(g: dict[str, set[str]]) -> list[list[str]]:
   return found
 
 
-def test_imports_only_go_down_the_layers():
-  problems = upward_imports(graph(), layers())
+def test_the_table_is_a_graph_pointing_down_to_its_own_rows():
+  rows = layers()
+  numbers = {layer for layer, *_ in rows}
+  for layer, _, below, _ in rows:
+    assert below <= numbers and all(b < layer for b in below), f"layer {layer} may import {below}"
+
+
+def test_imports_only_follow_the_tables_edges():
+  problems = disallowed_imports(graph(), layers())
   assert not problems, "\n".join(problems)
 
 
@@ -127,15 +149,33 @@ def test_the_checks_catch_a_planted_circle_and_upward_import():
   rows = layers()
   g = graph()
   g["jaxserve.batching.scheduler"] = g["jaxserve.batching.scheduler"] | {"jaxserve.engine.engine"}
-  assert any("jaxserve.batching.scheduler (layer" in p for p in upward_imports(g, rows))
+  assert any("jaxserve.batching.scheduler (layer" in p for p in disallowed_imports(g, rows))
   g["jaxserve.config.checks"] = {"jaxserve.batching.scheduler"}
   assert circles(g)
+
+
+def test_the_front_ends_and_the_device_side_are_siblings():
+  """On a planted module graph: each branch reaches down its own side and into batching/, and
+  every edge between the branches (either way) is refused, as is llm.py's into api/."""
+  allowed = {"jaxserve.api.server": {"jaxserve.serving.service", "jaxserve.batching.runner"},
+             "jaxserve.engine.engine": {"jaxserve.model.llama", "jaxserve.batching.plan"},
+             "jaxserve.cli.main": {"jaxserve.api.server", "jaxserve.llm"}}
+  refused = {"jaxserve.api.grpc_api": {"jaxserve.engine.engine"},
+             "jaxserve.api.http_api": {"jaxserve.model.llama", "kernels_pallas.ragged",
+                                       "jaxserve.loading.checkpoint"},
+             "jaxserve.serving.service": {"jaxserve.engine.sample"},
+             "jaxserve.engine.step": {"jaxserve.api.server", "jaxserve.serving.service"},
+             "jaxserve.llm": {"jaxserve.api.server"}}
+  rows = layers()
+  assert not disallowed_imports(allowed, rows)
+  found = {(p.split()[0], p.split()[-3]) for p in disallowed_imports({**allowed, **refused}, rows)}
+  assert found == {(m, d) for m, deps in refused.items() for d in deps}
 
 
 def host_modules() -> list[str]:
   rows = layers()
   host = {f"jaxserve.{n}" if not n.startswith(PACKAGES) else n
-          for layer, names, uses_jax in rows if not uses_jax for n in names}
+          for layer, names, _, uses_jax in rows if not uses_jax for n in names}
   return sorted(m for m in modules() if any(m == h or m.startswith(h + ".") for h in host))
 
 
@@ -149,16 +189,28 @@ def test_the_host_side_imports_without_jax():
       "sys.modules['jax'] = None  # Any import of jax now raises ImportError.\n"
       f"import importlib\nfor m in {mods!r}:\n  importlib.import_module(m)\n"
       "from jaxserve.cli import main\n"
-      "assert main.main(['plan', '--model', 'llama-2-7b', '--context', '4096', '--memory-gib', '24']) == 0\n"
+      "assert main.main(['plan', '--model', 'llama-2-7b', '--context', '4096', "
+      "'--memory-gib', '24']) == 0\n"
       "main.build_parser().parse_args(['client', 'hi'])\n"
       "import jaxserve\nassert jaxserve.SamplingParams(temperature=0).greedy\n"
       "print('ok')\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_the_device_side_loads_lazily():
   code = ("import sys, jaxserve\nassert 'jax' not in sys.modules\n"
           "jaxserve.LLM\nassert 'jax' in sys.modules\nprint('ok')")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_offline_api_imports_no_network_code():
+  """`jaxserve.LLM` is the engine alone: the servers' gRPC and aiohttp stay unloaded."""
+  code = ("import sys, jaxserve\njaxserve.LLM\nimport jaxserve.llm\n"
+          "print(sorted(m for m in ('grpc', 'aiohttp') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-3000:]

@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import random
-import time
 
 import grpc
 import pytest
 
-import script_loader
-import server_harness as h
+from support import script_loader
+from support import server_harness as h
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STALLED = 2
@@ -33,25 +32,9 @@ def lt():
   return script_loader.load("load_test")
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_checkpoint):
-  st = h.start_tiny(str(tiny_checkpoint))
-  yield st
-  st.close()
-
-
-def wait_for(predicate, timeout=10.0) -> bool:
-  deadline = time.monotonic() + timeout
-  while not predicate():
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.01)
-  return True
-
-
 def run_alone(address: str, request) -> list[int]:
   with grpc.insecure_channel(address) as channel:
-    return [t for m in h.stub(channel).Generate(request, timeout=30) for t in m.token_ids]
+    return [t for m in h.generate(h.stub(channel), request, None, 30) for t in m.token_ids]
 
 
 def test_faulty_clients_neither_hang_nor_leak(lt, srv):
@@ -63,7 +46,7 @@ def test_faulty_clients_neither_hang_nor_leak(lt, srv):
   def on_others_done():
     # The engine finishes the stalled requests and frees their pages; their handlers are
     # still blocked writing to the streams nobody reads.
-    released.append(wait_for(lambda: h.idle(srv.scheduler)
+    released.append(h.wait_until(lambda: h.idle(srv.scheduler)
                              and srv.server.service.num_active == NUM_STALLED))
 
   metrics = lt.scrape(srv.http_url + "/metrics")

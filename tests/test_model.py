@@ -7,13 +7,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import TINY, TINY_ENGINE, dense_forward, dense_logits
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.model.llama import Transformer
+from support.engine_calls import decode, prefill
+from support.tiny import TINY, TINY_ENGINE, dense_forward, dense_logits
 
 GREEDY = SamplingParams(temperature=0, logprobs=1)  # Logprobs are computed only when asked.
 
@@ -34,9 +35,9 @@ def test_chunked_prefill_and_decode_match_dense_forward(tiny_model):
   a, b = list(rng.integers(2, 128, 21)), list(rng.integers(2, 128, 9))
   tables = np.zeros((4, 8), np.int32)
   tables[0, :4], tables[2, :3] = [5, 9, 2, 7], [11, 3, 4]
-  engine.prefill(chunk(0, a[:13], 0, tables[0, :2], False))
-  out_a = engine.prefill(chunk(0, a[13:], 13, tables[0, :3], True, a))
-  out_b = engine.prefill(chunk(2, b, 0, tables[2, :2], True, b))
+  prefill(engine, chunk(0, a[:13], 0, tables[0, :2], False))
+  out_a = prefill(engine, chunk(0, a[13:], 13, tables[0, :3], True, a))
+  out_b = prefill(engine, chunk(2, b, 0, tables[2, :2], True, b))
   seqs = {0: a + [int(out_a.result()[0])], 2: b + [int(out_b.result()[0])]}
   firsts = {0: out_a, 2: out_b}
   for slot, fut in firsts.items():
@@ -44,7 +45,7 @@ def test_chunked_prefill_and_decode_match_dense_forward(tiny_model):
     assert seqs[slot][-1] == ref.argmax()
     np.testing.assert_allclose(fut.logprobs()[0][0], ref.max(), atol=1e-4)
   for _ in range(6):
-    out = engine.decode([0, 2], tables[:, :4])
+    out = decode(engine, [0, 2], tables[:, :4])
     tokens, logprobs = out.result(), out.logprobs()[0]
     for slot in (0, 2):
       ref = log_softmax(dense_logits(tiny_model, seqs[slot])[-1])
@@ -57,9 +58,9 @@ def test_prefill_on_cached_prefix_matches_full_prefill(tiny_model):
   """A second sequence that shares the first's first page only prefills the rest."""
   engine = Engine(tiny_model, TINY_ENGINE)
   ids = list(np.random.default_rng(1).integers(2, 128, 20))
-  engine.prefill(chunk(0, ids, 0, [1, 2, 3], True, ids))
+  prefill(engine, chunk(0, ids, 0, [1, 2, 3], True, ids))
   other = ids[:8] + list(np.random.default_rng(2).integers(2, 128, 7))
-  out = engine.prefill(chunk(1, other[8:], 8, [1, 4], True, other))  # Page 1 holds ids[:8].
+  out = prefill(engine, chunk(1, other[8:], 8, [1, 4], True, other))  # Page 1 holds ids[:8].
   ref = log_softmax(dense_logits(tiny_model, other)[-1])
   assert out.result()[0] == ref.argmax()
   np.testing.assert_allclose(out.logprobs()[0][0], ref.max(), atol=1e-4)
@@ -74,7 +75,8 @@ def test_parameters_carry_logical_axis_names(tiny_model):
 
 
 def test_layers_run_under_one_scan_whatever_the_depth():
-  """The traced program has the same size for 2 and 8 layers: compile time does not grow with depth."""
+  """The traced program has the same size for 2 and 8 layers: compile time does not grow with
+  depth."""
 
   def num_eqns(num_layers):
     model = Transformer(dataclasses.replace(TINY, num_layers=num_layers), rngs=nnx.Rngs(0))

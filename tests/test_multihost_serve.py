@@ -9,13 +9,11 @@ lone process on one device running the same requests.
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 
-from test_multiprocess import MP8, free_port
+from support.workers import MP8, MULTIHOST_WORKER, free_port
 
-WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 # [prompt ids, max_tokens, repetition_penalty]: more requests than the 4 slots; prompts of 3 to
 # 40 tokens, so prefill runs chunks of both buckets (40 = 24 + 16 under the 24-token budget), a
 # chunk that is not a prompt's last, and decode at both widths (8 and 16 pages of 4 tokens). The
@@ -31,8 +29,8 @@ REQUESTS = [
 
 
 def _launch(args: dict) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen([sys.executable, str(MULTIHOST_WORKER), json.dumps(args)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _result(proc: subprocess.Popen) -> dict:
@@ -73,7 +71,8 @@ def test_processes_with_different_engines_refuse_to_start():
   """A flag given to one host only: both processes exit with the difference named, not a hang."""
   multi = dict(model=MP8, requests=REQUESTS, devices=4, layout=[4, 2], warmup=False,
                coordinator=f"127.0.0.1:{free_port()}", num_processes=2)
-  procs = [_launch(dict(multi, process_id=i, engine=dict(num_pages=128 - 32 * i))) for i in range(2)]
+  procs = [_launch(dict(multi, process_id=i, engine=dict(num_pages=128 - 32 * i)))
+           for i in range(2)]
   for proc in procs:
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0

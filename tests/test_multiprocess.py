@@ -4,30 +4,24 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import numpy as np
-from test_sharding import PROMPTS, WORKER, run_worker
 
-# 8 KV heads, so tp=8 splits the model across both processes and its all-reduces cross them.
-MP8 = dict(vocab_size=128, dim=64, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=16,
-           hidden_dim=96, max_seq_len=256, name="mp8")
+from support.workers import MP8, PROMPTS, SHARDING_WORKER, free_port, run_worker
+
 LAYOUTS = [[8, 1], [4, 2]]  # [tp, dp]: model split across hosts; model within, slots across.
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def test_two_processes_match_one(tmp_path):
   common = dict(model=MP8, prompts=PROMPTS, steps=4)
-  mp = dict(common, devices=4, layouts=LAYOUTS, coordinator=f"127.0.0.1:{free_port()}", num_processes=2)
-  procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(dict(mp, process_id=i))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  mp = dict(common, devices=4, layouts=LAYOUTS, coordinator=f"127.0.0.1:{free_port()}",
+            num_processes=2)
+  procs = [subprocess.Popen([sys.executable, str(SHARDING_WORKER),
+                             json.dumps(dict(mp, process_id=i))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
   single = run_worker(dict(common, devices=1, layouts=[[1, 1]]))["layouts"]["1x1"]
   outs = []
   for proc in procs:

@@ -9,13 +9,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE, count_compiles, dense_logits
 
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.engine import prompt_logprobs
 from jaxserve.engine.engine import Engine
-from mock_engine import MockTokenizer
+from support.mock_engine import MockTokenizer
+from support.tiny import TINY_ENGINE, count_compiles, dense_logits
 
 PROMPT = [int(x) for x in np.random.default_rng(0).integers(1, 127, 50)]  # 50 > bucket 32: chunked.
 
@@ -69,8 +69,10 @@ def test_chunked_equals_unchunked(engine):
                                     for b in (256, 5))
   assert whole.token_ids == chunked.token_ids
   np.testing.assert_allclose([lp.logprob for lp in whole.prompt_logprobs[1:]],
-                             [lp.logprob for lp in chunked.prompt_logprobs[1:]], rtol=1e-6, atol=1e-4)
-  assert [lp.top_ids for lp in whole.prompt_logprobs[1:]] == [lp.top_ids for lp in chunked.prompt_logprobs[1:]]
+                             [lp.logprob for lp in chunked.prompt_logprobs[1:]], rtol=1e-6,
+                             atol=1e-4)
+  assert ([lp.top_ids for lp in whole.prompt_logprobs[1:]]
+          == [lp.top_ids for lp in chunked.prompt_logprobs[1:]])
 
 
 def test_a_prefix_cache_hit_does_not_drop_positions(engine, tiny_model):

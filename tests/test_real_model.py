@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import count_compiles, dense_logits
 
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.loading import pull
+from support.tiny import count_compiles, dense_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -71,8 +71,10 @@ def test_no_request_compiles_after_warmup(llm):
     params.append(SamplingParams(
         temperature=float(rng.choice([0, 0.7, 1.3])), top_k=int(rng.choice([0, 5, 50])),
         top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.05])),
-        repetition_penalty=float(rng.choice([1.0, 1.2])), presence_penalty=float(rng.choice([0, 0.5])),
-        frequency_penalty=float(rng.choice([0, 0.3])), seed=int(rng.integers(0, 2**40)) if i % 2 else None,
+        repetition_penalty=float(rng.choice([1.0, 1.2])),
+        presence_penalty=float(rng.choice([0, 0.5])),
+        frequency_penalty=float(rng.choice([0, 0.3])),
+        seed=int(rng.integers(0, 2**40)) if i % 2 else None,
         max_tokens=int(rng.integers(1, 12)), ignore_eos=bool(i % 3 == 0), logprobs=int(i % 4),
         stop=["the"] if i % 5 == 0 else ()))
   with count_compiles() as counts:
@@ -87,10 +89,11 @@ def test_http_echo_prompt_logprobs_match_transformers(llm, hf_model, prompts):
   import json
   import urllib.request
 
-  import server_harness as h
   from jaxserve.api import server
+  from jaxserve.llm import Loaded
+  from support import server_harness as h
 
-  loaded = server.Loaded(llm.engine, llm.tokenizer, "smollm2")
+  loaded = Loaded(llm.engine, llm.tokenizer, "smollm2")
   srv = h.ServerThread(server.Server(lambda: loaded, server.ServerConfig(grpc_port=0, http_port=0)))
   srv.start()
   try:

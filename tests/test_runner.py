@@ -8,7 +8,7 @@ import pytest
 from jaxserve.batching.request import FinishReason, RequestRejected, RequestStatus
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
-from mock_engine import MockEngine, MockTokenizer, checked, reference_generate, weighted_sum  # noqa: F401  (a fixture)
+from support.mock_engine import MockEngine, MockTokenizer, reference_generate, weighted_sum
 
 _ENGINE_ARGS = ("num_slots", "page_size", "num_pages", "max_model_len", "max_prefill_len",
                 "next_token")
@@ -156,7 +156,8 @@ def test_fcfs_fairness(checked):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_preempted_greedy_requests_produce_exactly_their_unpreempted_tokens(checked, prefix_caching):
+def test_preempted_greedy_requests_produce_exactly_their_unpreempted_tokens(checked,
+                                                                            prefix_caching):
   # 12 pages of 4 = 48 KV positions; four requests each grow to 25 tokens (7 pages).
   r = make_runner(checked, num_slots=4, num_pages=13, next_token=weighted_sum,
                   enable_prefix_caching=prefix_caching)
@@ -224,8 +225,8 @@ def test_chunked_prefill_interleaves_with_decode(checked):
   long_prompt = list(range(200, 218))
   long = r.add_request(long_prompt, greedy(3))
   outs = run(r)
-  kinds = [e[0] if e[0] != "prefill" or e[1] == short.request_id else "long" for e in r.engine.events
-           if e[0] in ("prefill", "decode")]
+  kinds = [e[0] if e[0] != "prefill" or e[1] == short.request_id else "long"
+           for e in r.engine.events if e[0] in ("prefill", "decode")]
   # 18 tokens in chunks of 4: 5 prefill steps, each beside a decode of `short`.
   # Within a step the runner dispatches prefill chunks, then the decode.
   assert kinds[:11] == ["prefill"] + ["long", "decode"] * 5

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxserve.config import SamplingParams
-from jaxserve.engine.sample import SamplingRow
 from jaxserve.engine.sample import sample as _sample
+from jaxserve.engine.sampling_state import SamplingRow
 
 STOP = jnp.array([0], jnp.int32)
 sample = jax.jit(_sample)
@@ -58,7 +58,8 @@ def test_top_k_top_p_min_p_keep_exactly_the_expected_tokens():
   logits = np.log([0.5, 0.25, 0.15, 0.1])
   seen = lambda p: set(draw(logits, p, n=400).tolist())
   assert seen(SamplingParams(top_k=2)) == {0, 1}
-  assert seen(SamplingParams(top_p=0.7)) == {0, 1}  # Mass before token 1 is 0.5 < 0.7; before 2, 0.75.
+  # Mass before token 1 is 0.5 < 0.7; before 2, 0.75.
+  assert seen(SamplingParams(top_p=0.7)) == {0, 1}
   assert seen(SamplingParams(top_p=0.8)) == {0, 1, 2}
   assert seen(SamplingParams(min_p=0.35)) == {0, 1}  # 0.15 < 0.35 * 0.5 = 0.175 < 0.25.
   assert seen(SamplingParams(top_k=3, top_p=0.6)) == {0, 1}  # top-p over the renormalised top 3.
@@ -186,7 +187,8 @@ def test_a_bitmask_restricts_the_draw_and_its_logprobs_are_of_the_masked_distrib
   assert int(masked.tokens[0]) in (2, 33) and int(masked.tokens[1]) == int(plain.tokens[1])
   pair = np.asarray(logits[0])[[2, 33]]
   want = pair - np.logaddexp.reduce(pair)
-  got = dict(zip(np.asarray(masked.top_ids[0, :2]).tolist(), np.asarray(masked.top_logprobs[0, :2])))
+  got = dict(zip(np.asarray(masked.top_ids[0, :2]).tolist(),
+                 np.asarray(masked.top_logprobs[0, :2])))
   np.testing.assert_allclose([got[2], got[33]], want, rtol=1e-5)
   np.testing.assert_allclose(float(masked.logprobs[1]), float(plain.logprobs[1]), rtol=1e-6)
 

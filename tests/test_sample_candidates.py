@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from jaxserve.config import SamplingParams
+from jaxserve.engine import gumbel
 from jaxserve.engine import sample as sample_lib
-from jaxserve.engine.sample import SamplingRow
+from jaxserve.engine.sampling_state import SamplingRow
 
 
 def _state(params, vocab, seeds):
@@ -99,25 +100,28 @@ def test_gumbel_at_is_jax_random_gumbel_at_those_ids(partitionable, vocab):
     seeds = jnp.asarray([[7, 0], [1, 2**31], [0xFFFFFFFF, 5]], jnp.uint32)
     positions = jnp.asarray([0, 3, 1000], jnp.int32)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, vocab, (3, 300)), jnp.int32)
-    whole = jax.jit(jax.vmap(lambda s, p: jax.random.gumbel(sample_lib._key(s, p), (vocab,))))(seeds, positions)
-    at = jax.jit(sample_lib._gumbel_at, static_argnums=3)(seeds, positions, ids, vocab)
-    np.testing.assert_array_equal(np.asarray(at), np.take_along_axis(np.asarray(whole), np.asarray(ids), 1))
+    noise = lambda s, p: jax.random.gumbel(gumbel.noise_key(s, p), (vocab,))
+    whole = jax.jit(jax.vmap(noise))(seeds, positions)
+    at = jax.jit(gumbel.gumbel_at, static_argnums=3)(seeds, positions, ids, vocab)
+    np.testing.assert_array_equal(np.asarray(at),
+                                  np.take_along_axis(np.asarray(whole), np.asarray(ids), 1))
   finally:
     jax.config.update("jax_threefry_partitionable", previous)
 
 
 def test_gumbel_never_reaches_the_bound():
-  """_GUMBEL_MAX bounds jax.random.gumbel: its largest uniform is 1 - 2**-23."""
+  """GUMBEL_MAX bounds jax.random.gumbel: its largest uniform is 1 - 2**-23."""
   largest = -np.log(-np.log(np.float32(1 - 2**-23)))
-  assert largest < sample_lib._GUMBEL_MAX
+  assert largest < gumbel.GUMBEL_MAX
   draws = jax.random.gumbel(jax.random.key(0), (1 << 20,))
   assert float(jnp.max(draws)) <= largest + 1e-3
 
 
 @pytest.mark.parametrize("vocab", [49152, 1001])
 def test_blockwise_argmax_is_jnp_argmax_of_the_banned_logits(vocab):
-  """First maximum on ties, a stop id on top banned only where the row ignores EOS. (Not NaN: XLA:CPU's
-  fused max drops it, so a row of NaN logits, a broken model's, gets some token rather than the first NaN.)"""
+  """First maximum on ties, a stop id on top banned only where the row ignores EOS. (Not NaN:
+  XLA:CPU's fused max drops it, so a row of NaN logits, a broken model's, gets some token rather
+  than the first NaN.)"""
   rng = np.random.default_rng(3)
   x = np.round(rng.normal(size=(6, vocab)) * 2).astype(np.float32)  # many ties
   x[1, 7] = x[2, 7] = 50.0  # the stop id 7 on top

@@ -12,7 +12,7 @@ import pytest
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.config import QueuePolicy, SamplingParams, SchedulerConfig
-from mock_engine import MockEngine, checked  # noqa: F401  (checked is a fixture)
+from support.mock_engine import MockEngine
 
 _ids = itertools.count()
 
@@ -25,7 +25,7 @@ def make(prompt_len, max_tokens=4, priority=0, first=None):
                  SamplingParams(max_tokens=max_tokens), seed=0, arrival_seq=seq, priority=priority)
 
 
-def sched(checked, num_slots=4, num_pages=17, max_prefill_len=8, max_model_len=64, **config):
+def sched(checked, num_slots=4, num_pages=17, max_prefill_len=64, max_model_len=64, **config):
   engine = MockEngine(num_slots=num_slots, page_size=4, num_pages=num_pages,
                       max_model_len=max_model_len, max_prefill_len=max_prefill_len)
   return checked(Scheduler(SchedulerConfig(**config), engine))
@@ -35,10 +35,8 @@ def step(s, token=1):
   """One plan, then every sampled token applied at once and finished requests retired."""
   out = s.schedule()
   sampled = [r for c, r in zip(out.plan.prefills, out.prefill_requests) if c.is_last]
-  for r in sampled + list(out.decode_requests):
-    s.append_token(r, token)
-    if r.num_output_tokens == r.sampling.max_tokens:
-      s.finish(r)
+  s.update([(r, token, r.num_output_tokens + 1 == r.sampling.max_tokens)
+            for r in sampled + list(out.decode_requests)])
   return out
 
 
@@ -91,7 +89,7 @@ def test_admits_in_arrival_order_up_to_the_free_slots(checked):
     out = step(s)
     assert out.plan.decode_slots == (0, 1) and not out.plan.prefills
   out = step(s)
-  assert out.free_slots == (0, 1)
+  assert out.plan.free_slots == (0, 1)
   assert [(c.request_id, c.slot) for c in out.plan.prefills] == [
       (reqs[2].request_id, 0), (reqs[3].request_id, 1)]
   drain(s)
@@ -155,7 +153,7 @@ def test_alone_a_request_may_use_the_reserve(checked):
 
 
 def test_chunked_prefill_interleaves_with_decode(checked):
-  s = sched(checked, max_prefill_len=8, max_num_batched_tokens=16, max_model_len=64)
+  s = sched(checked, max_prefill_len=16, max_num_batched_tokens=16, max_model_len=64)
   short = make(3, max_tokens=20)
   s.add(short)
   step(s)  # short prefilled; decodes from the next step on.
@@ -163,12 +161,13 @@ def test_chunked_prefill_interleaves_with_decode(checked):
   s.add(long)
   plans = [step(s) for _ in range(3)]
   lid = long.request_id
+  # One chunk a request a step: the budget is the step's (the engine's largest bucket).
   assert [chunks(p) for p in plans] == [
-      [(lid, 0, 8, False), (lid, 8, 8, False)],
-      [(lid, 16, 8, False), (lid, 24, 8, False)],
+      [(lid, 0, 16, False)],
+      [(lid, 16, 16, False)],
       [(lid, 32, 8, True)]]
   assert all(p.plan.decode_slots == (short.slot,) for p in plans)  # short never stalls.
-  assert plans[1].plan.prefills[0].token_ids == tuple(range(116, 124))
+  assert plans[1].plan.prefills[0].token_ids == tuple(range(116, 132))
   out = step(s)
   assert set(out.plan.decode_slots) == {short.slot, long.slot}
   assert s.num_prefill_tokens == 43
@@ -177,7 +176,7 @@ def test_chunked_prefill_interleaves_with_decode(checked):
 
 
 def test_prefill_budget_is_shared_in_queue_order(checked):
-  s = sched(checked, max_prefill_len=8, max_num_batched_tokens=10)
+  s = sched(checked, max_prefill_len=10, max_num_batched_tokens=10)
   a, b = make(6), make(6)
   s.add(a)
   s.add(b)
@@ -211,16 +210,16 @@ def test_decode_page_tables(checked):
   s.add(b)
   step(s)
   out = step(s)
-  # a: 4 tokens -> 1 page; b: 14 tokens -> 4 pages; width 4 (a power of two).
+  # a: 4 tokens -> 1 page; b: 14 tokens -> 4 pages; every table is whole (16 pages wide).
   tables = out.plan.page_tables
-  assert tables.shape == (4, 4) and tables.dtype == np.int32
-  assert list(tables[a.slot]) == a.page_table + [0, 0, 0]
-  assert list(tables[b.slot]) == b.page_table
+  assert tables.shape == (4, 16) and tables.dtype == np.int32
+  assert list(tables[a.slot]) == a.page_table + [0] * 15
+  assert list(tables[b.slot]) == b.page_table + [0] * 12
   assert not tables[2:].any()
   for _ in range(3):
     out = step(s)
-  assert out.plan.page_tables.shape == (4, 8)  # b: 17 tokens -> 5 pages -> width 8.
-  assert len(b.page_table) == 5 and list(out.plan.page_tables[b.slot][:5]) == b.page_table
+  assert out.plan.page_tables.shape == (4, 16)  # b: 17 tokens -> 5 pages.
+  assert len(b.page_table) == 5 and list(out.plan.page_tables[b.slot]) == b.page_table + [0] * 11
   s.abort(a)
   s.abort(b)
 
@@ -248,9 +247,7 @@ def test_stops_decoding_at_max_tokens(checked):
   assert s.schedule().plan.decode_slots == (0,)
   assert s.schedule().plan.decode_slots == (0,)
   assert s.schedule().plan.is_empty and r.num_pending_tokens == 3
-  for t in (7, 8, 9):
-    s.append_token(r, t)
-  s.finish(r)
+  s.update([(r, 7, False), (r, 8, False), (r, 9, True)])
   assert r.output_token_ids == [7, 8, 9] and out.plan.prefills[0].is_last
 
 
@@ -353,11 +350,11 @@ def test_abort_frees_in_every_state(checked):
   assert waiting.status is RequestStatus.ABORTED and len(s.waiting) == 1
   s.abort(running)
   out = step(s)
-  assert out.free_slots == (0,) and chunks(out) == [(prefilling.request_id, 0, 4, False)]
+  assert out.plan.free_slots == (0,) and chunks(out) == [(prefilling.request_id, 0, 4, False)]
   s.abort(prefilling)
   assert prefilling.status is RequestStatus.ABORTED
   out = step(s)
-  assert out.free_slots == (0,) and out.plan.is_empty
+  assert out.plan.free_slots == (0,) and out.plan.is_empty
 
 
 def test_cached_tokens_count_the_first_admission_only_never_more_than_the_prompt(checked):
@@ -390,12 +387,54 @@ def test_a_constrained_request_sits_out_while_its_last_token_is_in_flight(checke
     out = s.schedule()  # Planned before the previous step's tokens are applied.
     decoded.append([r.request_id for r in out.decode_requests])
     if in_flight is not None:
-      for r in in_flight:
-        s.append_token(r, 1)
+      s.update([(r, 1, False) for r in in_flight])
     in_flight = [r for c, r in zip(out.plan.prefills, out.prefill_requests) if c.is_last]
     in_flight += list(out.decode_requests)
     assert constrained not in out.decode_requests or constrained.num_pending_tokens == 1
-  assert [constrained.request_id in d for d in decoded[1:7]] == [False, True, False, True, False, True]
+  assert ([constrained.request_id in d for d in decoded[1:7]]
+          == [False, True, False, True, False, True])
   assert all(free.request_id in d for d in decoded[1:6])
   for r in (free, constrained):
-    s.finish(r)
+    s.abort(r)
+
+
+def test_prompts_to_score_get_prefill_only_plans_taking_turns_with_the_rest(checked):
+  """The step that scores prompt positions is a prefill-only variant: a request asking for
+  prompt logprobs prefills in plans of its own (no decodes, no other prompts), every other step,
+  so decodes keep going in between; the mock engine asserts every plan fits one call."""
+  s = sched(checked, max_prefill_len=8, max_num_batched_tokens=8)
+  talker = make(3, max_tokens=12)
+  s.add(talker)
+  step(s)
+  scored = make(20, max_tokens=2, first=500)
+  scored.sampling = dataclasses.replace(scored.sampling, prompt_logprobs=1)
+  plain = make(4, max_tokens=2, first=700)
+  s.add(scored)
+  s.add(plain)
+  kinds = []
+  for _ in range(6):
+    out = step(s)
+    targets = [c.prompt_logprob_targets is not None for c in out.plan.prefills]
+    assert not any(targets) or (all(targets) and not out.plan.decode_slots)
+    kinds.append("score" if any(targets) else "decode" if out.plan.decode_slots else "-")
+  # The scoring prompt (20 tokens in chunks of 8) takes turns with the decoding one; the
+  # plain prompt behind it in the queue is admitted after it (queue order), in an ordinary plan.
+  assert kinds == ["score", "decode", "score", "decode", "score", "decode"]
+  # Its 20 prompt tokens in three scoring plans, then its first decode beside the others.
+  assert scored.num_computed_tokens == 21 and plain.status is RequestStatus.FINISHED
+  drain(s)
+
+
+def test_static_batching_admits_the_group_whole_and_prefills_it_in_plans_that_fit(checked):
+  engine = MockEngine(num_slots=4, page_size=4, num_pages=17, max_model_len=64, max_prefill_len=8)
+  engine.info = dataclasses.replace(engine.info, max_prefill_seqs=2)
+  s = checked(Scheduler(SchedulerConfig(static_batching=True, max_num_batched_tokens=64), engine))
+  reqs = [make(3, max_tokens=2) for _ in range(4)]
+  for r in reqs:
+    s.add(r)
+  out = step(s)
+  assert all(r.status is RequestStatus.RUNNING for r in reqs)  # The whole group.
+  assert [c[0] for c in chunks(out)] == [r.request_id for r in reqs[:2]]
+  out = step(s)
+  assert [c[0] for c in chunks(out)] == [r.request_id for r in reqs[2:]]
+  drain(s)

@@ -4,14 +4,12 @@ code, API keys and rate limits, reflection, metrics and the per-request log line
 
 import logging
 import math
-import time
 import urllib.request
 
 import grpc
 import jax
 import numpy as np
 import pytest
-from conftest import dense_logits
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -19,10 +17,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
-from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
+from support import server_harness as h
+from support.server_harness import generate, wait_idle
+from support.tiny import dense_logits
 
 SEEDED = dict(temperature=1.0, repetition_penalty=5.0)  # The tiny model repeats itself without.
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -49,16 +48,12 @@ def offline(tiny_checkpoint):
   """The offline runner's completions for _cases, on the engine the server will use."""
   engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
   cases = _cases(tokenizer)
-  return cases, Runner(engine, tokenizer).generate([(ids, sp) for _, ids, sp in cases])
+  return cases, h.offline(engine, tokenizer, [(ids, sp) for _, ids, sp in cases])
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_checkpoint, offline, tmp_path_factory):
-  keys = h.write_keys(tmp_path_factory.mktemp("keys") / "keys.json")
-  st = h.start_tiny(str(tiny_checkpoint), keys,
-                    scheduler=SchedulerConfig(max_queue_len=MAX_QUEUE_LEN))
-  yield st
-  st.close()
+def srv_options(offline):  # The offline reference first: it shares the engine with the server.
+  return dict(keys=True, scheduler=SchedulerConfig(max_queue_len=MAX_QUEUE_LEN))
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +65,6 @@ def channel(srv):
 @pytest.fixture
 def stub(channel):
   return h.stub(channel)
-
-
-def generate(stub, req, key="alice"):
-  return list(stub.Generate(req, metadata=h.auth(key), timeout=60))
-
-
-def wait_idle(srv, timeout=10.0):
-  deadline = time.monotonic() + timeout
-  while not h.idle(srv.scheduler):
-    assert time.monotonic() < deadline, "the engine never went idle"
-    time.sleep(0.01)
 
 
 def error_of(stub, req, key="alice") -> grpc.RpcError:
@@ -101,7 +85,8 @@ def test_streams_match_the_offline_runner(stub, offline, srv):
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert len({m.request_id for m in msgs}) == 1
     last = msgs[-1]
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(ids), sampling.max_tokens)
+    assert ((last.usage.prompt_tokens, last.usage.completion_tokens)
+            == (len(ids), sampling.max_tokens))
     t = last.timings
     assert 0 < t.time_to_first_token <= t.total
     # The first token's wait is tokenizing, queueing and prefilling (plus handing between threads).
@@ -110,7 +95,8 @@ def test_streams_match_the_offline_runner(stub, offline, srv):
 
 
 def test_chunk_tokens_groups_tokens_per_message(stub):
-  req = pb.GenerateRequest(text="Once upon a time", max_tokens=12, seed=5, ignore_eos=True, **SEEDED)
+  req = pb.GenerateRequest(text="Once upon a time", max_tokens=12, seed=5, ignore_eos=True,
+                           **SEEDED)
   singles = generate(stub, req)
   req.chunk_tokens = 5
   chunks = generate(stub, req)
@@ -137,7 +123,8 @@ def test_logprobs_match_a_dense_forward_pass(stub, tiny_checkpoint):
                                                   temperature=0.0, logprobs=0))
   assert [len(m.logprobs[0].top) for m in only_chosen] == [0, 0]
   np.testing.assert_allclose(only_chosen[0].logprobs[0].logprob, first.logprob, atol=1e-6)
-  assert not generate(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_tokens=1))[0].logprobs
+  assert not generate(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
+                                               max_tokens=1))[0].logprobs
 
 
 def test_cancel_mid_stream_frees_the_slot_and_blocks(stub, srv):
@@ -153,7 +140,8 @@ def test_cancel_mid_stream_frees_the_slot_and_blocks(stub, srv):
   # Aborted soon after the cancel, not run to max_tokens.
   assert srv.scheduler.num_decode_tokens - decoded_before < 60
   # The engine keeps serving.
-  assert generate(stub, h.text_request("Hi", max_tokens=2))[-1].finish_reason == pb.FINISH_REASON_LENGTH
+  assert (generate(stub, h.text_request("Hi", max_tokens=2))[-1].finish_reason
+          == pb.FINISH_REASON_LENGTH)
 
 
 ids_of = lambda ids: dict(token_ids=pb.TokenIds(ids=ids))
@@ -173,7 +161,8 @@ ids_of = lambda ids: dict(token_ids=pb.TokenIds(ids=ids))
     (dict(**ids_of([5, 49152])), "token_ids[1]"),
     (dict(**ids_of([5, -1])), "token_ids[1]"),
     (dict(**ids_of(list(range(1, 126))), max_tokens=4), "context window"),
-    (dict(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "messages[0]"),
+    (dict(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])),
+     "messages[0]"),
 ])
 def test_a_bad_field_is_invalid_argument_naming_it(stub, fields, named):
   e = error_of(stub, pb.GenerateRequest(**fields))
@@ -250,13 +239,15 @@ def test_tokens_per_minute_limit_counts_prompt_and_completion(stub):
   assert "tokens per minute" in e.details() and "20" in e.details()
   # A request that stops early hands back what it did not use: 10 + 1 used of 20 reserved.
   stopped = generate(stub, pb.GenerateRequest(**ids_of(prompt), max_tokens=10, temperature=0.0,
-                                              stop_token_ids=[_greedy_first(stub, prompt)]), "carol")
+                                              stop_token_ids=[_greedy_first(stub, prompt)]),
+                     "carol")
   assert stopped[-1].usage.completion_tokens == 1
   assert generate(stub, pb.GenerateRequest(**ids_of(prompt[:2]), max_tokens=7), "carol")  # 9 <= 9
 
 
 def _greedy_first(stub, prompt):
-  return generate(stub, pb.GenerateRequest(**ids_of(prompt), max_tokens=1, temperature=0.0))[0].token_ids[0]
+  return generate(stub, pb.GenerateRequest(**ids_of(prompt), max_tokens=1,
+                                           temperature=0.0))[0].token_ids[0]
 
 
 def test_a_full_queue_is_resource_exhausted(stub, srv):
@@ -360,9 +351,7 @@ def test_the_log_line_breaks_down_the_wait_without_the_prompt(stub, caplog):
   secret = "zebra-umbrella-secret"
   msgs = generate(stub, h.text_request(f"Tell me about {secret}", max_tokens=3))
   rid = msgs[-1].request_id
-  deadline = time.monotonic() + 5
-  while not [r for r in caplog.records if rid in r.getMessage()] and time.monotonic() < deadline:
-    time.sleep(0.01)
+  h.wait_until(lambda: any(rid in r.getMessage() for r in caplog.records), 5)
   (line,) = [r.getMessage() for r in caplog.records if rid in r.getMessage()]
   for part in ("key=alice", "reason=length", "completion_tokens=3", "queue=", "prefill=", "ttft=",
                f"prompt_tokens={msgs[-1].usage.prompt_tokens}"):

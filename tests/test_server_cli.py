@@ -10,19 +10,14 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import server_harness as h
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.cli import main as cli
 from jaxserve.loading import checkpoint
+from support import server_harness as h
+from support.server_harness import HEALTH, health
 
 QUESTION = "What is the capital of France?"
-HEALTH = health_pb2.HealthCheckResponse
-
-
-def health(channel) -> int:
-  return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
 def chat(text, **fields) -> pb.GenerateRequest:
@@ -33,8 +28,9 @@ def chat(text, **fields) -> pb.GenerateRequest:
 @pytest.fixture(scope="module")
 def serve_process(tmp_path_factory):
   log = tmp_path_factory.mktemp("serve") / "stderr.log"
-  args = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--model", str(checkpoint.resolve(None)),
-          "--grpc-port", "0", "--http-port", "0", "--slots", "2", "--buckets", "32",
+  args = [sys.executable, "-m", "jaxserve.cli.main", "serve",
+          "--model", str(checkpoint.resolve(None)), "--grpc-port", "0", "--http-port", "0",
+          "--slots", "2", "--buckets", "32",
           "--max-model-len", "128", "--num-pages", "32", "--drain-timeout", "60"]
   with open(log, "w") as stderr:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,

@@ -6,33 +6,22 @@ import json
 import shutil
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-import server_harness as h
+from jaxserve import llm
 from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
+from support import server_harness as h
+from support.server_harness import health as status
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = dict(max_tokens=60, ignore_eos=True, temperature=1.0, seed=3)
-
-
-def status(channel, service=""):
-  return health_pb2_grpc.HealthStub(channel).Check(
-      health_pb2.HealthCheckRequest(service=service), timeout=10).status
-
-
-def wait_for(predicate, timeout=10.0):
-  deadline = time.monotonic() + timeout
-  while not predicate():
-    assert time.monotonic() < deadline
-    time.sleep(0.005)
 
 
 def gated_server(tiny_checkpoint, **config):
@@ -42,7 +31,7 @@ def gated_server(tiny_checkpoint, **config):
 
   def load():
     assert warmed.wait(60)
-    return server.Loaded(engine, tokenizer, "tiny")
+    return llm.Loaded(engine, tokenizer, "tiny")
 
   cfg = server.ServerConfig(grpc_port=0, http_port=0, **config)
   return h.ServerThread(server.Server(load, cfg)).start(wait_ready=False), warmed
@@ -67,7 +56,7 @@ def test_health_follows_warmup_and_drain(tiny_checkpoint):
     running = stub.Generate(h.text_request("Tell me a story", **LONG))
     first = next(running)
     draining = asyncio.run_coroutine_threadsafe(st.server.drain(), st.loop)
-    wait_for(lambda: status(ch) == NOT_SERVING)
+    assert h.wait_until(lambda: status(ch) == NOT_SERVING)
     assert status(ch, "jaxserve.v1.Jaxserve") == NOT_SERVING
     with pytest.raises(grpc.RpcError) as e:
       list(stub.Generate(h.text_request("Hi", max_tokens=1)))

@@ -8,11 +8,6 @@ stays on one device like the rest of the suite.
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
@@ -22,29 +17,21 @@ from jaxserve.config import EngineConfig, KVLayout, ModelConfig
 from jaxserve.model import axes
 from jaxserve.model.kv_cache import ragged_lanes
 from jaxserve.planning.capacity import KNOWN_MODELS
+from support.workers import PROMPTS, run_worker
 
-WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
 # 8 heads over 4 KV heads, MLP 96 and vocabulary 128: every split up to tp=4 divides.
 TINY8 = dict(vocab_size=128, dim=64, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16,
              hidden_dim=96, max_seq_len=256, name="tiny8")
-PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 3, 50, 60, 61, 62, 2], [5]]
 LAYOUTS = [[1, 1], [2, 1], [4, 1], [1, 2], [2, 2]]  # [tp, dp]
 HAS_CONTIGUOUS = hasattr(KVLayout, "CONTIGUOUS")
-
-
-def run_worker(args: dict, timeout: float = 600) -> dict:
-  proc = subprocess.run([sys.executable, str(WORKER), json.dumps(args)], capture_output=True,
-                        text=True, timeout=timeout)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def tiny_worker(tmp_path_factory):
   cache = tmp_path_factory.mktemp("xla")
   layouts = LAYOUTS + ([[2, 2, "contiguous"]] if HAS_CONTIGUOUS else [])
-  return run_worker(dict(devices=8, model=TINY8, prompts=PROMPTS, steps=6, layouts=layouts, hlo=True,
-                         cache_dir=str(cache)))
+  return run_worker(dict(devices=8, model=TINY8, prompts=PROMPTS, steps=6, layouts=layouts,
+                         hlo=True, cache_dir=str(cache)))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +89,8 @@ def test_per_device_memory_shrinks_by_tp(tiny_runs, layout, tp):
   cfg = ModelConfig(**TINY8)
   run = tiny_runs[layout]
   assert run["param_bytes_device0"] == _param_bytes_per_device(cfg, tp)
-  full_cache = 2 * cfg.num_layers * 64 * 8 * cfg.num_kv_heads * cfg.head_dim * 4  # K, V: [L, P, Z, K, H] f32
+  # K, V: [L, P, Z, K, H] f32
+  full_cache = 2 * cfg.num_layers * 64 * 8 * cfg.num_kv_heads * cfg.head_dim * 4
   assert run["cache_bytes_device0"] == full_cache // tp
 
 
@@ -127,11 +115,12 @@ def test_default_model_tp3_dp2_matches_one_device(tmp_path):
   tokenizer = Tokenizer.from_hf_dir(checkpoint.resolve(None) / "tokenizer")  # Not the weights.
   prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
                                             "Once upon a time", "1, 2, 3, 4,")]
-  runs = run_worker(dict(devices=6, model="default", prompts=prompts, steps=8, layouts=[[1, 1], [3, 2]],
-                         cache_dir=str(tmp_path)))["layouts"]
+  runs = run_worker(dict(devices=6, model="default", prompts=prompts, steps=8,
+                         layouts=[[1, 1], [3, 2]], cache_dir=str(tmp_path)))["layouts"]
   assert runs["3x2"]["tokens"] == runs["1x1"]["tokens"]
   np.testing.assert_allclose(runs["3x2"]["logprobs"], runs["1x1"]["logprobs"], atol=1e-3)
-  assert runs["3x2"]["param_bytes_device0"] == _param_bytes_per_device(KNOWN_MODELS["smollm2-135m"], 3)
+  assert runs["3x2"]["param_bytes_device0"] == _param_bytes_per_device(
+      KNOWN_MODELS["smollm2-135m"], 3)
 
 
 def test_non_dividing_tp_is_rejected_with_the_valid_choices():
@@ -154,7 +143,8 @@ def test_logical_axes_map_to_mesh_axes():
   mesh = AbstractMesh((2, 4), (axes.DATA, axes.MODEL))
   assert axes.logical_to_mesh(P("layers", "embed", "heads", "head_dim"), (2, 64, 8, 16), mesh) == \
       P(None, None, "model", None)
-  assert axes.logical_to_mesh(P("layers", "mlp", "embed"), (2, 96, 64), mesh) == P(None, "model", None)
+  assert axes.logical_to_mesh(P("layers", "mlp", "embed"), (2, 96, 64), mesh) == P(None, "model",
+                                                                                   None)
   # An odd vocabulary stays whole rather than failing: 32001 tokens do not split 4 ways.
   assert axes.logical_to_mesh(P("vocab", "embed"), (32001, 64), mesh) == P(None, None)
   assert axes.logical_to_mesh(P("vocab", "embed"), (32000, 64), mesh) == P("model", None)

@@ -1,5 +1,6 @@
 """SIGTERM while `jaxserve serve` is loaded (the tiny model, as a process): every request ends with
-either its complete output or UNAVAILABLE, the process exits 0, and none is lost without a status."""
+either its complete output or UNAVAILABLE, the process exits 0, and none is lost without a
+status."""
 
 import os
 import re
@@ -10,9 +11,9 @@ import threading
 import time
 
 import grpc
-from test_server_cli import HEALTH, health
 
-import server_harness as h
+from support import server_harness as h
+from support.server_harness import HEALTH, health
 
 NUM_REQUESTS = 16
 

@@ -6,13 +6,14 @@ prefill-only and decode-only steps."""
 import dataclasses
 
 import numpy as np
-from conftest import TINY, TINY_ENGINE, count_compiles
+import pytest
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.model.llama import Transformer
+from support.tiny import TINY, TINY_ENGINE, count_compiles
 
 GREEDY = SamplingParams(temperature=0, logprobs=2)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.3, logprobs=2)
@@ -23,24 +24,25 @@ def chunk(slot, ids, start, table, last, prompt=(), sampling=GREEDY):
                       tuple(prompt), ())
 
 
-def test_a_mixed_plan_packs_decode_rows_then_merged_chunks():
+def test_a_mixed_plan_packs_decode_rows_then_chunks():
   e = Engine(Transformer(TINY, rngs=nnx.Rngs(0)), TINY_ENGINE)  # Buckets 16, 32; query block 16.
   tables = np.zeros((4, 3), np.int32)
   tables[1] = [5, 6, 7]
-  plan = StepPlan(prefills=(chunk(0, range(2, 12), 0, [1, 2], False),
-                            chunk(0, range(12, 14), 10, [1, 2], True, range(2, 14)),
+  plan = StepPlan(prefills=(chunk(0, range(2, 14), 0, [1, 2], True, range(2, 14)),
                             chunk(3, [9, 9, 9], 0, [3], True, [9, 9, 9])),
                   decode_slots=(1,), page_tables=tables)
   args, rows = e.step_args(plan)
   # A step with prefill runs every decode row (D = 4 slots, 3 of them padding); every step the
-  # table; 15 prefill tokens in bucket 16; slot 0's two chunks are one sequence.
+  # table; 15 prefill tokens in bucket 16; one sequence per chunk.
   assert args.decode_slots.tolist() == [1, 4, 4, 4] and args.prefill_tokens.shape == (16,)
   assert args.decode_tables.shape == (4, e.packer.width)
   assert args.prefill_slots.tolist() == [0, 3, 4, 4] and args.prefill_lens.tolist() == [12, 3, 0, 0]
-  assert args.prefill_starts.tolist()[:2] == [0, 0] and args.prefill_samples.tolist()[:2] == [True, True]
+  assert (args.prefill_starts.tolist()[:2] == [0, 0]
+          and args.prefill_samples.tolist()[:2] == [True, True])
   assert rows == [0, 4, 5]  # The decode row, then the two sequences that sample.
   # Each sequence starts its own query block; rows are on the whole token axis (4 + 16).
-  assert args.block_rows[0, :12].tolist() == list(range(4, 16)) and (args.block_rows[0, 12:] == 20).all()
+  assert (args.block_rows[0, :12].tolist() == list(range(4, 16))
+          and (args.block_rows[0, 12:] == 20).all())
   assert args.block_rows[1, :3].tolist() == [16, 17, 18] and args.block_seq[:2].tolist() == [4, 5]
 
 
@@ -52,16 +54,22 @@ def test_a_decode_only_plan_takes_the_smallest_bucket():
   assert args.decode_tables.shape == (1, e.packer.width) and args.prefill_tokens.shape == (0,)
 
 
-def test_a_plan_past_the_step_limits_runs_as_several_calls_in_plan_order():
-  """split_plan: prompts beyond max_prefill_seqs (or tokens beyond the largest bucket) go to
-  later calls; the decodes ride with the first; scoring chunks get prefill-only calls."""
-  from jaxserve.engine.engine import split_plan
-
+def test_a_plan_past_the_step_limits_is_refused_not_cut():
+  """The scheduler's plan is final: a plan that does not fit one call (more prompts than
+  max_prefill_seqs, more tokens than the largest bucket, two chunks of one slot, a scoring chunk
+  beside decodes) is an error naming the limit, never split."""
+  e = Engine(Transformer(TINY, rngs=nnx.Rngs(0)),
+             dataclasses.replace(TINY_ENGINE, max_prefill_seqs=2))  # Largest bucket 32.
   tables = np.zeros((4, 3), np.int32)
   p = [chunk(s, [5] * n, 0, [s + 1], True) for s, n in ((0, 3), (1, 20), (2, 4))]
   scored = dataclasses.replace(chunk(3, [7, 8], 0, [9], False), prompt_logprob_targets=(8, 9))
-  parts = split_plan(StepPlan((*p, scored), (1,), tables), max_tokens=24, max_seqs=2)
-  assert [(part.decode_slots, ids) for part, ids in parts] == [((1,), [0, 1]), ((), [2]), ((), [3])]
+  cases = [(StepPlan(tuple(p)), "3 prompts: at most 2"),
+           (StepPlan((p[1], chunk(0, [5] * 13, 0, [1, 2], True))), "at most 32 in all"),
+           (StepPlan((p[0], chunk(0, [6], 3, [1], True))), "two prefill chunks of one slot"),
+           (StepPlan((scored,), (1,), tables), "scores prompt positions")]
+  for plan, message in cases:
+    with pytest.raises(ValueError, match=message):
+      e.step(plan)
 
 
 def _run(model, mixed: bool):
@@ -105,7 +113,8 @@ def test_no_plan_compiles_after_warmup(tiny_model):
   tables[0, :16] = np.arange(1, 17)
   tables[1, :8] = np.arange(17, 25)
   with count_compiles() as counts:
-    e.step(StepPlan(prefills=(chunk(2, [7, 8], 0, [30], True, [7, 8]),))).result()  # The first shape.
+    # The first shape.
+    e.step(StepPlan(prefills=(chunk(2, [7, 8], 0, [30], True, [7, 8]),))).result()
     e.step(StepPlan(prefills=(chunk(0, range(2, 32), 0, tables[0], False),))).result()
     e.step(StepPlan(prefills=(chunk(0, [5] * 30, 30, tables[0], True, [5] * 60),
                               chunk(1, [3], 0, tables[1], True, [3])))).result()

@@ -8,7 +8,13 @@ from jaxserve.batching.request import FinishReason, RequestRejected, RequestStat
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.stream import AsyncRunner
 from jaxserve.config import SamplingParams, SchedulerConfig
-from mock_engine import MockEngine, MockTokenizer, assert_all_free, reference_generate, weighted_sum
+from support.mock_engine import (
+  MockEngine,
+  MockTokenizer,
+  assert_all_free,
+  reference_generate,
+  weighted_sum,
+)
 
 
 def greedy(n, **kwargs):

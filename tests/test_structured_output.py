@@ -15,7 +15,7 @@ import pytest
 import jaxserve
 from jaxserve import Constraint, EngineConfig, SamplingParams
 from jaxserve.batching.request import FinishReason
-from tests.conftest import count_compiles
+from support.tiny import count_compiles
 
 # Three levels: objects, arrays, enums, bounded integers, required fields; small enough that an
 # object ends within a few dozen tokens.
@@ -47,7 +47,8 @@ SCHEMA = {
 DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
 CHOICES = ["positive", "negative", "neutral"]
-FREE = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=1.0, seed=7, max_tokens=24)]
+FREE = [SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=24)]
 FREE_PROMPTS = ["What is a mortgage rate?", "Name three rivers."]
 ENGINE = EngineConfig(num_slots=32, max_model_len=512, prefill_buckets=(64, 128))
 
@@ -67,9 +68,11 @@ def mixed(llm):
   jobs = [(f"Describe user number {i} of a website as JSON.", json_sp(t)) for t in (1.0, 0.0)
           for i in range(50)]
   jobs += [(f"When was event {i}?", SamplingParams(temperature=1.0, seed=i, max_tokens=16,
-                                                   constraint=Constraint.regex(DATE))) for i in range(10)]
+                                                   constraint=Constraint.regex(DATE)))
+           for i in range(10)]
   jobs += [(f"Call me at {i}", SamplingParams(temperature=1.0, seed=i, max_tokens=24,
-                                              constraint=Constraint.regex(PHONE))) for i in range(10)]
+                                              constraint=Constraint.regex(PHONE)))
+           for i in range(10)]
   jobs += [(f"Review {i}: it was fine.", SamplingParams(temperature=t, seed=i, max_tokens=8,
                                                         constraint=Constraint.choice(CHOICES)))
            for i, t in enumerate([1.0, 0.0] * 5)]
@@ -128,7 +131,8 @@ def test_logprobs_are_those_of_the_masked_distribution(llm):
   finite = [t for t, lp in zip(first.top_ids, first.top_logprobs) if np.isfinite(lp)]
   assert set(finite) <= set(allowed.tolist())
   assert np.isfinite(first.logprob) and first.logprob <= 0
-  assert np.exp(np.logaddexp.reduce([lp for lp in first.top_logprobs if np.isfinite(lp)])) <= 1 + 1e-4
+  assert np.exp(np.logaddexp.reduce([lp for lp in first.top_logprobs
+                                     if np.isfinite(lp)])) <= 1 + 1e-4
 
 
 def _unpack(compiler, matcher) -> np.ndarray:
@@ -160,7 +164,8 @@ def tiny(tiny_checkpoint):
 
 
 def test_preempted_constrained_requests_rebuild_their_matchers_and_stay_valid(tiny):
-  sp = [SamplingParams(temperature=1.0, seed=i, max_tokens=90, constraint=Constraint.json_schema(SCHEMA))
+  sp = [SamplingParams(temperature=1.0, seed=i, max_tokens=90,
+                       constraint=Constraint.json_schema(SCHEMA))
         for i in range(8)]
   before = tiny.runner.scheduler.num_preemptions
   outs = tiny.generate([f"user {i}" for i in range(8)], sp)

@@ -49,18 +49,8 @@ def _hf_tokenizer(model):
 
 
 @pytest.fixture(scope="module")
-def smol():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.SMOLLM2))
-
-
-@pytest.fixture(scope="module")
 def hf_smol():
   return _hf_tokenizer(pull.SMOLLM2)
-
-
-@pytest.fixture(scope="module")
-def gemma():
-  return Tokenizer.from_gguf(pull.gguf_path(pull.GEMMA3))
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +158,8 @@ def test_gemma3_gguf_without_template_gets_gemma_turns(gemma, tmp_path):
       "<bos><start_of_turn>user\nWhere is the gold?<end_of_turn>\n")
   gemma.save(tmp_path)
   config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-  (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'x' }}"}))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                             "chat_template": "{{ 'x' }}"}))
   assert Tokenizer.from_hf_dir(tmp_path).apply_chat_template(messages) == "x"
 
 

@@ -9,7 +9,8 @@ from jaxserve.text import tool_calls
 
 WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer"}}}}
+TIME = {"name": "get_time", "parameters": {"type": "object",
+                                           "properties": {"zone": {"type": "integer"}}}}
 
 
 def test_call_schema_takes_calls_of_the_given_tools_only():
@@ -29,8 +30,9 @@ def test_call_schema_takes_calls_of_the_given_tools_only():
 def test_parse_forced_reads_one_call_or_an_array_and_refuses_a_cut_one():
   assert tool_calls.parse_forced('{"name": "get_time", "arguments": {"zone": 3}}') == [
       ("get_time", '{"zone": 3}')]
-  assert tool_calls.parse_forced('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]') == [
-      ("a", "{}"), ("b", '{"x": 1}')]
+  assert tool_calls.parse_forced(
+      '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]') == [
+          ("a", "{}"), ("b", '{"x": 1}')]
   assert tool_calls.parse_forced('[{"name": "a", "argu') is None
 
 

@@ -1,14 +1,14 @@
-"""Loaders: Hugging Face safetensors directories, GGUF files, and our orbax checkpoints, each checked
-against transformers running the same weights."""
+"""Loaders: Hugging Face safetensors directories, GGUF files, and our orbax checkpoints, each
+checked against transformers running the same weights."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import dense_logits
 
 from jaxserve.cli import main as cli
 from jaxserve.loading import checkpoint, weights
+from support.tiny import dense_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,11 +22,12 @@ def hf_model(kind: str):
   torch.manual_seed(0)
   if kind == "llama3":  # Untied head, GQA, Llama-3.1 RoPE scaling.
     cfg = transformers.LlamaConfig(**SMALL, tie_word_embeddings=False, rope_theta=500000.0,
-                                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                     high_freq_factor=4.0,
+                                   rope_scaling=dict(rope_type="llama3", factor=8.0,
+                                                     low_freq_factor=1.0, high_freq_factor=4.0,
                                                      original_max_position_embeddings=64))
     return transformers.LlamaForCausalLM(cfg).eval()
-  return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)).eval()
+  return transformers.Qwen2ForCausalLM(
+      transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)).eval()
 
 
 def torch_logits(model, ids):
@@ -47,7 +48,8 @@ def test_hf_directory_matches_transformers(tmp_path, kind):
 def _llama_cpp_row_order(w, num_heads):
   """llama.cpp's converter reorders Q/K rows per head for its interleaved RoPE:
   (2, pairs) -> (pairs, 2) within each head."""
-  return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2)
+          .reshape(w.shape))
 
 
 def write_gguf(model, path):
@@ -68,10 +70,10 @@ def write_gguf(model, path):
   w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
   w.add_tensor("output_norm.weight", sd["model.norm.weight"])
   w.add_tensor("output.weight", sd["lm_head.weight"])
-  names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-           "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-           "mlp.down_proj": "ffn_down"}
+  names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
   for i in range(c.num_hidden_layers):
     for hf, ours in names.items():
       t = sd[f"model.layers.{i}.{hf}.weight"]
@@ -88,7 +90,8 @@ def write_gguf(model, path):
 
 def test_gguf_with_llama_cpp_row_order_matches_transformers(tmp_path):
   """Un-permuting llama.cpp's Q/K rows is what makes the logits agree."""
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)).eval()
+  model = transformers.LlamaForCausalLM(
+      transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)).eval()
   write_gguf(model, tmp_path / "tiny.gguf")
   cfg, params = weights.load_gguf(tmp_path / "tiny.gguf")
   ours = dense_logits(checkpoint.build_model(cfg, params), IDS)

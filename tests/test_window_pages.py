@@ -10,7 +10,7 @@ and preemption working.
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.config.engine import window_pages_per_seq
-from mock_engine import MockEngine, MockTokenizer, checked, reference_generate, weighted_sum  # noqa: F401  (a fixture)
+from support.mock_engine import MockEngine, MockTokenizer, reference_generate, weighted_sum
 
 WINDOW, PAGE, CHUNK, SLOTS = 8, 4, 8, 3
 PER_SEQ = window_pages_per_seq(WINDOW, PAGE, CHUNK)  # 5: 14 positions span at most 5 pages of 4.

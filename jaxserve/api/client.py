@@ -85,6 +85,7 @@ def add_parser(sub) -> None:
   p.add_argument("--address", default=DEFAULT_ADDRESS, help="host:port of the gRPC API")
   p.add_argument("--api-key", default=None, help=f"API key; unset: ${API_KEY_ENV}")
   p.add_argument("--ca-cert", default=None, help="PEM CA certificate: connect with TLS")
-  p.add_argument("--raw", action="store_true", help="send the prompt as text, without the chat template")
+  p.add_argument("--raw", action="store_true",
+                 help="send the prompt as text, without the chat template")
   p.add_argument("--chunk-tokens", type=int, default=1, help="tokens per streamed message")
   return p

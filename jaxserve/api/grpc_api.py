@@ -207,7 +207,8 @@ def response(chunk: Chunk) -> pb.GenerateResponse:
     entry = msg.prompt_logprobs.add(token_id=token)
     if lp is not None:
       entry.logprob, entry.rank = lp.logprob, lp.rank
-      entry.top.extend(pb.TopLogprob(token_id=i, logprob=p) for i, p in zip(lp.top_ids, lp.top_logprobs))
+      entry.top.extend(pb.TopLogprob(token_id=i, logprob=p)
+                       for i, p in zip(lp.top_ids, lp.top_logprobs))
   if chunk.record is not None:
     _fill_record(msg, chunk.record)
   return msg

@@ -7,9 +7,9 @@ Requests go through the same service and gateway as gRPC: `Authorization: Bearer
 same checks and limits, and errors in OpenAI's shape ({"error": {"message", "type", "code"}})
 with 400 / 404 / 401 / 429 / 503 / 500 for INVALID_ARGUMENT / NOT_FOUND (another model) /
 UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL; aiohttp's own refusals (404,
-405, and 413 for a body over 8 MiB) come in the same shape. Besides OpenAI's fields, vLLM's extras are read: top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, allowed_token_ids, priority, truncate_prompt
-(openai_request.py).
+405, and 413 for a body over 8 MiB) come in the same shape. Besides OpenAI's fields, vLLM's
+extras are read: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
+allowed_token_ids, priority, truncate_prompt (openai_request.py).
 """
 
 from __future__ import annotations
@@ -199,7 +199,8 @@ async def _sse(request: web.Request, fmt, choices: openai_choices.Choices,
                include_usage: bool) -> web.StreamResponse:
   """Server-sent events, each choice's chunks as they come. A client that goes away makes a
   write fail; leaving the loop closes the choices (in the caller), which aborts the requests."""
-  resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+  resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                     "Cache-Control": "no-cache"})
   await resp.prepare(request)
   send = lambda event: resp.write(f"data: {json.dumps(event)}\n\n".encode())
   try:
@@ -213,7 +214,8 @@ async def _sse(request: web.Request, fmt, choices: openai_choices.Choices,
     if include_usage:
       await send(fmt.usage_event(openai_choices.records_in_order(records)))
   except ApiError as e:  # The engine failed mid-stream.
-    await send({"error": {"message": e.message, "type": _ERROR_TYPES[e.status], "code": e.status.value}})
+    await send({"error": {"message": e.message, "type": _ERROR_TYPES[e.status],
+                          "code": e.status.value}})
   except (ConnectionError, StopAsyncIteration):
     return resp
   await resp.write(b"data: [DONE]\n\n")

@@ -1,7 +1,8 @@
 """The choices of one OpenAI request: each (prompt, run) pair is a service.generate stream.
 
 A completions request may carry several prompts, and ask for n completions of each (best_of runs,
-of which the n with the highest cumulative logprob are returned). The runs of one prompt are
+of which the n with the highest cumulative logprob are returned). A prompt is tokenized (and
+templated, and its fields checked) once, for all its runs. The runs of one prompt are
 submitted together, so they share its KV pages through the prefix cache: the scheduler caches
 the first run's full pages as soon as their prefill is dispatched, and the runs admitted after it
 (the same step or later) prefill only the rest. Each run has its own seed stream: seed + run when
@@ -15,31 +16,39 @@ import dataclasses
 from typing import AsyncIterator, Sequence
 
 from jaxserve.api.openai_request import Request
+from jaxserve.config import SamplingParams
 from jaxserve.serving.gateway import ApiError, ApiKey
 from jaxserve.serving.metrics import RequestRecord
-from jaxserve.serving.service import Chunk, GenerateInput, Service
+from jaxserve.serving.service import Chunk, GenerateInput, Prepared, Service
 
 _SEEDS = 2**63  # SamplingParams' seed range: seed + run wraps inside it.
 
 
-def run_inputs(req: Request) -> list[GenerateInput]:
-  """Every run's input, prompt by prompt."""
+def runs(service: Service, req: Request) -> list[tuple[GenerateInput, Prepared]]:
+  """Every run's input and checked request, prompt by prompt. Raises a prompt's ApiError."""
   out = []
   for prompt in req.prompts or (req.input.prompt,):
-    for run in range(req.num_runs):
-      sampling = dict(req.input.sampling)
-      if run and sampling.get("seed") is not None:
-        sampling["seed"] = (sampling["seed"] + run) % _SEEDS
-      out.append(dataclasses.replace(req.input, prompt=prompt, sampling=sampling))
+    inp = dataclasses.replace(req.input, prompt=prompt)
+    prepared = service.prepare(inp)  # Once per prompt: its runs share the ids.
+    out += [(inp, prepared._replace(sampling=_seeded(prepared.sampling, run)))
+            for run in range(req.num_runs)]
   return out
+
+
+def _seeded(sampling: SamplingParams, run: int) -> SamplingParams:
+  if not run or sampling.seed is None:
+    return sampling
+  return dataclasses.replace(sampling, seed=(sampling.seed + run) % _SEEDS)
 
 
 class Choices:
   """Opens every run's stream; closing it (async with) aborts those still running."""
 
   def __init__(self, service: Service, key: ApiKey, req: Request):
+    """Checks and tokenizes every prompt (raising the first one's ApiError); the streams start
+    at start()."""
     self._req = req
-    self._streams = [service.generate(key, inp) for inp in run_inputs(req)]
+    self._streams = [service.generate(key, inp, prepared) for inp, prepared in runs(service, req)]
     self._firsts: list[Chunk] = []
 
   def __len__(self) -> int:

@@ -216,7 +216,8 @@ class ChatFormat(_Format):
         choice["delta"] = {"content": text} if text else {}
       else:
         content, calls = calls
-        choice["delta"] = {"content": content, "tool_calls": calls} if content else {"tool_calls": calls}
+        choice["delta"] = ({"content": content, "tool_calls": calls} if content
+                           else {"tool_calls": calls})
         choice["finish_reason"] = self._calls_finish
     return event
 

@@ -6,12 +6,8 @@ null counts as not sent, as OpenAI's clients send unset fields that way; any oth
 is refused, as OpenAI does, so that a misspelt `temprature` is not silently ignored (but for
 best_of 1, echo false and response_format text, which change nothing, and OpenAI's fields that
 mean nothing here: store, metadata, service_tier, user; parallel_tool_calls only bounds forced
-tool calls).
-
-Structured output: `response_format` json_object / json_schema, vLLM's guided_json, guided_regex,
-guided_choice and guided_grammar (at most one of them) become `SamplingParams.constraint`; chat's
-`tools` with tool_choice "required" or a named function become a constraint too
-(text/tool_calls.py), "auto" offers the tools to the model and parses its calls, "none" ignores them.
+tool calls). The structured-output fields (response_format, guided_*, tools) are
+openai_structured.py's.
 
 Every function here is pure and raises only `ApiError` (INVALID_ARGUMENT) naming the field.
 """
@@ -22,7 +18,9 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from jaxserve.config import Constraint, SamplingParams, is_int, short
+from jaxserve.api import openai_structured
+from jaxserve.api.openai_structured import GUIDED_FIELDS
+from jaxserve.config import Constraint, SamplingParams, is_int, json_type, short
 from jaxserve.serving.gateway import invalid
 from jaxserve.serving.service import GenerateInput, Prompt
 from jaxserve.text import tool_calls
@@ -33,8 +31,6 @@ SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed", "ignore_eos", "stop_t
 # OpenAI's fields about storage, billing and tools that change nothing about the tokens: taken
 # and dropped, so that clients which always send them work.
 IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls", "user"})
-# vLLM's constrained-decoding extras, each a way to give SamplingParams.constraint.
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "max_tokens", "n", "stream",
                             "stream_options", "stop", "priority", "truncate_prompt",
                             "response_format", *GUIDED_FIELDS})
@@ -86,7 +82,7 @@ def parse_body(data: bytes) -> dict[str, Any]:
   except ValueError as e:
     raise invalid(f"the request body is not JSON: {e}") from e
   if not isinstance(body, dict):
-    raise invalid(f"the request body must be a JSON object, got {_json_type(body)}")
+    raise invalid(f"the request body must be a JSON object, got {json_type(body)}")
   return body
 
 
@@ -101,7 +97,8 @@ def completion_request(body: Mapping[str, Any]) -> Request:
   logprobs = body.get("logprobs")
   if echo and logprobs is not None:  # The prompt's tokens get as many top logprobs as the rest.
     asked = body.get("prompt_logprobs", 0)
-    body["prompt_logprobs"] = max(asked, logprobs) if is_int(asked) and is_int(logprobs) else logprobs
+    both_ints = is_int(asked) and is_int(logprobs)
+    body["prompt_logprobs"] = max(asked, logprobs) if both_ints else logprobs
   prompts = _completion_prompts(body)
   req = _request(body, prompts[0], logprobs, "max_tokens", DEFAULT_COMPLETION_TOKENS)
   if "prompt_logprobs" in body:  # SamplingParams checks it.
@@ -123,7 +120,8 @@ def completion_request(body: Mapping[str, Any]) -> Request:
 
 
 def chat_request(body: Mapping[str, Any]) -> Request:
-  parallel = body.get("parallel_tool_calls")  # Read before _present drops it: OpenAI's default is true.
+  # Read before _present drops it: OpenAI's default is true.
+  parallel = body.get("parallel_tool_calls")
   if parallel is not None and not _is_bool(parallel):
     raise invalid(f"parallel_tool_calls must be true or false, got {short(parallel)}")
   body = _present(body, CHAT_FIELDS, "/v1/chat/completions")
@@ -134,9 +132,10 @@ def chat_request(body: Mapping[str, Any]) -> Request:
     raise invalid("top_logprobs needs logprobs: true")
   top = body.get("top_logprobs", 0)
   if not (is_int(top) and 0 <= top <= SamplingParams.MAX_LOGPROBS):
-    raise invalid(f"top_logprobs must be an int in [0, {SamplingParams.MAX_LOGPROBS}], got {short(top)}")
+    raise invalid(f"top_logprobs must be an int in [0, {SamplingParams.MAX_LOGPROBS}], "
+                  f"got {short(top)}")
   max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-  tools, choice, name = _tools(body)
+  tools, choice, name = openai_structured.parse_tools(body)
   prompt = Prompt(messages=_messages(body), tools=tools if choice == "auto" else None)
   req = _request(body, prompt, top if want else None, max_field)
   if choice in ("required", "named"):
@@ -172,7 +171,7 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
   if not (is_int(n) and 1 <= n <= MAX_CHOICES):
     raise invalid(f"n must be in [1, {MAX_CHOICES}], got {short(n)}")
   sampling = {f: body[f] for f in SAMPLING_FIELDS if f in body}
-  constraint = _constraint(body)
+  constraint = openai_structured.output_constraint(body)
   if constraint is not None:
     sampling["constraint"] = constraint
   if "stop" in body:
@@ -181,77 +180,10 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
   inp = GenerateInput(prompt, sampling, max_tokens=body.get(max_field),
                       default_max_tokens=default_max_tokens, logprobs=logprobs,
                       request_id=None, priority=body.get("priority", 0),
-                      model=body.get("model", ""), truncate_prompt=body.get("truncate_prompt", False))
+                      model=body.get("model", ""),
+                      truncate_prompt=body.get("truncate_prompt", False))
   return Request(inp, body.get("stream", False), options.get("include_usage", False), n=n,
                  want_logprobs=logprobs is not None)
-
-
-def _constraint(body: dict[str, Any]) -> Constraint | None:
-  """The output constraint of response_format or a guided_* field (at most one of them)."""
-  given = [f for f in ("response_format", *GUIDED_FIELDS) if f in body]
-  if len(given) > 1:
-    raise invalid(f"give at most one of response_format and {', '.join(GUIDED_FIELDS)}; got "
-                  f"{', '.join(given)}")
-  if not given:
-    return None
-  field, value = given[0], body[given[0]]
-  want = {"guided_json": ((dict, str, bool), "a JSON schema (an object, or its text)"),
-          "guided_regex": (str, "a string (a regular expression)"),
-          "guided_choice": (list, "a list of strings"),
-          "guided_grammar": (str, "a string (a Lark or GBNF grammar)")}
-  if field in want and not isinstance(value, want[field][0]):
-    raise invalid(f"{field} must be {want[field][1]}, got {short(value)}")
-  try:
-    if field == "response_format":
-      return _response_format(value)
-    make = {"guided_json": Constraint.json_schema, "guided_regex": Constraint.regex,
-            "guided_choice": Constraint.choice, "guided_grammar": Constraint.grammar}[field]
-    return make(value)
-  except ValueError as e:
-    raise invalid(f"{field}: {e}") from e
-
-
-def _response_format(value: Any) -> Constraint:
-  kinds = '"text", "json_object" or "json_schema"'
-  if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-    raise invalid(f'response_format must be an object {{"type": {kinds}}}, got {short(value)}')
-  if value["type"] == "json_object":
-    return Constraint.json_object()
-  if value["type"] != "json_schema":
-    raise invalid(f"response_format.type must be {kinds}, got {short(value['type'])}")
-  spec = value.get("json_schema")
-  if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
-    raise invalid("response_format json_schema needs json_schema: {\"name\": ..., \"schema\": "
-                  f"{{...}}}}, got {short(spec)}")
-  return Constraint.json_schema(spec["schema"])
-
-
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str, str | None]:
-  """(OpenAI's function definitions, tool_choice: none / auto / required / named, the named
-  function)."""
-  tools, choice = body.get("tools", []), body.get("tool_choice")
-  if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
-    raise invalid('tools must be a list of {"type": "function", "function": {"name": ..., '
-                  f'"parameters": {{...}}}}}}, got {short(tools)}')
-  functions = [dict(t["function"]) for t in tools]
-  names = [f["name"] for f in functions]
-  if choice is None:
-    return functions, "auto" if tools else "none", None
-  if not tools:
-    raise invalid("tool_choice needs tools")
-  if choice in ("none", "auto", "required"):
-    return functions, choice, None
-  name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-  if not (isinstance(choice, dict) and choice.get("type") == "function" and name in names):
-    raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                  f'"function": {{"name": one of {names}}}}}, got {short(choice)}')
-  return functions, "named", name
-
-
-def _is_function(tool: Any) -> bool:
-  fn = tool.get("function") if isinstance(tool, dict) else None
-  return (tool.get("type") == "function" and isinstance(fn, dict) and _is_str(fn.get("name"))
-          and isinstance(fn.get("parameters", {}), dict))
 
 
 def _check_types(body: dict[str, Any], max_field: str) -> None:
@@ -334,11 +266,6 @@ def _unicode(text: str, field: str) -> str:
   except UnicodeEncodeError as e:
     raise invalid(f"{field} is not valid Unicode: {e.reason} at character {e.start}") from e
   return text
-
-
-def _json_type(value: Any) -> str:
-  names = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-  return names.get(type(value), "a number")
 
 
 def _is_str(x: Any) -> bool:

@@ -2,9 +2,10 @@
 
 Its life, as `jaxserve serve` runs it:
 
-  start()  binds the ports at once and reports health NOT_SERVING, then loads the model and
-           compiles every prefill bucket and decode width on a worker thread (the event loop keeps
-           answering health checks meanwhile; Generate answers UNAVAILABLE)
+  start()  binds the ports at once and reports health NOT_SERVING, then runs the `load` it was
+           given (`jaxserve serve`'s is llm.load_engine: the model, every step shape compiled) on
+           a worker thread (the event loop keeps answering health checks meanwhile; Generate
+           answers UNAVAILABLE)
   ready    health SERVING: requests flow through service.Service
   drain()  on SIGTERM: health NOT_SERVING, new requests UNAVAILABLE, open streams run to their
            end for at most drain_timeout_s (then they are aborted)
@@ -64,19 +65,12 @@ class ServerConfig:
       raise ValueError(f"ServerConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Loaded:
-  """What `load` returns: a warmed-up engine and its tokenizer."""
-
-  engine: Any  # jaxserve.engine.engine.Engine, or any plan.Engine.
-  tokenizer: Any
-  model_name: str
-
-
 class Server:
 
-  def __init__(self, load: Callable[[], Loaded], config: ServerConfig = ServerConfig()):
-    """`load` runs on a worker thread at start(): it builds the engine and compiles it."""
+  def __init__(self, load: Callable[[], Any], config: ServerConfig = ServerConfig()):
+    """`load` runs on a worker thread at start(): it builds the engine and compiles it, and
+    returns a jaxserve.llm.Loaded (its .engine, .tokenizer and .model_name). The server takes it
+    from its caller: the engine side is above the front ends, which never import it."""
     self.config = config
     self.metrics = Metrics()
     self.gateway = Gateway(load_keys(config.keys_file) if config.keys_file else None)

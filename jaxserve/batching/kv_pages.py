@@ -10,16 +10,15 @@ page tables point at it). A page is in exactly one of three states:
 Automatic prefix caching: a full page is keyed by SHA-256 of its parent page's key and its token
 ids, so one key names the whole prefix up to that page. The hash is cryptographic because pages
 are shared across tenants: with Python's hash() a crafted collision would let one prompt reuse
-another's KV (the class of vLLM's CVE-2025-25183); a page's own tokens are still compared too. A new request walks its prompt page
-by page and reuses every page whose key is cached; only the rest is prefilled. When no free page is
-left, the least recently freed cached page is evicted.
+another's KV (the class of vLLM's CVE-2025-25183); a page's own tokens are still compared too.
+A new request walks its prompt page by page and reuses every page whose key is cached; only the
+rest is prefilled. When no free page is left, the least recently freed cached page is evicted.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -32,7 +31,8 @@ def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
   return hashlib.sha256(parent + np.asarray(token_ids, "<i4").tobytes()).digest()
 
 
-def prefix_keys(token_ids: Sequence[int], page_size: int) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+def prefix_keys(token_ids: Sequence[int],
+                page_size: int) -> Iterator[tuple[bytes, tuple[int, ...]]]:
   """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily."""
   parent = _ROOT_HASH
   for i in range((len(token_ids) - 1) // page_size):
@@ -78,8 +78,8 @@ class PageAllocator:
   def ref_count(self, page: int) -> int:
     return self._ref[page]
 
-  def match_prefix(self, token_ids: Sequence[int], max_hits: int | None = None) -> list[int]:
-    """The cached pages that hold a prefix of `token_ids` (at most `max_hits` of them).
+  def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    """The cached pages that hold a prefix of `token_ids`.
 
     The page holding the last token never matches: its prefill samples the next token, and
     rewriting a page other requests share is best avoided.
@@ -87,7 +87,7 @@ class PageAllocator:
     if not self.enable_prefix_caching:
       return []
     hits = []
-    for key, tokens in itertools.islice(prefix_keys(token_ids, self.page_size), max_hits):
+    for key, tokens in prefix_keys(token_ids, self.page_size):
       page = self.find(key, tokens)
       if page is None:
         break
@@ -103,31 +103,37 @@ class PageAllocator:
     return self._hash[page]
 
   def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0, reuse: bool = True,
-                   max_hits: int | None = None) -> bool:
-    """Whether `allocate(token_ids, reuse, max_hits)` would leave at least `num_reserve` pages free."""
-    hits = self.match_prefix(token_ids, max_hits) if reuse else []
+                   hits: Sequence[int] | None = None) -> bool:
+    """Whether `allocate(token_ids, reuse, hits)` would leave at least `num_reserve` pages free."""
+    hits = self._hits(token_ids, reuse, hits)
     num_revived = sum(self._ref[b] == 0 for b in hits)  # Cached hits leave the evictable pool.
     num_new = self.num_pages_for(len(token_ids)) - len(hits)
     return self.num_free_pages - num_revived >= num_new + num_reserve
 
   def allocate(self, token_ids: Sequence[int], reuse: bool = True,
-               max_hits: int | None = None) -> tuple[list[int], int]:
-    """A page table covering every position of `token_ids`, reusing the cached prefix (at most
-    `max_hits` pages of it; none when not `reuse`: all fresh pages, for a request that must
-    compute every position).
+               hits: Sequence[int] | None = None) -> tuple[list[int], int]:
+    """A page table covering every position of `token_ids`, reusing its cached prefix: `hits`
+    when the caller matched it already (a leading part of `match_prefix`'s), else the whole
+    match; none when not `reuse` (all fresh pages, for a request that must compute every
+    position).
 
     Returns the table and how many leading tokens already have their KV in it. Check
     `can_allocate` first.
     """
-    hits = self.match_prefix(token_ids, max_hits) if reuse else []
+    hits = self._hits(token_ids, reuse, hits)
     for page in hits:
       self.hold(page)
     num_new = self.num_pages_for(len(token_ids)) - len(hits)
-    table = hits + [self._take_fresh() for _ in range(num_new)]
+    table = list(hits) + [self._take_fresh() for _ in range(num_new)]
     num_cached = len(hits) * self.page_size
     self.num_query_tokens += len(token_ids)
     self.num_hit_tokens += num_cached
     return table, num_cached
+
+  def _hits(self, token_ids, reuse: bool, hits: Sequence[int] | None) -> Sequence[int]:
+    if not reuse:
+      return ()
+    return self.match_prefix(token_ids) if hits is None else hits
 
   def append_page(self, table: list[int]) -> bool:
     """Grows `table` by one fresh page; False (and no change) when none is left."""

@@ -1,7 +1,10 @@
-"""What the scheduler hands the runner each step, and what the runner hands back.
+"""What the scheduler hands the engine each step, and what comes back.
 
-Plain dataclasses with no jax: the scheduler builds a `StepPlan`, the runner executes it on an
-`Engine` and reads the sampled tokens back from its `TokenFuture`s; neither reaches into the other.
+Plain dataclasses with no jax. The scheduler builds a `StepPlan` that is final: it fits one
+engine call (at most `EngineInfo.max_prefill_len` prefill tokens, at most `max_prefill_seqs`
+prompts, one chunk per request, and chunks that score their prompt positions in a prefill-only
+plan of their own), and the engine runs it as given. The runner reads the sampled tokens back
+from its `TokenFuture` and hands them to the scheduler in one call (`Scheduler.update`).
 """
 
 from __future__ import annotations
@@ -49,9 +52,12 @@ class StepPlan:
   # Slots that decode one token this step; each reads its input token and position from the
   # engine's decode state, so planning step n+1 needs no value from step n.
   decode_slots: Sequence[int] = ()
-  # [num_slots, width] page tables for decode (rows of idle slots are ignored); with window
-  # pages, [num_slots, 2 * width]: each slot's table, then its window table.
+  # [num_slots, G * W] page tables for decode (rows of idle slots are ignored): each slot's
+  # table, then with window pages (G = EngineInfo.page_groups = 2) its window table.
   page_tables: np.ndarray | None = None
+  # Slots released since the last plan: their requests left. Nothing to do on the real engine
+  # (a slot decodes only when a plan lists it); an engine that keeps per-slot state drops it.
+  free_slots: Sequence[int] = ()
 
   @property
   def is_empty(self) -> bool:
@@ -86,7 +92,6 @@ class EngineInfo:
   max_prefill_len: int  # The largest prefill bucket: no chunk may be longer.
   can_share_pages: bool  # False: sequences cannot share KV pages, so no prefix caching.
   vocab_size: int
-  decode_widths: tuple[int, ...]  # Page-table widths steps take (the engine: one, the widest).
   prefill_buckets: tuple[int, ...] = ()
   dtype: str = "float32"
   max_prefill_seqs: int | None = None  # Prompts one step may prefill (None: any number).
@@ -96,6 +101,11 @@ class EngineInfo:
   window: int | None = None
   num_window_pages: int = 0
 
+  @property
+  def page_groups(self) -> int:
+    """G: page tables per sequence, 2 with window pages (the pool's, then the window pool's)."""
+    return 2 if self.window else 1
+
 
 class Engine(Protocol):
   """The device side, as the runner sees it. `jaxserve.engine.engine.Engine` is the real one; the
@@ -104,13 +114,10 @@ class Engine(Protocol):
   info: EngineInfo
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture:
-    """Runs the whole plan: writes every chunk's KV, decodes every decode slot. The future holds
-    one sample per `plan.decode_slots` entry, then one per chunk with `is_last`, in plan order.
-    bitmask [samples, ceil(V/32)] int32, rows in that order: the tokens each sample may be (bit
-    t % 32 of word t // 32); None, or an all-ones row, leaves a sample free. The runner passes
-    one only when a sample is constrained, so an engine without constraints may omit it."""
-    ...
-
-  def free(self, slot: int) -> None:
-    """The slot's request left: the slot stops decoding until a prefill refills it."""
+    """Runs the whole plan in one call: writes every chunk's KV, decodes every decode slot. The
+    future holds one sample per `plan.decode_slots` entry, then one per chunk with `is_last`, in
+    plan order. bitmask [samples, ceil(V/32)] int32, rows in that order: the tokens each sample
+    may be (bit t % 32 of word t // 32); None, or an all-ones row, leaves a sample free. The
+    runner passes one only when a sample is constrained, so an engine without constraints may
+    omit it."""
     ...

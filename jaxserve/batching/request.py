@@ -1,11 +1,12 @@
 """One request's host state: its tokens, counters, status and timestamps.
 
-The runner creates a `Request`, the scheduler moves it between queues and owns its KV counters, the
-runner appends the sampled tokens and decides when it stops. Token counters:
+The runner creates a `Request` and decides when it stops; the scheduler moves it between queues,
+owns its KV counters and appends the sampled tokens the runner hands back (`Scheduler.update`).
+Token counters:
 
   all_token_ids        prompt + the output tokens that have reached the host
-  num_pending_tokens   sampled on the device, not read back yet (the overlap keeps one step in flight)
-  num_tokens           len(all_token_ids) + num_pending_tokens: the sequence length the device sees
+  num_pending_tokens   sampled on the device, not read back yet (the overlap keeps one step in
+                       flight)
   num_computed_tokens  positions whose KV write has been dispatched
 """
 
@@ -86,7 +87,8 @@ class Request:
   # Prompt tokens the prefix cache held at the first admission (usage's cached_tokens; never
   # more than the prompt: a preempted request's later hits are its own recomputed KV).
   num_cached_tokens: int = 0
-  timings: RequestTimings = dataclasses.field(default_factory=lambda: RequestTimings(time.monotonic()))
+  timings: RequestTimings = dataclasses.field(
+      default_factory=lambda: RequestTimings(time.monotonic()))
   # sampling.constraint compiled for the vocabulary (a text.constraint.Grammar); None: free text.
   grammar: Any = None
   # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.
@@ -110,10 +112,6 @@ class Request:
     return len(self.all_token_ids) - len(self.prompt_token_ids)
 
   @property
-  def num_tokens(self) -> int:
-    return len(self.all_token_ids) + self.num_pending_tokens
-
-  @property
   def is_prefilling(self) -> bool:
     return self.num_computed_tokens < self.num_prefill_tokens
 
@@ -121,9 +119,17 @@ class Request:
   def is_finished(self) -> bool:
     return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
-  def completion(self, text: str) -> Completion:
-    return Completion(self.request_id, self.prompt_token_ids, tuple(self.output_token_ids), text,
-                      self.finish_reason, self.stop_reason, self.num_cached_tokens, self.timings)
+  def completion(self, outputs: Sequence[RequestOutput]) -> Completion:
+    """The finished request from all its outputs: their texts joined, each output token's
+    logprobs when the sampling asked for them, the prompt's (from the first output)."""
+    logprobs = None
+    if self.sampling.logprobs:
+      logprobs = tuple(lp for o in outputs for lp in o.logprobs or ())
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None),
+                           None)
+    return Completion(self.request_id, self.prompt_token_ids, tuple(self.output_token_ids),
+                      "".join(o.text for o in outputs), self.finish_reason, self.stop_reason,
+                      self.num_cached_tokens, self.timings, logprobs, prompt_logprobs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,4 +174,6 @@ class Completion:
   stop_reason: int | str | None
   num_cached_tokens: int
   timings: RequestTimings
+  # One per token of token_ids when SamplingParams.logprobs > 0 (vLLM's CompletionOutput.logprobs).
+  logprobs: tuple[TokenLogprobs, ...] | None = None
   prompt_logprobs: Sequence[TokenLogprobs | None] | None = None  # As RequestOutput's.

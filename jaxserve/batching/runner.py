@@ -4,6 +4,10 @@ Each step is one engine call (`Engine.step(plan)`: every prefill chunk and decod
 plan). `step()` overlaps host and device. It dispatches step n+1 before it reads step n's tokens:
 
   schedule(n+1) -> dispatch(n+1) -> read tokens of n (TokenFuture.result) -> outputs of n
+    -> Scheduler.update(tokens of n)
+
+The plan is final: the engine runs it as given, in one call, and the step's tokens go back to the
+scheduler in one call (nano-vllm's schedule() / postprocess()).
 
 Planning needs no token values (decode reads its input token from the engine's device state), and
 the engine runs its steps in dispatch order, so while the host waits for step n, step n+1 is
@@ -112,7 +116,8 @@ class Runner:
     if req is None:
       return False
     self.scheduler.abort(req)
-    self._outbox.append(self._end(req, FinishReason.ABORT, "", time.monotonic()))
+    self._retire(req)  # First: an aborted request's last output carries no prompt logprobs.
+    self._outbox.append(self._last(req, FinishReason.ABORT, "", time.monotonic()))
     return True
 
   def step(self) -> list[RequestOutput]:
@@ -127,24 +132,18 @@ class Runner:
     """Runs every (prompt_ids, sampling) to completion; results in input order. Every prompt is
     checked before any runs."""
     reqs = [self.new_request(ids, sampling) for ids, sampling in prompts]
-    texts = {r.request_id: [] for r in reqs}
-    prompt_logprobs = {}
+    outputs = {r.request_id: [] for r in reqs}
     queued = collections.deque(reqs)
     while queued or self.has_unfinished:
       while queued and len(self.scheduler.waiting) < self.scheduler.config.max_queue_len:
         self.submit(queued.popleft())
       for out in self.step():
-        texts.get(out.request_id, []).append(out.text)
-        if out.prompt_logprobs is not None:
-          prompt_logprobs[out.request_id] = out.prompt_logprobs
-    return [dataclasses.replace(r.completion("".join(texts[r.request_id])),
-                                prompt_logprobs=prompt_logprobs.get(r.request_id)) for r in reqs]
+        outputs.get(out.request_id, []).append(out)
+    return [r.completion(outputs[r.request_id]) for r in reqs]
 
   def _dispatch(self, scheduled: ScheduledStep) -> _Dispatched | None:
-    for slot in scheduled.free_slots:
-      self.engine.free(slot)
     plan = scheduled.plan
-    if plan.is_empty:
+    if plan.is_empty and not plan.free_slots:
       return None
     # The future's rows: the decode slots, then the chunks that end their prompts.
     ends = [req for chunk, req in zip(plan.prefills, scheduled.prefill_requests) if chunk.is_last]
@@ -157,7 +156,8 @@ class Runner:
     return _Dispatched(future, samples, prompts) if samples or prompts else None
 
   def _collect(self, step: _Dispatched) -> list[RequestOutput]:
-    """Reads a step's sampled tokens and applies them; stale ones are dropped unread."""
+    """Reads a step's sampled tokens, turns them into outputs, and hands them to the scheduler
+    in one call; stale ones are dropped unread."""
     for i, req, epoch, start, length in step.prompts:
       if req.epoch == epoch:  # Before the step's first tokens, which hand these out.
         self._store_prompt_logprobs(req, step.future.prompt_logprobs(i), start, length)
@@ -168,8 +168,14 @@ class Runner:
     # One read of the logprob arrays for the whole step, and none when nobody asked.
     arrays = step.future.logprobs() if any(r.sampling.logprobs for _, r in live) else None
     now = time.monotonic()
-    return [self._apply_token(req, tokens[i], now, _token_logprobs(arrays, i, req.sampling.logprobs))
-            for i, req in live]
+    outputs = [self._output(req, tokens[i], now, _token_logprobs(arrays, i, req.sampling.logprobs))
+               for i, req in live]
+    self.scheduler.update([(req, tokens[i], out.finished)
+                           for (i, req), out in zip(live, outputs)])
+    for (_, req), out in zip(live, outputs):
+      if out.finished:
+        self._retire(req)
+    return outputs
 
   def _store_prompt_logprobs(self, req: Request, arrays, start: int, length: int) -> None:
     """Position start + 1 + i is scored by chunk row i; the last chunk's last row scores the
@@ -181,16 +187,9 @@ class Runner:
           float(chosen[i]), tuple(top_ids[i, :num_top].tolist()),
           tuple(top_logprobs[i, :num_top].tolist()), int(ranks[i]))
 
-  def _apply_token(self, req: Request, token: int, now: float,
-                   logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
-    out = self._apply(req, token, now, logprobs)
-    if req.num_output_tokens == 1 and req.request_id in self._prompt_logprobs:
-      out.prompt_logprobs = self._prompt_logprobs.pop(req.request_id)
-    return out
-
-  def _apply(self, req: Request, token: int, now: float,
-             logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
-    self.scheduler.append_token(req, token)
+  def _output(self, req: Request, token: int, now: float,
+              logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
+    """The output of `req`'s next token, the scheduler not told yet (`_collect` does it)."""
     timings = req.timings
     timings.token_times.append(now)
     if timings.first_token is None:
@@ -198,31 +197,37 @@ class Runner:
     out = self._texts[req.request_id]
     if token in out.stop_token_ids:  # Its text is never shown.
       req.stop_reason = token
-      return self._end(req, FinishReason.STOP, out.finish(), now, (token,), logprobs)
+      return self._last(req, FinishReason.STOP, out.finish(), now, (token,), logprobs)
     if req.grammar is not None:
       self.constraints.accept(req, token)
     text = out.add((token,))
     if out.stop_string is not None:
       req.stop_reason = out.stop_string
-      return self._end(req, FinishReason.STOP, text, now, (token,), logprobs)
-    if len(req.all_token_ids) >= req.max_num_tokens:  # max_tokens, or the context window.
-      return self._end(req, FinishReason.LENGTH, text + out.finish(), now, (token,), logprobs)
-    return RequestOutput(req.request_id, (token,), text, None, timings, logprobs)
+      return self._last(req, FinishReason.STOP, text, now, (token,), logprobs)
+    if len(req.all_token_ids) + 1 >= req.max_num_tokens:  # max_tokens, or the context window.
+      return self._last(req, FinishReason.LENGTH, text + out.finish(), now, (token,), logprobs)
+    return RequestOutput(req.request_id, (token,), text, None, timings, logprobs,
+                         self._first_prompt_logprobs(req))
 
-  def _end(self, req: Request, reason: FinishReason, text: str, now: float,
-           token_ids: tuple[int, ...] = (),
-           logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
-    if reason is not FinishReason.ABORT:
-      self.scheduler.finish(req)
+  def _last(self, req: Request, reason: FinishReason, text: str, now: float,
+            token_ids: tuple[int, ...] = (),
+            logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+    """A request's last output; `_retire` forgets it once the scheduler has let it go."""
     req.finish_reason = reason
     req.timings.finish = now
+    return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs,
+                         self._first_prompt_logprobs(req))
+
+  def _first_prompt_logprobs(self, req: Request):
+    """The prompt's logprobs, on the request's first output (None on later ones)."""
+    if req.num_output_tokens == 0:  # The scheduler appends this output's token after.
+      return self._prompt_logprobs.pop(req.request_id, None)
+    return None
+
+  def _retire(self, req: Request) -> None:
     del self._requests[req.request_id], self._texts[req.request_id]
     self.constraints.end(req)
-    prompt_logprobs = self._prompt_logprobs.pop(req.request_id, None)
-    if req.num_output_tokens == 1 and prompt_logprobs is not None:
-      return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs,
-                           prompt_logprobs)
-    return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs)
+    self._prompt_logprobs.pop(req.request_id, None)
 
 
 def _token_logprobs(arrays, row: int, num_top: int) -> tuple[TokenLogprobs, ...] | None:

@@ -32,7 +32,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  "model name (default: smollm2-135m-instruct, pulled on first use)")
   p.add_argument("--dtype", default=d("dtype").value, choices=[x.value for x in Dtype],
                  help="parameters, activations and KV cache (float32 is fastest on CPU)")
-  p.add_argument("--slots", type=int, default=d("num_slots"), help="decode slots (the decode batch)")
+  p.add_argument("--slots", type=int, default=d("num_slots"),
+                 help="decode slots (the decode batch)")
   p.add_argument("--page-size", type=int, default=d("page_size"), help="tokens per KV page")
   p.add_argument("--num-pages", type=int, default=None,
                  help="KV pages in the pool (default: sized from --memory-fraction on TPU/GPU; "
@@ -40,7 +41,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--memory-fraction", type=float, default=None,
                  help="size the KV pool to fill this fraction of device memory, weights included "
                  f"(default {d('memory_fraction')} on TPU/GPU)")
-  p.add_argument("--max-model-len", type=int, default=d("max_model_len"), help="longest prompt + output")
+  p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
+                 help="longest prompt + output")
   p.add_argument("--buckets", default=",".join(map(str, d("prefill_buckets"))),
                  help="prefill length buckets")
   p.add_argument("--kv-dtype", default=None, choices=[x.label for x in KVDtype],
@@ -69,7 +71,8 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
   g.add_argument("--coordinator", default=None,
                  help="host:port of process 0, on several hosts (same command on every host)")
   g.add_argument("--num-processes", type=int, default=None, help="hosts (processes) in the job")
-  g.add_argument("--process-id", type=int, default=None, help="this host's index, 0..num-processes-1")
+  g.add_argument("--process-id", type=int, default=None,
+                 help="this host's index, 0..num-processes-1")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

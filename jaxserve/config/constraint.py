@@ -14,6 +14,8 @@ import enum
 import json
 from typing import Any, Mapping, Sequence
 
+from jaxserve.config.checks import json_type
+
 
 class ConstraintKind(enum.Enum):
   JSON_OBJECT = "json_object"  # Any JSON object (OpenAI's response_format json_object).
@@ -36,7 +38,8 @@ class Constraint:
 
   @classmethod
   def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> Constraint:
-    return cls(ConstraintKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema))
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    return cls(ConstraintKind.JSON_SCHEMA, text)
 
   @classmethod
   def regex(cls, pattern: str) -> Constraint:
@@ -57,7 +60,8 @@ class Constraint:
       kinds = ", ".join(k.value for k in ConstraintKind)
       raise ValueError(f"constraint kind must be one of {kinds}, got {self.kind!r}") from None
     if not isinstance(self.text, str):
-      raise ValueError(f"{kind.value} constraint text must be a string, got {type(self.text).__name__}")
+      raise ValueError(f"{kind.value} constraint text must be a string, "
+                       f"got {type(self.text).__name__}")
     object.__setattr__(self, "kind", kind)
     object.__setattr__(self, "text", _CANONICAL[kind](self.text))
 
@@ -94,7 +98,8 @@ def _json_object(text: str) -> str:
 def _json_schema(text: str) -> str:
   schema = parse_json(text, "json_schema constraint: the schema")
   if not isinstance(schema, (dict, bool)):
-    raise ValueError(f"json_schema constraint: the schema must be a JSON object, got {_json_type(schema)}")
+    raise ValueError("json_schema constraint: the schema must be a JSON object, "
+                     f"got {json_type(schema)}")
   # Key order is kept: properties are generated in the order the schema lists them.
   return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
@@ -133,8 +138,3 @@ def parse_json(text: str, what: str) -> Any:
     raise ValueError(f"{what} is nested too deeply") from None
   except ValueError as e:
     raise ValueError(f"{what} is not valid JSON: {e}") from None
-
-
-def _json_type(value: Any) -> str:
-  names = {list: "an array", str: "a string", int: "a number", float: "a number", type(None): "null"}
-  return names.get(type(value), type(value).__name__)

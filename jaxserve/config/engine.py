@@ -1,4 +1,5 @@
-"""The engine (every value a compiled shape or a code path) and the scheduler (none of it a shape)."""
+"""The engine (every value a compiled shape or a code path) and the scheduler (none of it a
+shape)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,18 @@ class AttentionBackend(enum.Enum):
     return self is not AttentionBackend.REFERENCE
 
 
+class Platform(enum.Enum):
+  """A JAX backend, by its name in jax.default_backend() and jax.Device.platform: the chip a
+  compile target is (planning/chips.py), and which kernel variant runs (kernels_pallas)."""
+
+  TPU = "tpu"
+  GPU = "gpu"  # NVIDIA, through CUDA.
+  CPU = "cpu"  # No kernel compiler: the TPU kernels run in Pallas interpret mode.
+  # GPU's old name in planning/chips.py (the same member), while engine/targets.py and
+  # engine/compile_plan.py still spell it so.
+  CUDA = "gpu"
+
+
 def default_attention_backend(platform: str) -> AttentionBackend:
   """Plain jnp on CPU (Pallas there is interpret mode only); the kernels on TPU and GPU.
   platform: jax.default_backend()'s name."""
@@ -94,7 +107,8 @@ class EngineConfig:
   # Sliding-window (local) layers keep only the pages their window can still touch, in a pool of
   # their own (model/kv_cache.py WindowedKV); False: every layer keeps every page.
   window_pages: bool = True
-  tp: int = 1  # Tensor parallel: devices the weights and KV heads are split over (mesh axis `model`).
+  # Tensor parallel: devices the weights and KV heads are split over (mesh axis `model`).
+  tp: int = 1
   dp: int = 1  # Data parallel: groups the decode slots are split over (mesh axis `data`).
 
   def __post_init__(self):
@@ -109,9 +123,11 @@ class EngineConfig:
       if getattr(self, field) <= 0:
         raise ValueError(f"EngineConfig.{field} must be positive, got {getattr(self, field)}")
     if not 0 < self.memory_fraction <= 1:
-      raise ValueError(f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+      raise ValueError(
+          f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
     if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)):
-      raise ValueError(f"EngineConfig.prefill_buckets must be increasing, got {self.prefill_buckets}")
+      raise ValueError(
+          f"EngineConfig.prefill_buckets must be increasing, got {self.prefill_buckets}")
     if self.num_pages is not None and self.num_pages < 2:
       raise ValueError("EngineConfig.num_pages must be >= 2 (page 0 is the scratch page)")
     if self.num_slots % self.dp:
@@ -144,11 +160,6 @@ class EngineConfig:
       sizes.append(b)
       b *= 4
     return tuple(sizes) + (self.num_slots,)
-
-  @property
-  def decode_width_buckets(self) -> tuple[int, ...]:
-    """Page-table widths decode is compiled for (see `width_buckets`)."""
-    return width_buckets(self.max_pages_per_seq)
 
 
 def width_buckets(max_pages: int, smallest: int = 8) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""The model: a decoder's shapes and options, from our checkpoints, GGUF metadata or a Hugging Face config."""
+"""The model: a decoder's shapes and options, from our checkpoints, GGUF metadata or a Hugging
+Face config."""
 
 from __future__ import annotations
 

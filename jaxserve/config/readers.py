@@ -25,7 +25,8 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
   # transformers >= 5 writes `rope_parameters` (theta included) instead of rope_theta/rope_scaling.
   rope = hf.get("rope_parameters") or {}
   theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-  scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+  scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                       else None)
   if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
     scaling = RopeScaling(scaling["factor"], scaling["low_freq_factor"],
                           scaling["high_freq_factor"],

@@ -37,8 +37,9 @@ class SamplingParams:
   # runner masks each token to what the grammar allows (text/constraint.py, batching/runner.py).
   constraint: Constraint | None = None
 
-  # The settings that shape each token's choice, all per-slot device arrays (engine/sample.py).
-  # The front ends, the command line and the device state derive their lists from this one.
+  # The settings that shape each token's choice, each a per-slot device array
+  # (engine/sampling_state.py). The front ends, the command line and the device state derive
+  # their lists from this one.
   SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty")
 
@@ -90,7 +91,8 @@ class SamplingParams:
     check, n_str, n_chars, n_ids = (self._check, self.MAX_STOP_STRINGS, self.MAX_STOP_CHARS,
                                     self.MAX_STOP_TOKEN_IDS)
     check(isinstance(self.stop, (list, tuple)), "stop", "must be a list of strings")
-    check(len(self.stop) <= n_str, "stop", f"must hold at most {n_str} strings, not {len(self.stop)}")
+    check(len(self.stop) <= n_str, "stop",
+          f"must hold at most {n_str} strings, not {len(self.stop)}")
     for n, s in enumerate(self.stop):
       check(isinstance(s, str) and 0 < len(s) <= n_chars, f"stop[{n}]",
             f"must be a non-empty string of at most {n_chars} characters", s)

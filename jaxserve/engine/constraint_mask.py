@@ -24,6 +24,6 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
                      f"{list(logits.shape)}, got {bitmask.dtype} {list(bitmask.shape)}")
   bits = jnp.arange(32, dtype=jnp.int32)  # [32]
   # The shift is arithmetic, but `& 1` keeps only the bit asked for, so bit 31 reads true too.
-  allowed = (bitmask[:, :, None] >> bits[None, None, :]) & 1  # [B, W, 32]
+  allowed = (bitmask[:, :, None] >> bits[None, None, :]) & 1  # [B, ceil(V/32), 32]
   allowed = allowed.reshape(num_rows, num_words * 32)[:, :vocab_size]  # [B, V]
   return jnp.where(allowed.astype(bool), logits, -jnp.inf)

@@ -18,7 +18,7 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxserve.batching.plan import EngineInfo, PrefillChunk, StepPlan
+from jaxserve.batching.plan import EngineInfo, StepPlan
 from jaxserve.config import (
   AttentionBackend,
   EngineConfig,
@@ -55,23 +55,16 @@ class TokenFuture:
   """The sampled values of one step on their way to the host: the one copy starts now.
 
   `result()` and `logprobs()` give the plan's samples in its order: one per decode slot, then one
-  per prompt that ends in the step. `by_slot` instead gives decode samples at their slot's row of
-  [S] arrays (rows of other slots are 0)."""
+  per prompt that ends in the step."""
 
-  def __init__(self, packed: jax.Array, rows: list[int], by_slot: Sequence[int] | None = None,
-               num_slots: int = 0):
-    self._packed, self._rows, self._by_slot, self._num_slots = packed, rows, by_slot, num_slots
+  def __init__(self, packed: jax.Array, rows: list[int]):
+    self._packed, self._rows = packed, rows
     self._host = None
     packed.copy_to_host_async()
 
   def _take(self) -> np.ndarray:
     if self._host is None:
-      host = np.asarray(self._packed)[self._rows]
-      if self._by_slot is not None:
-        full = np.zeros((self._num_slots, host.shape[1]), host.dtype)
-        full[list(self._by_slot)] = host
-        host = full
-      self._host = host
+      self._host = np.asarray(self._packed)[self._rows]
     return self._host
 
   def result(self) -> np.ndarray:
@@ -89,76 +82,20 @@ class TokenFuture:
 
 class ScoredFuture(TokenFuture):
   """A prefill-only step that also scored its prompt positions (engine/prompt_logprobs.py).
-  `spans[i]`: (first packed row, length) of the plan's chunk i."""
+  `chunk_lens`: the plan's chunks' lengths, packed back to back in plan order."""
 
-  def __init__(self, packed, rows, prompt, spans: dict[int, tuple[int, int]]):
+  def __init__(self, packed, rows, prompt, chunk_lens: Sequence[int]):
     super().__init__(packed, rows)
-    self._prompt, self._spans = prompt, spans
+    self._prompt = prompt
+    self._starts = np.cumsum([0, *chunk_lens]).tolist()
     for x in jax.tree.leaves(prompt):
       x.copy_to_host_async()
 
   def prompt_logprobs(self, chunk: int):
     """(chosen [n], ranks [n], top ids [n, 20], top logprobs [n, 20]) of the chunk's positions."""
-    at, n = self._spans[chunk]
+    at, end = self._starts[chunk], self._starts[chunk + 1]
     p = self._prompt
-    return tuple(np.asarray(x)[at:at + n] for x in (p.logprobs, p.ranks, p.top_ids, p.top_logprobs))
-
-
-class StepFutures:
-  """The futures of one plan run as several calls, read as one (rows in the plan's order)."""
-
-  def __init__(self, parts: Sequence[tuple[TokenFuture, list[int], list[int]]], num_samples: int):
-    self._parts, self._n = parts, num_samples  # (future, its rows' plan sample indices, chunks)
-
-  def _gather(self, read):
-    out = None
-    for future, rows, _ in self._parts:
-      if rows:
-        values = read(future)
-        if out is None:
-          out = [np.zeros((self._n,) + v.shape[1:], v.dtype) for v in values]
-        for o, v in zip(out, values):
-          o[rows] = v
-    return out
-
-  def result(self) -> np.ndarray:
-    out = self._gather(lambda f: (f.result(),))
-    return out[0] if out else np.zeros(0, np.int32)
-
-  def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return tuple(self._gather(lambda f: f.logprobs()))
-
-  def prompt_logprobs(self, chunk: int):
-    return next(f for f, _, chunks in self._parts if chunk in chunks).prompt_logprobs(chunk)
-
-
-def split_plan(plan: StepPlan, max_tokens: int, max_seqs: int) -> list[tuple[StepPlan, list[int]]]:
-  """The plan as the calls that run it, each (part, indices of its chunks in plan.prefills).
-
-  One call, unless the plan holds more prefill tokens than the largest bucket or more prompts
-  than max_seqs (then one call per bucketful; the decodes ride with the first) or chunks that score their prompt positions (those
-  go in prefill-only calls of their own: the scoring variant is compiled without decode rows)."""
-  parts = []
-  for scored in (False, True):
-    ids = [i for i, ch in enumerate(plan.prefills)
-           if (ch.prompt_logprob_targets is not None) == scored]
-    groups, size = [[]], 0
-    for i in ids:
-      n = len(plan.prefills[i].token_ids)
-      if groups[-1] and (size + n > max_tokens or len(groups[-1]) == max_seqs):
-        groups.append([])
-        size = 0
-      groups[-1].append(i)
-      size += n
-    for group in groups:
-      decodes = not scored and not parts and bool(plan.decode_slots)
-      if group or decodes:
-        parts.append((StepPlan(prefills=tuple(plan.prefills[i] for i in group),
-                               decode_slots=tuple(plan.decode_slots) if decodes else (),
-                               page_tables=plan.page_tables if decodes else None), group))
-  return parts
-
-
+    return tuple(np.asarray(x)[at:end] for x in (p.logprobs, p.ranks, p.top_ids, p.top_logprobs))
 
 
 def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> EngineConfig:
@@ -167,7 +104,8 @@ def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> Engine
   ValueError when the backend cannot store the config's kv_dtype (EngineConfig.check_backend)."""
   config.check_backend(backend)
   if config.kv_layout is None:
-    layout = KVLayout.PAGED_TOKEN_MAJOR if backend is AttentionBackend.REFERENCE else KVLayout.RAGGED
+    reference = backend is AttentionBackend.REFERENCE
+    layout = KVLayout.PAGED_TOKEN_MAJOR if reference else KVLayout.RAGGED
     config = dataclasses.replace(config, kv_layout=layout)
   return config
 
@@ -206,7 +144,7 @@ class Engine:
     windowed = isinstance(self.cache, WindowedKV)
     self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                            self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
-                           (config.max_pages_per_seq,), config.prefill_buckets, config.dtype.value,
+                           config.prefill_buckets, config.dtype.value,
                            config.max_prefill_seqs,
                            window=model.cfg.sliding_window if windowed else None,
                            num_window_pages=self.cache.window.num_pages if windowed else 0)
@@ -219,64 +157,34 @@ class Engine:
                  self.backend.value)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
-           run=None) -> TokenFuture | StepFutures:
-    """Runs the whole plan, in one call unless `split_plan` says otherwise; the future holds one
-    sample per decode slot, then one per prompt that ends in this step (in plan order). bitmask
-    [samples, ceil(V/32)]: each sample's allowed tokens, in that order (None: all free). `run`
-    (multihost's) makes each call in place of `run_step`."""
-    run = run or self.run_step
-    parts = split_plan(plan, self.max_prefill_len, self.config.max_prefill_seqs)
-    if len(parts) == 1 and all(ch.prompt_logprob_targets is None for ch in plan.prefills):
-      return run(*self.step_args(plan, bitmask))
-    num_decodes = len(plan.decode_slots)
-    ends = [i for i, ch in enumerate(plan.prefills) if ch.is_last]
-    sample_of = {i: num_decodes + k for k, i in enumerate(ends)}  # Chunk -> its plan sample.
-    futures = []
-    for part, chunks in parts:
-      rows = list(range(len(part.decode_slots)))
-      rows += [sample_of[i] for i in chunks if plan.prefills[i].is_last]
-      lens = [len(plan.prefills[i].token_ids) for i in chunks]
-      at = np.cumsum([0] + lens).tolist()  # Chunks are packed in plan order.
-      spans = {i: (at[k], n) for k, (i, n) in enumerate(zip(chunks, lens))}
-      mask = None if bitmask is None else bitmask[rows]
-      futures.append((run(*self.step_args(part, mask), spans=spans), rows, chunks))
-    return StepFutures(futures, num_decodes + len(ends))
-
-  def prefill(self, chunk: PrefillChunk, bitmask: np.ndarray | None = None) -> TokenFuture | None:
-    """A plan of one chunk: its first sampled token ([1]) when it ends its prompt."""
-    future = self.step(StepPlan(prefills=(chunk,)), bitmask)
-    return future if chunk.is_last or chunk.prompt_logprob_targets is not None else None
-
-  def decode(self, slots: Sequence[int], page_tables: np.ndarray,
-             bitmask: np.ndarray | None = None) -> TokenFuture:
-    """A plan of decodes only: [num_slots] tokens, row s for slot s."""
-    args, rows = self.step_args(StepPlan(decode_slots=tuple(slots), page_tables=page_tables),
-                                bitmask)
-    return self.run_step(args, rows, by_slot=slots)
+           run=None) -> TokenFuture | None:
+    """Runs the plan as given, in one call; the future holds one sample per decode slot, then
+    one per prompt that ends in this step (in plan order). bitmask [samples, ceil(V/32)]: each
+    sample's allowed tokens, in that order (None: all free). A plan with nothing to run (only
+    free slots, which need no device work) makes no call: None. `run` (multihost's) makes the
+    call in place of `run_step`."""
+    if plan.is_empty:
+      return None
+    args, rows = self.step_args(plan, bitmask)
+    return (run or self.run_step)(args, rows, [len(ch.token_ids) for ch in plan.prefills])
 
   # The host inputs of the compiled step are built apart from the call, so that `multihost` can
   # broadcast them from process 0 and make every other process run the same call on them.
 
   def step_args(self, plan: StepPlan, bitmask: np.ndarray | None = None
                 ) -> tuple[StepArgs, list[int]]:
-    for chunk in plan.prefills:
-      n = len(chunk.token_ids)
-      if not 0 < n <= self.max_prefill_len:
-        raise ValueError(f"prefill chunk of {n} tokens: must be 1..{self.max_prefill_len}")
     return self.packer.pack(plan, bitmask)
 
-  def run_step(self, args: StepArgs, rows: list[int], by_slot=None,
-               spans: dict[int, tuple[int, int]] | None = None) -> TokenFuture:
-    """`spans`: where each chunk's positions sit on a scoring step's token axis."""
+  def run_step(self, args: StepArgs, rows: list[int],
+               chunk_lens: Sequence[int] = ()) -> TokenFuture:
+    """`chunk_lens`: the plan's chunks' lengths, which place them on a scoring step's token
+    axis."""
     inputs = (self.params, self.cache, self.state, args, self.stop_ids)
     if args.prefill_targets is None:
       self.cache, self.state, out = self._step(*inputs)
-      return TokenFuture(out, rows, by_slot, self.num_slots)
+      return TokenFuture(out, rows)
     self.cache, self.state, out, prompt = self._step_scored(*inputs)
-    return ScoredFuture(out, rows, prompt, spans or {})
-
-  def free(self, slot: int) -> None:
-    """Nothing to do on the device: a slot decodes only when the plan lists it."""
+    return ScoredFuture(out, rows, prompt, chunk_lens)
 
   def warmup(self) -> None:
     """Compiles every program of the assembly (each step shape, and the scoring variant of the
@@ -329,5 +237,6 @@ def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
     pages = int(np.min(multihost_utils.process_allgather(np.int32(pages))))
   logging.info("KV pool: %d pages of %d tokens (%d tokens) from %.0f%% of %.2f GiB on %s, "
                "less %.2f GiB of weights", pages, config.page_size, pages * config.page_size,
-               100 * config.memory_fraction, memory / 2**30, device.device_kind, weight_bytes / 2**30)
+               100 * config.memory_fraction, memory / 2**30, device.device_kind,
+               weight_bytes / 2**30)
   return dataclasses.replace(config, num_pages=pages)

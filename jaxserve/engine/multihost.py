@@ -45,7 +45,7 @@ class Kind(enum.IntEnum):
   SCORED_STEP = 2  # A step that also scores its prompt positions (its args carry the targets).
 
 
-# The header, [kind, D, Tp, W] int32: the step's StepShape, which sets every shape of the arrays
+# The header, [kind, Bd, Tp, W] int32: the step's StepShape, which sets every shape of the arrays
 # that follow.
 _HEADER_SHAPE = (4,)
 
@@ -81,19 +81,16 @@ class LeaderEngine:
     self.num_calls = 0  # Engine steps sent to the followers.
     self._stopped = False
 
-  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture:
+  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture | None:
     # Engine.step builds each call's args (raising on a bad plan before anything is sent).
     return self.engine.step(plan, bitmask, run=self._run)
 
-  def _run(self, args: StepArgs, rows: list[int], by_slot=None, spans=None) -> TokenFuture:
+  def _run(self, args: StepArgs, rows: list[int], chunk_lens=()) -> TokenFuture:
     shape = (args.decode_slots.shape[0], args.prefill_tokens.shape[0], args.decode_tables.shape[1])
     scored = args.prefill_targets is not None
     _send(Kind.SCORED_STEP if scored else Kind.STEP, shape, args)
     self.num_calls += 1
-    return self.engine.run_step(args, rows, by_slot, spans)
-
-  def free(self, slot: int) -> None:
-    self.engine.free(slot)  # No device work, so nothing to broadcast.
+    return self.engine.run_step(args, rows, chunk_lens)
 
   def stop(self) -> None:
     """Tells the followers to return from `follow`. Call once no engine call can follow it."""

@@ -41,7 +41,8 @@ def mesh_for(config: EngineConfig) -> Mesh | None:
 def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None,
                      multihost: bool = False) -> None:
   """Joins the processes of a multi-host job; call it before anything touches a device.
-  Neither a coordinator nor `multihost` (JAX finds the job by itself): one process, nothing to join."""
+  Neither a coordinator nor `multihost` (JAX finds the job by itself): one process, nothing to
+  join."""
   if coordinator is None and not multihost:
     return
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,

@@ -46,5 +46,6 @@ def _score(logits, targets) -> PromptLogprobs:
   logprobs = jax.nn.log_softmax(logits, axis=-1)  # [T, V]
   chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [T, 1]
   ranks = 1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32)  # [T]
-  top_lp, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logits.shape[-1]))  # [T, N]
+  # [T, min(NUM_TOP_LOGPROBS, V)] each, most likely first
+  top_lp, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
   return PromptLogprobs(chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_lp)

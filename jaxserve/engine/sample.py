@@ -1,5 +1,6 @@
 """On-device sampling: every request's settings are rows of arrays, so none can trigger a recompile.
 
+The rows are engine/sampling_state.py's SamplingState; the random noise is engine/gumbel.py's.
 The constraint mask first (a row's allowed-token bitmask from its grammar,
 engine/constraint_mask.py; all ones for an unconstrained row, which leaves its logits exactly as
 they were), so the reported logprobs are those of the masked distribution; then penalties and the
@@ -16,108 +17,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.extend.random import threefry2x32_p
 
 from jaxserve.config import SamplingParams
+from jaxserve.engine.bisection import bisect, bisect_int, order_keys
 from jaxserve.engine.constraint_mask import apply_token_bitmask
+from jaxserve.engine.gumbel import GUMBEL_MAX, gumbel_at, gumbel_draw, is_jax_gumbel
+from jaxserve.engine.sampling_state import SamplingState
 
 NUM_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingState:
-  """One row per decode slot."""
-
-  temperature: jax.Array  # [S] float32; 0 = greedy
-  top_k: jax.Array  # [S] int32; 0 = off
-  top_p: jax.Array  # [S] float32
-  min_p: jax.Array  # [S] float32
-  repetition_penalty: jax.Array  # [S] float32
-  presence_penalty: jax.Array  # [S] float32
-  frequency_penalty: jax.Array  # [S] float32
-  seed: jax.Array  # [S, 2] uint32: a 64-bit seed as two words
-  ignore_eos: jax.Array  # [S] bool
-  want_logprobs: jax.Array  # [S] bool
-  has_bias: jax.Array  # [S] bool: logit_bias or allowed_token_ids set (else logit_bias is zeros)
-  prompt_mask: jax.Array  # [S, V] bool: token ids in the prompt (repetition penalty)
-  output_counts: jax.Array  # [S, V] int32: times each token was generated (all penalties)
-  # [S, V] float32: added to the logits (logit_bias; -inf outside allowed_token_ids). Zeros for
-  # a request without either, and x + 0.0 == x, so its tokens are those of no bias at all.
-  logit_bias: jax.Array
-
-  @classmethod
-  def create(cls, num_slots: int, vocab_size: int) -> SamplingState:
-    rows = SamplingRow.from_params(SamplingParams(), seed=0, prompt_ids=(), output_ids=(), vocab_size=vocab_size)
-    return jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x)[None], num_slots, axis=0), rows.as_state())
-
-  def plain_where_not(self, samples) -> SamplingState:
-    """Rows where samples [B] is False (padding, a prompt chunk that samples nothing) made
-    greedy, unfiltered and unpenalized: their tokens are thrown away, and a row left with a
-    temperature would send the whole batch down the slow draw."""
-    off = ~samples
-    plain = lambda x, value: jnp.where(off, jnp.asarray(value, x.dtype), x)
-    return dataclasses.replace(
-        self, temperature=plain(self.temperature, 0), top_k=plain(self.top_k, 0),
-        top_p=plain(self.top_p, 1), min_p=plain(self.min_p, 0),
-        repetition_penalty=plain(self.repetition_penalty, 1),
-        presence_penalty=plain(self.presence_penalty, 0),
-        frequency_penalty=plain(self.frequency_penalty, 0),
-        want_logprobs=self.want_logprobs & samples, has_bias=self.has_bias & samples)
-
-  def row(self, slot) -> SamplingState:
-    """The one-row state of `slot`, [1, ...] on every leaf."""
-    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1), self)
-
-  def set_row(self, slot, row: SamplingState) -> SamplingState:
-    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, 0), self, row)
-
-  def count(self, tokens, active) -> SamplingState:
-    """Adds one generated `tokens` [S] to each active slot's counts."""
-    counts = self.output_counts.at[jnp.arange(tokens.shape[0]), tokens].add(active.astype(jnp.int32))
-    return dataclasses.replace(self, output_counts=counts)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingRow:
-  """One request's sampling settings as host numpy values, ready to become a state row."""
-
-  values: dict
-
-  @classmethod
-  def from_params(cls, p: SamplingParams, seed: int, prompt_ids, output_ids, vocab_size: int) -> SamplingRow:
-    prompt_mask = np.zeros(vocab_size, bool)
-    prompt_mask[np.asarray(prompt_ids, np.int64)] = True
-    counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab_size).astype(np.int32)
-    # Every sampler setting becomes a [S] array of its type: top_k an int32 (capped at V), the
-    # rest float32.
-    values = {f: np.float32(getattr(p, f)) for f in SamplingParams.SAMPLER_FIELDS}
-    values["top_k"] = np.int32(min(p.top_k, vocab_size))
-    return cls(dict(
-        values,
-        seed=np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32),
-        ignore_eos=np.bool_(p.ignore_eos), want_logprobs=np.bool_(p.logprobs > 0),
-        has_bias=np.bool_(bool(p.logit_bias) or p.allowed_token_ids is not None),
-        prompt_mask=prompt_mask, output_counts=counts[:vocab_size],
-        logit_bias=_bias_row(p, vocab_size)))
-
-  def as_state(self) -> SamplingState:
-    return SamplingState(**self.values)
-
-
-def _bias_row(p: SamplingParams, vocab_size: int) -> np.ndarray:
-  """[V] float32: p.logit_bias at its ids, -inf outside p.allowed_token_ids (ids past the
-  vocabulary are the gateway's to refuse; here they are dropped)."""
-  row = np.zeros(vocab_size, np.float32)
-  if p.allowed_token_ids is not None:
-    row[:] = -np.inf
-    allowed = np.asarray(p.allowed_token_ids, np.int64)
-    row[allowed[allowed < vocab_size]] = 0.0
-  for token, bias in p.logit_bias:
-    if token < vocab_size:
-      row[token] += np.float32(bias)
-  return row
 
 
 @jax.tree_util.register_dataclass
@@ -130,7 +37,7 @@ class Sampled:
 
 
 def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Sampled:
-  """logits [B, V] float32, one state row per b, positions [B], stop_ids [E], bitmask
+  """logits [B, V] float32, one state row per b, positions [B], stop_ids [Vs], bitmask
   [B, ceil(V/32)] int32 (each row's allowed tokens; None: no row is constrained) -> Sampled.
 
   Each [B, V] pass costs about a millisecond at B = 64 on CPU, so only what some row uses runs:
@@ -142,8 +49,10 @@ def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Samp
                           bitmask)
   # Both branches run the rest: a branch returning its operand would copy [B, V].
   adjust = jnp.any(_has_penalty(st) | st.has_bias)
-  return jax.lax.cond(adjust, lambda: _sample(_penalize(logits, st) + st.logit_bias, logits, st, positions, stop_ids),
-                      lambda: _sample(logits, logits, st, positions, stop_ids))
+  return jax.lax.cond(
+      adjust,
+      lambda: _sample(_penalize(logits, st) + st.logit_bias, logits, st, positions, stop_ids),
+      lambda: _sample(logits, logits, st, positions, stop_ids))
 
 
 def _sample(logits, raw, st: SamplingState, positions, stop_ids) -> Sampled:
@@ -182,11 +91,11 @@ def _ban(x, eos, ignore_eos):
 
 def _group_max(x, axis: int, groups, eos_groups, ignore_eos):
   """The max over `axis` of x [B, ...] for every group, the banned stop ids left out: the raw
-  max (one pass, no banned copy of [B, V] written), then the groups `groups` [E] that hold a
+  max (one pass, no banned copy of [B, V] written), then the groups `groups` [Vs] that hold a
   stop id redone from their few values. eos_groups: eos laid out as x[0]."""
-  m = jnp.max(x, axis)  # [B, G]
-  redo = jnp.max(_ban(jnp.take(x, groups, axis=3 - axis), jnp.take(eos_groups, groups, axis=2 - axis),
-                      ignore_eos), axis)  # [B, E]
+  m = jnp.max(x, axis)  # [B, groups]
+  redo = jnp.max(_ban(jnp.take(x, groups, axis=3 - axis),
+                      jnp.take(eos_groups, groups, axis=2 - axis), ignore_eos), axis)  # [B, Vs]
   return m.at[:, groups].set(redo, mode="drop")
 
 
@@ -196,7 +105,8 @@ def _argmax(x, eos, stop_ids, ignore_eos, block: int = 128):
   than this max over blocks. (Its fused max drops NaN: NaN logits, a broken model's, get some
   token, not jnp.argmax's first NaN.) [B, V] -> [B] int32."""
   B, V = x.shape
-  pad = lambda a, value: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -V % block)], constant_values=value)
+  pad = lambda a, value: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -V % block)],
+                                 constant_values=value)
   blocks = pad(x, -jnp.inf).reshape(B, -1, block)  # [B, V / block, block]
   eos_blocks = pad(eos, False).reshape(-1, block)
   first = jnp.argmax(_group_max(blocks, 2, stop_ids // block, eos_blocks, ignore_eos), -1)  # [B]
@@ -215,7 +125,8 @@ def _penalize(logits, st: SamplingState):
   seen = st.prompt_mask | (st.output_counts > 0)
   rep = st.repetition_penalty[:, None]
   logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-  logits = logits - st.presence_penalty[:, None] * (counts > 0) - st.frequency_penalty[:, None] * counts
+  logits = (logits - st.presence_penalty[:, None] * (counts > 0)
+            - st.frequency_penalty[:, None] * counts)
   return logits
 
 
@@ -226,12 +137,13 @@ def _draw(logits, eos, stop_ids, st: SamplingState, positions):
   The candidate path filters and draws among the tokens above `rest` (about NUM_CANDIDATE_GROUPS
   of them, `_candidates`) and says per row whether that is exact: whether every token at or below
   `rest` is filtered out (or could not win the draw), and whether the thresholds found among the
-  candidates are those the whole row gives. When a row is not, `_full_draw` does the whole vocabulary.
+  candidates are those the whole row gives. When a row is not, `_full_draw` does the whole
+  vocabulary.
   Both paths sum candidates and the rest apart, so their probabilities agree bit for bit.
   """
   greedy = st.temperature == 0
   temperature = jnp.where(greedy, 1.0, st.temperature)[:, None]  # [B, 1]
-  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)  # [B, N], [B]
+  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)  # [B, Vc], [B]
   tokens, fits = _fast_draw(logits, eos, temperature, idx, rest, st, positions)
   # Only the raw logits and [V] enter the branch: a banned or scaled [B, V] would be written out.
   return jax.lax.cond(jnp.all(fits | greedy), lambda *_: tokens, _full_draw,
@@ -243,12 +155,10 @@ def _draw(logits, eos, stop_ids, st: SamplingState, positions):
 # the smallest of their maxima.
 NUM_CANDIDATE_GROUPS = 64
 _GROUP_SIZE = 16
-# jax.random.gumbel's largest value: -log(-log(1 - 2**-23)) = 15.94 (its uniforms have 23 bits).
-_GUMBEL_MAX = 16.0
 
 
 def _candidates(logits, eos, stop_ids, ignore_eos):
-  """(ids [B, N], rest [B]): every token whose (banned, `_ban`) logit is above rest[b] is among
+  """(ids [B, Vc], rest [B]): every token whose (banned, `_ban`) logit is above rest[b] is among
   ids[b]; ids >= V are padding. Small vocabularies are candidates whole (rest = -inf)."""
   B, V = logits.shape
   groups = -(-V // _GROUP_SIZE)
@@ -257,11 +167,13 @@ def _candidates(logits, eos, stop_ids, ignore_eos):
   padded = jnp.pad(logits, ((0, 0), (0, groups * _GROUP_SIZE - V)), constant_values=-jnp.inf)
   eos_groups = jnp.pad(eos, (0, groups * _GROUP_SIZE - V)).reshape(_GROUP_SIZE, groups)
   # [B, groups]: group g = g, g + groups, ...
-  group_max = _group_max(padded.reshape(B, _GROUP_SIZE, groups), 1, stop_ids % groups, eos_groups, ignore_eos)
+  group_max = _group_max(padded.reshape(B, _GROUP_SIZE, groups), 1, stop_ids % groups,
+                         eos_groups, ignore_eos)
   top, ids = jax.lax.top_k(group_max, NUM_CANDIDATE_GROUPS)
   # A reduction, not top[:, -1]: slicing top_k's values makes XLA:CPU sort the whole row instead.
   rest = jnp.min(top, -1)
-  ids = ids[:, :, None] + groups * jnp.arange(_GROUP_SIZE, dtype=jnp.int32)  # [B, G, R]
+  # [B, NUM_CANDIDATE_GROUPS, _GROUP_SIZE]: the tokens of each chosen group.
+  ids = ids[:, :, None] + groups * jnp.arange(_GROUP_SIZE, dtype=jnp.int32)
   return ids.reshape(B, -1), rest
 
 
@@ -270,43 +182,63 @@ def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   Nothing here reads [B, V] but the candidates' gather (and one pass when top-k is off)."""
   V = logits.shape[-1]
   safe = jnp.minimum(idx, V - 1)
-  picked = _ban(jnp.take_along_axis(logits, safe, 1), eos[safe], st.ignore_eos)  # [B, N]
+  picked = _ban(jnp.take_along_axis(logits, safe, 1), eos[safe], st.ignore_eos)  # [B, Vc]
   head = (idx < V) & (picked > rest[:, None])
   cand = picked / temperature  # The same division as the whole row's scaled logits.
   rest_scaled = rest / temperature[:, 0]
   off = (st.top_k <= 0)[:, None]  # [B, 1]
   needs_filter = _needs_filter(st)[:, None]
-  # top-k among the candidates: exact when the k-th largest lies above every other token.
-  keys = jnp.where(head, _order_keys(cand), 0)
-  k = jnp.where(off, V, st.top_k[:, None])
-  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, jnp.zeros_like(keys[:, :1]),
-                    jnp.max(keys, -1, keepdims=True), 32)
-  rest_key = _order_keys(rest_scaled)[:, None]
-  in_top_k = head & (off | (keys >= kth))
+  kth, rest_key, in_top_k = _top_k(cand, head, off, rest_scaled, st.top_k, V)
   m = jnp.max(jnp.where(head, cand, -jnp.inf), -1, keepdims=True)  # [B, 1]: the row's max
   e = jnp.where(in_top_k, jnp.exp(cand - m), 0)
-  # With top-k off the rest is in the softmax's sum: one pass over [B, V], only when a row needs it.
-  tail_rows = off & needs_filter & (st.temperature > 0)[:, None]
-  z_rest = jax.lax.cond(jnp.any(tail_rows),
-                        lambda: _masked_sum(jnp.exp(_ban(logits, eos, st.ignore_eos) / temperature - m),
-                                            (_ban(logits, eos, st.ignore_eos) <= rest[:, None]) & tail_rows),
-                        lambda: jnp.zeros_like(m))
+  z_rest = _rest_mass(logits, eos, temperature, rest, m,
+                      off & needs_filter & (st.temperature > 0)[:, None], st.ignore_eos)
   probs = e / (_masked_sum(e, True) + z_rest)
   top = jnp.max(probs, -1, keepdims=True)
   nucleus = _nucleus(probs, top, lambda t: 0.0, st)
-  keep = jnp.where(needs_filter, in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top), head)
+  keep = jnp.where(needs_filter,
+                   in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top), head)
   # A bound on every other token's probability (1 + 2**-20: exp need not be exactly monotone).
   p_rest = jnp.exp(rest_scaled[:, None] - m) / (_masked_sum(e, True) + z_rest) * (1 + 2**-20)
-  exact = ~needs_filter | ((off | (kth > rest_key)) & (~off | (st.top_p[:, None] >= 1) | (p_rest < nucleus)))
+  exact = ~needs_filter | ((off | (kth > rest_key))
+                           & (~off | (st.top_p[:, None] >= 1) | (p_rest < nucleus)))
   rest_out = needs_filter & (~off | (p_rest < nucleus) | (p_rest < st.min_p[:, None] * top))
   rest_out |= (rest_scaled == -jnp.inf)[:, None]
-  perturbed = jnp.where(keep, cand + _gumbel_at(st.seed, positions, safe, V), -jnp.inf)
-  best = jnp.max(perturbed, -1, keepdims=True)
-  # Others' perturbed logits are at most rest + _GUMBEL_MAX: above that, the draw is a candidate.
-  rest_loses = best > rest_scaled[:, None] + _GUMBEL_MAX
-  tokens = jnp.min(jnp.where(keep & (perturbed == best), idx, V), -1)  # argmax's first maximum
-  fits = exact & jnp.any(keep, -1, keepdims=True) & (rest_out | rest_loses) & _threefry_gumbel()
+  tokens, rest_loses = _gumbel_max(cand, keep, idx, safe, rest_scaled, st.seed, positions, V)
+  fits = exact & jnp.any(keep, -1, keepdims=True) & (rest_out | rest_loses) & is_jax_gumbel()
   return tokens.astype(positions.dtype), fits[:, 0]
+
+
+def _top_k(cand, head, off, rest_scaled, top_k, V: int):
+  """top-k among the candidates cand [B, Vc] (exact when the k-th largest lies above every other
+  token) -> (kth [B, 1] and rest_key [B, 1], order keys; in_top_k [B, Vc])."""
+  keys = jnp.where(head, order_keys(cand), 0)
+  k = jnp.where(off, V, top_k[:, None])
+  kth = bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k,
+                   jnp.zeros_like(keys[:, :1]), jnp.max(keys, -1, keepdims=True), 32)
+  rest_key = order_keys(rest_scaled)[:, None]
+  return kth, rest_key, head & (off | (keys >= kth))
+
+
+def _rest_mass(logits, eos, temperature, rest, m, tail_rows, ignore_eos):
+  """[B, 1]: the mass exp(x - m) of tail_rows' tokens at or below `rest`. With top-k off the
+  rest is in the softmax's sum: one pass over [B, V], only when a row needs it."""
+  banned = lambda: _ban(logits, eos, ignore_eos)
+  return jax.lax.cond(
+      jnp.any(tail_rows),
+      lambda: _masked_sum(jnp.exp(banned() / temperature - m),
+                          (banned() <= rest[:, None]) & tail_rows),
+      lambda: jnp.zeros_like(m))
+
+
+def _gumbel_max(cand, keep, idx, safe, rest_scaled, seed, positions, V: int):
+  """The draw among the kept candidates -> (tokens [B], [B, 1]: no other token can win)."""
+  perturbed = jnp.where(keep, cand + gumbel_at(seed, positions, safe, V), -jnp.inf)
+  best = jnp.max(perturbed, -1, keepdims=True)
+  # Others' perturbed logits are at most rest + GUMBEL_MAX: above that, the draw is a candidate.
+  rest_loses = best > rest_scaled[:, None] + GUMBEL_MAX
+  tokens = jnp.min(jnp.where(keep & (perturbed == best), idx, V), -1)  # argmax's first maximum
+  return tokens, rest_loses
 
 
 def _full_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions):
@@ -315,52 +247,7 @@ def _full_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   greedy = st.temperature == 0
   filtered = jax.lax.cond(jnp.any(_needs_filter(st) & ~greedy), _filter, lambda *a: a[1],
                           logits, scaled, idx, rest, st)
-  return _gumbel_draw(filtered, st.seed, positions)
-
-
-def _gumbel_draw(scaled, seeds, positions):
-  """Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits). [B, V] -> [B]."""
-
-  def one(row, seed, position):
-    return jnp.argmax(row + jax.random.gumbel(_key(seed, position), row.shape)).astype(positions.dtype)
-
-  return jax.vmap(one)(scaled, seeds, positions)
-
-
-def _key(seed, position):
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), position)
-
-
-def _gumbel_at(seeds, positions, ids, V: int):
-  """jax.random.gumbel(_key(seed, position), (V,))[ids] for each row, without the other V - N
-  values: threefry's bits for element j hash (key, j) alone. [B, N] float32."""
-  tiny = jnp.finfo(jnp.float32).tiny
-
-  def one(seed, position, j):
-    k1, k2 = jax.random.key_data(_key(seed, position))
-    j = j.astype(jnp.uint32)
-    k1, k2 = jnp.broadcast_to(k1, j.shape), jnp.broadcast_to(k2, j.shape)
-    if jax.config.jax_threefry_partitionable:  # element j hashes the 64-bit counter (0, j)
-      b1, b2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(j), j)
-      bits = b1 ^ b2
-    else:  # counters 0..V-1 (padded to even) hashed in pairs (i, i + half)
-      half = (V + 1) // 2
-      low = j < half
-      x0 = jnp.where(low, j, j - half)
-      x1 = jnp.where(low, jnp.where(j + half < V, j + half, 0), j)
-      b1, b2 = threefry2x32_p.bind(k1, k2, x0, x1)
-      bits = jnp.where(low, b1, b2)
-    floats = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-    uniform = jnp.maximum(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
-    return -jnp.log(-jnp.log(uniform))
-
-  return jax.vmap(one)(seeds, positions, ids)
-
-
-def _threefry_gumbel() -> bool:
-  """Whether jax.random.gumbel is the one `_gumbel_at` reproduces (JAX's default)."""
-  return (jax.config.jax_default_prng_impl == "threefry2x32"
-          and not jax.config.jax_high_dynamic_range_gumbel)
+  return gumbel_draw(filtered, st.seed, positions)
 
 
 def _needs_filter(st: SamplingState):
@@ -373,36 +260,33 @@ def _masked_sum(x, mask):
 
 def _nucleus(probs, top, rest_mass, st: SamplingState, iters: int = 32):
   """top-p's threshold [B, 1]: the largest t whose tokens (probability >= t) hold at least p of
-  the mass, over the candidates' probs [B, N] plus rest_mass(t) from the other tokens; 0 (keep
+  the mass, over the candidates' probs [B, Vc] plus rest_mass(t) from the other tokens; 0 (keep
   all) at p = 1, and below `top`, the largest probability."""
   mass = lambda t: _masked_sum(probs, probs >= t) + rest_mass(t)
-  nucleus = _bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
+  nucleus = bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
   return jnp.where(st.top_p[:, None] < 1, nucleus, 0)
 
 
 def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
   """Masks to -inf what top-k, then top-p, then min-p remove. scaled [B, V] (temperature-scaled).
 
-  Thresholds are found by bisection rather than a sort: on CPU a 49k-wide sort per row costs
-  ~10x more. Sums add the candidates (`_candidates`) and the rest apart, as `_fast_draw` does.
-  """
+  Thresholds are found by bisection (engine/bisection.py), not a sort. Sums add the candidates
+  (`_candidates`) and the rest apart, as `_fast_draw` does."""
   V = scaled.shape[-1]
   off = (st.top_k <= 0)[:, None]
   k = jnp.where(off, V, st.top_k[:, None])  # [B, 1]
-  # top-k bisects over the logits' order-preserving uint32 keys, not their values: 32 halvings
-  # of [0, 2**32) end on the k-th largest key exactly, whatever the row holds (-inf from
-  # ignore_eos or a logit bias, or a range of 1e38 that float halvings would not resolve).
-  keys = _order_keys(scaled)  # [B, V] uint32
+  # top-k bisects over the logits' order keys, not their values: exact whatever the row holds.
+  keys = order_keys(scaled)  # [B, V] uint32
   lo = jnp.zeros_like(keys[:, :1])  # [B, 1]: every key is >= 0, so ok(lo) holds.
   hi = jnp.max(keys, -1, keepdims=True)
-  kth = _bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi, iters)
+  kth = bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi, iters)
   in_top_k = off | (keys >= kth)  # [B, V]
   m = jnp.max(scaled, -1, keepdims=True)
   e = jnp.where(in_top_k, jnp.exp(scaled - m), 0)  # [B, V]
   safe = jnp.minimum(idx, V - 1)
-  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, N]
+  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, Vc]
   cand = jnp.take_along_axis(scaled, safe, 1)
-  e_head = jnp.where(head & (off | (_order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, N]
+  e_head = jnp.where(head & (off | (order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, Vc]
   tail = logits <= rest[:, None]  # [B, V]: the tokens not in the candidates' head
   z = _masked_sum(e_head, True) + _masked_sum(e, tail)
   probs = e / z  # [B, V]
@@ -413,38 +297,3 @@ def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
   # which the probability 0 of every token top-k removed would pass.
   keep = in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
   return jnp.where(_needs_filter(st)[:, None] & ~keep, -jnp.inf, scaled)
-
-
-def _order_keys(x):
-  """float32 [...] -> uint32 [...] in the same order (-inf lowest): IEEE bits, with negatives'
-  bits flipped and positives' sign bit set."""
-  # -0.0 as 0.0: adding a logit bias row (zeros without one) always made it so.
-  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
-  negative = (bits >> 31) == 1
-  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def _bisect_int(ok, lo, hi, iters: int):
-  """The largest integer t in [lo, hi] with ok(t), for ok true at lo and monotone decreasing in
-  t; exact after `iters` >= log2(hi - lo + 1) halvings. Unsigned: hi - lo never overflows."""
-
-  def halve(_, bounds):
-    lo, hi = bounds
-    span = hi - lo
-    mid = lo + span // 2 + (span & 1)  # The upper middle, so lo = mid always makes progress.
-    good = ok(mid) & (span > 0)
-    return jnp.where(good, mid, lo), jnp.where(good | (span == 0), hi, mid - 1)
-
-  return jax.lax.fori_loop(0, iters, halve, (lo, hi))[0]
-
-
-def _bisect(ok, lo, hi, iters: int):
-  """The largest t in [lo, hi] with ok(t), for ok true at lo and monotone decreasing in t."""
-
-  def halve(_, bounds):
-    lo, hi = bounds
-    mid = (lo + hi) / 2
-    good = ok(mid)
-    return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
-
-  return jax.lax.fori_loop(0, iters, halve, (lo, hi))[0]

@@ -5,9 +5,9 @@ token and position from `DecodeState` on the device and writes the sampled ones 
 host can dispatch step n+1 before step n's tokens reach it. Logits and sampling run only at the
 rows that sample: one per decode row and one per sequence whose prompt ends here.
 
-Padding decode rows name slot S (out of range): they read slot S-1's state, write to the scratch
+Padding decode rows name slot Bs (out of range): they read slot Bs-1's state, write to the scratch
 page, and every write back to the state drops them. Shape letters: jaxserve/model/__init__.py
-(B: sequences of the step, D + Bp).
+(B: sequences of the step, Bd + Bp).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.engine.prompt_logprobs import score_prompt
-from jaxserve.engine.sample import SamplingState, sample
+from jaxserve.engine.sample import sample
+from jaxserve.engine.sampling_state import SamplingState
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 
@@ -27,8 +28,8 @@ from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-  tokens: jax.Array  # [S] int32: each slot's next input token (the last one sampled)
-  positions: jax.Array  # [S] int32: where that token sits (= KV entries already written)
+  tokens: jax.Array  # [Bs] int32: each slot's next input token (the last one sampled)
+  positions: jax.Array  # [Bs] int32: where that token sits (= KV entries already written)
   sampling: SamplingState
 
   @classmethod
@@ -44,63 +45,98 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
 
   out packs the Sampled values of every sequence into one int32 array, so one transfer brings
   them to the host (engine.TokenFuture unpacks it)."""
-  S, Z = state.tokens.shape[0], cache.page_size
-  D = args.decode_slots.shape[0]
+  Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
   slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
-  live = slots < S
-  mine = jnp.minimum(slots, S - 1)  # [B]: safe to gather with.
-  dec_mine = mine[:D]
+  live = slots < Bs
+  mine = jnp.minimum(slots, Bs - 1)  # [B]: safe to gather with.
+  starts, q_lens, kv_lens, tables, tokens = _sequences(state, args, live, mine)
+  meta = _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, cache.page_size,
+                   cache.PAGE_GROUPS)
+  model = nnx.merge(graphdef, params)
+  logits, cache, prompt = _forward(model, tokens, cache, meta, attn, args)
+  samples = live & _cat(jnp.ones(Bd, bool), args.prefill_samples)  # [B]
+  sampling = _take_new_settings(state.sampling, args, live, Bs)
+  rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
+  sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
+  state = _write_back(state, sampling, sampled.tokens, jnp.where(samples, slots, Bs), kv_lens)
+  if prompt is not None:
+    return cache, state, pack_sampled(sampled), prompt
+  return cache, state, pack_sampled(sampled)
+
+
+def _sequences(state: DecodeState, args, live, mine):
+  """-> (starts, q_lens, kv_lens [B], tables [B, G * W], tokens [T]): the step's sequences,
+  decode rows (their input token and position read from the state) then prefill chunks."""
+  Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
+  dec_mine = mine[:Bd]
   # Read through one-hot rows, not a gather: under dp the state is split by slot over `data`.
-  read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(S)[None, :], x[None, :], 0), 1)
-  starts = _cat(jnp.where(live[:D], read(state.positions), 0), args.prefill_starts)
-  q_lens = _cat(jnp.ones(D, jnp.int32), args.prefill_lens)  # [B]
+  read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(Bs)[None, :], x[None, :], 0),
+                           1)
+  starts = _cat(jnp.where(live[:Bd], read(state.positions), 0), args.prefill_starts)
+  q_lens = _cat(jnp.ones(Bd, jnp.int32), args.prefill_lens)  # [B]
   kv_lens = starts + q_lens  # [B]: where each sequence's sampled token will sit.
   tables = _cat(args.decode_tables, args.prefill_tables)  # [B, G * W]
   tokens = _cat(read(state.tokens), args.prefill_tokens)  # [T]
+  return starts, q_lens, kv_lens, tables, tokens
 
+
+def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
+              G: int) -> AttentionMetadata:
+  """Each token's sequence, position and cache entry (Z: page size; G: page groups, each with
+  its own table). Padding tokens, and the tokens of padding rows, write to the scratch page."""
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
-  T, B = tokens.shape[0], slots.shape[0]
+  T, B = tokens.shape[0], live.shape[0]
   tok = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1, 0, B - 1).astype(jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1,
+                 0, B - 1).astype(jnp.int32)
   real = (tok < cu_q_lens[-1]) & live[seq]  # [T]
   positions = jnp.where(real, starts[seq] + tok - cu_q_lens[seq], 0)  # [T]
-  G = cache.PAGE_GROUPS  # Page groups: each has its own table.
   W = tables.shape[1] // G
   column = jnp.minimum(positions // Z, W - 1)
   page = jnp.stack([tables[seq, g * W + column] for g in range(G)])  # [G, T]
   page = jnp.where(real[None], page, SCRATCH_PAGE)
-  meta = AttentionMetadata(
+  return AttentionMetadata(
       positions=positions[None], cache_index=page * Z + positions % Z,
       page_tables=tables, kv_lens=jnp.where(live, kv_lens, jnp.minimum(kv_lens, 1)),
       cu_q_lens=cu_q_lens, sample_rows=jnp.maximum(cu_q_lens[1:] - 1, 0),
-      block_rows=args.block_rows, block_seq=args.block_seq, num_decode_rows=D)
-  model = nnx.merge(graphdef, params)
-  scored = args.prefill_targets is not None
-  if scored:  # Every position's output [1, T, D], for the prompt's scores (in blocks).
-    every, cache = model(tokens[None], cache, meta, attn, hidden=True)
-    logits = model.head(every[0, meta.sample_rows])
-    prompt = score_prompt(model.head, every[0, D:], args.prefill_targets)
-  else:
-    logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
+      block_rows=args.block_rows, block_seq=args.block_seq,
+      num_decode_rows=args.decode_slots.shape[0])
 
-  samples = live & _cat(jnp.ones(D, bool), args.prefill_samples)  # [B]
-  # A prompt that ends here brings its request's sampling settings.
-  sampling = state.sampling
-  if args.prefill_slots.shape[0]:
-    new_row, has_new = _writer(jnp.where(args.prefill_samples & live[D:], args.prefill_slots, S), S)
-    sampling = jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
-  rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
-  sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
-  row, hit = _writer(jnp.where(samples, slots, S), S)  # The row that samples each slot's token.
-  token = sampled.tokens[row]  # [S]
+
+def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args):
+  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None)."""
+  if args.prefill_targets is None:
+    logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
+    return logits, cache, None
+  # Every position's output [1, T, D], for the prompt's scores (in blocks).
+  every, cache = model(tokens[None], cache, meta, attn, hidden=True)
+  logits = model.head(every[0, meta.sample_rows])
+  prompt = score_prompt(model.head, every[0, meta.num_decode_rows:], args.prefill_targets)
+  return logits, cache, prompt
+
+
+def _take_new_settings(sampling: SamplingState, args, live, Bs: int) -> SamplingState:
+  """A prompt that ends here brings its request's sampling settings."""
+  if not args.prefill_slots.shape[0]:
+    return sampling
+  Bd = args.decode_slots.shape[0]
+  new_row, has_new = _writer(jnp.where(args.prefill_samples & live[Bd:], args.prefill_slots, Bs),
+                             Bs)
+  return jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
+
+
+def _write_back(state: DecodeState, sampling: SamplingState, tokens, targets,
+                kv_lens) -> DecodeState:
+  """tokens [B] sampled; targets [B]: the slot each row samples for (Bs for none) -> the state
+  with those slots' next input token, position and output counts."""
+  Bs = state.tokens.shape[0]
+  row, hit = _writer(targets, Bs)  # The row that samples each slot's token.
+  token = tokens[row]  # [Bs]
   counts = sampling.output_counts + (hit[:, None] & (token[:, None] == jnp.arange(
       sampling.output_counts.shape[1])[None, :])).astype(jnp.int32)
-  state = DecodeState(
+  return DecodeState(
       tokens=_put(state.tokens, token, hit), positions=_put(state.positions, kv_lens[row], hit),
       sampling=dataclasses.replace(sampling, output_counts=counts))
-  if scored:
-    return cache, state, pack_sampled(sampled), prompt
-  return cache, state, pack_sampled(sampled)
 
 
 def _cat(decode_part, prefill_part):
@@ -112,17 +148,17 @@ def _cat(decode_part, prefill_part):
   return jnp.concatenate([decode_part, prefill_part])
 
 
-def _writer(targets, S: int):
-  """targets [B] (a slot per row, S for none; no slot twice) -> (row [S], hit [S]): the row that
+def _writer(targets, Bs: int):
+  """targets [B] (a slot per row, Bs for none; no slot twice) -> (row [Bs], hit [Bs]): the row that
   writes each slot, and whether one does. Updates of the per-slot state are gathers from the
   rows plus a select, never a scatter: the state is split by slot over `data`, and a scatter's
   out-of-range 'drop' index is not dropped once XLA partitions it into per-device indices."""
-  match = targets[:, None] == jnp.arange(S)[None, :]  # [B, S]
+  match = targets[:, None] == jnp.arange(Bs)[None, :]  # [B, Bs]
   return jnp.argmax(match, axis=0), jnp.any(match, axis=0)
 
 
 def _put(x, new, hit):
-  """x [S, ...] with row s replaced by new[s] where hit[s]."""
+  """x [Bs, ...] with row s replaced by new[s] where hit[s]."""
   return jnp.where(hit.reshape((-1,) + (1,) * (x.ndim - 1)), new.astype(x.dtype), x)
 
 

@@ -3,15 +3,16 @@
 One step runs every decode token and every prefill chunk of a plan in one program, on one flat
 token axis:
 
-  tokens  [0, D)        one decode row per decoding slot, then padding rows (slot S) up to D,
-                        D a decode batch bucket (0 when nothing decodes)
-          [D, D + Tp)   the prefill chunks back to back, then padding, Tp a prefill bucket
-  sequences [0, D)      the decode rows, one each;  [D, D + Bp) the prefill chunks, Bp = min(Tp, S, max_prefill_seqs)
+  tokens    [0, Bd)        one decode row per decoding slot, then padding rows (slot Bs) up to
+                           Bd, a decode batch bucket (0 when nothing decodes)
+            [Bd, Bd + Tp)  the prefill chunks back to back, then padding, Tp a prefill bucket
+  sequences [0, Bd)        the decode rows, one each
+            [Bd, Bd + Bp)  the prefill chunks, Bp = min(Tp, Bs, max_prefill_seqs)
 
-Chunks of one request in one plan are merged into one sequence, so a slot is never two
-sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages once per
-query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed rows (T for
-none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
+A plan holds at most one chunk per request (the scheduler's plans fit one call), so a slot is
+never two sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages
+once per query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed
+rows (T for none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
 nb = ceil(Tp / Tb) + Bp holds any packing. Shape letters: the key in jaxserve/model/__init__.py.
 """
 
@@ -24,12 +25,12 @@ import numpy as np
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine.sample import SamplingRow, SamplingState
+from jaxserve.engine.sampling_state import SamplingRow, SamplingState
 from jaxserve.model.kv_cache import SCRATCH_PAGE
 
 
 class StepShape(NamedTuple):
-  """What sets every shape of one step: decode rows D, prefill tokens Tp, page-table width W."""
+  """What sets every shape of one step: decode rows Bd, prefill tokens Tp, page-table width W."""
 
   decode_rows: int
   prefill_tokens: int
@@ -39,10 +40,10 @@ class StepShape(NamedTuple):
 class StepArgs(NamedTuple):
   """The host arrays of one step (see engine/step.py)."""
 
-  decode_slots: np.ndarray  # [D] int32: the decoding slots, then S as padding
-  decode_tables: np.ndarray  # [D, W] int32
+  decode_slots: np.ndarray  # [Bd] int32: the decoding slots, then Bs as padding
+  decode_tables: np.ndarray  # [Bd, W] int32
   prefill_tokens: np.ndarray  # [Tp] int32
-  prefill_slots: np.ndarray  # [Bp] int32 (S: padding)
+  prefill_slots: np.ndarray  # [Bp] int32 (Bs: padding)
   prefill_starts: np.ndarray  # [Bp] int32: position of each sequence's first new token
   prefill_lens: np.ndarray  # [Bp] int32
   prefill_samples: np.ndarray  # [Bp] bool: the chunk ends its prompt, so a token is sampled
@@ -53,7 +54,7 @@ class StepArgs(NamedTuple):
   # [Tp] int32: the prompt token after each packed position, in a step that scores them (prompt
   # logprobs; prefill-only, at the widest table); None in every other step.
   prefill_targets: np.ndarray | None = None
-  # [D + Bp, ceil(V/32)] int32: the tokens each sequence may sample (constrained decoding); all
+  # [Bd + Bp, ceil(V/32)] int32: the tokens each sequence may sample (constrained decoding); all
   # ones for a free one. Always set (Packer.pack, Packer.template): a fixed input of every step.
   bitmask: np.ndarray | None = None
 
@@ -96,33 +97,25 @@ class Packer:
     slots in order, then its prompts that end in this step). bitmask [samples, ceil(V/32)]: row i
     the plan's i-th sample's allowed tokens (None: all free)."""
     c = self.config
-    if plan.is_empty:
-      raise ValueError("an empty plan: nothing to run")
-    chunks = merge_chunks(plan.prefills)
-    if len(chunks) > c.max_prefill_seqs:
-      raise ValueError(f"a step of {len(chunks)} prompts: at most {c.max_prefill_seqs} "
-                       "(EngineConfig.max_prefill_seqs)")
-    decodes = list(plan.decode_slots)
+    chunks, decodes = list(plan.prefills), list(plan.decode_slots)
+    self._check(chunks, decodes)
     num_tokens = sum(len(ch.token_ids) for ch in chunks)
-    if num_tokens > c.prefill_buckets[-1]:
-      raise ValueError(f"a step of {num_tokens} prefill tokens: at most {c.prefill_buckets[-1]}")
     scored = [ch.prompt_logprob_targets is not None for ch in chunks]
-    if any(scored) and (decodes or not all(scored)):
-      raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
     Tp = _bucket(c.prefill_buckets, num_tokens) if chunks else 0
     W = self.width
     if chunks:  # A step with prefill runs every decode row or none (`shapes()`).
-      D = c.decode_batch_buckets[-1] if decodes else 0
+      Bd = c.decode_batch_buckets[-1] if decodes else 0
     else:
-      D = _bucket(c.decode_batch_buckets, len(decodes))
-    rows = self._decode_rows(decodes, D)
+      Bd = _bucket(c.decode_batch_buckets, len(decodes))
+    rows = self._decode_rows(decodes, Bd)
     if c.dp > 1:
       samples = [int(s) for s in decodes]  # Row i is slot i.
     else:
       samples = list(range(len(decodes)))
-    args = StepArgs(rows, self._tables(rows, plan.page_tables, W), *self._prefill(chunks, D, Tp, W))
-    samples += [D + j for j, ch in enumerate(chunks) if ch.is_last]
-    mask = self._all_allowed(D + args.prefill_slots.shape[0])
+    args = StepArgs(rows, self._tables(rows, plan.page_tables, W),
+                    *self._prefill(chunks, Bd, Tp, W))
+    samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last]
+    mask = self._all_allowed(Bd + args.prefill_slots.shape[0])
     if bitmask is not None:
       if bitmask.shape != (len(samples), mask.shape[1]) or bitmask.dtype != np.int32:
         raise ValueError(f"bitmask must be int32 [{len(samples)}, {mask.shape[1]}] (one row per "
@@ -139,14 +132,32 @@ class Packer:
       args = args._replace(prefill_targets=targets)
     return args, samples
 
+  def _check(self, chunks: Sequence[PrefillChunk], decodes: Sequence[int]) -> None:
+    """Raises ValueError for a plan that does not fit one call (the scheduler makes none)."""
+    c = self.config
+    if not chunks and not decodes:
+      raise ValueError("an empty plan: nothing to run")
+    if len(chunks) > c.max_prefill_seqs:
+      raise ValueError(f"a step of {len(chunks)} prompts: at most {c.max_prefill_seqs} "
+                       "(EngineConfig.max_prefill_seqs)")
+    if len({ch.slot for ch in chunks}) != len(chunks):
+      raise ValueError("a step holds two prefill chunks of one slot: one chunk per sequence")
+    lens = [len(ch.token_ids) for ch in chunks]
+    if any(n <= 0 for n in lens) or sum(lens) > c.prefill_buckets[-1]:
+      raise ValueError(f"a step of prefill chunks of {lens} tokens: each at least 1, at most "
+                       f"{c.prefill_buckets[-1]} in all (the largest prefill bucket)")
+    scored = [ch.prompt_logprob_targets is not None for ch in chunks]
+    if any(scored) and (decodes or not all(scored)):
+      raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
+
   def template(self, shape: StepShape, scored: bool = False) -> StepArgs:
     """Arrays of `shape` that run nothing but padding (warm-up, and multihost's receive buffers)."""
-    D, Tp, W = shape
-    rows = np.full(D, self.config.num_slots, np.int32)
+    Bd, Tp, W = shape
+    rows = np.full(Bd, self.config.num_slots, np.int32)
     targets = np.zeros(Tp, np.int32) if scored else None
-    args = StepArgs(rows, np.full((D, W), SCRATCH_PAGE, np.int32), *self._prefill([], D, Tp, W),
+    args = StepArgs(rows, np.full((Bd, W), SCRATCH_PAGE, np.int32), *self._prefill([], Bd, Tp, W),
                     prefill_targets=targets)
-    return args._replace(bitmask=self._all_allowed(D + args.prefill_slots.shape[0]))
+    return args._replace(bitmask=self._all_allowed(Bd + args.prefill_slots.shape[0]))
 
   def _all_allowed(self, B: int) -> np.ndarray:
     """[B, ceil(V/32)] int32 of all ones (every token allowed), one kept per B: a step without
@@ -157,21 +168,21 @@ class Packer:
       cache[B].flags.writeable = False
     return cache[B]
 
-  def _decode_rows(self, decodes: Sequence[int], D: int) -> np.ndarray:
-    S = self.config.num_slots
-    if not D:
+  def _decode_rows(self, decodes: Sequence[int], Bd: int) -> np.ndarray:
+    Bs = self.config.num_slots
+    if not Bd:
       return np.zeros(0, np.int32)
     if self.config.dp > 1:  # Slots are split over devices by position: row i must be slot i.
       live = set(decodes)
-      return np.array([s if s in live else S for s in range(S)], np.int32)
-    rows = np.full(D, S, np.int32)
+      return np.array([s if s in live else Bs for s in range(Bs)], np.int32)
+    rows = np.full(Bd, Bs, np.int32)
     rows[:len(decodes)] = decodes
     return rows
 
   def _tables(self, rows: np.ndarray, page_tables: np.ndarray | None, W: int) -> np.ndarray:
-    """[D, W]: each decode row's table; padding rows an all-scratch one."""
-    S = self.config.num_slots
-    tables = np.full((S + 1, W), SCRATCH_PAGE, np.int32)
+    """[Bd, W]: each decode row's table; padding rows an all-scratch one."""
+    Bs = self.config.num_slots
+    tables = np.full((Bs + 1, W), SCRATCH_PAGE, np.int32)
     if self.slot_page_tables is not None:
       tables[:-1] = self.slot_page_tables[:, :W]
     elif page_tables is not None:
@@ -179,17 +190,17 @@ class Packer:
       tables[:page_tables.shape[0], :w] = page_tables[:, :w]
     return tables[rows]
 
-  def _prefill(self, chunks: Sequence[PrefillChunk], D: int, Tp: int, W: int) -> tuple:
-    """The prefill part's arrays; block rows and sequences are absolute (after the D decode
-    rows), and empty block entries point past the token axis (D + Tp), where writes drop."""
-    S, Tb = self.config.num_slots, self.query_block
-    Bp = min(Tp, S, self.config.max_prefill_seqs)
+  def _prefill(self, chunks: Sequence[PrefillChunk], Bd: int, Tp: int, W: int) -> tuple:
+    """The prefill part's arrays; block rows and sequences are absolute (after the Bd decode
+    rows), and empty block entries point past the token axis (Bd + Tp), where writes drop."""
+    Bs, Tb = self.config.num_slots, self.query_block
+    Bp = min(Tp, Bs, self.config.max_prefill_seqs)
     tokens = np.zeros(Tp, np.int32)
-    slots, starts = np.full(Bp, S, np.int32), np.zeros(Bp, np.int32)
+    slots, starts = np.full(Bp, Bs, np.int32), np.zeros(Bp, np.int32)
     lens, samples = np.zeros(Bp, np.int32), np.zeros(Bp, bool)
     tables = np.full((Bp, W), SCRATCH_PAGE, np.int32)
     nb = -(-Tp // Tb) + Bp if Tp else 0
-    block_rows, block_seq = np.full((nb, Tb), D + Tp, np.int32), np.full(nb, D, np.int32)
+    block_rows, block_seq = np.full((nb, Tb), Bd + Tp, np.int32), np.full(nb, Bd, np.int32)
     defaults = SamplingRow.from_params(SamplingParams(), 0, (), (), self.vocab_size)
     new_rows = [defaults] * Bp
     at, block = 0, 0
@@ -202,8 +213,8 @@ class Packer:
       tables[j, :w] = table[:w]
       for lo in range(0, n, Tb):
         hi = min(n, lo + Tb)
-        block_rows[block, :hi - lo] = D + at + np.arange(lo, hi)
-        block_seq[block] = D + j
+        block_rows[block, :hi - lo] = Bd + at + np.arange(lo, hi)
+        block_seq[block] = Bd + j
         block += 1
       if ch.is_last:
         new_rows[j] = SamplingRow.from_params(ch.sampling, ch.seed, ch.prompt_token_ids,
@@ -221,24 +232,6 @@ class Packer:
     row = np.full(2 * W, SCRATCH_PAGE, np.int32)
     row[:len(ch.page_table)], row[W:W + len(ch.window_table)] = ch.page_table, ch.window_table
     return row
-
-
-def merge_chunks(chunks: Sequence[PrefillChunk]) -> list[PrefillChunk]:
-  """Consecutive chunks of one request become one: one sequence per slot in a step."""
-  merged: list[PrefillChunk] = []
-  for ch in chunks:
-    prev = merged[-1] if merged else None
-    if prev is not None and prev.slot == ch.slot and prev.start_pos + len(prev.token_ids) == ch.start_pos:
-      targets = ch.prompt_logprob_targets
-      if targets is not None:  # Both ask (one request): the first's targets cover all its tokens.
-        targets = tuple(prev.prompt_logprob_targets) + tuple(targets)
-      merged[-1] = dataclasses.replace(ch, token_ids=tuple(prev.token_ids) + tuple(ch.token_ids),
-                                       start_pos=prev.start_pos, prompt_logprob_targets=targets)
-    else:
-      merged.append(ch)
-  if len({ch.slot for ch in merged}) != len(merged):
-    raise ValueError("a step holds two prefill chunks of one slot that do not follow each other")
-  return merged
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:

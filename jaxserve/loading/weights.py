@@ -111,13 +111,15 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
       "gate": raw[p.format(i) + "mlp.gate_proj.weight"],
       "up": raw[p.format(i) + "mlp.up_proj.weight"],
       "down": raw[p.format(i) + "mlp.down_proj.weight"],
-      **({"bq": raw[p.format(i) + "self_attn.q_proj.bias"], "bk": raw[p.format(i) + "self_attn.k_proj.bias"],
+      **({"bq": raw[p.format(i) + "self_attn.q_proj.bias"],
+          "bk": raw[p.format(i) + "self_attn.k_proj.bias"],
           "bv": raw[p.format(i) + "self_attn.v_proj.bias"]} if cfg.qkv_bias else {}),
       **({key: raw[p.format(i) + hf + ".weight"] for key, (_, hf) in GEMMA3_NORMS.items()}
          if gemma else {}),
   } for i in range(cfg.num_layers)]
   head = None if cfg.tie_embeddings else raw["lm_head.weight"]
-  return cfg, to_params(cfg, raw["model.embed_tokens.weight"], layers, raw["model.norm.weight"], head)
+  return cfg, to_params(cfg, raw["model.embed_tokens.weight"], layers, raw["model.norm.weight"],
+                        head)
 
 
 def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) -> dict:
@@ -154,4 +156,5 @@ def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
   """Undoes llama.cpp's Q/K row order: per head, rows (pairs, 2) -> (2, pairs), rotate-half."""
   rows = w.shape[0]
-  return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+          .reshape(w.shape))

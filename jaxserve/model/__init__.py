@@ -1,4 +1,5 @@
-"""The model: the Llama-family decoder, its attention and its paged KV cache.
+"""The models: the Llama-family and Gemma 3 decoders (families.py picks one per ModelFamily),
+their attention over the paged KV cache, and the logical axes they are sharded by.
 
 Shape letters, the one key for every comment, einsum and `x_BTD` name of jaxserve and of
 kernels_pallas:
@@ -8,8 +9,16 @@ kernels_pallas:
   F: MLP hidden dim    V: vocabulary    L: layers    P: KV pages    Z: tokens per page
   W: pages per sequence (page-table width)
   X: last axis of a stored K or V array: H for values, 1 for their scales
+  Kg: KV-head groups of a ragged page row (tp of them, each a device's heads; 1 without tp)
 
-Kernel-only letters (kernels_pallas):
+Engine letters (a step packs decode rows, then prefill sequences, on one axis):
+  Bd: a step's decode rows    Bp: a step's prefill sequences (B = Bd + Bp)
+  Tp: a step's prefill tokens, a prefill bucket (the packed token axis: T = Bd + Tp)
+  Bs: decode slots (EngineConfig.num_slots: the rows of the decode and sampling state)
+  Pg: page groups (1, or 2 for a WindowedKV: the full pool, then the window pool)
+  Vs: stop token ids    Vc: candidate tokens of one sampled row (engine/sample.py)
+
+Kernel letters (kernels_pallas; A and R also in the query blocks of model/attention.py):
   Q: pages per chunk    C: KV positions of one chunk (C = Q * Z)    R: query rows of one block
   Tq: packed tokens of one query block    Gp: G padded for the hardware (GPU)
   A: a leading axis of query rows    E: lanes of the widest head window (TPU)

@@ -32,10 +32,10 @@ class AttentionMetadata:
   `num_decode_rows` sequences are decode rows of one token each (engine/step_args.py)."""
 
   positions: jax.Array  # [1, T] absolute position of each token.
-  # [G, T] flat cache slot (page * Z + offset) each token's K/V goes to in each page group's pool
-  # (G = 1, or 2 for a WindowedKV: the full pool, then the window pool).
+  # [Pg, T] flat cache slot (page * Z + offset) each token's K/V goes to in each page group's
+  # pool (Pg = 1, or 2 for a WindowedKV: the full pool, then the window pool).
   cache_index: jax.Array
-  page_tables: jax.Array  # [B, G * W] pages of each sequence: each group's table, side by side.
+  page_tables: jax.Array  # [B, Pg * W] pages of each sequence: each group's table, side by side.
   kv_lens: jax.Array  # [B] valid KV positions of each sequence once this step's K/V is written.
   cu_q_lens: jax.Array  # [B + 1] int32 from 0: cumulative new tokens per sequence.
   sample_rows: jax.Array  # [B] the packed row of each sequence's last token (its logits).
@@ -105,8 +105,8 @@ def _attend_windowed(q, k, v, cache: WindowedKV, layer, meta: AttentionMetadata,
     return out, dataclasses.replace(c, full=kv)
 
   def local(c: WindowedKV):
-    out, kv = attend(q, k, v, c.window, index, meta.group(1, c.PAGE_GROUPS), spec, window=local_window,
-                     local_window=local_window)
+    out, kv = attend(q, k, v, c.window, index, meta.group(1, c.PAGE_GROUPS), spec,
+                     window=local_window, local_window=local_window)
     return out, dataclasses.replace(c, window=kv)
 
   return jax.lax.cond(jnp.asarray(cache.is_window)[layer], local, full, cache)

@@ -19,7 +19,8 @@ from jaxserve.config import ModelConfig
 
 DATA, MODEL = "data", "model"
 
-# Logical axis name (the model's parameters, the KV cache) -> mesh axis. Absent names are replicated.
+# Logical axis name (the model's parameters, the KV cache) -> mesh axis. Absent names are
+# replicated.
 RULES = types.MappingProxyType({
     "heads": MODEL, "kv_heads": MODEL, "mlp": MODEL, "vocab": MODEL, "slots": DATA,
     # The ragged KV layout's page-row lanes: one group of lanes per device's KV heads.
@@ -50,7 +51,8 @@ def logical_to_mesh(spec: Sequence[str | None], shape: Sequence[int], mesh) -> P
     axis = RULES.get(name)
     if axis is not None and size % mesh.shape[axis]:
       if name in MUST_DIVIDE:
-        raise ValueError(f"axis {name!r} of size {size} does not split over {mesh.shape[axis]} devices")
+        raise ValueError(f"axis {name!r} of size {size} does not split over "
+                         f"{mesh.shape[axis]} devices")
       axis = None
     axes.append(axis)
   return P(*axes)

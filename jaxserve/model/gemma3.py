@@ -1,7 +1,6 @@
-"""Gemma 3's text decoder in Flax NNX, over the same paged KV cache as model.py's Transformer.
+"""Gemma 3's text decoder in Flax NNX, over the same paged KV cache as llama.py's Transformer.
 
-Shape letters as in model.py (B batch, T query tokens, D model dim, N/K query/KV heads, H head
-dim, F MLP hidden dim, V vocabulary, L layers).
+Shape letters: the key in jaxserve/model/__init__.py.
 
 What differs from the Llama block: RMSNorm scales by (1 + weight), norms after attention and
 after the MLP as well as before them, RMSNorm on each query and key head (qk-norm), a GeGLU MLP

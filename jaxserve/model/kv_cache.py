@@ -72,8 +72,9 @@ def dequantize(values, scale):
 class _Layout:
   """How one layout shapes, writes and reads an array. X is H for values and 1 for scales.
 
-  shape(L, P, Z, K, X, S, W) -> the stored shape; write(a, b, layer, page, offset, k, v, Z) -> (a, b)
-  (b is None when K and V share array a); gather(a, b, layer, tables, Z) -> k, v [B, W * Z, K, X].
+  shape(L, P, Z, K, X, Bs, W) -> the stored shape;
+  write(a, b, layer, page, offset, k, v, Z) -> (a, b) (b is None when K and V share array a);
+  gather(a, b, layer, tables, Z) -> k, v [B, W * Z, K, X].
   """
 
   shape: Callable
@@ -97,57 +98,57 @@ def _token_major_gather(a, b, layer, tables, Z):
 
 
 def _contiguous_write(a, b, layer, page, offset, k, v, Z):
-  L, S, W = a.shape[:3]
-  # Page p >= 1 is position (p - 1) * Z of the [S * W * Z] positions; scratch writes go out of
+  L, Bs, W = a.shape[:3]
+  # Page p >= 1 is position (p - 1) * Z of the [Bs * W * Z] positions; scratch writes go out of
   # range and are dropped, so padding never touches a slot's region.
-  flat = jnp.where(page == SCRATCH_PAGE, S * W * Z, (page - 1) * Z + offset)  # [B, T]
-  put = lambda x, new: x.reshape(L, S * W * Z, *x.shape[4:]).at[layer, flat].set(
+  flat = jnp.where(page == SCRATCH_PAGE, Bs * W * Z, (page - 1) * Z + offset)  # [B, T]
+  put = lambda x, new: x.reshape(L, Bs * W * Z, *x.shape[4:]).at[layer, flat].set(
       new, mode="drop").reshape(x.shape)
   return put(a, k), put(b, v)
 
 
 def _contiguous_gather(a, b, layer, tables, Z):
-  S, W = a.shape[1:3]
-  slot = jnp.clip((tables[:, 0] - 1) // W, 0, S - 1)  # [B]: the tables are identity slices.
+  Bs, W = a.shape[1:3]
+  slot = jnp.clip((tables[:, 0] - 1) // W, 0, Bs - 1)  # [B]: the tables are identity slices.
   w, B = tables.shape[1], tables.shape[0]
   # [B, w, Z, K, X]: one contiguous slice per sequence, no per-page gather.
   return _flat_gather(a[layer, slot, :w], B, Z), _flat_gather(b[layer, slot, :w], B, Z)
 
 
-def ragged_lanes(K, H, G=1):
-  """Cr: G groups of 2 * (K / G) * H lanes, each rounded up to 128 (kernels_pallas.ragged_layout).
-  Under tensor parallelism G = tp: a device's KV heads are one group, its own lane-dense rows."""
-  return G * (-(-2 * (K // G) * H // 128) * 128)
+def ragged_lanes(K, H, Kg=1):
+  """Cr: Kg groups of 2 * (K / Kg) * H lanes, each rounded up to 128 (kernels_pallas.ragged_layout).
+  Under tensor parallelism Kg = tp: a device's KV heads are one group, its own lane-dense rows."""
+  return Kg * (-(-2 * (K // Kg) * H // 128) * 128)
 
 
-def _ragged_write(a, layer, page, offset, k, v, Z, G):
+def _ragged_write(a, layer, page, offset, k, v, Z, Kg):
   L, P, _, Cr = a.shape
-  group = lambda x: x.reshape(*x.shape[:-2], G, -1)  # [B, T, K, H] -> [B, T, G, K / G * H]
-  rows = jnp.concatenate([group(k), group(v)], -1)  # [B, T, G, 2 * K / G * H]
-  rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, Cr // G - rows.shape[-1])])
+  group = lambda x: x.reshape(*x.shape[:-2], Kg, -1)  # [B, T, K, H] -> [B, T, Kg, K / Kg * H]
+  rows = jnp.concatenate([group(k), group(v)], -1)  # [B, T, Kg, 2 * K / Kg * H]
+  rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, Cr // Kg - rows.shape[-1])])
   rows = rows.reshape(*rows.shape[:-2], Cr)  # [B, T, Cr]
   flat = (layer * P + page) * Z + offset  # [B, T]: one scatter writes K and V of every token.
   return a.reshape(L * P * Z, Cr).at[flat].set(rows.astype(a.dtype)).reshape(a.shape)
 
 
-def _ragged_gather(a, layer, tables, Z, K, H, G):
+def _ragged_gather(a, layer, tables, Z, K, H, Kg):
   g = a[layer, tables]  # [B, W, Z, Cr]: each page's K and V of every head in one read.
-  B, n = tables.shape[0], K // G * H
-  rows = g.reshape(B, g.shape[1] * Z, G, -1)  # [B, S, G, Cr / G]
-  heads = lambda x: x.reshape(B, -1, K, H)  # [B, S, G, K / G * H] -> [B, S, K, H]
+  B, n = tables.shape[0], K // Kg * H
+  rows = g.reshape(B, g.shape[1] * Z, Kg, -1)  # [B, S, Kg, Cr / Kg]
+  heads = lambda x: x.reshape(B, -1, K, H)  # [B, S, Kg, K / Kg * H] -> [B, S, K, H]
   return heads(rows[..., :n]), heads(rows[..., n:2 * n])
 
 
 _TOKEN_AXES = ("layers", "pages", "page_tokens", "kv_heads", "head_dim")
 _LAYOUTS = {
     KVLayout.PAGED_TOKEN_MAJOR: _Layout(
-        shape=lambda L, P, Z, K, X, S, W: (L, P, Z, K, X), separate=True,
+        shape=lambda L, P, Z, K, X, Bs, W: (L, P, Z, K, X), separate=True,
         write=_token_major_write, gather=_token_major_gather, axes=_TOKEN_AXES),
     KVLayout.RAGGED: _Layout(
         shape=None, separate=False, write=None, gather=None,  # KVCache handles it (groups).
         axes=("layers", "pages", "page_tokens", "kv_lanes")),
     KVLayout.CONTIGUOUS: _Layout(
-        shape=lambda L, P, Z, K, X, S, W: (L, S, W, Z, K, X), separate=True,
+        shape=lambda L, P, Z, K, X, Bs, W: (L, Bs, W, Z, K, X), separate=True,
         write=_contiguous_write, gather=_contiguous_gather,
         axes=("layers", "slots", "pages", "page_tokens", "kv_heads", "head_dim")),
 }
@@ -163,9 +164,12 @@ class KVCache:
   v: jax.Array | None  # None when k holds both.
   k_scale: jax.Array | None = None  # int8 only: like k, with head_dim 1.
   v_scale: jax.Array | None = None
-  layout: KVLayout = dataclasses.field(default=KVLayout.PAGED_TOKEN_MAJOR, metadata=dict(static=True))
-  # (K, H, G) of a RAGGED cache, whose page rows do not show them: G lane groups of K / G heads.
-  ragged_heads: tuple[int, int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+  layout: KVLayout = dataclasses.field(default=KVLayout.PAGED_TOKEN_MAJOR,
+                                       metadata=dict(static=True))
+  # (K, H, Kg) of a RAGGED cache, whose page rows do not show them: Kg lane groups of K / Kg
+  # heads.
+  ragged_heads: tuple[int, int, int] | None = dataclasses.field(default=None,
+                                                                 metadata=dict(static=True))
 
   # The token-major layout's logical axis names; `axes` gives the running layout's.
   AXES = _TOKEN_AXES
@@ -231,7 +235,8 @@ class KVCache:
     new_k, new_v = lay.write(self.k, self.v, layer, page, offset, k, v, Z)
     new_ks, new_vs = self.k_scale, self.v_scale
     if k_scale is not None:
-      new_ks, new_vs = lay.write(self.k_scale, self.v_scale, layer, page, offset, k_scale, v_scale, Z)
+      new_ks, new_vs = lay.write(self.k_scale, self.v_scale, layer, page, offset, k_scale,
+                                 v_scale, Z)
     return dataclasses.replace(self, k=new_k, v=new_v, k_scale=new_ks, v_scale=new_vs)
 
   def gather(self, layer, page_tables):
@@ -286,7 +291,8 @@ def num_window_pages(model: ModelConfig, engine: EngineConfig) -> int:
   window's pages (engine.window_pages; not the contiguous layout, whose slots own their
   regions); 0 when every layer keeps every page. Each slot holds at most
   `window_pages_per_seq` of them, so the pool never runs out."""
-  if not (engine.window_pages and any(model.local_layers)) or engine.kv_layout is KVLayout.CONTIGUOUS:
+  windowed = engine.window_pages and any(model.local_layers)
+  if not windowed or engine.kv_layout is KVLayout.CONTIGUOUS:
     return 0
   per_seq = window_pages_per_seq(model.sliding_window, engine.page_size, engine.prefill_buckets[-1])
   if per_seq >= engine.max_pages_per_seq:  # The window holds the whole context: nothing to free.
@@ -296,11 +302,13 @@ def num_window_pages(model: ModelConfig, engine: EngineConfig) -> int:
 
 def create(model: ModelConfig, engine: EngineConfig) -> KVCache | WindowedKV:
   """The engine's cache: one pool, or two when the local layers keep only their window."""
-  return WindowedKV.create(model, engine) if num_window_pages(model, engine) else KVCache.create(model, engine)
+  if num_window_pages(model, engine):
+    return WindowedKV.create(model, engine)
+  return KVCache.create(model, engine)
 
 
 def slot_page_tables(engine: EngineConfig) -> np.ndarray | None:
-  """[S, W] host page tables of the contiguous layout (slot s owns pages 1 + s * W + i);
+  """[Bs, W] host page tables of the contiguous layout (slot s owns pages 1 + s * W + i);
   None for the paged layouts, whose tables come from the page allocator."""
   if engine.kv_layout is not KVLayout.CONTIGUOUS:
     return None

@@ -35,7 +35,8 @@ def rms_norm(x, scale, eps: float):
 
 def rope_frequencies(cfg: ModelConfig):
   """[H/2] inverse frequencies, with Llama-3 scaling when the config asks for it."""
-  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+  inv_freq = 1.0 / (cfg.rope_theta
+                    ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
   s = cfg.rope_scaling
   if s is None:
     return inv_freq
@@ -43,9 +44,11 @@ def rope_frequencies(cfg: ModelConfig):
   wavelen = 2 * jnp.pi / inv_freq
   low_wavelen = s.original_max_position / s.low_freq_factor
   high_wavelen = s.original_max_position / s.high_freq_factor
-  smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+  smooth = ((s.original_max_position / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
   mid = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-  return jnp.where(wavelen < high_wavelen, inv_freq, jnp.where(wavelen > low_wavelen, inv_freq / s.factor, mid))
+  return jnp.where(wavelen < high_wavelen, inv_freq,
+                   jnp.where(wavelen > low_wavelen, inv_freq / s.factor, mid))
 
 
 def apply_rope(x, positions, inv_freq):
@@ -59,7 +62,8 @@ def apply_rope(x, positions, inv_freq):
 
 def stacked_layers(cfg: ModelConfig, make_layer, rngs: nnx.Rngs):
   """cfg.num_layers layers as one module whose parameters carry a leading [L] axis: the model
-  runs them under a scan, so compile time does not grow with depth. `make_layer(rngs)` builds one."""
+  runs them under a scan, so compile time does not grow with depth. `make_layer(rngs)` builds
+  one."""
   @nnx.split_rngs(splits=cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
   def make_layers(rngs: nnx.Rngs):
@@ -116,7 +120,8 @@ class Transformer(nnx.Module):
     self.layers = stacked_layers(cfg, lambda rngs: DecoderLayer(cfg, dtype, rngs), rngs)
     self.final_norm = _param(rngs, (cfg.dim,), ("embed",), dtype)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype, fan_in=cfg.dim)
+      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype,
+                            fan_in=cfg.dim)
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True,

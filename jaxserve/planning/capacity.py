@@ -111,7 +111,8 @@ def layer_pages_per_conversation(cfg: ModelConfig, context: int, page_size: int,
 def kv_bytes_per_conversation(cfg: ModelConfig, context: int, page_size: int,
                               dtype: KVDtype, window_only: bool = False) -> int:
   per_layer_token = kv_bytes_per_token(cfg, dtype) // cfg.num_layers  # Exact: L is a factor.
-  return layer_pages_per_conversation(cfg, context, page_size, window_only) * page_size * per_layer_token
+  return (layer_pages_per_conversation(cfg, context, page_size, window_only) * page_size
+          * per_layer_token)
 
 
 def activation_bytes(cfg: ModelConfig, num_tokens: int, context: int, dtype: WeightDtype) -> int:
@@ -187,7 +188,8 @@ def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: flo
   per_layer = page_size * kv_bytes_per_token(model_cfg, kv_dtype) // model_cfg.num_layers
   num_local = sum(model_cfg.local_layers) if num_window_pages else 0
   page = per_layer * (model_cfg.num_layers - num_local)
-  budget = int(memory_bytes * memory_fraction) - weight_bytes - num_window_pages * num_local * per_layer
+  budget = (int(memory_bytes * memory_fraction) - weight_bytes
+            - num_window_pages * num_local * per_layer)
   pages = max(0, budget) // page
   if pages < 2:
     raise ValueError(
@@ -233,12 +235,14 @@ def format_plan(p: CapacityPlan) -> str:
       f"KV per token        {_fmt(p.kv_bytes_per_token)} ({p.kv_dtype.label})",
       f"KV per conversation {_fmt(p.kv_bytes_per_conversation)} ({p.context} tokens in "
       f"{pages_per_conversation(p.context, p.page_size)} pages of {p.page_size})",
-      f"minimum reserve     {_fmt(p.min_reserve_bytes)} (activations of a prefill chunk + overhead)",
+      f"minimum reserve     {_fmt(p.min_reserve_bytes)} (activations of a prefill chunk + "
+      "overhead)",
       f"conversations       {p.max_conversations} at {p.context} tokens",
       f"reserve left        {_fmt(p.reserve_bytes)} for activations and overhead",
   ]
   if p.context > m.max_seq_len:
-    lines.append(f"note: {p.context} tokens is beyond the model's trained context ({m.max_seq_len})")
+    lines.append(f"note: {p.context} tokens is beyond the model's trained context "
+                 f"({m.max_seq_len})")
   if p.max_conversations == 0:
     need = p.weight_bytes + p.kv_bytes_per_conversation + p.min_reserve_bytes
     lines.append(f"no full-length conversation fits: weights + one conversation + minimum reserve "
@@ -256,7 +260,8 @@ def format_window_gain(today: CapacityPlan, windowed: CapacityPlan) -> str:
   gain = (f"{windowed.max_conversations / today.max_conversations:.2f}x"
           if today.max_conversations else "none fit without")
   return "\n".join([
-      f"window-only pages   {num_local} of {m.num_layers} layers are local ({m.sliding_window}-token "
+      f"window-only pages   {num_local} of {m.num_layers} layers are local "
+      f"({m.sliding_window}-token "
       f"window): each keeps {kept} pages, the {m.num_layers - num_local} global layers every page",
       f"  KV per conversation {_fmt(windowed.kv_bytes_per_conversation)} (every layer every page: "
       f"{_fmt(today.kv_bytes_per_conversation)})",
@@ -272,7 +277,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
   parser.add_argument("--model", default="smollm2-135m",
                       help=f"a known name ({', '.join(KNOWN_MODELS)}), a config.json, or a "
                       "checkpoint directory holding model_config.json")
-  parser.add_argument("--memory-gib", type=float, default=80.0, help="accelerator memory, GiB (default 80)")
+  parser.add_argument("--memory-gib", type=float, default=80.0,
+                      help="accelerator memory, GiB (default 80)")
   parser.add_argument("--context", type=int, default=None,
                       help="tokens per conversation (default: the model's max context)")
   parser.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="bfloat16",

@@ -4,14 +4,10 @@ comes from. Host-side data; engine/targets.py turns a chip into a compile-only d
 from __future__ import annotations
 
 import dataclasses
-import enum
 import types
 from typing import Mapping
 
-
-class Platform(enum.Enum):
-  TPU = "tpu"
-  CUDA = "cuda"
+from jaxserve.config import Platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +22,7 @@ class Target:
   usable_bytes: int
   usable_source: str
   topology: str  # TPU: a topology name (the smallest slice; we use one device of it).
-  spec: str | None = None  # CUDA: the GpuTargetConfigProto file in gpu_specs/.
+  spec: str | None = None  # GPU: XLA's GpuTargetConfigProto file in engine/gpu_specs/.
   topology_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -49,8 +45,8 @@ TARGETS = types.MappingProxyType({t.name: t for t in (
     # topology's default makes a device per core with 15.25 GiB each.
     Target("v4", Platform.TPU, 32 * GIB, "cloud.google.com/tpu/docs/v4: HBM2 32 GiB per chip",
            33_013_366_784, _LIBTPU, "v4:2x2x1", topology_options={"chip_config_name": "megacore"}),
-    Target("h100", Platform.CUDA, 80 * 10**9, "NVIDIA H100 SXM datasheet: 80 GB HBM3",
+    Target("h100", Platform.GPU, 80 * 10**9, "NVIDIA H100 SXM datasheet: 80 GB HBM3",
            84_942_979_072, _XLA_SPEC.format("h100_sxm.txtpb"), "1x1x1", "h100_sxm.txtpb"),
-    Target("h200", Platform.CUDA, 141 * 10**9, "NVIDIA H200 datasheet: 141 GB HBM3e",
+    Target("h200", Platform.GPU, 141 * 10**9, "NVIDIA H200 datasheet: 141 GB HBM3e",
            151_397_597_184, _XLA_SPEC.format("h200.txtpb"), "1x1x1", "h200.txtpb"),
 )})

@@ -63,13 +63,15 @@ KNOWN_MODELS = types.MappingProxyType({
     # google/gemma-3-4b-it config.json (Gemma3ForConditionalGeneration): its text_config
     "gemma-3-4b": readers.from_hf({
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text",
                         "num_hidden_layers": 34, "rope_scaling": _GEMMA3_LINEAR_8,
                         "sliding_window": 1024}}, name="gemma-3-4b"),
     # google/gemma-3-12b-it config.json (Gemma3ForConditionalGeneration): its text_config
     "gemma-3-12b": readers.from_hf({
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-        "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+        "text_config": {"hidden_size": 3840, "intermediate_size": 15360,
+                        "model_type": "gemma3_text",
                         "num_attention_heads": 16, "num_hidden_layers": 48,
                         "num_key_value_heads": 8, "rope_scaling": _GEMMA3_LINEAR_8,
                         "sliding_window": 1024}}, name="gemma-3-12b"),

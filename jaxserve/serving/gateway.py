@@ -134,7 +134,8 @@ class Lease:
 
 class Gateway:
 
-  def __init__(self, keys: Sequence[ApiKey] | None = None, clock: Callable[[], float] = time.monotonic):
+  def __init__(self, keys: Sequence[ApiKey] | None = None,
+               clock: Callable[[], float] = time.monotonic):
     """`keys` None: no authentication and no limits."""
     self.keys = list(keys) if keys is not None else None
     self._clock = clock
@@ -186,7 +187,8 @@ class Gateway:
     need = num_prompt_tokens + max_tokens
     if tpm and used + need > tpm:
       raise ApiError(Status.RESOURCE_EXHAUSTED,
-                     f"prompt ({num_prompt_tokens}) plus max_tokens ({max_tokens}) is {need} tokens; "
+                     f"prompt ({num_prompt_tokens}) plus max_tokens ({max_tokens}) is {need} "
+                     "tokens; "
                      f"key {key.name!r} has {left} of its limit of {tpm} tokens per minute left")
     charge = _Charge(now, need)
     usage.append(charge)
@@ -196,14 +198,16 @@ class Gateway:
 # Request fields -> what the engine runs.
 
 
-def sampling_params(fields: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(fields: Mapping[str, Any], max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
   """SamplingParams from the fields a client set (all but max_tokens and logprobs, which come
   apart); ValueError/TypeError become INVALID_ARGUMENT with SamplingParams' own message, which
   names the field and its value."""
   unknown = set(fields) - _SAMPLING_FIELDS
   if unknown:
     raise invalid(f"unknown sampling fields {sorted(map(str, unknown))}")
-  if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= SamplingParams.MAX_LOGPROBS):
+  if logprobs is not None and not (is_int(logprobs)
+                                   and 0 <= logprobs <= SamplingParams.MAX_LOGPROBS):
     raise invalid(f"logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {short(logprobs)}")
   # The engine reports logprobs for requests that ask for at least one top token; the front end
   # drops the alternatives of a request that asked for the chosen token's logprob only.
@@ -255,7 +259,8 @@ def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: in
   if not ids:
     raise invalid("prompt is empty")
   if max_tokens is not None and not 1 <= max_tokens < max_model_len:
-    raise invalid(f"max_tokens must be in [1, {max_model_len}) (the context window), got {max_tokens}")
+    raise invalid(f"max_tokens must be in [1, {max_model_len}) (the context window), "
+                  f"got {max_tokens}")
   room = max_model_len - (max_tokens or 1)
   if len(ids) > room:
     if not truncate:
@@ -264,7 +269,8 @@ def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: in
                     "truncate_prompt")
     ids = ids[len(ids) - room:]
   if max_tokens is None:
-    max_tokens = max_model_len - len(ids) if default is None else min(default, max_model_len - len(ids))
+    max_tokens = (max_model_len - len(ids) if default is None
+                  else min(default, max_model_len - len(ids)))
   return ids, max_tokens
 
 

@@ -91,8 +91,8 @@ class Prepared(NamedTuple):
 
 class Service:
 
-  def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str, gateway_: gateway.Gateway,
-               metrics: Metrics, log_prompts: bool = False):
+  def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str,
+               gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False):
     self.runner = runner
     self.tokenizer = tokenizer
     self.model_name = model_name
@@ -146,7 +146,8 @@ class Service:
     if prompt.tools and not self.tokenizer.takes_tools:
       offer = tool_calls.system_prompt(prompt.tools)
       if messages[0]["role"] == "system":
-        messages = [{**messages[0], "content": offer + "\n\n" + messages[0]["content"]}, *messages[1:]]
+        messages = [{**messages[0], "content": offer + "\n\n" + messages[0]["content"]},
+                    *messages[1:]]
       else:
         messages = [{"role": "system", "content": offer}, *messages]
     try:
@@ -209,21 +210,13 @@ class Service:
     except ValueError as e:
       raise gateway.invalid(str(e)) from e
 
-  async def generate(self, key: ApiKey, inp: GenerateInput) -> AsyncIterator[Chunk]:
+  async def generate(self, key: ApiKey, inp: GenerateInput,
+                     prepared: Prepared | None = None) -> AsyncIterator[Chunk]:
+    """`prepared`: `prepare(inp)`'s result when the caller has it already (the n runs of one
+    prompt share one: its tokenization, template and checks are done once)."""
     received = time.monotonic()
-    ids, sampling, tokenize, chunk_tokens = self.prepare(inp)
-    await self.compile_constraint(sampling)
-    lease = self.gateway.admit(key, len(ids), sampling.max_tokens, can_shorten=inp.max_tokens is None)
-    if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
-      sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
-    try:
-      stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority)
-    except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.
-      lease.refund()
-      raise gateway.invalid(str(e)) from e
-    except EngineDead as e:  # It died a moment ago; `refusing` is about to say so.
-      lease.refund()
-      raise ApiError(Status.UNAVAILABLE, "the engine failed; the server is restarting") from e
+    ids, sampling, tokenize, chunk_tokens = prepared or self.prepare(inp)
+    stream, lease = await self._submit(key, inp, ids, sampling)
     self._active.add(stream)
     self._idle.clear()
     num_out, reason, failed = 0, None, False
@@ -242,14 +235,37 @@ class Service:
       failed = True
       raise
     finally:
-      self._active.discard(stream)
-      self._cut.discard(stream.request_id)
-      if not self._active:
-        self._idle.set()
+      self._release(stream)
       if reason is None:  # The consumer left before the end (a cancel, a disconnect).
         stream.abort()
         if not failed:
           self._record(stream, key, FinishReason.ABORT, received, tokenize, num_out, lease)
+
+  async def _submit(self, key: ApiKey, inp: GenerateInput, ids: Sequence[int],
+                    sampling: SamplingParams) -> tuple[RequestStream, gateway.Lease]:
+    """Admits the request under the key's limits, then hands it to the engine thread; a request
+    the engine refuses gives the key its tokens back."""
+    await self.compile_constraint(sampling)
+    lease = self.gateway.admit(key, len(ids), sampling.max_tokens,
+                               can_shorten=inp.max_tokens is None)
+    if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
+      sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
+    try:
+      stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority)
+    except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.
+      lease.refund()
+      raise gateway.invalid(str(e)) from e
+    except EngineDead as e:  # It died a moment ago; `refusing` is about to say so.
+      lease.refund()
+      raise ApiError(Status.UNAVAILABLE, "the engine failed; the server is restarting") from e
+    return stream, lease
+
+  def _release(self, stream: RequestStream) -> None:
+    """Forgets an ended (or abandoned) stream; the last one out wakes `wait_idle`."""
+    self._active.discard(stream)
+    self._cut.discard(stream.request_id)
+    if not self._active:
+      self._idle.set()
 
   async def _chunks(self, stream: RequestStream, chunk_tokens: int,
                     lease: gateway.Lease) -> AsyncIterator[list[RequestOutput]]:
@@ -275,7 +291,8 @@ class Service:
 
   def _record(self, stream: RequestStream, key: ApiKey, reason: FinishReason, received: float,
               tokenize: float, num_out: int, lease: gateway.Lease) -> RequestRecord:
-    record = RequestRecord.of(stream.request, key.name, reason, received, tokenize, time.monotonic())
+    record = RequestRecord.of(stream.request, key.name, reason, received, tokenize,
+                              time.monotonic())
     lease.settle(num_out)
     self.metrics.observe(record)
     if self.log_prompts:
@@ -315,7 +332,8 @@ def _chunk(request: Request, outputs: Sequence[RequestOutput], num_top: int | No
     logprobs = [dataclasses.replace(lp, top_ids=lp.top_ids[:num_top],
                                     top_logprobs=lp.top_logprobs[:num_top])
                 for o in outputs for lp in (o.logprobs or ())]
-  prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+  prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None),
+                         None)
   return Chunk(request.request_id, "".join(o.text for o in outputs),
-               [t for o in outputs for t in o.token_ids], logprobs, outputs[-1].finish_reason, record,
-               request.prompt_token_ids, prompt_logprobs)
+               [t for o in outputs for t in o.token_ids], logprobs, outputs[-1].finish_reason,
+               record, request.prompt_token_ids, prompt_logprobs)

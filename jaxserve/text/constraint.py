@@ -28,8 +28,8 @@ import numpy as np
 from jaxserve.config.constraint import Constraint, ConstraintKind
 from jaxserve.text.constraint_vocab import llguidance_tokenizer
 
-__all__ = ["ALL_ALLOWED", "Constraint", "ConstraintCompiler", "ConstraintKind", "Grammar", "Matcher",
-           "check"]
+__all__ = ["ALL_ALLOWED", "Constraint", "ConstraintCompiler", "ConstraintKind", "Grammar",
+           "Matcher", "check"]
 
 ALL_ALLOWED = -1  # An int32 with all 32 bits set: a mask word that allows every token.
 # JSON is written the way json.dumps writes it by default. Free whitespace would let a small model
@@ -75,7 +75,8 @@ def _grammar_grammar(text: str) -> str:
 
 
 _GRAMMAR_BUILDERS = {
-    ConstraintKind.JSON_OBJECT: _json_object_grammar, ConstraintKind.JSON_SCHEMA: _json_schema_grammar,
+    ConstraintKind.JSON_OBJECT: _json_object_grammar,
+    ConstraintKind.JSON_SCHEMA: _json_schema_grammar,
     ConstraintKind.REGEX: _regex_grammar, ConstraintKind.CHOICE: _choice_grammar,
     ConstraintKind.GRAMMAR: _grammar_grammar,
 }
@@ -145,7 +146,8 @@ class ConstraintCompiler:
     past the tokenizer's vocabulary (those tokens are never allowed in a constrained row)."""
     self.vocab_size = vocab_size or tokenizer.vocab_size
     if self.vocab_size < tokenizer.vocab_size:
-      raise ValueError(f"vocab_size {vocab_size} is less than the tokenizer's {tokenizer.vocab_size}")
+      raise ValueError(f"vocab_size {vocab_size} is less than the tokenizer's "
+                       f"{tokenizer.vocab_size}")
     self.num_words = -(-self.vocab_size // 32)  # W: int32 words per mask row.
     self._tokenizer = llguidance_tokenizer(tokenizer)
     self._num_tokenizer_words = -(-tokenizer.vocab_size // 32)

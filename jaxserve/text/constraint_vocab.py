@@ -55,7 +55,8 @@ def vocab_bytes(tokenizer: Any) -> tuple[list[bytes], list[int]]:
                    for s in spellings]
   else:
     token_bytes = [_sentencepiece_bytes(s) for s in spellings]
-  return token_bytes, _special_ids(tokenizer, token_bytes.index(b"\0") if b"\0" in token_bytes else None)
+  return token_bytes, _special_ids(tokenizer,
+                                   token_bytes.index(b"\0") if b"\0" in token_bytes else None)
 
 
 def _special_ids(tokenizer: Any, nul_id: int | None, chunk: int = 4096) -> list[int]:
@@ -64,7 +65,8 @@ def _special_ids(tokenizer: Any, nul_id: int | None, chunk: int = 4096) -> list[
   One decode call per token takes seconds for a 262k vocabulary, so tokens are decoded a chunk at
   a time, each followed by the NUL byte's token, and the text split at the NULs. A chunk whose
   split does not come out even (a token that spells a NUL itself) is decoded token by token; every
-  empty piece is confirmed on its own (SentencePiece drops the space a chunk's first token opens with).
+  empty piece is confirmed on its own (SentencePiece drops the space a chunk's first token opens
+  with).
   """
   empty = []
   for start in range(0, tokenizer.vocab_size, chunk):
@@ -75,7 +77,8 @@ def _special_ids(tokenizer: Any, nul_id: int | None, chunk: int = 4096) -> list[
     if pieces is None or len(pieces) != len(ids):
       pieces = [tokenizer.detokenize([i], True) for i in ids]
     empty += [i for i, piece in zip(ids, pieces) if not piece]
-  return [i for i in empty if not tokenizer.detokenize([i], True) and tokenizer.detokenize([i], False)]
+  return [i for i in empty
+          if not tokenizer.detokenize([i], True) and tokenizer.detokenize([i], False)]
 
 
 def spelling_bytes(spelling: str) -> bytes:

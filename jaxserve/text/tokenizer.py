@@ -1,8 +1,8 @@
 """Text <-> token ids for every model jaxserve loads, plus chat templates.
 
 Two backends (`tokenizer_backends.py`) sit behind one `Tokenizer`: byte-level BPE in `tokenizers`
-and SentencePiece in `sentencepiece`. Both are saved the way Hugging Face stores them, so `save()` then `from_hf_dir()` round-trips and
-our checkpoints carry a tokenizer any HF tool can read.
+and SentencePiece in `sentencepiece`. Both are saved the way Hugging Face stores them, so `save()`
+then `from_hf_dir()` round-trips and our checkpoints carry a tokenizer any HF tool can read.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class Tokenizer:
                extra_stop_ids=[*eos_ids, *cfg.get("stop_token_ids", ())])
 
   def save(self, path: str | pathlib.Path) -> None:
-    """Writes tokenizer.json or tokenizer.model, and tokenizer_config.json, into directory `path`."""
+    """Writes tokenizer.json or tokenizer.model, and tokenizer_config.json, into directory
+    `path`."""
     d = pathlib.Path(path)
     d.mkdir(parents=True, exist_ok=True)
     self._backend.save(d)

@@ -6,7 +6,8 @@ calls a model writes of its own accord.
                              parameters' schema}
   tool_choice {named one}    one such object, for that tool only
   tool_choice "auto"         the tools go to the chat template (as `tools`) when it takes them,
-                             else into a system message in the Hermes format (Qwen's, NousResearch's:
+                             else into a system message in the Hermes format
+                             (Qwen's, NousResearch's:
                              <tool_call>{"name": ..., "arguments": ...}</tool_call>), which
                              `parse_tagged` reads back out of the text
   tool_choice "none"         free text
@@ -20,7 +21,8 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
-MAX_FORCED_CALLS = 4  # "required" makes an array of calls: at most this many (1 without parallel calls).
+# "required" makes an array of calls: at most this many (1 without parallel calls).
+MAX_FORCED_CALLS = 4
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -64,7 +66,8 @@ def system_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
                      for t in tools)
   return ("You may call one or more functions to assist with the user query. The functions you "
           f"can call are listed in <tools></tools>:\n<tools>\n{listed}\n</tools>\nTo call a "
-          "function, write a JSON object with its name and arguments within <tool_call></tool_call> "
+          "function, write a JSON object with its name and arguments within "
+          "<tool_call></tool_call> "
           'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
           "</tool_call>")
 

@@ -1,5 +1,6 @@
 """A real jaxserve server on loopback for the server tests: an event loop on a background thread,
-the tiny model's engine compiled once per test session, and small client helpers."""
+the tiny model's engine compiled once per test session, and the gRPC client helpers (the HTTP ones
+are in openai_http.py). conftest.py's `srv` fixture starts one server per module with these."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import asyncio
 import functools
 import json
 import threading
+import time
+from collections.abc import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve import llm
 from jaxserve.api import server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
-from jaxserve.config import EngineConfig
+from jaxserve.batching.runner import Runner
+from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
 
@@ -21,6 +27,7 @@ from jaxserve.loading import checkpoint
 ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=40, max_model_len=128,
                       prefill_buckets=(32,), compilation_cache_dir=None)
 KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-abcdef", "carol": "sk-carol-xyz"}
+HEALTH = health_pb2.HealthCheckResponse  # HEALTH.SERVING, HEALTH.NOT_SERVING: what health() says.
 LIMITS = {"bob": {"requests_per_minute": 2}, "carol": {"tokens_per_minute": 60}}
 
 
@@ -82,11 +89,22 @@ class ServerThread:
     return self.server.service.runner.runner.scheduler
 
 
-def start_tiny(path: str, keys_file: str | None = None, **config) -> ServerThread:
-  engine, tokenizer = warm_engine(path)
-  loaded = server.Loaded(engine, tokenizer, "tiny")
+def serve(engine: Engine, tokenizer, name: str = "tiny", keys_file: str | None = None,
+          **config) -> ServerThread:
+  """A started server of `engine` on free ports; `config` holds other ServerConfig fields."""
+  loaded = llm.Loaded(engine, tokenizer, name)
   cfg = server.ServerConfig(grpc_port=0, http_port=0, keys_file=keys_file, **config)
   return ServerThread(server.Server(lambda: loaded, cfg)).start()
+
+
+def start_tiny(path: str, keys_file: str | None = None, **config) -> ServerThread:
+  return serve(*warm_engine(path), keys_file=keys_file, **config)
+
+
+def offline(engine: Engine, tokenizer, requests: list[tuple[list[int], SamplingParams]]) -> list:
+  """What a server on `engine` must give `requests`: a fresh Runner's outputs (its own prefix
+  cache). Run it before the server starts or while it is idle, since they share the engine."""
+  return Runner(engine, tokenizer).generate(requests)
 
 
 def stub(channel: grpc.Channel) -> jaxserve_pb2_grpc.JaxserveStub:
@@ -95,6 +113,17 @@ def stub(channel: grpc.Channel) -> jaxserve_pb2_grpc.JaxserveStub:
 
 def auth(name: str = "alice") -> tuple[tuple[str, str], ...]:
   return (("authorization", f"Bearer {KEYS[name]}"),)
+
+
+def generate(grpc_stub, req: pb.GenerateRequest, key: str | None = "alice",
+             timeout: float = 60) -> list:
+  """Every message of one Generate stream; `key` None sends no API key."""
+  return list(grpc_stub.Generate(req, metadata=auth(key) if key else None, timeout=timeout))
+
+
+def health(channel: grpc.Channel, service: str = "") -> int:
+  return health_pb2_grpc.HealthStub(channel).Check(
+      health_pb2.HealthCheckRequest(service=service), timeout=10).status
 
 
 def text_request(text: str, **fields) -> pb.GenerateRequest:
@@ -106,3 +135,17 @@ def idle(scheduler) -> bool:
   pages = scheduler.pages
   return (not scheduler.waiting and not scheduler.running
           and pages.num_free_pages == pages.num_usable_pages)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+  """Whether `predicate` held within `timeout` seconds (polled every 5 ms)."""
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.005)
+  return True
+
+
+def wait_idle(srv: ServerThread, timeout: float = 10.0) -> None:
+  assert wait_until(lambda: idle(srv.scheduler), timeout), "the engine never went idle"

@@ -11,10 +11,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
-import pytest
 
 from jaxserve.batching.plan import EngineInfo, PrefillChunk, StepPlan
-from jaxserve.config.engine import width_buckets
 
 
 def next_plus_one(context: Sequence[int], vocab_size: int = 1000) -> int:
@@ -65,10 +63,8 @@ class MockEngine:
     self.max_model_len = max_model_len
     self.max_prefill_len = max_prefill_len
     self.can_share_pages = True
-    max_pages = -(-max_model_len // page_size)
     self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len, max_prefill_len,
                            can_share_pages=True, vocab_size=2**31 - 1,
-                           decode_widths=width_buckets(max_pages, smallest=1),
                            window=window, num_window_pages=num_window_pages)
     self.window = window
     self.window_pages = np.full((max(num_window_pages, 1), page_size), -1, np.int64)
@@ -84,9 +80,20 @@ class MockEngine:
     self._pos = [None] * num_slots
 
   def step(self, plan: StepPlan) -> MockFuture:
-    """One call for the whole plan: its chunks' KV and first tokens, then its decodes. Tokens in
-    the engine's order: one per decode slot, then one per chunk that ends its prompt."""
+    """One call for the whole plan: its freed slots, its chunks' KV and first tokens, then its
+    decodes. Tokens in the engine's order: one per decode slot, then one per chunk that ends its
+    prompt."""
+    for slot in plan.free_slots:
+      self._free(slot)
+    if plan.is_empty:
+      return MockFuture(np.zeros(0, np.int32), self, "free")
     self.num_steps += 1
+    # The plan is final: it fits one call of an engine with these limits.
+    assert len({c.slot for c in plan.prefills}) == len(plan.prefills), "two chunks of one slot"
+    assert sum(len(c.token_ids) for c in plan.prefills) <= self.info.max_prefill_len
+    assert len(plan.prefills) <= (self.info.max_prefill_seqs or self.num_slots)
+    scored = [c.prompt_logprob_targets is not None for c in plan.prefills]
+    assert not any(scored) or (all(scored) and not plan.decode_slots), "a mixed scoring plan"
     firsts = [self.prefill(chunk) for chunk in plan.prefills]
     out = []
     if plan.decode_slots:
@@ -136,7 +143,7 @@ class MockEngine:
       self._token[slot], self._pos[slot] = int(out[slot]), pos + 1
     return MockFuture(out, self, f"decode:{self.num_decode_steps}")
 
-  def free(self, slot: int) -> None:
+  def _free(self, slot: int) -> None:
     self.events.append(("free", slot))
     self._token[slot] = self._pos[slot] = None
 
@@ -193,16 +200,4 @@ def assert_all_free(scheduler) -> None:
   if window is not None:
     assert window.num_free_pages == window.num_usable_pages
     assert all(window.ref_count(b) == 0 for b in range(window.num_pages))
-  assert sorted(scheduler._free_slots) == list(range(len(scheduler._tables)))
-
-
-@pytest.fixture
-def checked():
-  """Registers schedulers (or runners); after the test, asserts each is back to all-free."""
-  items = []
-  yield lambda x: items.append(x) or x
-  for x in items:
-    if hasattr(x, "scheduler"):
-      assert not x.has_unfinished
-      x = x.scheduler
-    assert_all_free(x)
+  assert sorted(scheduler._free_slots) == list(range(len(scheduler.pools.tables)))

@@ -17,7 +17,8 @@ from kernels_pallas import ragged_layout
 
 
 @dataclasses.dataclass(frozen=True)
-class StepShape:
+class KernelShape:
+  """One kernel call's shapes (not the engine's step_args.StepShape)."""
   num_heads: int
   num_kv_heads: int
   head_dim: int
@@ -27,7 +28,7 @@ class StepShape:
   num_layers: int = 2
 
 
-def step_inputs(rng: np.random.Generator, batch, shape: StepShape, *, num_tokens: int,
+def step_inputs(rng: np.random.Generator, batch, shape: KernelShape, *, num_tokens: int,
                 num_seqs_max: int, layer: int = 1):
   """batch: (q_len, context) per live sequence. Returns the ragged_paged_attention arguments
   (q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs) as a list, with

@@ -4,7 +4,7 @@ import importlib.util
 import pathlib
 import sys
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 
 
 def load(name: str):
