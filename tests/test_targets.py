@@ -18,7 +18,6 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TINY, TINY_ENGINE, count_compiles
 
 from jaxserve.cli import main as cli
 from jaxserve.config import AttentionBackend, EngineConfig
@@ -27,6 +26,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.step_args import StepShape
 from jaxserve.model import kv_cache
 from jaxserve.planning import capacity
+from support.tiny import TINY, TINY_ENGINE, count_compiles
 
 MIB = 2**20
 SMOLLM2 = capacity.KNOWN_MODELS["smollm2-135m"]
