@@ -50,6 +50,17 @@ def test_a_skip_on_the_list_passes(suite):
   assert "skips not on the allow-list" not in run.stdout
 
 
+def test_a_parametrized_test_id_on_the_list_matches_itself(suite):
+  """`[...]` in a test id is its parameters, not an fnmatch set of characters."""
+  (suite / "test_params.py").write_text(
+      "import pytest\n\n@pytest.mark.parametrize('x', ['A-1', 'B'])\n"
+      "def test_p(x):\n  if x == 'A-1':\n    pytest.skip('not for A')\n")
+  (suite / "allowed.txt").write_text("test_params.py::test_p[A-1]  A is not supported\n")
+  run = run_pytest(suite, "--allowed-skips", "allowed.txt", "test_params.py")
+  assert run.returncode == 0, run.stdout
+  assert "skips not on the allow-list" not in run.stdout
+
+
 def test_without_the_option_a_skip_passes_as_before(suite):
   run = run_pytest(suite, "test_tiny.py")
   assert run.returncode == 0, run.stdout

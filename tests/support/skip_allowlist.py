@@ -47,7 +47,10 @@ class SkipCheck:
   def _note(self, report) -> None:
     if not report.skipped or hasattr(report, "wasxfail"):  # xfails report as skipped too.
       return
-    if not any(fnmatch.fnmatchcase(report.nodeid, p) for p in self.patterns):
+    # A test id as written matches itself: fnmatch alone reads its [parameters] as a set of
+    # characters.
+    if not any(report.nodeid == p or fnmatch.fnmatchcase(report.nodeid, p)
+               for p in self.patterns):
       why = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
       self.unallowed.append((report.nodeid, str(why)))
 
