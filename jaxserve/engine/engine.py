@@ -120,8 +120,6 @@ class Engine:
     self.config = config
     self.num_slots = config.num_slots
     self.page_size = config.page_size
-    self.num_pages = config.num_pages
-    self.max_model_len = min(config.max_model_len, model.cfg.max_seq_len)
     self.max_prefill_len = config.prefill_buckets[-1]
     self.backend = backend
     enable_compilation_cache(config.compilation_cache_dir)
@@ -136,18 +134,13 @@ class Engine:
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
-    self.max_model_len = fit_to_pool(self.max_model_len, self.num_pages, self.page_size)
+    self.max_model_len = fit_to_pool(min(config.max_model_len, model.cfg.max_seq_len),
+                                     self.num_pages, self.page_size)
     self.packer = self.assembly.packer
     self._slot_page_tables = self.packer.slot_page_tables
     # A slot's own region holds no one else's KV: no pages to share.
     self.can_share_pages = self._slot_page_tables is None
-    windowed = isinstance(self.cache, WindowedKV)
-    self.info = EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
-                           self.max_prefill_len, self.can_share_pages, model.cfg.vocab_size,
-                           config.prefill_buckets, config.dtype.value,
-                           config.max_prefill_seqs,
-                           window=model.cfg.sliding_window if windowed else None,
-                           num_window_pages=self.cache.window.num_pages if windowed else 0)
+    self.info = self._engine_info()
     # The cache and decode state are donated: each step updates them in place. Prefill-only
     # steps that also score their prompt positions have one more output, so their own jit.
     self._step = self.assembly.jit(scored=False)
@@ -155,6 +148,15 @@ class Engine:
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
+
+  def _engine_info(self) -> EngineInfo:
+    """What the host side knows of this engine (batching.plan.EngineInfo)."""
+    c, windowed = self.config, isinstance(self.cache, WindowedKV)
+    return EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
+                      self.max_prefill_len, self.can_share_pages, self.model_config.vocab_size,
+                      c.prefill_buckets, c.dtype.value, c.max_prefill_seqs,
+                      window=self.model_config.sliding_window if windowed else None,
+                      num_window_pages=self.cache.window.num_pages if windowed else 0)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
            run=None) -> TokenFuture | None:
