@@ -183,7 +183,7 @@ class Server:
     runner = Runner(loaded.engine, loaded.tokenizer, self.config.scheduler)
     self._runner = AsyncRunner(runner, on_failure=self._engine_died)
     self._runner.start()
-    self.metrics.watch(runner.scheduler)
+    self.metrics.watch(runner.scheduler, loaded.model_name)
     self.service = Service(self._runner, loaded.tokenizer, loaded.model_name, self.gateway,
                            self.metrics, self.config.log_prompts)
     await self._set_health(_SERVING)

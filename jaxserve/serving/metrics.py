@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.batching.request import FinishReason, Request
 from jaxserve.batching.scheduler import Scheduler
+from jaxserve.serving.vllm_metrics import VllmCollector
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -62,6 +63,11 @@ class RequestRecord:
     n = len(self.token_intervals)
     return sum(self.token_intervals) / n if n else None
 
+  @property
+  def decode(self) -> float | None:
+    """First token to the last (vLLM's decode time)."""
+    return None if self.time_to_first_token is None else sum(self.token_intervals)
+
   def log_line(self) -> str:
     """Counts and milliseconds; never the prompt or output text."""
     ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}ms"
@@ -91,17 +97,27 @@ class Metrics:
     self.prefill = hist("request_prefill_time_seconds", "Admission to first token.",
                         _LATENCY_BUCKETS)
     self.e2e = hist("e2e_request_latency_seconds", "Receipt to the last token.", _LATENCY_BUCKETS)
+    self.decode = hist("request_decode_time_seconds", "First token to the last.",
+                       _LATENCY_BUCKETS)
     self.prompt_tokens = count("prompt_tokens", "Prompt tokens of requests that reached prefill.")
     self.generation_tokens = count("generation_tokens", "Output tokens sent.")
     self.requests = count("request_success", "Finished requests.", ("finished_reason",))
     self.rejected = count("request_rejected", "Requests refused before the queue.", ("code",))
 
-  def watch(self, scheduler: Scheduler) -> None:
-    self.registry.register(_SchedulerCollector(scheduler))
+  def watch(self, scheduler: Scheduler, model_name: str = "") -> None:
+    """Reads `scheduler` at each scrape, and serves every family again under vLLM's names."""
+    engine = _SchedulerCollector(scheduler)
+    self.registry.register(engine)
+    pages = scheduler.pages
+    self.registry.register(VllmCollector(
+        (engine, self.ttft, self.tpot, self.queue, self.prefill, self.e2e, self.decode,
+         self.prompt_tokens, self.generation_tokens, self.requests), model_name,
+        pages.page_size, pages.num_pages, pages.enable_prefix_caching))
 
   def observe(self, record: RequestRecord) -> None:
     for histogram, value in ((self.ttft, record.time_to_first_token), (self.queue, record.queue),
-                             (self.prefill, record.prefill), (self.e2e, record.total)):
+                             (self.prefill, record.prefill), (self.e2e, record.total),
+                             (self.decode, record.decode)):
       if value is not None:
         histogram.observe(value)
     for interval in record.token_intervals:
