@@ -36,6 +36,8 @@ from jaxserve.api.grpc_api import SERVICE_NAME, Servicer
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.stream import AsyncRunner
 from jaxserve.config import SchedulerConfig
+from jaxserve.config.kv_events import KVEventsConfig
+from jaxserve.serving import kv_publisher
 from jaxserve.serving.gateway import ApiError, Gateway, Status, load_keys
 from jaxserve.serving.metrics import Metrics
 from jaxserve.serving.service import Service
@@ -57,6 +59,7 @@ class ServerConfig:
   tls_key: str | None = None
   log_prompts: bool = False
   scheduler: SchedulerConfig = SchedulerConfig()
+  kv_events: KVEventsConfig | None = None  # Publish the prefix cache's changes (vLLM's events).
 
   def __post_init__(self):
     if (self.tls_cert is None) != (self.tls_key is None):
@@ -82,6 +85,7 @@ class Server:
     self._http: list[http_api.Site] = []
     self._warmup: asyncio.Task | None = None
     self._runner: AsyncRunner | None = None
+    self._kv_publisher: kv_publisher.ZmqPublisher | None = None
     self.engine_failed = asyncio.Event()  # Set on the event loop when the engine loop raised.
 
   def current_service(self) -> Service:
@@ -132,6 +136,8 @@ class Server:
       await site.close()
     if self._runner is not None:
       self._runner.stop()
+    if self._kv_publisher is not None:
+      self._kv_publisher.close()
 
   async def run_until_signal(self, announce: Callable[[str], None] = print) -> int:
     """`jaxserve serve`: start, serve until SIGTERM or SIGINT, drain, stop. The exit code."""
@@ -181,6 +187,7 @@ class Server:
   async def _load_and_serve(self) -> None:
     loaded = await _in_daemon_thread(self._load)
     runner = Runner(loaded.engine, loaded.tokenizer, self.config.scheduler)
+    self._kv_publisher = kv_publisher.start(self.config.kv_events, runner.scheduler)
     self._runner = AsyncRunner(runner, on_failure=self._engine_died)
     self._runner.start()
     self.metrics.watch(runner.scheduler, loaded.model_name)

@@ -23,6 +23,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from jaxserve.batching.kv_events import KVEventLog
+
 _ROOT_HASH = bytes(32)  # The parent key of a sequence's first page.
 
 
@@ -58,6 +60,7 @@ class PageAllocator:
     self.num_query_tokens = 0  # Tokens looked up in the prefix cache at allocation.
     self.num_hit_tokens = 0  # ...of which were found there.
     self.num_evictions = 0
+    self.events: KVEventLog | None = None  # Set to publish the cache's changes (kv_events.py).
 
   @property
   def num_usable_pages(self) -> int:
@@ -165,13 +168,16 @@ class PageAllocator:
     for i in range(start, end):
       tokens = tuple(token_ids[i * bs:(i + 1) * bs])
       parent = page_hash(parent, tokens)
-      self.register(table[i], parent, tokens)
+      findable = self.register(table[i], parent, tokens)
+      if self.events is not None:
+        self.events.stored(table[i], table[i - 1] if i else None, tokens, None, findable)
 
-  def register(self, page: int, key: bytes, tokens: tuple[int, ...]) -> None:
-    """Makes held `page` findable by `key` (unless another page already is)."""
-    if self.enable_prefix_caching:
-      self._hash[page], self._tokens[page] = key, tokens
-      self._cached.setdefault(key, page)
+  def register(self, page: int, key: bytes, tokens: tuple[int, ...]) -> bool:
+    """Makes held `page` findable by `key` (unless another page already is); whether it is."""
+    if not self.enable_prefix_caching:
+      return False
+    self._hash[page], self._tokens[page] = key, tokens
+    return self._cached.setdefault(key, page) == page
 
   def free(self, table: Sequence[int]) -> None:
     """Drops one reference to each page of `table`.
@@ -185,9 +191,11 @@ class PageAllocator:
         continue
       if self._is_findable(page):
         self._evictable[page] = None
-      else:
-        self._hash[page] = self._tokens[page] = None
-        self._free.append(page)
+        continue
+      if self.events is not None and self._hash[page] is not None:
+        self.events.dropped(page, evicted=False)
+      self._hash[page] = self._tokens[page] = None
+      self._free.append(page)
 
   def _is_findable(self, page: int) -> bool:
     h = self._hash[page]
@@ -201,5 +209,7 @@ class PageAllocator:
       del self._cached[self._hash[page]]
       self._hash[page] = self._tokens[page] = None
       self.num_evictions += 1
+      if self.events is not None:
+        self.events.dropped(page, evicted=True)
     self._ref[page] = 1
     return page

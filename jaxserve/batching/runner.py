@@ -126,6 +126,8 @@ class Runner:
     if self._in_flight is not None:
       outputs += self._collect(self._in_flight)
     self._in_flight = dispatched
+    if self.scheduler.pages.events is not None:  # One batch of KV-cache events a step.
+      self.scheduler.pages.events.flush()
     return outputs
 
   def generate(self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Completion]:

@@ -111,7 +111,16 @@ def _server_config(args):
       host=args.host, grpc_port=args.grpc_port,
       http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
       keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
-      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler)
+      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler,
+      kv_events=args.kv_events_config)
+
+
+def _kv_events_config(text: str):
+  from jaxserve.config.kv_events import KVEventsConfig
+  try:
+    return KVEventsConfig.from_json(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _add_serve_parser(sub) -> None:
@@ -141,6 +150,10 @@ def _add_serve_parser(sub) -> None:
                  choices=[q.value for q in QueuePolicy],
                  help="queue order (priority: lower `priority` first)")
   s.add_argument("--log-prompts", action="store_true", help="log each request's prompt text")
+  s.add_argument("--kv-events-config", type=_kv_events_config, default=None,
+                 help="publish KV-cache events as vLLM does: a JSON object of vLLM's keys, e.g. "
+                 '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+                 '"tcp://*:5557", "topic": "kv@pod@model"}\'; block size = --page-size')
   s.set_defaults(run=run_serve)
 
 
