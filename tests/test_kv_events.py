@@ -190,3 +190,25 @@ def test_the_server_publishes_what_a_request_caches():
   finally:
     sub.close(linger=0)
     srv.close()
+
+
+def test_a_salt_goes_into_the_first_blocks_key_and_hash():
+  """vLLM puts cache_salt in the first block's extra keys; our keys take it the same way."""
+  from jaxserve.batching.kv_pages import PageAllocator
+
+  ops = []
+  pages = PageAllocator(16, page_size=4)
+  pages.events = kv_events.KVEventLog(ops.extend)
+  tokens = list(range(1, 10))
+  for salt in ("s", None):
+    table, _ = pages.allocate(tokens, reuse=False)
+    pages.cache_pages(table, tokens, 0, 2, cache_salt=salt)
+  pages.events.flush()
+  salted, plain = kv_events.EventMirror(4).events(ops)
+  assert salted[1] == kv_events.prompt_hashes(tokens, 4, cache_salt="s")
+  assert plain[1] == kv_events.prompt_hashes(tokens, 4) != salted[1]
+  assert salted[2] is None and salted[3] == plain[3] == tokens[:8]
+  assert len(pages.match_prefix(tokens, "s")) == len(pages.match_prefix(tokens)) == 2
+  # Each run found only its own pages: a salt is a cache of its own.
+  assert pages.match_prefix(tokens, "t") == []
+  assert not set(pages.match_prefix(tokens, "s")) & set(pages.match_prefix(tokens))

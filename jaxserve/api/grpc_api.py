@@ -193,7 +193,16 @@ def generate_input(request: pb.GenerateRequest) -> GenerateInput:
       max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
       logprobs=request.logprobs if request.HasField("logprobs") else None,
       chunk_tokens=request.chunk_tokens, request_id=request.request_id or None,
-      priority=request.priority, model=request.model, truncate_prompt=request.truncate_prompt)
+      priority=request.priority, model=request.model, truncate_prompt=request.truncate_prompt,
+      cache_salt=_cache_salt(request))
+
+
+def _cache_salt(request: pb.GenerateRequest) -> str | None:
+  if not request.HasField("cache_salt"):
+    return None
+  if not request.cache_salt:
+    raise gateway.invalid("cache_salt must be a non-empty string when set")
+  return request.cache_salt
 
 
 def response(chunk: Chunk) -> pb.GenerateResponse:

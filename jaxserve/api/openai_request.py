@@ -33,7 +33,7 @@ SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed", "ignore_eos", "stop_t
 IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls", "user"})
 _COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "max_tokens", "n", "stream",
                             "stream_options", "stop", "priority", "truncate_prompt",
-                            "response_format", *GUIDED_FIELDS})
+                            "response_format", "cache_salt", *GUIDED_FIELDS})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"}
 MAX_CHOICES = 64  # Prompts x best_of (or n) in one request: each is a request of its own.
 # Unsupported fields that some clients send with their no-op value anyway (vLLM's benchmark
@@ -181,7 +181,8 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
                       default_max_tokens=default_max_tokens, logprobs=logprobs,
                       request_id=None, priority=body.get("priority", 0),
                       model=body.get("model", ""),
-                      truncate_prompt=body.get("truncate_prompt", False))
+                      truncate_prompt=body.get("truncate_prompt", False),
+                      cache_salt=body.get("cache_salt"))
   return Request(inp, body.get("stream", False), options.get("include_usage", False), n=n,
                  want_logprobs=logprobs is not None)
 
@@ -192,7 +193,8 @@ def _check_types(body: dict[str, Any], max_field: str) -> None:
                           ("n", is_int, "an int"), ("model", _is_str, "a string"),
                           ("stream", _is_bool, "true or false"),
                           ("truncate_prompt", _is_bool, "true or false"),
-                          ("stream_options", _is_dict, "an object")):
+                          ("stream_options", _is_dict, "an object"),
+                          ("cache_salt", lambda s: _is_str(s) and s, "a non-empty string")):
     if field in body and not ok(body[field]):
       raise invalid(f"{field} must be {want}, got {short(body[field])}")
   if max_field in body and body[max_field] < 1:

@@ -60,6 +60,7 @@ class ServerConfig:
   log_prompts: bool = False
   scheduler: SchedulerConfig = SchedulerConfig()
   kv_events: KVEventsConfig | None = None  # Publish the prefix cache's changes (vLLM's events).
+  prefix_cache_scope: str | None = None  # "key" or "global"; None: "key" with keys, else global.
 
   def __post_init__(self):
     if (self.tls_cert is None) != (self.tls_key is None):
@@ -76,7 +77,8 @@ class Server:
     from its caller: the engine side is above the front ends, which never import it."""
     self.config = config
     self.metrics = Metrics()
-    self.gateway = Gateway(load_keys(config.keys_file) if config.keys_file else None)
+    self.gateway = Gateway(load_keys(config.keys_file) if config.keys_file else None,
+                           prefix_cache_scope=config.prefix_cache_scope)
     self.service: Service | None = None
     self.ports: dict[str, int] = {}
     self._load = load

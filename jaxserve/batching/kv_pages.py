@@ -13,6 +13,9 @@ are shared across tenants: with Python's hash() a crafted collision would let on
 another's KV (the class of vLLM's CVE-2025-25183); a page's own tokens are still compared too.
 A new request walks its prompt page by page and reuses every page whose key is cached; only the
 rest is prefilled. When no free page is left, the least recently freed cached page is evicted.
+
+A request's cache salt (vLLM's `cache_salt`) is mixed into its first page's key: only requests
+with the same salt share pages, whatever their tokens.
 """
 
 from __future__ import annotations
@@ -33,10 +36,17 @@ def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
   return hashlib.sha256(parent + np.asarray(token_ids, "<i4").tobytes()).digest()
 
 
-def prefix_keys(token_ids: Sequence[int],
-                page_size: int) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+def root_key(cache_salt: str | None) -> bytes:
+  """The parent key of a sequence's first page: zeros, or a salt's own."""
+  if not cache_salt:
+    return _ROOT_HASH
+  return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def prefix_keys(token_ids: Sequence[int], page_size: int,
+                cache_salt: str | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
   """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily."""
-  parent = _ROOT_HASH
+  parent = root_key(cache_salt)
   for i in range((len(token_ids) - 1) // page_size):
     tokens = tuple(token_ids[i * page_size:(i + 1) * page_size])
     parent = page_hash(parent, tokens)
@@ -81,7 +91,7 @@ class PageAllocator:
   def ref_count(self, page: int) -> int:
     return self._ref[page]
 
-  def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+  def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
     """The cached pages that hold a prefix of `token_ids`.
 
     The page holding the last token never matches: its prefill samples the next token, and
@@ -90,7 +100,7 @@ class PageAllocator:
     if not self.enable_prefix_caching:
       return []
     hits = []
-    for key, tokens in prefix_keys(token_ids, self.page_size):
+    for key, tokens in prefix_keys(token_ids, self.page_size, cache_salt):
       page = self.find(key, tokens)
       if page is None:
         break
@@ -155,7 +165,8 @@ class PageAllocator:
       del self._evictable[page]
     self._ref[page] += 1
 
-  def cache_pages(self, table: Sequence[int], token_ids: Sequence[int], start: int, end: int):
+  def cache_pages(self, table: Sequence[int], token_ids: Sequence[int], start: int, end: int,
+                  cache_salt: str | None = None):
     """Registers pages [start, end) of `table`, now full of the KV of `token_ids`, by hash.
 
     Pages [0, start) must be registered already (their keys chain into these). If another page
@@ -164,13 +175,14 @@ class PageAllocator:
     if not self.enable_prefix_caching:
       return
     bs = self.page_size
-    parent = self._hash[table[start - 1]] if start else _ROOT_HASH
+    parent = self._hash[table[start - 1]] if start else root_key(cache_salt)
     for i in range(start, end):
       tokens = tuple(token_ids[i * bs:(i + 1) * bs])
       parent = page_hash(parent, tokens)
       findable = self.register(table[i], parent, tokens)
       if self.events is not None:
-        self.events.stored(table[i], table[i - 1] if i else None, tokens, None, findable)
+        self.events.stored(table[i], table[i - 1] if i else None, tokens,
+                           None if i else cache_salt, findable)
 
   def register(self, page: int, key: bytes, tokens: tuple[int, ...]) -> bool:
     """Makes held `page` findable by `key` (unless another page already is); whether it is."""

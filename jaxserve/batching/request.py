@@ -91,6 +91,8 @@ class Request:
       default_factory=lambda: RequestTimings(time.monotonic()))
   # sampling.constraint compiled for the vocabulary (a text.constraint.Grammar); None: free text.
   grammar: Any = None
+  # Shares prefix-cache pages only with requests of the same salt (vLLM's cache_salt).
+  cache_salt: str | None = None
   # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.
   max_num_tokens: int = dataclasses.field(init=False)
 

@@ -80,7 +80,8 @@ class Runner:
     return self.scheduler.has_unfinished or self._in_flight is not None or bool(self._outbox)
 
   def new_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                  request_id: str | None = None, priority: int = 0) -> Request:
+                  request_id: str | None = None, priority: int = 0,
+                  cache_salt: str | None = None) -> Request:
     """Builds a request, or raises RequestRejected if it could never run. Reads only fixed
     limits, so another thread may call it while this one steps."""
     self.scheduler.check(len(prompt_ids), sampling)
@@ -89,7 +90,8 @@ class Runner:
     seq = next(self._arrivals)
     seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
     return Request(request_id if request_id is not None else f"req-{seq}-{secrets.token_hex(4)}",
-                   tuple(prompt_ids), sampling, seed, seq, priority, grammar=grammar)
+                   tuple(prompt_ids), sampling, seed, seq, priority, grammar=grammar,
+                   cache_salt=cache_salt)
 
   def submit(self, req: Request) -> None:
     """Queues a request made by `new_request`."""

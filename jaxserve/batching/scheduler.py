@@ -225,7 +225,8 @@ class Scheduler:
     position computed: the cache keeps KV, not logits (as vLLM), so such a request reuses none."""
     if not self._free_slots:
       return None
-    hits = [] if _wants_prompt_logprobs(req) else self.pools.match(req.all_token_ids)
+    hits = [] if _wants_prompt_logprobs(req) else self.pools.match(req.all_token_ids,
+                                                                   req.cache_salt)
     # The reserve is headroom for other requests' decode; alone, a request may use every page.
     reserve = self.config.reserve_pages if self.running else 0
     return hits if self.pools.can_allocate(req.all_token_ids, hits, reserve) else None

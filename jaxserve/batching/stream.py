@@ -89,13 +89,14 @@ class AsyncRunner:
     self._fail_all(RuntimeError("the engine loop stopped"))
 
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-             request_id: str | None = None, priority: int = 0) -> RequestStream:
+             request_id: str | None = None, priority: int = 0,
+             cache_salt: str | None = None) -> RequestStream:
     """Queues a request; raises at once (RequestRejected, ValueError) if it cannot be taken."""
     if self._error is not None:
       raise EngineDead("the engine loop failed") from self._error
     if request_id is not None and request_id in self._streams:
       raise ValueError(f"request id {request_id!r} is already in use")
-    req = self.runner.new_request(prompt_ids, sampling, request_id, priority)
+    req = self.runner.new_request(prompt_ids, sampling, request_id, priority, cache_salt)
     stream = self._streams[req.request_id] = RequestStream(req, self)
     self._inbox.put((self._add, req))
     return stream

@@ -112,7 +112,7 @@ def _server_config(args):
       http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
       keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
       tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler,
-      kv_events=args.kv_events_config)
+      kv_events=args.kv_events_config, prefix_cache_scope=args.prefix_cache_scope)
 
 
 def _kv_events_config(text: str):
@@ -154,6 +154,9 @@ def _add_serve_parser(sub) -> None:
                  help="publish KV-cache events as vLLM does: a JSON object of vLLM's keys, e.g. "
                  '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
                  '"tcp://*:5557", "topic": "kv@pod@model"}\'; block size = --page-size')
+  s.add_argument("--prefix-cache-scope", choices=("key", "global"), default=None,
+                 help="who shares cached prompt pages: each API key only its own (key; the "
+                 "default with --keys-file), or every request (global; the default without)")
   s.set_defaults(run=run_serve)
 
 

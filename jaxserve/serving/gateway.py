@@ -70,7 +70,8 @@ class ApiKey:
   tokens_per_minute: int = 0
 
 
-ANONYMOUS = ApiKey("anonymous", b"")  # Every caller, when the server has no keys file.
+ANONYMOUS = ApiKey("anonymous", b"")
+PREFIX_CACHE_SCOPES = ("key", "global")  # Every caller, when the server has no keys file.
 
 
 def _digest(key: str) -> bytes:
@@ -135,11 +136,23 @@ class Lease:
 class Gateway:
 
   def __init__(self, keys: Sequence[ApiKey] | None = None,
-               clock: Callable[[], float] = time.monotonic):
-    """`keys` None: no authentication and no limits."""
+               clock: Callable[[], float] = time.monotonic, prefix_cache_scope: str | None = None):
+    """`keys` None: no authentication and no limits. `prefix_cache_scope`: "key" (each key's
+    requests share cached pages only with that key's: the default with keys) or "global"."""
     self.keys = list(keys) if keys is not None else None
+    self.prefix_cache_scope = prefix_cache_scope or ("key" if keys is not None else "global")
+    if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+      raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, "
+                       f"got {short(prefix_cache_scope)}")
     self._clock = clock
     self._usage: dict[str, collections.deque[_Charge]] = collections.defaultdict(collections.deque)
+
+  def cache_salt(self, key: ApiKey, requested: str | None) -> str | None:
+    """The salt a request of `key` runs under: the one it asked for, and under the "key" scope
+    its key's name first, so no salt a client sends can reach another key's pages."""
+    if self.prefix_cache_scope == "global" or key is ANONYMOUS:
+      return requested
+    return f"key:{key.name}" + ("" if requested is None else f"\0{requested}")
 
   def authenticate(self, presented: str | None) -> ApiKey:
     """The key `presented` (the bearer token) names; raises UNAUTHENTICATED."""

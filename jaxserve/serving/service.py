@@ -64,6 +64,7 @@ class GenerateInput:
   priority: int = 0
   model: str = ""  # Empty, or the served model's name.
   truncate_prompt: bool = False
+  cache_salt: str | None = None  # vLLM's: only requests of one salt share cached pages.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +252,8 @@ class Service:
     if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
       sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
     try:
-      stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority)
+      stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority,
+                                  self.gateway.cache_salt(key, inp.cache_salt))
     except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.
       lease.refund()
       raise gateway.invalid(str(e)) from e

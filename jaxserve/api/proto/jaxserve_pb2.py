@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!jaxserve/api/proto/jaxserve.proto\x12\x0bjaxserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xf6\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\r \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x10\n\x08priority\x18\x11 \x01(\x05\x12\x14\n\x0c\x63hunk_tokens\x18\x12 \x01(\r\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\x0b\x88\x01\x01\x12\x12\n\nrequest_id\x18\x14 \x01(\t\x12\x17\n\x0ftruncate_prompt\x18\x15 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\rH\x0c\x88\x01\x01\x12?\n\nlogit_bias\x18\x17 \x03(\x0b\x32+.jaxserve.v1.GenerateRequest.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\x05\x12\x15\n\x0bjson_schema\x18\x19 \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x1a \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x1b \x01(\tH\x01\x12&\n\x06\x63hoice\x18\x1c \x01(\x0b\x32\x14.jaxserve.v1.ChoicesH\x01\x12\x11\n\x07grammar\x18\x1d \x01(\tH\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"w\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprobB\n\n\x08_logprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"g\n\x07Timings\x12\x10\n\x08tokenize\x18\x01 \x01(\x01\x12\r\n\x05queue\x18\x02 \x01(\x01\x12\x0f\n\x07prefill\x18\x03 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\x04 \x01(\x01\x12\r\n\x05total\x18\x05 \x01(\x01\"\xa5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.jaxserve.v1.Timings\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.jaxserve.v1.PromptLogprob\"e\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xd8\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x17\n\x0fprefill_buckets\x18\x05 \x03(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x11\n\tnum_pages\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe8\x01\n\x08Jaxserve\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!jaxserve/api/proto/jaxserve.proto\x12\x0bjaxserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"\x9e\x08\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\r \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x10\n\x08priority\x18\x11 \x01(\x05\x12\x14\n\x0c\x63hunk_tokens\x18\x12 \x01(\r\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\x0b\x88\x01\x01\x12\x12\n\nrequest_id\x18\x14 \x01(\t\x12\x17\n\x0ftruncate_prompt\x18\x15 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\rH\x0c\x88\x01\x01\x12?\n\nlogit_bias\x18\x17 \x03(\x0b\x32+.jaxserve.v1.GenerateRequest.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\x05\x12\x15\n\x0bjson_schema\x18\x19 \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x1a \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x1b \x01(\tH\x01\x12&\n\x06\x63hoice\x18\x1c \x01(\x0b\x32\x14.jaxserve.v1.ChoicesH\x01\x12\x11\n\x07grammar\x18\x1d \x01(\tH\x01\x12\x17\n\ncache_salt\x18\x1e \x01(\tH\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\r\n\x0b_cache_salt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"w\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprobB\n\n\x08_logprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"g\n\x07Timings\x12\x10\n\x08tokenize\x18\x01 \x01(\x01\x12\r\n\x05queue\x18\x02 \x01(\x01\x12\x0f\n\x07prefill\x18\x03 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\x04 \x01(\x01\x12\r\n\x05total\x18\x05 \x01(\x01\"\xa5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.jaxserve.v1.Timings\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.jaxserve.v1.PromptLogprob\"e\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xd8\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x17\n\x0fprefill_buckets\x18\x05 \x03(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x11\n\tnum_pages\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe8\x01\n\x08Jaxserve\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2382
-  _globals['_FINISHREASON']._serialized_end=2502
+  _globals['_FINISHREASON']._serialized_start=2422
+  _globals['_FINISHREASON']._serialized_end=2542
   _globals['_CHATMESSAGE']._serialized_start=50
   _globals['_CHATMESSAGE']._serialized_end=94
   _globals['_CHATMESSAGES']._serialized_start=96
@@ -44,29 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=181
   _globals['_CHOICES']._serialized_end=207
   _globals['_GENERATEREQUEST']._serialized_start=210
-  _globals['_GENERATEREQUEST']._serialized_end=1224
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=983
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1031
-  _globals['_TOPLOGPROB']._serialized_start=1226
-  _globals['_TOPLOGPROB']._serialized_end=1273
-  _globals['_TOKENLOGPROB']._serialized_start=1275
-  _globals['_TOKENLOGPROB']._serialized_end=1362
-  _globals['_PROMPTLOGPROB']._serialized_start=1364
-  _globals['_PROMPTLOGPROB']._serialized_end=1483
-  _globals['_USAGE']._serialized_start=1485
-  _globals['_USAGE']._serialized_end=1572
-  _globals['_TIMINGS']._serialized_start=1574
-  _globals['_TIMINGS']._serialized_end=1677
-  _globals['_GENERATERESPONSE']._serialized_start=1680
-  _globals['_GENERATERESPONSE']._serialized_end=1973
-  _globals['_TOKENIZEREQUEST']._serialized_start=1975
-  _globals['_TOKENIZEREQUEST']._serialized_end=2076
-  _globals['_TOKENIZERESPONSE']._serialized_start=2078
-  _globals['_TOKENIZERESPONSE']._serialized_end=2138
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2140
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2161
-  _globals['_MODELINFO']._serialized_start=2164
-  _globals['_MODELINFO']._serialized_end=2380
-  _globals['_JAXSERVE']._serialized_start=2505
-  _globals['_JAXSERVE']._serialized_end=2737
+  _globals['_GENERATEREQUEST']._serialized_end=1264
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1008
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1056
+  _globals['_TOPLOGPROB']._serialized_start=1266
+  _globals['_TOPLOGPROB']._serialized_end=1313
+  _globals['_TOKENLOGPROB']._serialized_start=1315
+  _globals['_TOKENLOGPROB']._serialized_end=1402
+  _globals['_PROMPTLOGPROB']._serialized_start=1404
+  _globals['_PROMPTLOGPROB']._serialized_end=1523
+  _globals['_USAGE']._serialized_start=1525
+  _globals['_USAGE']._serialized_end=1612
+  _globals['_TIMINGS']._serialized_start=1614
+  _globals['_TIMINGS']._serialized_end=1717
+  _globals['_GENERATERESPONSE']._serialized_start=1720
+  _globals['_GENERATERESPONSE']._serialized_end=2013
+  _globals['_TOKENIZEREQUEST']._serialized_start=2015
+  _globals['_TOKENIZEREQUEST']._serialized_end=2116
+  _globals['_TOKENIZERESPONSE']._serialized_start=2118
+  _globals['_TOKENIZERESPONSE']._serialized_end=2178
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2180
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2201
+  _globals['_MODELINFO']._serialized_start=2204
+  _globals['_MODELINFO']._serialized_end=2420
+  _globals['_JAXSERVE']._serialized_start=2545
+  _globals['_JAXSERVE']._serialized_end=2777
 # @@protoc_insertion_point(module_scope)
