@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import struct
 import time
 from collections.abc import Callable, Sequence
 
@@ -51,17 +50,25 @@ def cbor(value) -> bytes:
     data = value.encode()
     return _head(3, len(data)) + data
   if isinstance(value, (list, tuple)):
-    return _head(4, len(value)) + b"".join(cbor(v) for v in value)
+    if all(type(v) is int and v >= 0 for v in value):  # Token ids: the common case, fast.
+      return _head(4, len(value)) + b"".join([_head(0, v) for v in value])
+    return _head(4, len(value)) + b"".join([cbor(v) for v in value])
   raise TypeError(f"cbor: cannot encode {type(value).__name__}")
 
 
 def _head(major: int, n: int) -> bytes:
   """A CBOR item's first bytes: its major type and length (or value) in the fewest bytes."""
+  m = major << 5
   if n < 24:
-    return bytes([major << 5 | n])
-  for info, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
-    if n < 1 << (8 * struct.calcsize(fmt)):
-      return bytes([major << 5 | info]) + struct.pack(fmt, n)
+    return bytes((m | n,))
+  if n < 0x100:
+    return bytes((m | 24, n))
+  if n < 0x10000:
+    return bytes((m | 25,)) + n.to_bytes(2, "big")
+  if n < 0x100000000:
+    return bytes((m | 26,)) + n.to_bytes(4, "big")
+  if n < 1 << 64:
+    return bytes((m | 27,)) + n.to_bytes(8, "big")
   raise ValueError(f"cbor: {n} does not fit in 64 bits")
 
 
