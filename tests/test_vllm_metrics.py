@@ -37,8 +37,8 @@ def gate():
 
 @pytest.fixture
 def srv(gate):
-  # 2 slots, 4-token pages, 95 usable pages.
-  engine = MockEngine(num_slots=2, num_pages=96, max_model_len=128, next_token=gate)
+  # 2 slots, 4-token pages, 159 usable pages.
+  engine = MockEngine(num_slots=2, num_pages=160, max_model_len=256, next_token=gate)
   server = mock_serving.serve(engine)
   yield server
   gate.open()
@@ -76,12 +76,12 @@ def test_names_types_and_values_follow_the_server(srv, gate):
     assert families[name].type == kind, name
   info = [s for s in families["vllm:cache_config_info"].samples]
   assert len(info) == 1 and info[0].value == 1
-  assert info[0].labels["block_size"] == "4" and info[0].labels["num_gpu_blocks"] == "95"
+  assert info[0].labels["block_size"] == "4" and info[0].labels["num_gpu_blocks"] == "159"
   # Three requests for two slots, stopped inside a step: 2 running, 1 waiting, pages held.
   sched = srv.scheduler
   three_in = lambda: len(sched.running) == 2 and len(sched.waiting) == 1
   gate.close(when=three_in)
-  streams = [start(stub, list(range(10 * i + 1, 10 * i + 11)), 100) for i in range(3)]
+  streams = [start(stub, list(range(10 * i + 1, 10 * i + 11)), 200) for i in range(3)]
   assert h.wait_until(three_in)
   _, samples = scrape(srv)
   pages = srv.scheduler.pages
@@ -98,7 +98,7 @@ def test_names_types_and_values_follow_the_server(srv, gate):
   h.wait_idle(srv)
   _, samples = scrape(srv)
   assert samples[("vllm:prompt_tokens_total", MODEL)] == 40
-  assert samples[("vllm:generation_tokens_total", MODEL)] == 3 * 100 + 3
+  assert samples[("vllm:generation_tokens_total", MODEL)] == 3 * 200 + 3
   assert samples[("vllm:request_success_total", (("finished_reason", "length"),) + MODEL)] == 4
   assert samples[("vllm:prefix_cache_queries_total", MODEL)] == pages.num_query_tokens == 40
   assert samples[("vllm:prefix_cache_hits_total", MODEL)] == pages.num_hit_tokens == 8
@@ -107,8 +107,8 @@ def test_names_types_and_values_follow_the_server(srv, gate):
                "request_queue_time_seconds", "request_prefill_time_seconds",
                "request_decode_time_seconds"):
     assert samples[(f"vllm:{name}_count", MODEL)] == 4, name
-  assert samples[("vllm:inter_token_latency_seconds_count", MODEL)] == 3 * 99 + 2
-  assert samples[("vllm:time_per_output_token_seconds_count", MODEL)] == 3 * 99 + 2
+  assert samples[("vllm:inter_token_latency_seconds_count", MODEL)] == 3 * 199 + 2
+  assert samples[("vllm:time_per_output_token_seconds_count", MODEL)] == 3 * 199 + 2
   assert samples[("vllm:num_requests_running", MODEL)] == 0
   assert samples[("vllm:kv_cache_usage_perc", MODEL)] == 0
   assert same_as_ours(samples) >= 40

@@ -30,8 +30,12 @@ _CLEARED = object()  # Queued first: the AllBlocksCleared batch.
 class ZmqPublisher:
 
   def __init__(self, config: KVEventsConfig, page_size: int):
-    import msgpack  # The kv-events extra: only a server that publishes needs them.
-    import zmq
+    try:  # The kv-events extra: only a server that publishes needs them.
+      import msgpack
+      import zmq
+    except ImportError as e:
+      raise ImportError(f"--kv-events-config needs pyzmq and msgpack: pip install "
+                        f"'jaxserve[kv-events]' ({e})") from e
 
     self._pack = msgpack.packb
     self._config = config
