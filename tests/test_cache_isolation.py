@@ -94,3 +94,18 @@ def test_cache_salt_over_http_and_grpc_without_keys():
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
   finally:
     srv.close()
+
+
+def test_the_scope_flag(capsys):
+  from jaxserve.cli import main
+  from jaxserve.serving.gateway import Gateway
+
+  parse = lambda *extra: main._server_config(main.build_parser().parse_args(["serve", *extra]))
+  assert parse("--prefix-cache-scope", "global").prefix_cache_scope == "global"
+  assert parse().prefix_cache_scope is None  # "key" with --keys-file, else "global".
+  assert Gateway([]).prefix_cache_scope == "key" and Gateway().prefix_cache_scope == "global"
+  with pytest.raises(SystemExit):
+    parse("--prefix-cache-scope", "tenant")
+  assert "invalid choice: 'tenant'" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="prefix_cache_scope must be one of"):
+    Gateway([], prefix_cache_scope="tenant")
