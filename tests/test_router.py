@@ -29,7 +29,7 @@ pytestmark = pytest.mark.real_model
 PAGE_SIZE = 16
 REPLICA_FLAGS = ["--slots", "2", "--buckets", "64", "--max-model-len", "256",
                  "--num-pages", "48", "--page-size", str(PAGE_SIZE), "--drain-timeout", "60"]
-# ~150 tokens that no other test sends: whichever replica prefills it first is the only holder.
+# 159 tokens that no other test sends: whichever replica prefills it first is the only holder.
 PREFIX = "Background for the router test. " + " ".join(
     f"Shelf {i} holds {i * 7 % 13} red books and {i * 5 % 11} blue ones." for i in range(10))
 QUESTIONS = ["Name a color.", "Count to three.", "Say hello.", "Name a fruit."]
