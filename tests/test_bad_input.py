@@ -269,6 +269,12 @@ CASES = [
     post("http-guided-json-and-regex", {**P, "guided_json": {}, "guided_regex": "a"},
          "give at most one of response_format"),
     post("http-unknown-field", {**P, "temprature": 0.5}, "does not take 'temprature'"),
+    # vllm-router adds these at their defaults, which are taken (tests/test_router.py); others
+    # ask for what jaxserve does not do.
+    post("http-router-field-off-default", {**P, "skip_special_tokens": False},
+         "does not take 'skip_special_tokens'"),
+    post_chat("http-continue-final-message", {"messages": CHAT, "continue_final_message": True},
+              "does not take 'continue_final_message'"),
     post("http-unknown-model", {**P, "model": "gpt-4o"}, "model 'gpt-4o' is not served",
          status=404),
     post("http-unknown-model-route", None, "model 'gpt-4o' is not served", status=404,

@@ -37,8 +37,12 @@ _COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "max_tokens", "n", "strea
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"}
 MAX_CHOICES = 64  # Prompts x best_of (or n) in one request: each is a request of its own.
 # Unsupported fields that some clients send with their no-op value anyway (vLLM's benchmark
-# sends best_of 1): taken, as long as the value is that one.
-_NO_OP_VALUES = {"best_of": 1, "echo": False, "response_format": {"type": "text"}}
+# sends best_of 1; vllm-router adds vLLM's and SGLang's defaults of the rest to every body, and
+# no reasoning parser runs here): taken, as long as the value is that one.
+_NO_OP_VALUES = {"best_of": 1, "echo": False, "response_format": {"type": "text"},
+                 "skip_special_tokens": True, "no_stop_trim": False,
+                 "return_hidden_states": False, "continue_final_message": False,
+                 "include_reasoning": True, "separate_reasoning": True, "stream_reasoning": True}
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's and vLLM's max_tokens for /v1/completions.
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                 "tools", "tool_choice"}
