@@ -90,6 +90,16 @@ def test_guided_regex_choice_and_grammar(client):
     assert checks[field](out.choices[0].message.content), (field, out.choices[0].message.content)
 
 
+def test_a_choice_of_thousands_of_options_gives_one_of_them(client):
+  # Past llguidance's 2,000-item parser row, where "item" alone used to come out (finish stop).
+  options = [f"item{i}" for i in range(2_500)]
+  for seed in range(3):
+    out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=16, seed=seed,
+                                         temperature=1.0, extra_body={"guided_choice": options})
+    assert out.choices[0].message.content in options, out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop"
+
+
 def test_streaming_a_constrained_chat_gives_the_same_text(client):
   fields = dict(model="tiny", messages=ASK, max_tokens=80, temperature=1.0, seed=9,
                 response_format={"type": "json_schema",
@@ -114,6 +124,11 @@ def test_streaming_a_constrained_chat_gives_the_same_text(client):
     ({"tool_choice": "required"}, "tool_choice needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice must be"),
+    # Issue 29: allowed ids the constraint never allows first (0 is <|endoftext|>); a choice
+    # list past the size budget, refused before it is compiled.
+    ({"guided_choice": ["red", "green"], "allowed_token_ids": [0]},
+     "allowed_token_ids and the choice constraint leave no token"),
+    ({"guided_choice": [f"item{i}" for i in range(100_000)]}, "a constraint may have"),
 ])
 def test_bad_constraints_are_a_400_naming_the_problem(client, srv, body, message):
   with pytest.raises(openai.BadRequestError, match=re.escape(message)):
