@@ -177,6 +177,21 @@ def test_tool_call_history_and_auto_and_none_are_accepted(client):
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_a_chat_with_tools_streams_its_content_as_it_is_generated(client):
+  """Issue 29: with tools, the whole text came as one event at the end. Content now streams;
+  only text that may begin a call is held back."""
+  fields = dict(model="tiny", messages=ASK, max_tokens=24, temperature=1.0, seed=3,
+                tools=[WEATHER], extra_body={"truncate_prompt": True, "ignore_eos": True})
+  whole = client.chat.completions.create(**fields).choices[0].message.content
+  events = [c.choices[0] for c in client.chat.completions.create(**fields, stream=True)
+            if c.choices]
+  contents = [e.delta.content for e in events if e.delta.content]
+  assert len(contents) >= 12, contents  # 24 tokens: most of them an event of their own.
+  first = next(n for n, e in enumerate(events) if e.delta.content)
+  assert first <= 3 and events[-1].finish_reason == "length"  # Early, not with the end.
+  assert "".join(contents).strip() == whole.strip()
+
+
 def test_langchain_structured_output_and_bind_tools(srv):
   llm = langchain_openai.ChatOpenAI(base_url=srv.http_url + "/v1", api_key=h.KEYS["alice"],
                                     model="tiny", temperature=0, max_tokens=60, max_retries=0)
