@@ -50,9 +50,11 @@ def walk(grammar, tokenizer, rng, max_len=50) -> str:
   raise AssertionError(f"no end after {max_len} tokens")
 
 
-def slow_grammar(num_rules: int = 12_000) -> Constraint:
-  """A Lark rule of many alternatives, under the size budget: about half a second to compile."""
-  return Constraint.grammar("start: " + " | ".join(f'"w{i}"' for i in range(num_rules)))
+def slow_grammar(depth: int = 1_200, word: str = "x") -> Constraint:
+  """A chain of nested Lark rules: about a second to compile at 1,200 deep (in a thread of any
+  stack: 3,000 overflowed an 8 MiB one)."""
+  return Constraint.grammar("start: b0\n" + "".join(f'b{i}: "{word}" b{i + 1} | "y"\n'
+                                                     for i in range(depth)) + f'b{depth}: "z"')
 
 
 # Item 2: choice lists past llguidance's 2,000-item row limit.
@@ -117,7 +119,7 @@ def test_a_compile_never_holds_the_lock_the_cache_readers_take(tokenizer):
 
 def test_the_gate_bounds_compiles_per_key_and_in_time(constraints):
   gate = ConstraintGate(constraints, per_key=1, timeout_s=0.01, num_threads=2)
-  slow = SamplingParams(constraint=slow_grammar(12_001))
+  slow = SamplingParams(constraint=slow_grammar(word="u"))
   with pytest.raises(ApiError, match=r"did not compile within 0.01 s \(the compile budget\)") as e:
     gate.compile("a", slow)
   assert e.value.status is Status.INVALID_ARGUMENT
@@ -139,7 +141,7 @@ def test_the_gate_bounds_compiles_per_key_and_in_time(constraints):
 def test_a_compile_that_never_started_in_time_is_busy_not_invalid(constraints):
   gate = ConstraintGate(constraints, per_key=2, timeout_s=0.01, num_threads=1)
   with pytest.raises(ApiError, match="did not compile within"):
-    gate.compile("a", SamplingParams(constraint=slow_grammar(12_002)))
+    gate.compile("a", SamplingParams(constraint=slow_grammar(word="v")))
   with pytest.raises(ApiError, match="compilers were busy") as e:  # Queued behind the first.
     gate.compile("b", SamplingParams(constraint=Constraint.regex("[gh]")))
   assert e.value.status is Status.RESOURCE_EXHAUSTED
@@ -153,7 +155,7 @@ def test_the_event_loop_awaits_a_compile_without_blocking(constraints):
   async def main():
     ticks = 0
     task = asyncio.ensure_future(gate.compile_async(
-        "a", SamplingParams(constraint=slow_grammar(12_003))))
+        "a", SamplingParams(constraint=slow_grammar(word="w"))))
     while not task.done():
       await asyncio.sleep(0.01)
       ticks += 1
@@ -178,3 +180,23 @@ def test_allowed_token_ids_that_leave_no_token_are_refused(constraints, tokenize
     gate.compile("a", SamplingParams(constraint=choice, allowed_token_ids=far))
   assert e.value.status is Status.INVALID_ARGUMENT
   assert threading.active_count() < 50  # No compile thread left per call.
+
+
+def test_a_grammar_that_overflows_the_parser_on_its_first_token_is_refused(constraints):
+  # Passes llguidance's checks, then its first token makes a parser row of 2,501 items.
+  rule = Constraint.grammar("start: " + " | ".join(f'"item{i}"' for i in range(2_500)))
+  with pytest.raises(ValueError, match="grammar constraint cannot be enforced: .*max is 2000"):
+    constraints.grammar(rule)
+  assert constraints.grammar(Constraint.grammar('start: "a" | "b"')) is not None
+
+
+def test_a_deeply_nested_grammar_compiles_in_the_gate_without_crashing(constraints, tokenizer):
+  """llguidance recurses over nesting: 3,000 nested rules overflowed an 8 MiB thread stack and
+  killed the process. The gate's threads have stacks for the deepest the size cap lets through."""
+  depth = 13_000
+  deep = Constraint.grammar("start: b0\n" + "".join(f'b{i}: "x" b{i + 1}\n' for i in range(depth))
+                            + f'b{depth}: "z"')
+  assert len(deep.text) > 0.8 * MAX_CONSTRAINT_CHARS
+  grammar = ConstraintGate(constraints, timeout_s=300).compile("a", SamplingParams(constraint=deep))
+  matcher = grammar.matcher(tokenizer.encode("x" * 64, add_bos=False))
+  assert matcher.num_tokens > 0 and not matcher.error and not matcher.can_end

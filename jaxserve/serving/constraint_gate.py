@@ -14,6 +14,11 @@ the others:
 
 Nothing here holds a lock while a compile runs (the one lock guards the counts), and a cache hit
 takes no slot and no thread: the event loop may call `compile_async` and never waits on a compile.
+
+The compile threads have 256 MiB stacks (address space: only the pages a compile touches are
+used). llguidance recurses over a grammar's nesting: a Lark chain of 3,000 rules, 70 KB, overflowed
+an 8 MiB thread stack and killed the process (SIGSEGV); 22,000, more than the size cap allows,
+compile in 256 MiB.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import queue
 import threading
 
 from jaxserve.batching.constrained import Constraints
 from jaxserve.config import SamplingParams
 from jaxserve.serving.gateway import ApiError, Status, invalid
 from jaxserve.text.constraint import Grammar
+
+COMPILE_STACK_BYTES = 256 * 2**20
 
 
 class ConstraintGate:
@@ -35,7 +43,7 @@ class ConstraintGate:
                num_threads: int = 4):
     self.per_key, self.timeout_s = per_key, timeout_s
     self._constraints = constraints
-    self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, "constraint-compile")
+    self._pool = _DeepStackPool(num_threads)
     self._lock = threading.Lock()
     self._running: collections.Counter[str] = collections.Counter()  # Compiles per key name.
 
@@ -109,3 +117,32 @@ class ConstraintGate:
                       f"the constraint compilers were busy for {self.timeout_s:g} s; retry later")
     return invalid(f"the {sampling.constraint.kind.value} constraint did not compile within "
                    f"{self.timeout_s:g} s (the compile budget); make it smaller or simpler")
+
+
+class _DeepStackPool:
+  """`num_threads` daemon threads with COMPILE_STACK_BYTES stacks, running submitted calls in
+  order (concurrent.futures' pool cannot set its threads' stack size)."""
+
+  def __init__(self, num_threads: int):
+    self._calls: queue.SimpleQueue = queue.SimpleQueue()
+    previous = threading.stack_size(COMPILE_STACK_BYTES)  # Read by each thread as it starts.
+    try:
+      for n in range(num_threads):
+        threading.Thread(target=self._work, name=f"constraint-compile-{n}", daemon=True).start()
+    finally:
+      threading.stack_size(previous)
+
+  def submit(self, fn, *args) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._calls.put((future, fn, args))
+    return future
+
+  def _work(self) -> None:
+    while True:
+      future, fn, args = self._calls.get()
+      if not future.set_running_or_notify_cancel():  # Cancelled while it waited.
+        continue
+      try:
+        future.set_result(fn(*args))
+      except BaseException as e:  # pylint: disable=broad-except  (the caller gets it)
+        future.set_exception(e)

@@ -110,9 +110,23 @@ class Grammar:
     # The first token's mask, packed [ceil(V_tok/32)] int32: computing it also runs the parser's
     # first row, where a limit can show before any request uses the grammar.
     self.first_mask = np.frombuffer(pristine.compute_bitmask(), np.int32).copy()
-    if pristine.is_error():
-      raise ValueError(f"{constraint.kind.value} constraint cannot be enforced: "
-                       f"{pristine.get_error()}")
+    self._probe(pristine)
+
+  def _probe(self, pristine: llguidance.LLMatcher) -> None:
+    """Raises ValueError when the grammar engine gives up at the start: computing the first mask,
+    or taking a token that mask allows (a Lark rule of over 2,000 alternatives passes its checks,
+    then overflows the parser's row on the first token: only end-of-sequence would follow, and
+    "ite" of "item12" would be the whole output). Two tokens are tried: one may end the output."""
+    error = pristine.get_error()
+    allowed = np.flatnonzero(np.unpackbits(self.first_mask.view(np.uint8), bitorder="little"))
+    for token in allowed[::-1][:1].tolist() + allowed[:1].tolist():
+      if not error:
+        probe = pristine.deep_copy()
+        probe.consume_token(token)
+        error = probe.get_error()
+    if error:  # Cut the marker llguidance writes where verbose errors would go on.
+      raise ValueError(f"{self.constraint.kind.value} constraint cannot be enforced: "
+                       f"{error.split(chr(10) + '<non-verbose/>')[0]}")
 
   def matcher(self, token_ids: Sequence[int] = ()) -> Matcher:
     """A matcher that has accepted `token_ids` (the tokens generated before a preemption)."""
