@@ -98,6 +98,12 @@ def _samples(out_dir: pathlib.Path, task: str) -> list[dict]:
   return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _loglikelihood(llm, context: list[int], whole: list[int]) -> float:
+  """The engine's own log-likelihood of `whole`'s tokens after `context`."""
+  (ref,) = llm.generate([whole], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+  return sum(lp.logprob for lp in ref.prompt_logprobs[len(context):])
+
+
 @pytest.mark.parametrize("tokenized", [True, False])
 def test_lm_eval_runs_every_task_kind(served, hf_tokenizer, tmp_path, tokenized):
   srv, llm = served
@@ -121,11 +127,20 @@ def test_lm_eval_runs_every_task_kind(served, hf_tokenizer, tmp_path, tokenized)
     doc = sample["doc"]
     context = llm.tokenizer.encode(doc["context"])
     whole = context + llm.tokenizer.encode(doc["continuation"], add_bos=False)
-    (ref,) = llm.generate([whole], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    want = sum(lp.logprob for lp in ref.prompt_logprobs[len(context):])
     got = float(sample["resps"][0][0][0])
-    assert abs(got - want) < 1e-3, (doc, got, want)
-  assert results["jaxserve_mc"]["acc,none"] >= 0  # It ran to a score.
+    assert abs(got - _loglikelihood(llm, context, whole)) < 1e-3, (doc, got)
+  # The multiple-choice score is the engine's: each choice's log-likelihood is the engine's own,
+  # and the accuracy is that of the choices they rank first.
+  num_right = 0
+  for sample in _samples(tmp_path / "out", "jaxserve_mc"):
+    doc = sample["doc"]
+    context = llm.tokenizer.encode(f"Question: {doc['question']}\nAnswer:")
+    want = [_loglikelihood(llm, context, context + llm.tokenizer.encode(" " + c, add_bos=False))
+            for c in doc["choices"]]
+    got = [float(resp[0][0]) for resp in sample["resps"]]
+    assert max(abs(g - w) for g, w in zip(got, want)) < 1e-3, (doc, got, want)
+    num_right += max(range(len(want)), key=want.__getitem__) == doc["label"]
+  assert results["jaxserve_mc"]["acc,none"] == pytest.approx(num_right / len(CHOICE))
   assert len(_samples(tmp_path / "out", "jaxserve_gen")) == len(GENERATE)
 
 

@@ -142,8 +142,11 @@ def test_a_refund_after_the_minute_is_harmless(keys):
   c = g.authenticate("sk-c")
   lease = g.admit(c, 10, 10)
   clock.now += 61
-  g.admit(c, 1, 1)  # Expires the old charge.
-  lease.refund()
+  g.admit(c, 1, 1)  # Expires the old charge; charges 2 tokens.
+  lease.refund()  # Its charge has left the minute already: nothing else may go with it.
+  e = status_of(g.admit, c, 49, 50)  # 99 tokens: one more than the 98 left.
+  assert e.status is Status.RESOURCE_EXHAUSTED and "has 98 of its limit of 100" in e.message
+  assert g.admit(c, 48, 50).max_tokens == 50
 
 
 def test_fit_to_context():

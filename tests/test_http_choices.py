@@ -1,9 +1,10 @@
 """/v1/completions as lm-eval and batch clients use it: echo with prompt logprobs (max_tokens 0
 too), vLLM's prompt_logprobs, n > 1, best_of, several prompts, streamed choices by index. Values
-are checked against the offline Runner on the same engine."""
+are checked against the offline Runner on a twin of the served engine (its own KV cache)."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -17,7 +18,8 @@ TEXT = "Roses are red, violets are"
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-  return h.warm_engine(str(tiny_checkpoint))
+  """The references' engine: never the served one, whose KV pages its prefix cache points to."""
+  return h.reference_engine(str(tiny_checkpoint))
 
 
 def offline(engine, prompt_ids, **sampling):
@@ -157,6 +159,17 @@ def _logprobs_of(engine, tokenizer, ids, run):
   (scored,) = Runner(engine, tokenizer).generate(
       [(whole, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))])
   return scored.prompt_logprobs[len(ids):]
+
+
+def test_reference_runs_leave_the_served_engine_s_kv_alone(srv, engine, tiny_checkpoint):
+  """The references ran on the served engine, writing pages the server's prefix cache pointed
+  to; a server answer read after them could then differ from its reference for that alone."""
+  served = h.warm_engine(str(tiny_checkpoint))[0]
+  assert h.wait_until(lambda: h.idle(srv.scheduler))
+  before = [np.asarray(x) for x in jax.tree.leaves(served.cache)]
+  offline(engine, list(range(5, 60)), temperature=0, max_tokens=3)
+  after = [np.asarray(x) for x in jax.tree.leaves(served.cache)]
+  assert all(np.array_equal(b, a) for b, a in zip(before, after))
 
 
 def test_streamed_choices_carry_their_index(srv):

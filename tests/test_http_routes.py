@@ -1,6 +1,7 @@
 """What real OpenAI / vLLM clients send beyond the basics (issue 17): the health, model and
 tokenizer routes, OpenAI's fields that do not apply here, logit_bias, and the defaults and
-logprob details clients read; outputs checked against the offline Runner on the same engine."""
+logprob details clients read; outputs checked against the offline Runner on a twin of the
+served engine (its own KV cache)."""
 
 import openai
 import pytest
@@ -77,7 +78,8 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens(srv, tokenizer):
 
 
 def test_no_bias_or_allowed_ids_or_constraint_compiles_anything(tiny_checkpoint):
-  engine, tokenizer = h.warm_engine(str(tiny_checkpoint))
+  # A twin of the served engine: its compiled steps, its own KV cache (server_harness).
+  engine, tokenizer = h.reference_engine(str(tiny_checkpoint))
   runner = Runner(engine, tokenizer)
   prompts = [[5, 6, 7], list(range(40, 75))]
   settings = [SamplingParams(max_tokens=4, logit_bias={9: 5.0, 100: -100}),

@@ -90,6 +90,16 @@ def test_guided_regex_choice_and_grammar(client):
     assert checks[field](out.choices[0].message.content), (field, out.choices[0].message.content)
 
 
+def test_a_choice_of_thousands_of_options_gives_one_of_them(client):
+  # Past llguidance's 2,000-item parser row, where "item" alone used to come out (finish stop).
+  options = [f"item{i}" for i in range(2_500)]
+  for seed in range(3):
+    out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=16, seed=seed,
+                                         temperature=1.0, extra_body={"guided_choice": options})
+    assert out.choices[0].message.content in options, out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop"
+
+
 def test_streaming_a_constrained_chat_gives_the_same_text(client):
   fields = dict(model="tiny", messages=ASK, max_tokens=80, temperature=1.0, seed=9,
                 response_format={"type": "json_schema",
@@ -114,6 +124,11 @@ def test_streaming_a_constrained_chat_gives_the_same_text(client):
     ({"tool_choice": "required"}, "tool_choice needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice must be"),
+    # Issue 29: allowed ids the constraint never allows first (0 is <|endoftext|>); a choice
+    # list past the size budget, refused before it is compiled.
+    ({"guided_choice": ["red", "green"], "allowed_token_ids": [0]},
+     "allowed_token_ids and the choice constraint leave no token"),
+    ({"guided_choice": [f"item{i}" for i in range(100_000)]}, "a constraint may have"),
 ])
 def test_bad_constraints_are_a_400_naming_the_problem(client, srv, body, message):
   with pytest.raises(openai.BadRequestError, match=re.escape(message)):
@@ -160,6 +175,21 @@ def test_tool_call_history_and_auto_and_none_are_accepted(client):
                                          tools=[WEATHER], tool_choice=choice,
                                          extra_body={"truncate_prompt": True})
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_chat_with_tools_streams_its_content_as_it_is_generated(client):
+  """Issue 29: with tools, the whole text came as one event at the end. Content now streams;
+  only text that may begin a call is held back."""
+  fields = dict(model="tiny", messages=ASK, max_tokens=24, temperature=1.0, seed=3,
+                tools=[WEATHER], extra_body={"truncate_prompt": True, "ignore_eos": True})
+  whole = client.chat.completions.create(**fields).choices[0].message.content
+  events = [c.choices[0] for c in client.chat.completions.create(**fields, stream=True)
+            if c.choices]
+  contents = [e.delta.content for e in events if e.delta.content]
+  assert len(contents) >= 12, contents  # 24 tokens: most of them an event of their own.
+  first = next(n for n, e in enumerate(events) if e.delta.content)
+  assert first <= 3 and events[-1].finish_reason == "length"  # Early, not with the end.
+  assert "".join(contents).strip() == whole.strip()
 
 
 def test_langchain_structured_output_and_bind_tools(srv):

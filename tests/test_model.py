@@ -7,13 +7,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk
-from jaxserve.config import SamplingParams
+from jaxserve.batching.request import FinishReason, RequestRejected
+from jaxserve.batching.runner import Runner
+from jaxserve.config import SamplingParams, SchedulerConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.model.llama import Transformer
 from support.engine_calls import decode, prefill
+from support.mock_engine import MockTokenizer
 from support.tiny import TINY, TINY_ENGINE, dense_forward, dense_logits
 
 GREEDY = SamplingParams(temperature=0, logprobs=1)  # Logprobs are computed only when asked.
@@ -108,3 +112,22 @@ def test_a_pool_smaller_than_the_window_serves_the_window_it_holds(tiny_model, c
   assert engine.info.max_model_len == 32
   assert "serving max_model_len 32" in caplog.text
   assert Engine(tiny_model, TINY_ENGINE).info.max_model_len == 128  # 47 x 8 hold 128.
+
+
+def test_a_model_with_fewer_positions_than_max_model_len_serves_its_own(checked, caplog):
+  """Issue 29: a model of 1,024 positions under the default max_model_len of 2,048 crashed on its
+  first decode ("cannot reshape array of size 512 into shape (8,128)"): the step was compiled for
+  the config's 2,048 positions, the scheduler's page tables held the 1,024 the engine served.
+  max_model_len is now clamped before any shape is set, so both are one width."""
+  short = Transformer(dataclasses.replace(TINY, max_seq_len=64), rngs=nnx.Rngs(0))
+  with caplog.at_level("WARNING"):
+    engine = Engine(short, TINY_ENGINE)  # max_model_len 128.
+  assert "more than the model's 64 positions: serving max_model_len 64" in caplog.text
+  assert engine.info.max_model_len == engine.config.max_model_len == 64
+  runner = checked(Runner(engine, MockTokenizer(), SchedulerConfig()))
+  assert engine.packer.width == runner.scheduler.pools.tables.shape[1] == 64 // 8
+  greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
+  out, = runner.generate([(list(range(3, 43)), greedy)])  # 40 + 24: the whole window.
+  assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 24
+  with pytest.raises(RequestRejected, match="more than the context window of 64"):
+    runner.add_request(list(range(3, 43)), dataclasses.replace(greedy, max_tokens=25))

@@ -5,6 +5,7 @@ Tokens are applied by hand right after each plan (no engine); the runner tests c
 
 import dataclasses
 import itertools
+import sys
 
 import numpy as np
 import pytest
@@ -438,3 +439,48 @@ def test_static_batching_admits_the_group_whole_and_prefills_it_in_plans_that_fi
   out = step(s)
   assert [c[0] for c in chunks(out)] == [r.request_id for r in reqs[2:]]
   drain(s)
+
+
+def test_aborting_10000_queued_requests_costs_a_constant_each(checked):
+  """Counts the Python lines run by the aborts (not wall time): a bounded number per abort,
+  whatever the queue's length. Removal that scans or re-heapifies the queue runs thousands of
+  lines per abort, and the tracer stops it at the first abort over the bound."""
+  s = sched(checked, max_queue_len=20_000)
+  reqs = [make(3) for _ in range(10_000)]
+  for req in reqs:
+    s.add(req)
+  bound, lines = 40 * len(reqs), 0
+
+  def tracer(frame, event, arg):
+    nonlocal lines
+    if event == "line":
+      lines += 1
+      if lines > bound:
+        raise AssertionError(f"aborts ran more than {bound} lines")
+    return tracer
+
+  sys.settrace(tracer)
+  try:
+    for req in reqs[::2] + reqs[1::2]:  # Every other one first: live and dead entries mix.
+      s.abort(req)
+  finally:
+    sys.settrace(None)
+  assert len(s.waiting) == 0 and not s.has_unfinished and s.waiting.peek() is None
+  assert all(r.status is RequestStatus.ABORTED for r in reqs)
+  assert len(s.waiting._heap) <= 16  # The dead entries went with the compactions.
+  # The queue still orders what comes after.
+  late, early = make(3, priority=0), make(3)
+  s.add(late)
+  s.add(early)
+  assert s.waiting.peek() is late and s.waiting.pop() is late and s.waiting.pop() is early
+
+
+def test_a_removed_request_can_be_queued_again_and_keeps_its_place(checked):
+  s = sched(checked)
+  a, b, c = make(3), make(3), make(3)
+  for req in (a, b, c):
+    s.waiting.push(req)
+  assert s.waiting.remove(b) and not s.waiting.remove(b)
+  s.waiting.push(b)  # As a preemption does: back in with its arrival number.
+  assert list(s.waiting) == [a, b, c] and len(s.waiting) == 3
+  assert [s.waiting.pop() for _ in range(3)] == [a, b, c]

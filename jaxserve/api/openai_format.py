@@ -183,8 +183,10 @@ class CompletionFormat(_Format):
 
 class ChatFormat(_Format):
   """With tools (tool_choice other than "none"), a choice's text is read as tool calls: a whole
-  message gets `tool_calls` (content null), and a stream holds the text back and ends with one
-  delta carrying every call, whole, as OpenAI's clients accumulate them."""
+  message gets `tool_calls` (content null), and a stream ends with one delta carrying every call,
+  whole, as OpenAI's clients accumulate them. With tool_choice "auto" the content streams as it
+  is generated, only text that may begin a call held back (tool_calls.CallStream); a forced
+  call's JSON is held back whole."""
 
   object_name = "chat.completion"
   chunk_object_name = "chat.completion.chunk"
@@ -193,6 +195,7 @@ class ChatFormat(_Format):
   def __init__(self, service: Service, request: Request | None = None):
     super().__init__(service, request)
     self._held: dict[int, str] = {}  # Per choice: the text a tool call may be in.
+    self._streams: dict[int, tool_calls.CallStream] = {}  # Per choice, with tool_choice "auto".
 
   def whole_choice(self, index, chunks):
     choice = super().whole_choice(index, chunks)
@@ -207,6 +210,8 @@ class ChatFormat(_Format):
   def delta(self, chunk, index=0):
     if self._request.tool_choice == "none":
       return super().delta(chunk, index)
+    if self._request.tool_choice == "auto":
+      return self._auto_delta(chunk, index)
     text = self._held[index] = self._held.get(index, "") + chunk.text
     event = super().delta(dataclasses.replace(chunk, text=""), index)
     choice = event["choices"][0]
@@ -218,6 +223,19 @@ class ChatFormat(_Format):
         content, calls = calls
         choice["delta"] = ({"content": content, "tool_calls": calls} if content
                            else {"tool_calls": calls})
+        choice["finish_reason"] = self._calls_finish
+    return event
+
+  def _auto_delta(self, chunk: Chunk, index: int) -> dict[str, Any]:
+    stream = self._streams.setdefault(index, tool_calls.CallStream(self._request.tool_names))
+    text = stream.add(chunk.text)
+    event = super().delta(dataclasses.replace(chunk, text=text), index)
+    if chunk.finish_reason is not None:
+      held, calls = stream.finish()
+      content, choice = text + held, event["choices"][0]
+      choice["delta"] = {"content": content} if content else {}
+      if calls:
+        choice["delta"]["tool_calls"] = self._openai_calls(calls)
         choice["finish_reason"] = self._calls_finish
     return event
 
@@ -236,9 +254,11 @@ class ChatFormat(_Format):
       content, calls = None, tool_calls.parse_forced(text) if finish is FinishReason.STOP else None
     if not calls:
       return None
-    return content or None, [
-        {"index": i, "id": f"call_{secrets.token_hex(12)}", "type": "function",
-         "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)]
+    return content or None, self._openai_calls(calls)
+
+  def _openai_calls(self, calls: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    return [{"index": i, "id": f"call_{secrets.token_hex(12)}", "type": "function",
+             "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(calls)]
 
   def start(self, indices=(0,)):
     # OpenAI's first event names the role, with empty content.

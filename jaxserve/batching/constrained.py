@@ -60,10 +60,20 @@ class Constraints:
   def num_active(self) -> int:
     return len(self._matchers)
 
-  def grammar(self, constraint: Constraint) -> Grammar:
-    """Compiles `constraint` (cached); raises ValueError naming what is wrong with it.
-    Thread-safe: the serving core calls it off the event loop, before the request is queued."""
-    return self.compiler.compile(constraint)
+  def grammar(self, constraint: Constraint,
+              allowed_token_ids: Sequence[int] | None = None) -> Grammar:
+    """Compiles `constraint` (cached); raises ValueError naming what is wrong with it, or that
+    `allowed_token_ids` leave no token it allows first. Thread-safe, and slow for a large
+    constraint: the serving core calls it from a worker thread before the request is queued."""
+    grammar = self.compiler.compile(constraint)
+    if allowed_token_ids is not None:
+      grammar.check_allowed(allowed_token_ids)
+    return grammar
+
+  def cached(self, constraint: Constraint) -> Grammar | None:
+    """The grammar if compiled already, else None; never waits on a compile (the event loop's)."""
+    compiler = self._compiler  # Read once: set (never unset) by the first compile.
+    return compiler.cached(constraint) if compiler is not None else None
 
   def start(self, req: Request) -> None:
     if req.grammar is not None:

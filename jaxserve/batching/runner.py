@@ -38,6 +38,7 @@ from jaxserve.batching.request import (
 from jaxserve.batching.scheduler import ScheduledStep, Scheduler
 from jaxserve.batching.stop import Detokenizer, OutputText
 from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.text.constraint import Grammar
 from jaxserve.text.detokenizer import IncrementalDetokenizer
 
 
@@ -81,12 +82,14 @@ class Runner:
 
   def new_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                   request_id: str | None = None, priority: int = 0,
-                  cache_salt: str | None = None) -> Request:
+                  cache_salt: str | None = None,
+                  grammar: Grammar | None = None) -> Request:
     """Builds a request, or raises RequestRejected if it could never run. Reads only fixed
-    limits, so another thread may call it while this one steps."""
+    limits, so another thread may call it while this one steps. `grammar`: sampling.constraint
+    compiled already (the serving core's, in a worker thread); else it is compiled here."""
     self.scheduler.check(len(prompt_ids), sampling)
-    # A ValueError naming the problem; a cache hit when the serving core compiled it already.
-    grammar = sampling.constraint and self.constraints.grammar(sampling.constraint)
+    if sampling.constraint is not None and grammar is None:  # A ValueError naming the problem.
+      grammar = self.constraints.grammar(sampling.constraint, sampling.allowed_token_ids)
     seq = next(self._arrivals)
     seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
     return Request(request_id if request_id is not None else f"req-{seq}-{secrets.token_hex(4)}",

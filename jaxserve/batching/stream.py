@@ -18,6 +18,7 @@ from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.request import Request, RequestOutput
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams
+from jaxserve.text.constraint import Grammar
 
 
 class EngineDead(RuntimeError):
@@ -90,13 +91,14 @@ class AsyncRunner:
 
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams,
              request_id: str | None = None, priority: int = 0,
-             cache_salt: str | None = None) -> RequestStream:
-    """Queues a request; raises at once (RequestRejected, ValueError) if it cannot be taken."""
+             cache_salt: str | None = None, grammar: Grammar | None = None) -> RequestStream:
+    """Queues a request; raises at once (RequestRejected, ValueError) if it cannot be taken.
+    `grammar`: sampling.constraint compiled already, which the event loop must not do."""
     if self._error is not None:
       raise EngineDead("the engine loop failed") from self._error
     if request_id is not None and request_id in self._streams:
       raise ValueError(f"request id {request_id!r} is already in use")
-    req = self.runner.new_request(prompt_ids, sampling, request_id, priority, cache_salt)
+    req = self.runner.new_request(prompt_ids, sampling, request_id, priority, cache_salt, grammar)
     stream = self._streams[req.request_id] = RequestStream(req, self)
     self._inbox.put((self._add, req))
     return stream

@@ -21,15 +21,22 @@ def init_distributed(args) -> None:
   placement.init_distributed(args.coordinator, args.num_processes, args.process_id, args.multihost)
 
 
-def run_generate(args) -> int:
+def sampling_seed(args) -> int | None:
+  """--seed, or on several processes sampling without one, a seed process 0 draws for all:
+  every host must sample the same tokens. Every process calls it, after init_distributed."""
   import jax
 
+  if args.seed is None and args.temperature > 0 and jax.process_count() > 1:
+    from jaxserve.engine import multihost
+    return multihost.shared_seed()
+  return args.seed
+
+
+def run_generate(args) -> int:
   from jaxserve.llm import LLM
 
   init_distributed(args)
-  if args.seed is None and args.temperature > 0 and jax.process_count() > 1:
-    from jaxserve.engine.engine import multihost
-    args.seed = multihost.shared_seed()  # Every host must sample the same tokens.
+  args.seed = sampling_seed(args)
 
   params = flags.sampling_params(args)  # Bad flags fail before the model loads.
   start = time.perf_counter()

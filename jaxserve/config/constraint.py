@@ -16,6 +16,11 @@ from typing import Any, Mapping, Sequence
 
 from jaxserve.config.checks import json_type
 
+# The longest constraint text (a schema, pattern, grammar, or the choices' JSON list) compiled:
+# compile time grows faster than the text (a Lark rule of 32k alternatives, 352k characters, took
+# 1.2 s, 60k took 9 s, 100k 20 s), and this bound keeps the worst well under a second.
+MAX_CONSTRAINT_CHARS = 256 * 1024
+
 
 class ConstraintKind(enum.Enum):
   JSON_OBJECT = "json_object"  # Any JSON object (OpenAI's response_format json_object).
@@ -63,7 +68,12 @@ class Constraint:
       raise ValueError(f"{kind.value} constraint text must be a string, "
                        f"got {type(self.text).__name__}")
     object.__setattr__(self, "kind", kind)
-    object.__setattr__(self, "text", _CANONICAL[kind](self.text))
+    if len(self.text) > 4 * MAX_CONSTRAINT_CHARS:  # Not even parsed: canonical text is shorter.
+      raise _too_long(kind, len(self.text))
+    text = _CANONICAL[kind](self.text)
+    if len(text) > MAX_CONSTRAINT_CHARS:
+      raise _too_long(kind, len(text))
+    object.__setattr__(self, "text", text)
 
   @classmethod
   def from_json(cls, value: Any) -> Constraint:
@@ -87,6 +97,12 @@ class Constraint:
   def schema(self) -> Any:
     """The JSON schema of a json_schema constraint (parsed from its text)."""
     return json.loads(self.text) if self.kind is ConstraintKind.JSON_SCHEMA else None
+
+
+def _too_long(kind: ConstraintKind, num_chars: int) -> ValueError:
+  what = "choice list" if kind is ConstraintKind.CHOICE else f"{kind.value} constraint"
+  return ValueError(f"the {what} is {num_chars:,} characters long, more than the "
+                    f"{MAX_CONSTRAINT_CHARS:,} a constraint may have")
 
 
 def _json_object(text: str) -> str:

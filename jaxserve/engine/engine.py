@@ -113,7 +113,7 @@ def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> Engine
 class Engine:
   def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = ()):
     backend = config.attention_backend or default_backend()
-    config = engine_config_for(config, backend)
+    config = within_model(engine_config_for(config, backend), model.cfg)
     if config.num_pages is None:
       config = size_kv_pool(config, model)
     self.model_config: ModelConfig = model.cfg
@@ -134,8 +134,7 @@ class Engine:
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
-    self.max_model_len = fit_to_pool(min(config.max_model_len, model.cfg.max_seq_len),
-                                     self.num_pages, self.page_size)
+    self.max_model_len = fit_to_pool(config.max_model_len, self.num_pages, self.page_size)
     self.packer = self.assembly.packer
     self._slot_page_tables = self.packer.slot_page_tables
     # A slot's own region holds no one else's KV: no pages to share.
@@ -195,6 +194,19 @@ class Engine:
     for program in self.assembly.programs():
       self.run_step(program.args, [])
     jax.block_until_ready(self.state)  # An output of the last step: it has run.
+
+
+def within_model(config: EngineConfig, model: ModelConfig) -> EngineConfig:
+  """`config` with max_model_len at most the model's positions (max_position_embeddings), with a
+  warning, as vLLM derives it. Clamped before any shape is set from it: the page tables the
+  steps compile for are then as wide as those the scheduler fills (the step compiled for 2,048
+  positions while the scheduler's tables held 1,024, and a scheduler that sized its decode
+  tables from the step's width crashed on the first decode)."""
+  if config.max_model_len <= model.max_seq_len:
+    return config
+  logging.warning("max_model_len %d is more than the model's %d positions: serving "
+                  "max_model_len %d", config.max_model_len, model.max_seq_len, model.max_seq_len)
+  return dataclasses.replace(config, max_model_len=model.max_seq_len)
 
 
 def fit_to_pool(max_model_len: int, num_pages: int, page_size: int) -> int:

@@ -34,6 +34,7 @@ from jaxserve.batching.request import (
 from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
 from jaxserve.config import SamplingParams
 from jaxserve.serving import gateway
+from jaxserve.serving.constraint_gate import ConstraintGate
 from jaxserve.serving.gateway import ApiError, ApiKey, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
 from jaxserve.text import tool_calls
@@ -111,6 +112,7 @@ class Service:
     # Longer text cannot fit the context whatever its tokens: it is refused (or cut) before the
     # tokenizer spends seconds on it, on the event loop every other request shares.
     self.max_prompt_chars = self.max_model_len * tokenizer.max_token_chars
+    self.constraint_gate = ConstraintGate(runner.runner.constraints)
 
   def model_info(self) -> dict[str, Any]:
     """The fields of the proto's ModelInfo."""
@@ -200,16 +202,12 @@ class Service:
     gateway.check_bias_ids(sampling, self.vocab_size)
     return Prepared(ids, sampling, tokenize, chunk_tokens)
 
-  async def compile_constraint(self, sampling: SamplingParams) -> None:
+  async def compile_constraint(self, key: ApiKey, sampling: SamplingParams):
     """The last check of a constrained request, off the event loop: its grammar is compiled (or
-    found in the cache), and a schema, regex or grammar the engine refuses is INVALID_ARGUMENT
-    naming the problem, before anything is queued."""
-    if sampling.constraint is None:
-      return
-    try:
-      await asyncio.to_thread(self.runner.runner.constraints.grammar, sampling.constraint)
-    except ValueError as e:
-      raise gateway.invalid(str(e)) from e
+    found in the cache) within the key's compile budget (serving/constraint_gate.py), and a
+    schema, regex or grammar the engine refuses is INVALID_ARGUMENT naming the problem, before
+    anything is queued. Returns the grammar (None without a constraint)."""
+    return await self.constraint_gate.compile_async(key.name, sampling)
 
   async def generate(self, key: ApiKey, inp: GenerateInput,
                      prepared: Prepared | None = None) -> AsyncIterator[Chunk]:
@@ -246,14 +244,14 @@ class Service:
                     sampling: SamplingParams) -> tuple[RequestStream, gateway.Lease]:
     """Admits the request under the key's limits, then hands it to the engine thread; a request
     the engine refuses gives the key its tokens back."""
-    await self.compile_constraint(sampling)
+    grammar = await self.compile_constraint(key, sampling)
     lease = self.gateway.admit(key, len(ids), sampling.max_tokens,
                                can_shorten=inp.max_tokens is None)
     if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
       sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
     try:
       stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority,
-                                  self.gateway.cache_salt(key, inp.cache_salt))
+                                  self.gateway.cache_salt(key, inp.cache_salt), grammar)
     except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.
       lease.refund()
       raise gateway.invalid(str(e)) from e

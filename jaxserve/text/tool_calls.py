@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 # "required" makes an array of calls: at most this many (1 without parallel calls).
 MAX_FORCED_CALLS = 4
+_TAG = "<tool_call>"
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -88,6 +89,42 @@ def parse_tagged(text: str, names: Sequence[str]) -> tuple[str, list[tuple[str, 
     calls.append((call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
   kept.append(text[last:])
   return "".join(kept).strip() if calls else text, calls
+
+
+class CallStream:
+  """A free output in the Hermes format, as it streams: content goes out as it is generated, and
+  only text that may begin a call is held back (a tail that is the start of "<tool_call>", or
+  everything from a tag on), to be parsed for calls when the output ends. vLLM's tool parsers
+  stream the same way; holding the whole text back made a chat with tools one event at its end."""
+
+  def __init__(self, names: Sequence[str]):
+    self._names = names
+    self._text = ""
+    self._num_sent = 0  # Characters of _text streamed as content.
+    self._in_call = False  # A tag has opened: the rest is held until the end.
+
+  def add(self, text: str) -> str:
+    """Takes the next piece of output; returns the content that can be sent now."""
+    self._text += text
+    if self._in_call:
+      return ""
+    rest = self._text[self._num_sent:]
+    at = rest.find(_TAG)
+    self._in_call = at >= 0
+    out = rest[:at] if self._in_call else rest[:len(rest) - _partial_tag(rest)]
+    self._num_sent += len(out)
+    return out
+
+  def finish(self) -> tuple[str, list[tuple[str, str]]]:
+    """(the content held back and not a call, the calls) once the output has ended."""
+    held, self._num_sent = self._text[self._num_sent:], len(self._text)
+    return parse_tagged(held, self._names)
+
+
+def _partial_tag(text: str) -> int:
+  """The length of the longest tail of `text` that is the start of a tag (and not all of it)."""
+  return next((n for n in range(min(len(_TAG) - 1, len(text)), 0, -1)
+               if text.endswith(_TAG[:n])), 0)
 
 
 def history_text(calls: Sequence[Mapping[str, Any]]) -> str:

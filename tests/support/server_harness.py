@@ -5,6 +5,7 @@ are in openai_http.py). conftest.py's `srv` fixture starts one server per module
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import json
 import threading
@@ -101,9 +102,22 @@ def start_tiny(path: str, keys_file: str | None = None, **config) -> ServerThrea
   return serve(*warm_engine(path), keys_file=keys_file, **config)
 
 
+@functools.lru_cache(maxsize=None)
+def reference_engine(path: str) -> tuple[Engine, object]:
+  """The engine the offline references of server tests run on: `warm_engine`'s model and compiled
+  steps (so it compiles nothing), with a KV cache and decode state of its own. A reference Runner
+  on the served engine itself shared the server's KV pool without its allocator: it overwrote
+  pages the server's prefix cache still pointed to, and later requests read another's KV."""
+  engine, tokenizer = warm_engine(path)
+  twin = copy.copy(engine)
+  twin.params, twin.cache, twin.state, twin.stop_ids = engine.assembly.place(
+      engine.params, tokenizer.stop_ids)
+  return twin, tokenizer
+
+
 def offline(engine: Engine, tokenizer, requests: list[tuple[list[int], SamplingParams]]) -> list:
-  """What a server on `engine` must give `requests`: a fresh Runner's outputs (its own prefix
-  cache). Run it before the server starts or while it is idle, since they share the engine."""
+  """What a server must give `requests`: a fresh Runner's outputs (its own prefix cache) on
+  `engine`, which must not be the served one (`reference_engine` gives one that is safe)."""
   return Runner(engine, tokenizer).generate(requests)
 
 
