@@ -57,6 +57,12 @@ class StepArgs(NamedTuple):
   # [Bd + Bp, ceil(V/32)] int32: the tokens each sequence may sample (constrained decoding); all
   # ones for a free one. Always set (Packer.pack, Packer.template): a fixed input of every step.
   bitmask: np.ndarray | None = None
+  # In a step that verifies proposals (speculative decoding), else None: [Bp, k + 1] int32, the
+  # packed rows of each prefill sequence's last k + 1 positions (a verified chunk's, its last
+  # row repeated when it is shorter; any rows for the others), and [Bp, k] int32 its proposals
+  # (-1: none, which no token equals).
+  verify_rows: np.ndarray | None = None
+  verify_drafts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,13 @@ class Packer:
     """The scoring variant's shapes: prefill only."""
     return [StepShape(0, t, self.width) for t in self.config.prefill_buckets]
 
+  def verified_shapes(self) -> list[StepShape]:
+    """The verifying variant's shapes (with EngineConfig.speculative): a verified chunk sits in
+    the prefill part, so those of the steps with prefill."""
+    if self.config.speculative is None:
+      return []
+    return [shape for shape in self.shapes() if shape.prefill_tokens]
+
   def pack(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> tuple[StepArgs, list[int]]:
     """(args, rows): rows[i] is the sequence whose token is the plan's i-th sample (its decode
     slots in order, then its prompts that end in this step). bitmask [samples, ceil(V/32)]: row i
@@ -114,7 +127,7 @@ class Packer:
       samples = list(range(len(decodes)))
     args = StepArgs(rows, self._tables(rows, plan.page_tables, W),
                     *self._prefill(chunks, Bd, Tp, W))
-    samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last]
+    samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last and not ch.num_drafts]
     mask = self._all_allowed(Bd + args.prefill_slots.shape[0])
     if bitmask is not None:
       if bitmask.shape != (len(samples), mask.shape[1]) or bitmask.dtype != np.int32:
@@ -130,7 +143,24 @@ class Packer:
         targets[at:at + len(ch.prompt_logprob_targets)] = ch.prompt_logprob_targets
         at += len(ch.token_ids)
       args = args._replace(prefill_targets=targets)
+    if any(ch.num_drafts for ch in chunks):
+      args = args._replace(**self._verified(chunks, Bd, args.prefill_slots.shape[0]))
     return args, samples
+
+  def _verified(self, chunks: Sequence[PrefillChunk], Bd: int, Bp: int) -> dict[str, np.ndarray]:
+    """verify_rows and verify_drafts (StepArgs) for `chunks`, packed from row Bd."""
+    k = self.config.speculative.num_speculative_tokens
+    rows, drafts = np.full((Bp, k + 1), Bd, np.int32), np.full((Bp, k), -1, np.int32)
+    at = Bd
+    for j, ch in enumerate(chunks):
+      n, d = len(ch.token_ids), ch.num_drafts
+      if d > k:
+        raise ValueError(f"a chunk of {d} proposals: at most {k} (num_speculative_tokens)")
+      rows[j] = at + n - 1
+      rows[j, :d + 1] = at + n - 1 - d + np.arange(d + 1)
+      drafts[j, :d] = ch.token_ids[n - d:]
+      at += n
+    return dict(verify_rows=rows, verify_drafts=drafts)
 
   def _check(self, chunks: Sequence[PrefillChunk], decodes: Sequence[int]) -> None:
     """Raises ValueError for a plan that does not fit one call (the scheduler makes none)."""
@@ -150,13 +180,15 @@ class Packer:
     if any(scored) and (decodes or not all(scored)):
       raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
 
-  def template(self, shape: StepShape, scored: bool = False) -> StepArgs:
+  def template(self, shape: StepShape, scored: bool = False, verified: bool = False) -> StepArgs:
     """Arrays of `shape` that run nothing but padding (warm-up, and multihost's receive buffers)."""
     Bd, Tp, W = shape
     rows = np.full(Bd, self.config.num_slots, np.int32)
     targets = np.zeros(Tp, np.int32) if scored else None
     args = StepArgs(rows, np.full((Bd, W), SCRATCH_PAGE, np.int32), *self._prefill([], Bd, Tp, W),
                     prefill_targets=targets)
+    if verified:
+      args = args._replace(**self._verified([], Bd, args.prefill_slots.shape[0]))
     return args._replace(bitmask=self._all_allowed(Bd + args.prefill_slots.shape[0]))
 
   def _all_allowed(self, B: int) -> np.ndarray:

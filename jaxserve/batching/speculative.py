@@ -1,0 +1,94 @@
+"""Speculative decoding on the host: n-gram proposals (prompt lookup), when a request may
+speculate, and the counts of what was proposed and accepted.
+
+A request speculates only with all its tokens on the host (the proposal continues its last
+one), so it sits out the step after each verification while the tokens come back; a request
+whose proposals keep failing stops proposing for a while (`Backoff`) and decodes every step, as
+without speculation. Verification is greedy (engine/verify.py): a request speculates only when
+its next token is the argmax of logits that do not depend on the tokens before it in the run,
+so no sampling temperature, penalties or grammar (a grammar's request never speculates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxserve.config import SamplingParams, SpeculativeConfig
+
+MAX_BACKOFF_STEPS = 64  # The longest a failing request goes without proposing.
+
+
+def can_speculate(sampling: SamplingParams) -> bool:
+  """Whether verification gives exactly this request's tokens one at a time: greedy, with no
+  penalty (whose counts would change within the run) and no grammar."""
+  return (sampling.speculative and sampling.temperature == 0 and sampling.constraint is None
+          and sampling.repetition_penalty == 1 and sampling.presence_penalty == 0
+          and sampling.frequency_penalty == 0)
+
+
+def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int) -> list[int]:
+  """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+  last n tokens, for the longest n in [prompt_lookup_min, prompt_lookup_max] that occurs; at
+  most min(k, limit) of them, [] when no n-gram recurs."""
+  limit = min(limit, config.num_speculative_tokens)
+  L = len(tokens)
+  if limit <= 0 or L <= config.prompt_lookup_min:
+    return []
+  seq = np.asarray(tokens, np.int64)
+  for n in range(min(config.prompt_lookup_max, L - 1), config.prompt_lookup_min - 1, -1):
+    # [L - n, n]: every earlier window of n tokens (ending before the last token).
+    windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+    hits = np.flatnonzero((windows == seq[L - n:]).all(axis=1))
+    if hits.size:
+      start = int(hits[-1]) + n  # What followed the latest match.
+      return seq[start:start + limit].tolist()
+  return []
+
+
+@dataclasses.dataclass
+class Backoff:
+  """One request's proposing schedule: after f failures in a row (no proposal, or none of it
+  accepted) it waits min(2**f, MAX_BACKOFF_STEPS) steps before proposing again."""
+
+  failures: int = 0
+  resume_step: int = 0  # The scheduler step from which it may propose again.
+
+  def may_propose(self, step: int) -> bool:
+    return step >= self.resume_step
+
+  def record(self, step: int, accepted: int) -> None:
+    if accepted:
+      self.failures = 0
+      return
+    self.failures += 1
+    self.resume_step = step + min(2 ** self.failures, MAX_BACKOFF_STEPS)
+
+
+@dataclasses.dataclass
+class SpecStats:
+  """What speculation proposed and the model accepted, over an engine's life (vLLM's
+  spec_decode counters)."""
+
+  num_speculative_tokens: int
+  num_drafts: int = 0  # Verified runs.
+  num_draft_tokens: int = 0
+  num_accepted_tokens: int = 0
+  # [k]: how often proposal i (0-based) of a run was accepted.
+  accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+  def record(self, num_drafts: int, num_accepted: int) -> None:
+    self.num_drafts += 1
+    self.num_draft_tokens += num_drafts
+    self.num_accepted_tokens += num_accepted
+    for i in range(num_accepted):
+      self.accepted_per_pos[i] += 1
+
+  @property
+  def acceptance_rate(self) -> float:
+    return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
