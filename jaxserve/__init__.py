@@ -4,7 +4,14 @@ The configs import at once; `LLM` (the device side: JAX, the model, the engine) 
 used (PEP 562), so the host side (scheduler, server, client, planner) imports without JAX.
 """
 
-from jaxserve.config import Constraint, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from jaxserve.config import (
+  Constraint,
+  EngineConfig,
+  ModelConfig,
+  SamplingParams,
+  SchedulerConfig,
+  SpeculativeConfig,
+)
 
 __all__ = ["LLM", "SamplingParams", "Constraint", "EngineConfig", "ModelConfig", "SchedulerConfig",
            "SpeculativeConfig"]

@@ -15,7 +15,8 @@ from support.tiny import count_compiles
 
 K = 4
 ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=40, max_model_len=512,
-                      prefill_buckets=(32,), speculative=SpeculativeConfig(num_speculative_tokens=K))
+                      prefill_buckets=(32,),
+                      speculative=SpeculativeConfig(num_speculative_tokens=K))
 TEXTS = [
     "Repeat this list exactly: apples, bananas, cherries, dates, elderberries, figs, grapes.\n"
     "List: apples, bananas,",
@@ -154,3 +155,20 @@ def test_verified_programs_are_warmup_programs():
   args = on.template(on.verified_shapes()[0], verified=True)
   assert args.verify_rows.shape == (args.prefill_slots.shape[0], K + 1)
   assert args.verify_drafts.shape == (args.prefill_slots.shape[0], K)
+
+
+def test_speculative_config_flag_on_serve_generate_and_plan(capsys):
+  from jaxserve.cli import flags
+  from jaxserve.cli import main as cli
+  text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+  parser = cli.build_parser()
+  for argv in (["serve"], ["generate", "x"]):
+    args = parser.parse_args([*argv, "--speculative-config", text])
+    assert flags.engine_config(args, "cpu").speculative == SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_max=5)
+    assert flags.engine_config(parser.parse_args(argv), "cpu").speculative is None
+  assert parser.parse_args(["plan", "--compile", "v5e", "--speculative-config", text]
+                           ).speculative_config.num_speculative_tokens == 3
+  with pytest.raises(SystemExit):
+    parser.parse_args(["generate", "x", "--speculative-config", '{"num_speculative": 3}'])
+  assert "unknown keys ['num_speculative']" in capsys.readouterr().err

@@ -127,8 +127,9 @@ class Engine(Protocol):
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture:
     """Runs the whole plan in one call: writes every chunk's KV, decodes every decode slot. The
     future holds one sample per `plan.decode_slots` entry, then one per chunk with `is_last` and
-    no drafts, in plan order (a verified chunk's tokens come from `verified`). bitmask [samples, ceil(V/32)] int32, rows in that order: the tokens each sample
-    may be (bit t % 32 of word t // 32); None, or an all-ones row, leaves a sample free. The
-    runner passes one only when a sample is constrained, so an engine without constraints may
-    omit it. Only an engine whose info.speculative is set gets chunks with drafts."""
+    no drafts, in plan order (a verified chunk's tokens come from `verified`). bitmask
+    [samples, ceil(V/32)] int32, rows in that order: the tokens each sample may be (bit t % 32
+    of word t // 32); None, or an all-ones row, leaves a sample free. The runner passes one only
+    when a sample is constrained, so an engine without constraints may omit it. Only an engine
+    whose info.speculative is set gets chunks with drafts."""
     ...

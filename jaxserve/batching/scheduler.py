@@ -36,7 +36,7 @@ from typing import Sequence
 from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
-from jaxserve.batching.speculative import SpecStats, can_speculate, propose_ngram
+from jaxserve.batching.speculative import SpecStats, proposal, verify_chunk
 from jaxserve.batching.window_pages import PagePools
 from jaxserve.config import SamplingParams, SchedulerConfig
 
@@ -203,7 +203,7 @@ class Scheduler:
       if (req.num_computed_tokens < req.num_prefill_tokens or num_tokens >= req.max_num_tokens
           or (req.grammar is not None and req.num_pending_tokens)):
         continue
-      drafts = self._proposal(req, num_tokens, budget)
+      drafts = proposal(req, self.speculative, self.num_steps, num_tokens, budget)
       if drafts is None:
         continue
       while not self.pools.grow(req, num_tokens + len(drafts)):
@@ -218,42 +218,13 @@ class Scheduler:
         req.num_computed_tokens = num_tokens + len(drafts)
         req.num_pending_tokens += 1
         if drafts:
-          verifies.append((self._verify_chunk(req, drafts), req))
+          verifies.append((verify_chunk(req, drafts), req))
           budget[0] -= len(drafts) + 1
           budget[1] -= 1
         else:
           decodes.append(req)
     self.num_decode_tokens += len(decodes) + len(verifies)
     return decodes, verifies, num_preempted
-
-  def _proposal(self, req: Request, num_tokens: int, budget: list[int]) -> list[int] | None:
-    """The proposals to verify for `req` ([]: decode one token as usual), or None: sit this
-    step out, so that its tokens in flight reach the host to propose from."""
-    spec = self.speculative
-    if (spec is None or not can_speculate(req.sampling)
-        or not req.backoff.may_propose(self.num_steps)):
-      return []
-    if req.num_pending_tokens:
-      return None
-    # Each accepted proposal and the model's next token are outputs: never past max_tokens, and
-    # never past the window's last position, the largest the page tables hold.
-    limit = min(req.max_num_tokens - num_tokens - 1, budget[0] - 1)
-    if budget[1] <= 0 or limit <= 0:  # No room this step: no failure of the proposer's.
-      return []
-    drafts = propose_ngram(req.all_token_ids, spec, limit)
-    if not drafts:
-      req.backoff.record(self.num_steps, 0)
-    return drafts
-
-  def _verify_chunk(self, req: Request, drafts: list[int]) -> PrefillChunk:
-    """The chunk that verifies `drafts`: the last known token, then the proposals."""
-    req.num_drafts_in_flight = len(drafts)
-    start = len(req.all_token_ids) - 1
-    return PrefillChunk(
-        req.request_id, req.slot, (req.all_token_ids[-1], *drafts), start,
-        tuple(req.page_table), True, req.sampling, req.seed,
-        prompt_token_ids=req.prompt_token_ids, output_token_ids=tuple(req.output_token_ids),
-        window_table=tuple(req.window_table), num_drafts=len(drafts))
 
   def _preempt(self, req: Request) -> None:
     self._cache_full_pages(req)  # Its own prefix may still be cached when it comes back.

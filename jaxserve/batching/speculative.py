@@ -12,11 +12,15 @@ so no sampling temperature, penalties or grammar (a grammar's request never spec
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import SamplingParams, SpeculativeConfig
+
+if TYPE_CHECKING:  # request.py keeps a Backoff per request.
+  from jaxserve.batching.request import Request
 
 MAX_BACKOFF_STEPS = 64  # The longest a failing request goes without proposing.
 
@@ -46,6 +50,39 @@ def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int) 
       start = int(hits[-1]) + n  # What followed the latest match.
       return seq[start:start + limit].tolist()
   return []
+
+
+def proposal(req: Request, spec: SpeculativeConfig | None, step: int, num_tokens: int,
+             budget: list[int]) -> list[int] | None:
+  """The proposals to verify for `req` in scheduler step `step` ([]: decode one token as
+  usual), or None: sit this step out, so that its tokens in flight reach the host to propose
+  from. budget: [prefill tokens, prefill sequences] left in the step."""
+  if req.num_drafts_in_flight:  # Its length after the run is known only when it lands.
+    return None
+  if spec is None or not can_speculate(req.sampling) or not req.backoff.may_propose(step):
+    return []
+  if req.num_pending_tokens:
+    return None
+  # Each accepted proposal and the model's next token are outputs: never past max_tokens (nor
+  # the context window, which holds every request's max_tokens).
+  limit = min(req.max_num_tokens - num_tokens - 1, budget[0] - 1)
+  if budget[1] <= 0 or limit <= 0:  # No room this step: no failure of the proposer's.
+    return []
+  drafts = propose_ngram(req.all_token_ids, spec, limit)
+  if not drafts:
+    req.backoff.record(step, 0)
+  return drafts
+
+
+def verify_chunk(req: Request, drafts: list[int]) -> PrefillChunk:
+  """The chunk that verifies `drafts`: the last known token, then the proposals, with the
+  whole sequence for the sampling settings (plan.PrefillChunk)."""
+  req.num_drafts_in_flight = len(drafts)
+  return PrefillChunk(
+      req.request_id, req.slot, (req.all_token_ids[-1], *drafts), len(req.all_token_ids) - 1,
+      tuple(req.page_table), True, req.sampling, req.seed,
+      prompt_token_ids=req.prompt_token_ids, output_token_ids=tuple(req.output_token_ids),
+      window_table=tuple(req.window_table), num_drafts=len(drafts))
 
 
 @dataclasses.dataclass

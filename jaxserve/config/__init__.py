@@ -25,5 +25,5 @@ from jaxserve.config.speculative import SpeculativeConfig
 
 __all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype",
            "KVLayout", "ModelConfig", "ModelFamily", "Platform", "QueuePolicy", "RopeScaling",
-           "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "default_attention_backend", "is_int", "json_type",
-           "short"]
+           "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "default_attention_backend",
+           "is_int", "json_type", "short"]
