@@ -105,6 +105,44 @@ def test_max_tokens_stops_and_logprobs_inside_verified_runs(engine, default_mode
     assert got.num_accepted_tokens > 0 or len(got.token_ids) <= 2, case
 
 
+def test_sampled_tokens_equal_without_speculation_with_every_setting(engine, default_model,
+                                                                     prompts):
+  """The sampler's noise depends only on (seed, position), so a sampled request's verified run
+  is the tokens it would have sampled one at a time: filters, penalties (counting the proposals
+  before each position), bias and seeds alike."""
+  tok = default_model[1]
+  settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02),
+              dict(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.5,
+                   frequency_penalty=0.3),
+              dict(temperature=0, repetition_penalty=1.3, logit_bias={11: 3.0})]
+  for i, case in enumerate(settings):
+    on = SamplingParams(max_tokens=40, seed=100 + i, **case)
+    want, _ = run(engine, tok, prompts, dataclasses.replace(on, speculative=False))
+    got, s_on = run(engine, tok, prompts, on)
+    assert tokens(got) == tokens(want), case
+    assert s_on.spec_stats.num_draft_tokens > 0, case
+
+
+def test_sampled_distribution_matches_without_speculation(engine, default_model, prompts):
+  """Temperature 1, 48 draws a side with different seeds (so not the same draws): a
+  chi-square test of the second and third tokens (the first verified ones) against no
+  speculation."""
+  from scipy import stats
+  tok, n = default_model[1], 48
+  runner = Runner(engine, tok)
+  draws = [(prompts[0], SamplingParams(temperature=1.0, max_tokens=3, seed=i)) for i in range(n)]
+  with_spec = runner.generate(draws)
+  assert runner.scheduler.spec_stats.num_draft_tokens > 0
+  without = Runner(engine, tok).generate(
+      [(p, dataclasses.replace(sp, seed=1000 + sp.seed, speculative=False)) for p, sp in draws])
+  a = [tuple(c.token_ids[1:3]) for c in with_spec]
+  b = [tuple(c.token_ids[1:3]) for c in without]
+  kinds = sorted(set(a) | set(b))
+  table = np.array([[a.count(x) for x in kinds], [b.count(x) for x in kinds]])
+  assert len(kinds) > 1  # Temperature 1 draws more than one continuation.
+  assert stats.chi2_contingency(table).pvalue > 1e-3, table
+
+
 def test_propose_ngram_takes_the_longest_latest_match():
   spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
   # The last 3 tokens (7, 8, 9) occurred at 1..3 (then 4, 5): the 3-gram wins over the 2-gram

@@ -4,9 +4,8 @@ speculate, and the counts of what was proposed and accepted.
 A request speculates only with all its tokens on the host (the proposal continues its last
 one), so it sits out the step after each verification while the tokens come back; a request
 whose proposals keep failing stops proposing for a while (`Backoff`) and decodes every step, as
-without speculation. Verification is greedy (engine/verify.py): a request speculates only when
-its next token is the argmax of logits that do not depend on the tokens before it in the run,
-so no sampling temperature, penalties or grammar (a grammar's request never speculates).
+without speculation. Verification (engine/verify.py) keeps each request's tokens exactly those of
+decoding one at a time, sampled ones included; a constrained request never speculates.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ MAX_BACKOFF_STEPS = 64  # The longest a failing request goes without proposing.
 
 
 def can_speculate(sampling: SamplingParams) -> bool:
-  """Whether verification gives exactly this request's tokens one at a time: greedy, with no
-  penalty (whose counts would change within the run) and no grammar."""
-  return (sampling.speculative and sampling.temperature == 0 and sampling.constraint is None
-          and sampling.repetition_penalty == 1 and sampling.presence_penalty == 0
-          and sampling.frequency_penalty == 0)
+  """Whether this request speculates: asked to (the default), and free text: a grammar's mask
+  would have to be checked at each proposed token, so a constrained request never speculates.
+  Verification gives any other request exactly the tokens of decoding one at a time
+  (engine/verify.py)."""
+  return sampling.speculative and sampling.constraint is None
 
 
 def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int) -> list[int]:

@@ -60,11 +60,14 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
   sampling = _take_new_settings(state.sampling, args, live, Bs)
   rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
   sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
-  next_tokens, next_lens = sampled.tokens, kv_lens
+  next_tokens, next_lens, targets = sampled.tokens, kv_lens, jnp.where(samples, slots, Bs)
   if every is not None:  # A verifying step: a verified chunk's sequence moves past its run.
-    next_tokens, next_lens, prompt = _verified(model, every, rows, starts, live, args, stop_ids,
-                                               next_tokens, next_lens)
-  state = _write_back(state, sampling, next_tokens, jnp.where(samples, slots, Bs), next_lens)
+    next_tokens, next_lens, prompt, counts = _verified(model, every, rows, starts, live, args,
+                                                       stop_ids, next_tokens, next_lens)
+    row, hit = _writer(targets, Bs)
+    sampling = dataclasses.replace(sampling, output_counts=sampling.output_counts + jnp.where(
+        hit[:, None], counts[row], 0))
+  state = _write_back(state, sampling, next_tokens, targets, next_lens)
   if prompt is not None:
     return cache, state, pack_sampled(sampled), prompt
   return cache, state, pack_sampled(sampled)
@@ -127,7 +130,7 @@ def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec,
 def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, tokens, kv_lens):
   """every [T, D], rows [B, ...], starts and live [B]; tokens and kv_lens [B] as sampled ->
   (tokens, kv_lens) with each verified chunk's next token and position after its accepted
-  run, and verify.Verified.packed."""
+  run, verify.Verified.packed, and [B, V] the accepted proposals counted."""
   Bd = args.decode_slots.shape[0]
   v = verify(model.head, every, jax.tree.map(lambda x: x[Bd:], rows), starts[Bd:], live[Bd:],
              args, stop_ids, pack_sampled)
@@ -135,7 +138,8 @@ def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, t
   zeros = jnp.zeros(Bd, jnp.int32)
   tokens = jnp.where(is_verified, _cat(zeros, v.next_token), tokens)
   kv_lens = jnp.where(is_verified, _cat(zeros, starts[Bd:] + v.accepted + 1), kv_lens)
-  return tokens, kv_lens, v.packed
+  counts = _cat(jnp.zeros((Bd, v.counts.shape[1]), jnp.int32), v.counts)
+  return tokens, kv_lens, v.packed, counts
 
 
 def _take_new_settings(sampling: SamplingState, args, live, Bs: int) -> SamplingState:

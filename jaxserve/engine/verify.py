@@ -33,6 +33,7 @@ class Verified:
   is_verified: jax.Array  # [Bp] bool
   packed: jax.Array  # [Bp, 1 + (k + 1) * (2 + 2 * n)] int32: accepted, then step.pack_sampled's
   # columns at each of the k + 1 positions
+  counts: jax.Array  # [Bp, V] int32: the accepted proposals, counted (for the penalties)
 
 
 def verify(head, hidden, rows: SamplingState, starts, live, args, stop_ids, pack) -> Verified:
@@ -46,6 +47,11 @@ def verify(head, hidden, rows: SamplingState, starts, live, args, stop_ids, pack
   logits = head(hidden[args.verify_rows.reshape(-1)])  # [Bp * (k + 1), V]
   each = lambda x: jnp.repeat(x, K1, axis=0)  # [Bp, ...] -> [Bp * (k + 1), ...]
   rows = jax.tree.map(each, rows).plain_where_not(each(is_verified))
+  # The penalties at position i count the proposals before it, as if each had been sampled.
+  V = rows.output_counts.shape[1]
+  before = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=jnp.int32), axis=1)  # [Bp, k, V]
+  before = jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)  # [Bp, k + 1, V]
+  rows = dataclasses.replace(rows, output_counts=rows.output_counts + before.reshape(-1, V))
   # Position i of a verified chunk is the sequence's position start + i; its token goes after.
   positions = (starts[:, None] + 1 + jnp.arange(K1)[None, :]).reshape(-1)
   sampled = sample(logits, rows, positions, stop_ids)
@@ -54,4 +60,5 @@ def verify(head, hidden, rows: SamplingState, starts, live, args, stop_ids, pack
   accepted = jnp.where(is_verified, jnp.sum(jnp.cumprod(agree, axis=1), axis=1), 0)  # [Bp]
   next_token = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
   packed = jnp.concatenate([accepted[:, None], pack(sampled).reshape(Bp, -1)], axis=1)
-  return Verified(accepted.astype(jnp.int32), next_token, is_verified, packed)
+  counts = jnp.take_along_axis(before, accepted[:, None, None], axis=1)[:, 0]  # [Bp, V]
+  return Verified(accepted.astype(jnp.int32), next_token, is_verified, packed, counts)
