@@ -113,7 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--num-pages", type=int, default=16 * 512 // 16 + 1)
   p.add_argument("--buckets", type=lambda s: tuple(int(b) for b in s.split(",")),
                  default=(64, 128, 256))
-  p.add_argument("--quick", action="store_true", help="a few short requests")
+  p.add_argument("--quick", action="store_true",
+                 help="a few short requests, one prefill bucket (64), max_model_len 512")
   p.add_argument("--json", type=pathlib.Path, default=None, help="write the runs here")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--workload", default="copy", help=argparse.SUPPRESS)
@@ -123,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.quick and not args.child:  # One prefill bucket: a few programs to compile per process.
+    args.buckets, args.max_model_len = (64,), 512
   if args.child:
     print(json.dumps(child(args)))
     return 0

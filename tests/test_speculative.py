@@ -8,8 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from jaxserve.batching.request import Backoff
 from jaxserve.batching.runner import Runner
-from jaxserve.batching.speculative import Backoff, propose_ngram
+from jaxserve.batching.speculative import propose_ngram
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from support.tiny import count_compiles
 
@@ -210,3 +211,25 @@ def test_speculative_config_flag_on_serve_generate_and_plan(capsys):
   with pytest.raises(SystemExit):
     parser.parse_args(["generate", "x", "--speculative-config", '{"num_speculative": 3}'])
   assert "unknown keys ['num_speculative']" in capsys.readouterr().err
+
+
+def test_prometheus_counts_under_vllm_names_beside_ours():
+  import types
+
+  from jaxserve.batching.plan import EngineInfo
+  from jaxserve.batching.scheduler import Scheduler
+  from jaxserve.serving.metrics import Metrics
+  info = EngineInfo(num_slots=2, page_size=16, num_pages=8, max_model_len=64, max_prefill_len=32,
+                    can_share_pages=True, vocab_size=100, speculative=SpeculativeConfig())
+  scheduler = Scheduler(SchedulerConfig(), types.SimpleNamespace(info=info))
+  scheduler.spec_stats.record(4, 2)
+  scheduler.spec_stats.record(3, 0)
+  metrics = Metrics()
+  metrics.watch(scheduler)
+  text = metrics.exposition().decode()
+  for prefix in ("jaxserve:", "vllm:"):
+    assert f"{prefix}spec_decode_num_draft_tokens_total 7.0" in text
+    assert f"{prefix}spec_decode_num_accepted_tokens_total 2.0" in text
+    assert f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} 1.0' in text
+    assert f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{position="2"}} 0.0' in text
+  assert scheduler.spec_stats.acceptance_rate == 2 / 7

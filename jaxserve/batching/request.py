@@ -17,8 +17,29 @@ import enum
 import time
 from typing import Any, Sequence
 
-from jaxserve.batching.speculative import Backoff
 from jaxserve.config import SamplingParams
+
+MAX_BACKOFF_STEPS = 64  # The longest a request whose proposals fail goes without proposing.
+
+
+@dataclasses.dataclass
+class Backoff:
+  """Speculative decoding (speculative.py): one request's proposing schedule. After f failures
+  in a row (no proposal, or none of it accepted) it waits min(2**f, MAX_BACKOFF_STEPS) steps
+  before proposing again."""
+
+  failures: int = 0
+  resume_step: int = 0  # The scheduler step from which it may propose again.
+
+  def may_propose(self, step: int) -> bool:
+    return step >= self.resume_step
+
+  def record(self, step: int, accepted: int) -> None:
+    if accepted:
+      self.failures = 0
+      return
+    self.failures += 1
+    self.resume_step = step + min(2 ** self.failures, MAX_BACKOFF_STEPS)
 
 
 class RequestStatus(enum.Enum):

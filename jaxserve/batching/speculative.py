@@ -3,25 +3,22 @@ speculate, and the counts of what was proposed and accepted.
 
 A request speculates only with all its tokens on the host (the proposal continues its last
 one), so it sits out the step after each verification while the tokens come back; a request
-whose proposals keep failing stops proposing for a while (`Backoff`) and decodes every step, as
-without speculation. Verification (engine/verify.py) keeps each request's tokens exactly those of
-decoding one at a time, sampled ones included; a constrained request never speculates.
+whose proposals keep failing stops proposing for a while (request.Backoff) and decodes every
+step, as without speculation. Verification (engine/verify.py) keeps each request's tokens
+exactly those of decoding one at a time, sampled ones included; a constrained request never
+speculates.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.request import Request
 from jaxserve.config import SamplingParams, SpeculativeConfig
-
-if TYPE_CHECKING:  # request.py keeps a Backoff per request.
-  from jaxserve.batching.request import Request
-
-MAX_BACKOFF_STEPS = 64  # The longest a failing request goes without proposing.
 
 
 def can_speculate(sampling: SamplingParams) -> bool:
@@ -82,25 +79,6 @@ def verify_chunk(req: Request, drafts: list[int]) -> PrefillChunk:
       tuple(req.page_table), True, req.sampling, req.seed,
       prompt_token_ids=req.prompt_token_ids, output_token_ids=tuple(req.output_token_ids),
       window_table=tuple(req.window_table), num_drafts=len(drafts))
-
-
-@dataclasses.dataclass
-class Backoff:
-  """One request's proposing schedule: after f failures in a row (no proposal, or none of it
-  accepted) it waits min(2**f, MAX_BACKOFF_STEPS) steps before proposing again."""
-
-  failures: int = 0
-  resume_step: int = 0  # The scheduler step from which it may propose again.
-
-  def may_propose(self, step: int) -> bool:
-    return step >= self.resume_step
-
-  def record(self, step: int, accepted: int) -> None:
-    if accepted:
-      self.failures = 0
-      return
-    self.failures += 1
-    self.resume_step = step + min(2 ** self.failures, MAX_BACKOFF_STEPS)
 
 
 @dataclasses.dataclass
