@@ -190,7 +190,9 @@ def test_verified_programs_are_warmup_programs():
   on, off = Packer(ENGINE, 128, None), Packer(dataclasses.replace(ENGINE, speculative=None), 128,
                                                None)
   assert off.verified_shapes() == []
-  assert on.verified_shapes() == [s for s in on.shapes() if s.prefill_tokens]
+  assert on.verify_buckets() == (5, 20)  # A run of k + 1 = 5 tokens; 4 of them (max_prefill_seqs).
+  assert on.verified_shapes() == [s for s in on.shapes() if s.prefill_tokens] + [
+      (d, t, on.width) for d in (0, 4) for t in (5, 20)]
   args = on.template(on.verified_shapes()[0], verified=True)
   assert args.verify_rows.shape == (args.prefill_slots.shape[0], K + 1)
   assert args.verify_drafts.shape == (args.prefill_slots.shape[0], K)

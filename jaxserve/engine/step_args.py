@@ -103,7 +103,21 @@ class Packer:
     the prefill part, so those of the steps with prefill."""
     if self.config.speculative is None:
       return []
-    return [shape for shape in self.shapes() if shape.prefill_tokens]
+    c = self.config
+    return [shape for shape in self.shapes() if shape.prefill_tokens] + [
+        StepShape(d, t, self.width) for d in (0, c.decode_batch_buckets[-1])
+        for t in self.verify_buckets()]
+
+  def verify_buckets(self) -> tuple[int, ...]:
+    """Prefill parts of only verified chunks, under the smallest prefill bucket: k + 1 tokens
+    (one chunk) and (k + 1) * max_prefill_seqs (all a step holds). Where compute is dear (CPU),
+    a verified run padded to a prompt's bucket would cost more than its accepted tokens save."""
+    c = self.config
+    if c.speculative is None:
+      return ()
+    K1 = c.speculative.num_speculative_tokens + 1
+    sizes = {K1, K1 * min(c.max_prefill_seqs, c.num_slots)}
+    return tuple(sorted(b for b in sizes if b < c.prefill_buckets[0]))
 
   def pack(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> tuple[StepArgs, list[int]]:
     """(args, rows): rows[i] is the sequence whose token is the plan's i-th sample (its decode
@@ -114,7 +128,10 @@ class Packer:
     self._check(chunks, decodes)
     num_tokens = sum(len(ch.token_ids) for ch in chunks)
     scored = [ch.prompt_logprob_targets is not None for ch in chunks]
-    Tp = _bucket(c.prefill_buckets, num_tokens) if chunks else 0
+    buckets = c.prefill_buckets
+    if chunks and all(ch.num_drafts for ch in chunks):
+      buckets = self.verify_buckets() + buckets
+    Tp = _bucket(buckets, num_tokens) if chunks else 0
     W = self.width
     if chunks:  # A step with prefill runs every decode row or none (`shapes()`).
       Bd = c.decode_batch_buckets[-1] if decodes else 0
