@@ -6,6 +6,7 @@ token axis:
   tokens    [0, Bd)        one decode row per decoding slot, then padding rows (slot Bs) up to
                            Bd, a decode batch bucket (0 when nothing decodes)
             [Bd, Bd + Tp)  the prefill chunks back to back, then padding, Tp a prefill bucket
+                           (or, for verified chunks alone, a smaller verify bucket)
   sequences [0, Bd)        the decode rows, one each
             [Bd, Bd + Bp)  the prefill chunks, Bp = min(Tp, Bs, max_prefill_seqs)
 
@@ -13,7 +14,9 @@ A plan holds at most one chunk per request (the scheduler's plans fit one call),
 never two sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages
 once per query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed
 rows (T for none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
-nb = ceil(Tp / Tb) + Bp holds any packing. Shape letters: the key in jaxserve/model/__init__.py.
+nb = ceil(Tp / Tb) + Bp holds any packing. A verified chunk (speculative decoding,
+engine/verify.py) is packed like a prompt's chunk; `verify_rows` names its positions.
+Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
