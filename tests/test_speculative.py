@@ -15,7 +15,7 @@ from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig, Specu
 from support.tiny import count_compiles
 
 K = 4
-ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=40, max_model_len=512,
+ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=24, max_model_len=368,
                       prefill_buckets=(32,),
                       speculative=SpeculativeConfig(num_speculative_tokens=K))
 TEXTS = [
@@ -72,9 +72,9 @@ def test_greedy_tokens_equal_without_speculation_alone_and_batched(engine, defau
 
 
 def test_greedy_tokens_equal_when_preempted(engine, default_model, prompts):
-  """40 pages of 16 tokens cannot hold four 300-token sequences: requests are preempted and
+  """23 pages of 16 tokens cannot hold four 130-token sequences: requests are preempted and
   recomputed, verified runs in flight included."""
-  on = SamplingParams(temperature=0, max_tokens=260, ignore_eos=True)
+  on = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
   want, s_off = run(engine, default_model[1], prompts, dataclasses.replace(on, speculative=False))
   got, s_on = run(engine, default_model[1], prompts, on)
   assert s_off.num_preemptions > 0 and s_on.num_preemptions > 0
