@@ -4,9 +4,17 @@ The configs import at once; `LLM` (the device side: JAX, the model, the engine) 
 used (PEP 562), so the host side (scheduler, server, client, planner) imports without JAX.
 """
 
-from jaxserve.config import Constraint, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
+from jaxserve.config import (
+  Constraint,
+  EngineConfig,
+  ModelConfig,
+  SamplingParams,
+  SchedulerConfig,
+  SpeculativeConfig,
+)
 
-__all__ = ["LLM", "SamplingParams", "Constraint", "EngineConfig", "ModelConfig", "SchedulerConfig"]
+__all__ = ["LLM", "SamplingParams", "Constraint", "EngineConfig", "ModelConfig", "SchedulerConfig",
+           "SpeculativeConfig"]
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from jaxserve.config import SamplingParams
+from jaxserve.config import SamplingParams, SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,10 @@ class PrefillChunk:
   # With window pages (EngineInfo.window): the local layers' table, indexed as page_table; pages
   # no query of this chunk or later can see are 0 (the scratch page).
   window_table: Sequence[int] = ()
+  # Speculative decoding: the last num_drafts of token_ids are proposed, not known. The chunk
+  # (is_last, the sequence's last known token first) is verified: the engine keeps the longest
+  # run of proposals the model agrees with plus one token of its own (TokenFuture.verified).
+  num_drafts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,12 @@ class TokenFuture(Protocol):
     """(chosen [n], top ids [n, k], top logprobs [n, k]), rows as result()'s."""
     ...
 
+  def verified(self, chunk: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For plan.prefills[chunk], one with num_drafts: (proposals accepted a, then for each of
+    the chunk's positions its token [n + 1], chosen logprob [n + 1], top ids and top logprobs
+    [n + 1, k]); the output is tokens[:a + 1]."""
+    ...
+
   def prompt_logprobs(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For plan.prefills[chunk], one with prompt_logprob_targets: (chosen [n], ranks [n],
     top ids [n, k], top logprobs [n, k]) of its n positions."""
@@ -100,6 +110,7 @@ class EngineInfo:
   # None: every layer keeps every page.
   window: int | None = None
   num_window_pages: int = 0
+  speculative: SpeculativeConfig | None = None  # Set: decode rows may be verified chunks.
 
   @property
   def page_groups(self) -> int:
@@ -115,9 +126,10 @@ class Engine(Protocol):
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture:
     """Runs the whole plan in one call: writes every chunk's KV, decodes every decode slot. The
-    future holds one sample per `plan.decode_slots` entry, then one per chunk with `is_last`, in
-    plan order. bitmask [samples, ceil(V/32)] int32, rows in that order: the tokens each sample
-    may be (bit t % 32 of word t // 32); None, or an all-ones row, leaves a sample free. The
-    runner passes one only when a sample is constrained, so an engine without constraints may
-    omit it."""
+    future holds one sample per `plan.decode_slots` entry, then one per chunk with `is_last` and
+    no drafts, in plan order (a verified chunk's tokens come from `verified`). bitmask
+    [samples, ceil(V/32)] int32, rows in that order: the tokens each sample may be (bit t % 32
+    of word t // 32); None, or an all-ones row, leaves a sample free. The runner passes one only
+    when a sample is constrained, so an engine without constraints may omit it. Only an engine
+    whose info.speculative is set gets chunks with drafts."""
     ...

@@ -19,6 +19,28 @@ from typing import Any, Sequence
 
 from jaxserve.config import SamplingParams
 
+MAX_BACKOFF_STEPS = 64  # The longest a request whose proposals fail goes without proposing.
+
+
+@dataclasses.dataclass
+class Backoff:
+  """Speculative decoding (speculative.py): one request's proposing schedule. After f failures
+  in a row (no proposal, or none of it accepted) it waits min(2**f, MAX_BACKOFF_STEPS) steps
+  before proposing again."""
+
+  failures: int = 0
+  resume_step: int = 0  # The scheduler step from which it may propose again.
+
+  def may_propose(self, step: int) -> bool:
+    return step >= self.resume_step
+
+  def record(self, step: int, accepted: int) -> None:
+    if accepted:
+      self.failures = 0
+      return
+    self.failures += 1
+    self.resume_step = step + min(2 ** self.failures, MAX_BACKOFF_STEPS)
+
 
 class RequestStatus(enum.Enum):
   WAITING = "waiting"  # Queued, or preempted and queued again.
@@ -81,6 +103,10 @@ class Request:
   num_computed_tokens: int = 0
   num_pending_tokens: int = 0
   num_cached_pages: int = 0  # Leading pages of page_table registered in the prefix cache.
+  num_drafts_in_flight: int = 0  # Proposals of the verified chunk in flight (speculative.py).
+  num_draft_tokens: int = 0  # Proposals verified, over the request's life.
+  num_accepted_tokens: int = 0  # Of those, the ones the model agreed with.
+  backoff: Backoff = dataclasses.field(default_factory=Backoff)
   # Bumped by every preemption and abort: a token sampled under an older epoch is discarded.
   epoch: int = 0
   num_preemptions: int = 0
@@ -131,7 +157,8 @@ class Request:
                            None)
     return Completion(self.request_id, self.prompt_token_ids, tuple(self.output_token_ids),
                       "".join(o.text for o in outputs), self.finish_reason, self.stop_reason,
-                      self.num_cached_tokens, self.timings, logprobs, prompt_logprobs)
+                      self.num_cached_tokens, self.timings, logprobs, prompt_logprobs,
+                      self.num_draft_tokens, self.num_accepted_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,3 +206,6 @@ class Completion:
   # One per token of token_ids when SamplingParams.logprobs > 0 (vLLM's CompletionOutput.logprobs).
   logprobs: tuple[TokenLogprobs, ...] | None = None
   prompt_logprobs: Sequence[TokenLogprobs | None] | None = None  # As RequestOutput's.
+  # Speculative decoding: tokens proposed and verified, and how many of them the model accepted.
+  num_draft_tokens: int = 0
+  num_accepted_tokens: int = 0

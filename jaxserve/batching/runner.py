@@ -50,6 +50,8 @@ class _Dispatched:
   samples: list[tuple[Request, int]]  # (request, epoch) of each of the future's rows
   # Chunks that score their prompt positions: (plan index, request, epoch, chunk start, length).
   prompts: list[tuple[int, Request, int, int, int]] = dataclasses.field(default_factory=list)
+  # Chunks that verify proposals (speculative decoding): (plan index, request, epoch).
+  verifies: list[tuple[int, Request, int]] = dataclasses.field(default_factory=list)
 
 
 class Runner:
@@ -153,14 +155,18 @@ class Runner:
     if plan.is_empty and not plan.free_slots:
       return None
     # The future's rows: the decode slots, then the chunks that end their prompts.
-    ends = [req for chunk, req in zip(plan.prefills, scheduled.prefill_requests) if chunk.is_last]
+    pairs = list(zip(plan.prefills, scheduled.prefill_requests))
+    ends = [req for chunk, req in pairs if chunk.is_last and not chunk.num_drafts]
+    verifies = [(i, req, req.epoch) for i, (chunk, req) in enumerate(pairs) if chunk.num_drafts]
     samples = [(r, r.epoch) for r in scheduled.decode_requests] + [(r, r.epoch) for r in ends]
     prompts = [(i, req, req.epoch, chunk.start_pos, len(chunk.token_ids))
                for i, (chunk, req) in enumerate(zip(plan.prefills, scheduled.prefill_requests))
                if chunk.prompt_logprob_targets is not None]
     mask = self.constraints.step_mask(scheduled.decode_requests, ends)
     future = self.engine.step(plan) if mask is None else self.engine.step(plan, mask)
-    return _Dispatched(future, samples, prompts) if samples or prompts else None
+    if samples or prompts or verifies:
+      return _Dispatched(future, samples, prompts, verifies)
+    return None
 
   def _collect(self, step: _Dispatched) -> list[RequestOutput]:
     """Reads a step's sampled tokens, turns them into outputs, and hands them to the scheduler
@@ -168,21 +174,42 @@ class Runner:
     for i, req, epoch, start, length in step.prompts:
       if req.epoch == epoch:  # Before the step's first tokens, which hand these out.
         self._store_prompt_logprobs(req, step.future.prompt_logprobs(i), start, length)
+    outputs = [self._verified(req, step.future.verified(i))
+               for i, req, epoch in step.verifies if req.epoch == epoch]
     live = [(i, req) for i, (req, epoch) in enumerate(step.samples) if req.epoch == epoch]
     if not live:
-      return []
+      return outputs
     tokens = step.future.result().tolist()
     # One read of the logprob arrays for the whole step, and none when nobody asked.
     arrays = step.future.logprobs() if any(r.sampling.logprobs for _, r in live) else None
     now = time.monotonic()
-    outputs = [self._output(req, tokens[i], now, _token_logprobs(arrays, i, req.sampling.logprobs))
+    singles = [self._output(req, tokens[i], now, _token_logprobs(arrays, i, req.sampling.logprobs))
                for i, req in live]
     self.scheduler.update([(req, tokens[i], out.finished)
-                           for (i, req), out in zip(live, outputs)])
-    for (_, req), out in zip(live, outputs):
+                           for (i, req), out in zip(live, singles)])
+    for (_, req), out in zip(live, singles):
       if out.finished:
         self._retire(req)
-    return outputs
+    return outputs + singles
+
+  def _verified(self, req: Request, verified) -> RequestOutput:
+    """One output for a verified run's tokens (TokenFuture.verified), cut at the first that
+    finishes the request; the scheduler takes them and rolls the rest back."""
+    accepted, tokens, chosen, top_ids, top_logprobs = verified
+    now, num_top, outs = time.monotonic(), req.sampling.logprobs, []
+    for i, token in enumerate(tokens[:accepted + 1].tolist()):
+      logprobs = None
+      if num_top:
+        logprobs = (TokenLogprobs(float(chosen[i]), tuple(top_ids[i, :num_top].tolist()),
+                                  tuple(top_logprobs[i, :num_top].tolist())),)
+      outs.append(self._output(req, token, now, logprobs, ahead=i))
+      if outs[-1].finished:
+        break
+    out = _joined(outs)
+    self.scheduler.update_verified(req, out.token_ids, accepted, out.finished)
+    if out.finished:
+      self._retire(req)
+    return out
 
   def _store_prompt_logprobs(self, req: Request, arrays, start: int, length: int) -> None:
     """Position start + 1 + i is scored by chunk row i; the last chunk's last row scores the
@@ -195,8 +222,9 @@ class Runner:
           tuple(top_logprobs[i, :num_top].tolist()), int(ranks[i]))
 
   def _output(self, req: Request, token: int, now: float,
-              logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
-    """The output of `req`'s next token, the scheduler not told yet (`_collect` does it)."""
+              logprobs: tuple[TokenLogprobs, ...] | None, ahead: int = 0) -> RequestOutput:
+    """The output of `req`'s next token, the scheduler not told yet (`_collect` does it);
+    `ahead`: tokens of the same verified run before it, not told the scheduler either."""
     timings = req.timings
     timings.token_times.append(now)
     if timings.first_token is None:
@@ -204,30 +232,31 @@ class Runner:
     out = self._texts[req.request_id]
     if token in out.stop_token_ids:  # Its text is never shown.
       req.stop_reason = token
-      return self._last(req, FinishReason.STOP, out.finish(), now, (token,), logprobs)
+      return self._last(req, FinishReason.STOP, out.finish(), now, (token,), logprobs, ahead)
     if req.grammar is not None:
       self.constraints.accept(req, token)
     text = out.add((token,))
     if out.stop_string is not None:
       req.stop_reason = out.stop_string
-      return self._last(req, FinishReason.STOP, text, now, (token,), logprobs)
-    if len(req.all_token_ids) + 1 >= req.max_num_tokens:  # max_tokens, or the context window.
-      return self._last(req, FinishReason.LENGTH, text + out.finish(), now, (token,), logprobs)
+      return self._last(req, FinishReason.STOP, text, now, (token,), logprobs, ahead)
+    if len(req.all_token_ids) + ahead + 1 >= req.max_num_tokens:  # max_tokens, or the window.
+      return self._last(req, FinishReason.LENGTH, text + out.finish(), now, (token,), logprobs,
+                        ahead)
     return RequestOutput(req.request_id, (token,), text, None, timings, logprobs,
-                         self._first_prompt_logprobs(req))
+                         self._first_prompt_logprobs(req, ahead))
 
   def _last(self, req: Request, reason: FinishReason, text: str, now: float,
             token_ids: tuple[int, ...] = (),
-            logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+            logprobs: tuple[TokenLogprobs, ...] | None = None, ahead: int = 0) -> RequestOutput:
     """A request's last output; `_retire` forgets it once the scheduler has let it go."""
     req.finish_reason = reason
     req.timings.finish = now
     return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs,
-                         self._first_prompt_logprobs(req))
+                         self._first_prompt_logprobs(req, ahead))
 
-  def _first_prompt_logprobs(self, req: Request):
+  def _first_prompt_logprobs(self, req: Request, ahead: int = 0):
     """The prompt's logprobs, on the request's first output (None on later ones)."""
-    if req.num_output_tokens == 0:  # The scheduler appends this output's token after.
+    if req.num_output_tokens + ahead == 0:  # The scheduler appends this output's token after.
       return self._prompt_logprobs.pop(req.request_id, None)
     return None
 
@@ -245,3 +274,14 @@ def _token_logprobs(arrays, row: int, num_top: int) -> tuple[TokenLogprobs, ...]
   chosen, top_ids, top_logprobs = arrays
   return (TokenLogprobs(float(chosen[row]), tuple(top_ids[row, :num_top].tolist()),
                         tuple(top_logprobs[row, :num_top].tolist())),)
+
+
+def _joined(outs: Sequence[RequestOutput]) -> RequestOutput:
+  """The outputs of one verified run's tokens as one (several tokens in one stream event)."""
+  if len(outs) == 1:
+    return outs[0]
+  first, last = outs[0], outs[-1]
+  logprobs = None if first.logprobs is None else tuple(lp for o in outs for lp in o.logprobs)
+  return RequestOutput(first.request_id, tuple(t for o in outs for t in o.token_ids),
+                       "".join(o.text for o in outs), last.finish_reason, last.timings, logprobs,
+                       first.prompt_logprobs)

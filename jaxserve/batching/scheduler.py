@@ -36,6 +36,7 @@ from typing import Sequence
 from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
+from jaxserve.batching.speculative import SpecStats, proposal, verify_chunk
 from jaxserve.batching.window_pages import PagePools
 from jaxserve.config import SamplingParams, SchedulerConfig
 
@@ -69,6 +70,10 @@ class Scheduler:
     self.num_cached_tokens = 0  # Prefill tokens skipped thanks to the prefix cache.
     self.num_decode_tokens = 0
     self.num_preemptions = 0
+    # Speculative decoding (None: off). Not with window pages: a verified run's rollback would
+    # need window pages its last query already let go.
+    self.speculative = info.speculative if info.window is None else None
+    self.spec_stats = SpecStats(self.speculative.num_speculative_tokens if self.speculative else 0)
 
   @property
   def pages(self):
@@ -123,6 +128,28 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.epoch += 1
 
+  def update_verified(self, req: Request, tokens: Sequence[int], num_accepted: int,
+                      finished: bool) -> None:
+    """A verified chunk came back: of its num_drafts proposals the first `num_accepted` were
+    the model's own tokens. `tokens`: what the runner keeps of them and the model's next token
+    (fewer when a stop cut the run). The positions past the accepted ones roll back: their KV
+    is never read, and rewritten by the tokens that do come there."""
+    num_drafts = req.num_drafts_in_flight
+    req.num_drafts_in_flight = 0
+    req.num_computed_tokens -= num_drafts - num_accepted
+    req.backoff.record(self.num_steps, num_accepted)
+    self.spec_stats.record(num_drafts, num_accepted)
+    req.num_draft_tokens += num_drafts
+    req.num_accepted_tokens += num_accepted
+    self.num_decode_tokens += num_accepted
+    req.all_token_ids.extend(tokens)
+    req.num_pending_tokens -= 1
+    self._cache_full_pages(req)
+    if finished:
+      self._release(req)
+      req.status = RequestStatus.FINISHED
+      req.epoch += 1
+
   def abort(self, req: Request) -> None:
     if req.status is RequestStatus.WAITING:
       self.waiting.remove(req)
@@ -142,9 +169,12 @@ class Scheduler:
       chunks, prefill_reqs = self._schedule_prefills(admit=True, scoring=True)
       self._scored_last = bool(chunks)
     if not self._scored_last:
-      decodes, num_preempted = self._schedule_decodes()
+      decodes, verifies, num_preempted = self._schedule_decodes()
+      chunks, prefill_reqs = [c for c, _ in verifies], [r for _, r in verifies]
       # A preemption means memory is short: admitting now would only preempt again.
-      chunks, prefill_reqs = self._schedule_prefills(admit=not num_preempted, scoring=False)
+      more, more_reqs = self._schedule_prefills(admit=not num_preempted, scoring=False,
+                                                taken=(chunks, prefill_reqs))
+      chunks, prefill_reqs = chunks + more, prefill_reqs + more_reqs
     tables = self.pools.slot_tables() if decodes else None
     released, self._released = tuple(self._released), []
     plan = StepPlan(tuple(chunks), tuple(r.slot for r in decodes), tables, released)
@@ -159,57 +189,72 @@ class Scheduler:
     return any(r.is_prefilling and _wants_prompt_logprobs(r) for r in self.running) or (
         head is not None and _wants_prompt_logprobs(head))
 
-  def _schedule_decodes(self) -> tuple[list[Request], int]:
-    decodes, num_preempted = [], 0
+  def _schedule_decodes(self) -> tuple[list[Request], list[tuple[PrefillChunk, Request]], int]:
+    """(decodes, verified chunks with their requests, preemptions)."""
+    decodes, verifies, num_preempted = [], [], 0
+    budget = [self._budget, self._max_prefill_seqs]  # Verified chunks share the prefill's.
     queue = collections.deque(self.running)  # Best first, so victims come off the far end.
     while queue:
       req = queue.popleft()
       num_tokens = len(req.all_token_ids) + req.num_pending_tokens
       # Still prefilling, or every token it may have is sampled already, or constrained and its
-      # last token (which its next mask needs) is still in flight (constrained.py).
+      # last token (which its next mask needs) is still in flight (constrained.py), or waiting
+      # for its tokens to propose from (speculative.py).
       if (req.num_computed_tokens < req.num_prefill_tokens or num_tokens >= req.max_num_tokens
           or (req.grammar is not None and req.num_pending_tokens)):
         continue
-      while not self.pools.grow(req, num_tokens):
+      drafts = proposal(req, self.speculative, self.num_steps, num_tokens, budget)
+      if drafts is None:
+        continue
+      while not self.pools.grow(req, num_tokens + len(drafts)):
         victim = queue.pop() if queue else req
         self._preempt(victim)
         num_preempted += 1
         if victim is req:
           break
       else:
-        # Decode writes the KV of position num_tokens - 1 and samples the next token.
-        req.num_computed_tokens = num_tokens
+        # Decode writes the KV of position num_tokens - 1 and samples the next token; a
+        # verified chunk also writes its proposals' and samples after each.
+        req.num_computed_tokens = num_tokens + len(drafts)
         req.num_pending_tokens += 1
-        decodes.append(req)
-    self.num_decode_tokens += len(decodes)
-    return decodes, num_preempted
+        if drafts:
+          verifies.append((verify_chunk(req, drafts), req))
+          budget[0] -= len(drafts) + 1
+          budget[1] -= 1
+        else:
+          decodes.append(req)
+    self.num_decode_tokens += len(decodes) + len(verifies)
+    return decodes, verifies, num_preempted
 
   def _preempt(self, req: Request) -> None:
     self._cache_full_pages(req)  # Its own prefix may still be cached when it comes back.
     self._release(req)
     req.status = RequestStatus.WAITING
     req.num_prefill_tokens = req.num_computed_tokens = req.num_pending_tokens = 0
-    req.num_cached_pages = 0
+    req.num_cached_pages = req.num_drafts_in_flight = 0
     req.epoch += 1  # Its token in flight is dropped; the recompute samples it again.
     req.num_preemptions += 1
     self.num_preemptions += 1
     self.waiting.push(req)
 
-  def _schedule_prefills(self, admit: bool, scoring: bool) -> tuple[list[PrefillChunk], list]:
+  def _schedule_prefills(self, admit: bool, scoring: bool,
+                         taken: tuple = ((), ())) -> tuple[list[PrefillChunk], list]:
     """One chunk for each prefilling request (of the plan's kind: scoring or not) while the
     budget and the prompts-per-step limit last, then admissions in queue order. Static
     batching admits a whole group at once, and only when the last group has finished; the
-    members the step has no room for prefill in the steps after."""
+    members the step has no room for prefill in the steps after. `taken`: the verified chunks
+    (and their requests) already in the plan, which count against both."""
     chunks, reqs = [], []
-    budget = self._budget
+    budget = self._budget - sum(len(ch.token_ids) for ch in taken[0])
+    max_seqs = self._max_prefill_seqs - len(taken[1])
     for req in self.running:
       if (req.is_prefilling and _wants_prompt_logprobs(req) == scoring and budget > 0
-          and len(reqs) < self._max_prefill_seqs):
+          and len(reqs) < max_seqs):
         budget = self._add_chunk(req, budget, chunks, reqs)
     static = self.config.static_batching
     admit = admit and not (static and self.running)
     while admit and self.waiting and _wants_prompt_logprobs(self.waiting.peek()) == scoring:
-      room = budget > 0 and len(reqs) < self._max_prefill_seqs
+      room = budget > 0 and len(reqs) < max_seqs
       hits = self._admission(self.waiting.peek()) if room or static else None
       if hits is None:
         break

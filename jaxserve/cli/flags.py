@@ -12,6 +12,7 @@ from jaxserve.config import (
   EngineConfig,
   KVDtype,
   SamplingParams,
+  SpeculativeConfig,
   default_attention_backend,
 )
 
@@ -52,6 +53,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  help="attention backend (default: reference on CPU, pallas on TPU/GPU)")
   add_window_flag(p)
   add_parallel_flags(p)
+  add_speculative_flag(p)
+
+
+def add_speculative_flag(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--speculative-config", type=speculative_config, default=None,
+                 help='speculative decoding, as vLLM spells it: a JSON object, e.g. \'{"method": '
+                 '"ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                 '"prompt_lookup_max": 4}\' (default: off)')
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+  """--speculative-config's JSON; a bad one is argparse's error, naming the problem."""
+  try:
+    return SpeculativeConfig.from_json(text)
+  except (ValueError, TypeError) as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_window_flag(p: argparse.ArgumentParser) -> None:
@@ -114,7 +131,7 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         kv_dtype=kv_dtype, attention_backend=backend, tp=args.tp, dp=args.dp,
-                        window_pages=args.window_pages)
+                        window_pages=args.window_pages, speculative=args.speculative_config)
   # The platform's default backend too, so a bad pair fails here, before the model loads.
   config.check_backend(backend or default_attention_backend(platform))
   return config
@@ -134,4 +151,5 @@ def add_compile_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--tp", type=int, default=d("tp"),
                  help="tensor parallelism: chips of the target's topology the model splits over")
   add_window_flag(p)
+  add_speculative_flag(p)
   p.add_argument("--json", action="store_true", help="print the reports as JSON")

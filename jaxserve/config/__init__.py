@@ -21,8 +21,9 @@ from jaxserve.config.engine import (
 )
 from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
 from jaxserve.config.sampling import SamplingParams
+from jaxserve.config.speculative import SpeculativeConfig
 
 __all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype",
            "KVLayout", "ModelConfig", "ModelFamily", "Platform", "QueuePolicy", "RopeScaling",
-           "SamplingParams", "SchedulerConfig", "default_attention_backend", "is_int", "json_type",
-           "short"]
+           "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "default_attention_backend",
+           "is_int", "json_type", "short"]

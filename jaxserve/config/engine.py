@@ -7,6 +7,8 @@ import dataclasses
 import enum
 import math
 
+from jaxserve.config.speculative import SpeculativeConfig
+
 
 class Dtype(enum.Enum):
   """The engine's parameters, activations and KV cache (unless `kv_dtype` says otherwise)."""
@@ -110,6 +112,8 @@ class EngineConfig:
   # Tensor parallel: devices the weights and KV heads are split over (mesh axis `model`).
   tp: int = 1
   dp: int = 1  # Data parallel: groups the decode slots are split over (mesh axis `data`).
+  # Speculative decoding (None: off); its k sets the verify steps' shapes (config/speculative.py).
+  speculative: SpeculativeConfig | None = None
 
   def __post_init__(self):
     if self.max_prefill_seqs < 1:

@@ -36,6 +36,8 @@ class SamplingParams:
   # What the output must match (JSON schema, regex, choice, grammar); None: free text. The
   # runner masks each token to what the grammar allows (text/constraint.py, batching/runner.py).
   constraint: Constraint | None = None
+  # False: this request never speculates, even on an engine with EngineConfig.speculative set.
+  speculative: bool = True
 
   # The settings that shape each token's choice, each a per-slot device array
   # (engine/sampling_state.py). The front ends, the command line and the device state derive
@@ -72,6 +74,7 @@ class SamplingParams:
           "must be None or a signed 64-bit int, in [-2**63, 2**63)")
     check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1")
     check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
+    check(isinstance(self.speculative, bool), "speculative", "must be true or false")
     check(is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
           f"must be in [0, {self.MAX_LOGPROBS}]")
     check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)

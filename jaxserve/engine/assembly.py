@@ -35,15 +35,22 @@ class Program:
   """One program warm-up compiles: a step shape, plain or scoring its prompt positions, and the
   padding arguments (numpy) it runs on."""
 
-  name: str  # "step D=.. T=.. W=..", " scored" after a scoring one.
+  name: str  # "step D=.. T=.. W=..", " scored" after a scoring one, " verified" a verifying one.
   shape: StepShape
   scored: bool
   args: StepArgs
+  verified: bool = False  # Verifies speculative proposals (EngineConfig.speculative).
+
+  @property
+  def extra_output(self) -> bool:
+    """Whether the step returns a fourth value (prompt logprobs, or the verified tokens)."""
+    return self.scored or self.verified
 
 
-def program_name(shape: StepShape, scored: bool) -> str:
+def program_name(shape: StepShape, scored: bool, verified: bool = False) -> str:
   D, T, W = shape
-  return f"step D={D} T={T} W={W}" + (" scored" if scored else "")
+  return f"step D={D} T={T} W={W}" + (" scored" if scored else "") + (
+      " verified" if verified else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +66,8 @@ class Assembly:
   shardings: placement.EngineShardings | None  # Over a mesh; None on one device.
 
   def out_shardings(self, scored: bool):
-    """Where a step's results live: (cache, state, out[, prompt]); None on one device."""
+    """Where a step's results live: (cache, state, out[, prompt or verified]) (`scored`: the
+    fourth is there); None on one device."""
     s = self.shardings
     if s is None:
       return None
@@ -99,11 +107,15 @@ class Assembly:
 
   def programs(self) -> list[Program]:
     """Every program warm-up compiles, in order: one per step shape (Packer.shapes), then the
-    scoring variant of the prefill-only ones (Packer.scored_shapes)."""
+    scoring variant of the prefill-only ones (Packer.scored_shapes), then the verifying variant
+    of those with prefill (Packer.verified_shapes, with speculation)."""
     p = self.packer
     return [Program(program_name(shape, scored), shape, scored, p.template(shape, scored=scored))
             for scored, shapes in ((False, p.shapes()), (True, p.scored_shapes()))
-            for shape in shapes]
+            for shape in shapes] + [
+                Program(program_name(shape, False, True), shape, False,
+                        p.template(shape, verified=True), verified=True)
+                for shape in p.verified_shapes()]
 
 
 def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,

@@ -53,6 +53,7 @@ class Program:
   donate: tuple[int, ...] = ()
   shardings: tuple | None = None  # Over a mesh (tp > 1): each argument's, and the results'.
   out_shardings: Any = None
+  verified: bool = False
 
   def lowering(self, device) -> Callable:
     """The program's lowering for `device` (targets.compile_reports runs it)."""
@@ -85,7 +86,7 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
   return [Program(p.name, p.shape, p.scored, asm.step,
                   (params, asm.cache, asm.state, abstract(p.args), stop_ids), assembly.DONATE,
-                  asm.arg_shardings(p.args), asm.out_shardings(p.scored))
+                  asm.arg_shardings(p.args), asm.out_shardings(p.extra_output), p.verified)
           for p in asm.programs()]
 
 
@@ -124,7 +125,7 @@ def neediest(programs: list[Program]) -> list[str]:
   weights and cache)."""
   largest: dict[tuple, Program] = {}
   for p in programs:
-    kind = (p.scored, p.shape.decode_rows > 0, p.shape.prefill_tokens > 0)
+    kind = (p.scored, p.verified, p.shape.decode_rows > 0, p.shape.prefill_tokens > 0)
     if kind not in largest or p.shape[:2] >= largest[kind].shape[:2]:
       largest[kind] = p
   return [p.name for p in largest.values()]
@@ -252,7 +253,8 @@ def run_compile(args) -> int:
                         memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
                         dtype=args.dtype, tp=args.tp,
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
-                        compilation_cache_dir=None, window_pages=args.window_pages)
+                        compilation_cache_dir=None, window_pages=args.window_pages,
+                        speculative=args.speculative_config)
   result = compile_engine(args.compile, model, config)
   print(json.dumps(result, indent=1) if args.json else format_table(result))
   return 0 if result["fits"] else 1

@@ -79,6 +79,9 @@ class TokenFuture:
   def prompt_logprobs(self, chunk: int):
     raise ValueError(f"chunk {chunk} of this step did not ask for prompt logprobs")
 
+  def verified(self, chunk: int):
+    raise ValueError(f"chunk {chunk} of this step verified no proposals")
+
 
 class ScoredFuture(TokenFuture):
   """A prefill-only step that also scored its prompt positions (engine/prompt_logprobs.py).
@@ -96,6 +99,28 @@ class ScoredFuture(TokenFuture):
     at, end = self._starts[chunk], self._starts[chunk + 1]
     p = self._prompt
     return tuple(np.asarray(x)[at:end] for x in (p.logprobs, p.ranks, p.top_ids, p.top_logprobs))
+
+
+class VerifiedFuture(TokenFuture):
+  """A step that verified speculative proposals (engine/verify.py): `verified` gives each
+  verified chunk's run."""
+
+  def __init__(self, packed, rows, verified):
+    super().__init__(packed, rows)
+    self._verified = verified
+    self._verified_host = None
+    verified.copy_to_host_async()
+
+  def verified(self, chunk: int):
+    """(accepted a, tokens [k + 1], chosen logprobs [k + 1], top ids [k + 1, 20], top logprobs
+    [k + 1, 20]) of plan.prefills[chunk]: its output is tokens[:a + 1]."""
+    if self._verified_host is None:
+      self._verified_host = np.asarray(self._verified)
+    row, n = self._verified_host[chunk], NUM_TOP_LOGPROBS
+    x = row[1:].reshape(-1, 2 + 2 * n)
+    as_float = lambda a: np.ascontiguousarray(a).view(np.float32)
+    return int(row[0]), x[:, 0].copy(), as_float(x[:, 1]), x[:, 2:2 + n].copy(), as_float(
+        x[:, 2 + n:])
 
 
 def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> EngineConfig:
@@ -141,7 +166,8 @@ class Engine:
     self.can_share_pages = self._slot_page_tables is None
     self.info = self._engine_info()
     # The cache and decode state are donated: each step updates them in place. Prefill-only
-    # steps that also score their prompt positions have one more output, so their own jit.
+    # steps that also score their prompt positions, and steps that verify speculative
+    # proposals, have one more output, so their own jit.
     self._step = self.assembly.jit(scored=False)
     self._step_scored = self.assembly.jit(scored=True)
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
@@ -155,7 +181,8 @@ class Engine:
                       self.max_prefill_len, self.can_share_pages, self.model_config.vocab_size,
                       c.prefill_buckets, c.dtype.value, c.max_prefill_seqs,
                       window=self.model_config.sliding_window if windowed else None,
-                      num_window_pages=self.cache.window.num_pages if windowed else 0)
+                      num_window_pages=self.cache.window.num_pages if windowed else 0,
+                      speculative=c.speculative)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
            run=None) -> TokenFuture | None:
@@ -181,6 +208,9 @@ class Engine:
     """`chunk_lens`: the plan's chunks' lengths, which place them on a scoring step's token
     axis."""
     inputs = (self.params, self.cache, self.state, args, self.stop_ids)
+    if args.verify_rows is not None:
+      self.cache, self.state, out, verified = self._step_scored(*inputs)
+      return VerifiedFuture(out, rows, verified)
     if args.prefill_targets is None:
       self.cache, self.state, out = self._step(*inputs)
       return TokenFuture(out, rows)

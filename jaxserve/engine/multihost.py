@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
   STOP = 0
   STEP = 1
   SCORED_STEP = 2  # A step that also scores its prompt positions (its args carry the targets).
+  VERIFIED_STEP = 3  # A step that verifies speculative proposals (its args carry them).
 
 
 # The header, [kind, Bd, Tp, W] int32: the step's StepShape, which sets every shape of the arrays
@@ -87,8 +88,8 @@ class LeaderEngine:
 
   def _run(self, args: StepArgs, rows: list[int], chunk_lens=()) -> TokenFuture:
     shape = (args.decode_slots.shape[0], args.prefill_tokens.shape[0], args.decode_tables.shape[1])
-    scored = args.prefill_targets is not None
-    _send(Kind.SCORED_STEP if scored else Kind.STEP, shape, args)
+    kind = Kind.SCORED_STEP if args.prefill_targets is not None else Kind.STEP
+    _send(Kind.VERIFIED_STEP if args.verify_rows is not None else kind, shape, args)
     self.num_calls += 1
     return self.engine.run_step(args, rows, chunk_lens)
 
@@ -113,9 +114,10 @@ def follow(engine: Engine) -> int:
     if kind == Kind.STOP:
       logging.info("follower %d: stop after %d steps", jax.process_index(), num_steps)
       return num_steps
-    if kind not in (Kind.STEP, Kind.SCORED_STEP):
+    if kind not in (Kind.STEP, Kind.SCORED_STEP, Kind.VERIFIED_STEP):
       raise ValueError(f"unknown engine call {kind} from process 0")
-    template = engine.packer.template(StepShape(*shape), scored=kind == Kind.SCORED_STEP)
+    template = engine.packer.template(StepShape(*shape), scored=kind == Kind.SCORED_STEP,
+                                      verified=kind == Kind.VERIFIED_STEP)
     engine.run_step(broadcast_one_to_all(template), [])
     num_steps += 1
 

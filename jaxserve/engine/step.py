@@ -21,6 +21,7 @@ from flax import nnx
 from jaxserve.engine.prompt_logprobs import score_prompt
 from jaxserve.engine.sample import sample
 from jaxserve.engine.sampling_state import SamplingState
+from jaxserve.engine.verify import verify
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 
@@ -41,7 +42,8 @@ class DecodeState:
 def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args, stop_ids, *,
          attn: AttentionSpec):
   """args: engine.step_args.StepArgs of device arrays -> (cache, state, out [B, 2 + 2 * n]), and
-  PromptLogprobs [Tp] last when args.prefill_targets is set.
+  PromptLogprobs [Tp] last when args.prefill_targets is set, or verify.Verified.packed when
+  args.verify_rows is (a verifying step, engine/verify.py).
 
   out packs the Sampled values of every sequence into one int32 array, so one transfer brings
   them to the host (engine.TokenFuture unpacks it)."""
@@ -53,12 +55,19 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
   meta = _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, cache.page_size,
                    cache.PAGE_GROUPS)
   model = nnx.merge(graphdef, params)
-  logits, cache, prompt = _forward(model, tokens, cache, meta, attn, args)
+  logits, cache, prompt, every = _forward(model, tokens, cache, meta, attn, args)
   samples = live & _cat(jnp.ones(Bd, bool), args.prefill_samples)  # [B]
   sampling = _take_new_settings(state.sampling, args, live, Bs)
   rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
   sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
-  state = _write_back(state, sampling, sampled.tokens, jnp.where(samples, slots, Bs), kv_lens)
+  next_tokens, next_lens, targets = sampled.tokens, kv_lens, jnp.where(samples, slots, Bs)
+  if every is not None:  # A verifying step: a verified chunk's sequence moves past its run.
+    next_tokens, next_lens, prompt, counts = _verified(model, every, rows, starts, live, args,
+                                                       stop_ids, next_tokens, next_lens)
+    row, hit = _writer(targets, Bs)
+    sampling = dataclasses.replace(sampling, output_counts=sampling.output_counts + jnp.where(
+        hit[:, None], counts[row], 0))
+  state = _write_back(state, sampling, next_tokens, targets, next_lens)
   if prompt is not None:
     return cache, state, pack_sampled(sampled), prompt
   return cache, state, pack_sampled(sampled)
@@ -104,15 +113,33 @@ def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
 
 
 def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args):
-  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None)."""
-  if args.prefill_targets is None:
+  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None, and in a
+  verifying step the last layer's output [T, D] at every row, else None)."""
+  if args.prefill_targets is None and args.verify_rows is None:
     logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
-    return logits, cache, None
-  # Every position's output [1, T, D], for the prompt's scores (in blocks).
+    return logits, cache, None, None
+  # Every position's output [1, T, D], for the prompt's scores (in blocks) or the verified runs.
   every, cache = model(tokens[None], cache, meta, attn, hidden=True)
   logits = model.head(every[0, meta.sample_rows])
+  if args.verify_rows is not None:
+    return logits, cache, None, every[0]
   prompt = score_prompt(model.head, every[0, meta.num_decode_rows:], args.prefill_targets)
-  return logits, cache, prompt
+  return logits, cache, prompt, None
+
+
+def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, tokens, kv_lens):
+  """every [T, D], rows [B, ...], starts and live [B]; tokens and kv_lens [B] as sampled ->
+  (tokens, kv_lens) with each verified chunk's next token and position after its accepted
+  run, verify.Verified.packed, and [B, V] the accepted proposals counted."""
+  Bd = args.decode_slots.shape[0]
+  v = verify(model.head, every, jax.tree.map(lambda x: x[Bd:], rows), starts[Bd:], live[Bd:],
+             args, stop_ids, pack_sampled)
+  is_verified = _cat(jnp.zeros(Bd, bool), v.is_verified)  # [B]
+  zeros = jnp.zeros(Bd, jnp.int32)
+  tokens = jnp.where(is_verified, _cat(zeros, v.next_token), tokens)
+  kv_lens = jnp.where(is_verified, _cat(zeros, starts[Bd:] + v.accepted + 1), kv_lens)
+  counts = _cat(jnp.zeros((Bd, v.counts.shape[1]), jnp.int32), v.counts)
+  return tokens, kv_lens, v.packed, counts
 
 
 def _take_new_settings(sampling: SamplingState, args, live, Bs: int) -> SamplingState:

@@ -6,6 +6,7 @@ token axis:
   tokens    [0, Bd)        one decode row per decoding slot, then padding rows (slot Bs) up to
                            Bd, a decode batch bucket (0 when nothing decodes)
             [Bd, Bd + Tp)  the prefill chunks back to back, then padding, Tp a prefill bucket
+                           (or, for verified chunks alone, a smaller verify bucket)
   sequences [0, Bd)        the decode rows, one each
             [Bd, Bd + Bp)  the prefill chunks, Bp = min(Tp, Bs, max_prefill_seqs)
 
@@ -13,7 +14,9 @@ A plan holds at most one chunk per request (the scheduler's plans fit one call),
 never two sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages
 once per query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed
 rows (T for none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
-nb = ceil(Tp / Tb) + Bp holds any packing. Shape letters: the key in jaxserve/model/__init__.py.
+nb = ceil(Tp / Tb) + Bp holds any packing. A verified chunk (speculative decoding,
+engine/verify.py) is packed like a prompt's chunk; `verify_rows` names its positions.
+Shape letters: the key in jaxserve/model/__init__.py.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ class StepArgs(NamedTuple):
   # [Bd + Bp, ceil(V/32)] int32: the tokens each sequence may sample (constrained decoding); all
   # ones for a free one. Always set (Packer.pack, Packer.template): a fixed input of every step.
   bitmask: np.ndarray | None = None
+  # In a step that verifies proposals (speculative decoding), else None: [Bp, k + 1] int32, the
+  # packed rows of each prefill sequence's last k + 1 positions (a verified chunk's, its last
+  # row repeated when it is shorter; any rows for the others), and [Bp, k] int32 its proposals
+  # (-1: none, which no token equals).
+  verify_rows: np.ndarray | None = None
+  verify_drafts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,27 @@ class Packer:
     """The scoring variant's shapes: prefill only."""
     return [StepShape(0, t, self.width) for t in self.config.prefill_buckets]
 
+  def verified_shapes(self) -> list[StepShape]:
+    """The verifying variant's shapes (with EngineConfig.speculative): a verified chunk sits in
+    the prefill part, so those of the steps with prefill."""
+    if self.config.speculative is None:
+      return []
+    c = self.config
+    return [shape for shape in self.shapes() if shape.prefill_tokens] + [
+        StepShape(d, t, self.width) for d in (0, c.decode_batch_buckets[-1])
+        for t in self.verify_buckets()]
+
+  def verify_buckets(self) -> tuple[int, ...]:
+    """Prefill parts of only verified chunks, under the smallest prefill bucket: k + 1 tokens
+    (one chunk) and (k + 1) * max_prefill_seqs (all a step holds). Where compute is dear (CPU),
+    a verified run padded to a prompt's bucket would cost more than its accepted tokens save."""
+    c = self.config
+    if c.speculative is None:
+      return ()
+    K1 = c.speculative.num_speculative_tokens + 1
+    sizes = {K1, K1 * min(c.max_prefill_seqs, c.num_slots)}
+    return tuple(sorted(b for b in sizes if b < c.prefill_buckets[0]))
+
   def pack(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> tuple[StepArgs, list[int]]:
     """(args, rows): rows[i] is the sequence whose token is the plan's i-th sample (its decode
     slots in order, then its prompts that end in this step). bitmask [samples, ceil(V/32)]: row i
@@ -101,7 +131,10 @@ class Packer:
     self._check(chunks, decodes)
     num_tokens = sum(len(ch.token_ids) for ch in chunks)
     scored = [ch.prompt_logprob_targets is not None for ch in chunks]
-    Tp = _bucket(c.prefill_buckets, num_tokens) if chunks else 0
+    buckets = c.prefill_buckets
+    if chunks and all(ch.num_drafts for ch in chunks):
+      buckets = self.verify_buckets() + buckets
+    Tp = _bucket(buckets, num_tokens) if chunks else 0
     W = self.width
     if chunks:  # A step with prefill runs every decode row or none (`shapes()`).
       Bd = c.decode_batch_buckets[-1] if decodes else 0
@@ -114,7 +147,7 @@ class Packer:
       samples = list(range(len(decodes)))
     args = StepArgs(rows, self._tables(rows, plan.page_tables, W),
                     *self._prefill(chunks, Bd, Tp, W))
-    samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last]
+    samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last and not ch.num_drafts]
     mask = self._all_allowed(Bd + args.prefill_slots.shape[0])
     if bitmask is not None:
       if bitmask.shape != (len(samples), mask.shape[1]) or bitmask.dtype != np.int32:
@@ -130,7 +163,24 @@ class Packer:
         targets[at:at + len(ch.prompt_logprob_targets)] = ch.prompt_logprob_targets
         at += len(ch.token_ids)
       args = args._replace(prefill_targets=targets)
+    if any(ch.num_drafts for ch in chunks):
+      args = args._replace(**self._verified(chunks, Bd, args.prefill_slots.shape[0]))
     return args, samples
+
+  def _verified(self, chunks: Sequence[PrefillChunk], Bd: int, Bp: int) -> dict[str, np.ndarray]:
+    """verify_rows and verify_drafts (StepArgs) for `chunks`, packed from row Bd."""
+    k = self.config.speculative.num_speculative_tokens
+    rows, drafts = np.full((Bp, k + 1), Bd, np.int32), np.full((Bp, k), -1, np.int32)
+    at = Bd
+    for j, ch in enumerate(chunks):
+      n, d = len(ch.token_ids), ch.num_drafts
+      if d > k:
+        raise ValueError(f"a chunk of {d} proposals: at most {k} (num_speculative_tokens)")
+      rows[j] = at + n - 1
+      rows[j, :d + 1] = at + n - 1 - d + np.arange(d + 1)
+      drafts[j, :d] = ch.token_ids[n - d:]
+      at += n
+    return dict(verify_rows=rows, verify_drafts=drafts)
 
   def _check(self, chunks: Sequence[PrefillChunk], decodes: Sequence[int]) -> None:
     """Raises ValueError for a plan that does not fit one call (the scheduler makes none)."""
@@ -150,13 +200,15 @@ class Packer:
     if any(scored) and (decodes or not all(scored)):
       raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
 
-  def template(self, shape: StepShape, scored: bool = False) -> StepArgs:
+  def template(self, shape: StepShape, scored: bool = False, verified: bool = False) -> StepArgs:
     """Arrays of `shape` that run nothing but padding (warm-up, and multihost's receive buffers)."""
     Bd, Tp, W = shape
     rows = np.full(Bd, self.config.num_slots, np.int32)
     targets = np.zeros(Tp, np.int32) if scored else None
     args = StepArgs(rows, np.full((Bd, W), SCRATCH_PAGE, np.int32), *self._prefill([], Bd, Tp, W),
                     prefill_targets=targets)
+    if verified:
+      args = args._replace(**self._verified([], Bd, args.prefill_slots.shape[0]))
     return args._replace(bitmask=self._all_allowed(Bd + args.prefill_slots.shape[0]))
 
   def _all_allowed(self, B: int) -> np.ndarray:

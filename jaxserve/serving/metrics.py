@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.batching.request import FinishReason, Request
 from jaxserve.batching.scheduler import Scheduler
+from jaxserve.batching.speculative import SpecStats
 from jaxserve.serving.vllm_metrics import VllmCollector
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
@@ -153,3 +154,23 @@ class _SchedulerCollector:
                               value=pages.num_hit_tokens)
     yield CounterMetricFamily("jaxserve:num_preemptions", "Requests preempted.",
                               value=s.num_preemptions)
+    if s.speculative is not None:
+      yield from _speculative_metrics(s.spec_stats)
+
+
+def _speculative_metrics(stats: SpecStats) -> Iterator:
+  """Speculative decoding's counters, under our prefix and under vLLM's names beside it
+  (`vllm:spec_decode_*`, which dashboards built for vLLM read)."""
+  for prefix in ("jaxserve:", "vllm:"):
+    yield CounterMetricFamily(f"{prefix}spec_decode_num_drafts", "Proposed runs verified.",
+                              value=stats.num_drafts)
+    yield CounterMetricFamily(f"{prefix}spec_decode_num_draft_tokens", "Tokens proposed.",
+                              value=stats.num_draft_tokens)
+    yield CounterMetricFamily(f"{prefix}spec_decode_num_accepted_tokens", "Proposals accepted.",
+                              value=stats.num_accepted_tokens)
+    per_pos = CounterMetricFamily(f"{prefix}spec_decode_num_accepted_tokens_per_pos",
+                                  "Proposals accepted at each position of a run.",
+                                  labels=["position"])
+    for i, n in enumerate(stats.accepted_per_pos):
+      per_pos.add_metric([str(i)], n)
+    yield per_pos

@@ -1,0 +1,55 @@
+"""Speculative decoding: a cheap proposer guesses the next k tokens, and one step of the model
+verifies all of them at once (batching/speculative.py proposes, engine/verify.py verifies)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+METHODS = ("ngram",)  # The proposers built so far; vLLM also spells "draft" (a smaller model).
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """vLLM's `--speculative-config` keys. `num_speculative_tokens` (k) sets a shape: each
+  speculating sequence is verified as a chunk of up to k + 1 tokens."""
+
+  method: str = "ngram"  # Prompt lookup: propose what followed the last n tokens before.
+  num_speculative_tokens: int = 4
+  prompt_lookup_min: int = 2  # The shortest n-gram that may match.
+  prompt_lookup_max: int = 4  # The longest, tried first.
+  draft_model: str | None = None  # For method "draft", which is not built yet.
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise ValueError(f"SpeculativeConfig.method must be one of {list(METHODS)}, got "
+                       f"{self.method!r} (the draft-model method is not built yet)")
+    if self.draft_model is not None:
+      raise ValueError("SpeculativeConfig.draft_model: the draft-model method is not built yet")
+    for field in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"SpeculativeConfig.{field} must be an int >= 1, got {value!r}")
+    if self.num_speculative_tokens > 16:
+      raise ValueError("SpeculativeConfig.num_speculative_tokens must be at most 16, got "
+                       f"{self.num_speculative_tokens}")
+    if self.prompt_lookup_min > self.prompt_lookup_max:
+      raise ValueError(f"SpeculativeConfig.prompt_lookup_min ({self.prompt_lookup_min}) must be "
+                       f"at most prompt_lookup_max ({self.prompt_lookup_max})")
+
+  @classmethod
+  def from_json(cls, text: str) -> SpeculativeConfig:
+    """The `--speculative-config` flag's JSON object; unknown keys are refused by name."""
+    try:
+      fields: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+      raise ValueError("--speculative-config must be a JSON object, e.g. "
+                       '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+      raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**fields)

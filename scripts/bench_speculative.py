@@ -1,0 +1,143 @@
+"""Speculative decoding (n-gram prompt lookup) against none, each side in a fresh process.
+
+  python scripts/bench_speculative.py                     # both workloads, k = 4
+  python scripts/bench_speculative.py --quick             # a few short requests: proves it runs
+  python scripts/bench_speculative.py --workloads copy \
+      --speculative-config '{"num_speculative_tokens": 3}'
+
+Two workloads, both greedy on the default model:
+- copy: single stream, one request at a time, prompts whose answers copy spans of them (edit
+  this code, repeat this list with one change, extract these fields), chat template applied.
+  Speculation should pay here: issue 25's target is 2x the tokens/s, with identical output.
+- peers: the 64-request workload of bench_peers.py (scripts/workloads/peers_64.jsonl: word-list
+  prompts, outputs that do not copy them, end-of-sequence ignored), all submitted at once to 16
+  slots. Speculation should cost little here: the target is at least 0.95x.
+
+Each (workload, on/off) runs in its own process (model loading and warm-up not timed); the
+report gives tokens/s, the ratio, whether the outputs are identical, and the acceptance rate
+(accepted proposals over proposed ones) with the accepted count at each proposal position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PEERS = ROOT / "scripts" / "workloads" / "peers_64.jsonl"
+COPY_PROMPTS = [
+    "Rename the function `area` to `rect_area` everywhere in this code and give back the whole "
+    "code, nothing else:\n```python\ndef area(width, height):\n    \"\"\"The area of a "
+    "rectangle.\"\"\"\n    return width * height\n\n\ndef total_area(rects):\n    return "
+    "sum(area(w, h) for w, h in rects)\n\n\nif __name__ == \"__main__\":\n    "
+    "print(total_area([(1, 2), (3, 4)]))\n```",
+    "Repeat this list exactly, one item a line, but with 'pears' changed to 'plums':\napples\n"
+    "bananas\ncherries\ndates\nelderberries\nfigs\ngrapes\npears\nquinces\nraspberries\n"
+    "strawberries\ntangerines",
+    "Extract the fields name, email, city and order number from this message as JSON with those "
+    "four keys:\n\nHello, my name is Maria Gonzalez and I ordered a blue kettle last week (order "
+    "number 48213-KX). It arrived broken. I live in Valencia; you can reach me at "
+    "maria.gonzalez@example.com. Thanks!",
+    "Copy this paragraph, correcting only the spelling mistakes:\nThe quick brown fox jumpd over "
+    "the lazy dog. Every morning the fox runs thru the forest, looking for somthing to eat, and "
+    "every evening it returns to its den beside the old oak tree.",
+]
+
+
+def child(args: argparse.Namespace) -> dict:
+  """One side of one workload, in this process: its tokens/s and speculation counts."""
+  import jaxserve
+  from jaxserve.config import EngineConfig, SamplingParams, SpeculativeConfig
+
+  spec = SpeculativeConfig.from_json(args.speculative_config) if args.on else None
+  copy = args.workload == "copy"
+  cfg = EngineConfig(num_slots=1 if copy else args.slots, page_size=16,
+                     max_model_len=args.max_model_len, num_pages=args.num_pages,
+                     prefill_buckets=args.buckets, speculative=spec)
+  llm = jaxserve.LLM(engine_config=cfg)
+  llm.engine.warmup()
+  if copy:
+    prompts = COPY_PROMPTS[:2] if args.quick else COPY_PROMPTS
+    sampling = SamplingParams(temperature=0, max_tokens=48 if args.quick else 256)
+    start = time.perf_counter()
+    outs = [llm.generate([p], sampling, chat=True)[0] for p in prompts]  # One at a time.
+  else:
+    work = [json.loads(line) for line in PEERS.read_text().splitlines() if line.strip()]
+    work = work[:8] if args.quick else work
+    params = [SamplingParams(temperature=0, ignore_eos=True,
+                             max_tokens=min(w["max_tokens"], 32) if args.quick else w["max_tokens"])
+              for w in work]
+    start = time.perf_counter()
+    outs = llm.runner.generate([(w["prompt_token_ids"], p) for w, p in zip(work, params)])
+  wall = time.perf_counter() - start
+  stats = llm.runner.scheduler.spec_stats
+  ids = [list(o.token_ids) for o in outs]
+  return {"workload": args.workload, "speculative": args.on, "wall_s": wall,
+          "tokens": sum(map(len, ids)), "tokens_per_s": sum(map(len, ids)) / wall,
+          "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
+          "draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
+          "acceptance_rate": stats.acceptance_rate, "accepted_per_pos": stats.accepted_per_pos,
+          "steps": llm.runner.scheduler.num_steps}
+
+
+def run_child(args: argparse.Namespace, workload: str, on: bool) -> dict:
+  cmd = [sys.executable, __file__, "--child", "--workload", workload,
+         "--speculative-config", args.speculative_config, "--slots", str(args.slots),
+         "--max-model-len", str(args.max_model_len), "--num-pages", str(args.num_pages),
+         "--buckets", ",".join(map(str, args.buckets))] + ["--on"] * on + ["--quick"] * args.quick
+  done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if done.returncode:
+    raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report(off: dict, on: dict) -> str:
+  ratio = on["tokens_per_s"] / off["tokens_per_s"]
+  return (f"{on['workload']}: {off['tokens_per_s']:.1f} -> {on['tokens_per_s']:.1f} tok/s "
+          f"({ratio:.2f}x), identical output: {off['digest'] == on['digest']}, acceptance "
+          f"{on['acceptance_rate']:.2f} ({on['accepted_tokens']}/{on['draft_tokens']}, per "
+          f"position {on['accepted_per_pos']}), steps {off['steps']} -> {on['steps']}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workloads", default="copy,peers", help="comma-separated: copy, peers")
+  p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+  p.add_argument("--slots", type=int, default=16, help="the peers workload's slots")
+  p.add_argument("--max-model-len", type=int, default=1024)
+  p.add_argument("--num-pages", type=int, default=16 * 512 // 16 + 1)
+  p.add_argument("--buckets", type=lambda s: tuple(int(b) for b in s.split(",")),
+                 default=(64, 128, 256))
+  p.add_argument("--quick", action="store_true",
+                 help="a few short requests, one prefill bucket (64), max_model_len 512")
+  p.add_argument("--json", type=pathlib.Path, default=None, help="write the runs here")
+  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--workload", default="copy", help=argparse.SUPPRESS)
+  p.add_argument("--on", action="store_true", help=argparse.SUPPRESS)
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.quick and not args.child:  # One prefill bucket: a few programs to compile per process.
+    args.buckets, args.max_model_len = (64,), 512
+  if args.child:
+    print(json.dumps(child(args)))
+    return 0
+  runs = []
+  for workload in args.workloads.split(","):
+    off, on = run_child(args, workload, False), run_child(args, workload, True)
+    runs += [off, on]
+    print(report(off, on), flush=True)
+  if args.json:
+    args.json.write_text(json.dumps(runs, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

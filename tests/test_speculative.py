@@ -1,0 +1,238 @@
+"""Speculative decoding (n-gram proposals, greedy verification) on the default model: the same
+tokens as without it, alone, batched and preempted; stops, max_tokens and logprobs inside a
+verified run; no compile after warm-up. One engine with speculation on serves both sides: a
+request with SamplingParams(speculative=False) decodes one token a step as without it."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve.batching.request import Backoff
+from jaxserve.batching.runner import Runner
+from jaxserve.batching.speculative import propose_ngram
+from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from support.tiny import count_compiles
+
+K = 4
+ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=24, max_model_len=368,
+                      prefill_buckets=(32,),
+                      speculative=SpeculativeConfig(num_speculative_tokens=K))
+TEXTS = [
+    "Repeat this list exactly: apples, bananas, cherries, dates, elderberries, figs, grapes.\n"
+    "List: apples, bananas,",
+    "def add(a, b):\n    return a + b\n\n# The same function, renamed to plus:\ndef plus(a, b):\n",
+    "Extract the name field.\nRecord: name=Alice Smith, age=41, city=Paris\nname=",
+    "What is a mortgage rate?",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+  from jaxserve.engine.engine import Engine
+  model, tokenizer = default_model
+  engine = Engine(model, ENGINE, stop_ids=tokenizer.stop_ids)
+  engine.warmup()
+  return engine
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model):
+  return [default_model[1].encode(t) for t in TEXTS]
+
+
+def run(engine, tokenizer, prompts, sampling, k=K, config=SchedulerConfig()):
+  """Completions of `prompts` on a fresh runner whose proposals are at most k long (the engine
+  verifies up to K: shorter runs are padded), and its scheduler."""
+  runner = Runner(engine, tokenizer, config)
+  runner.scheduler.speculative = dataclasses.replace(ENGINE.speculative, num_speculative_tokens=k)
+  return runner.generate([(p, sampling) for p in prompts]), runner.scheduler
+
+
+def tokens(completions):
+  return [list(c.token_ids) for c in completions]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_tokens_equal_without_speculation_alone_and_batched(engine, default_model,
+                                                                   prompts, k):
+  tok = default_model[1]
+  on = SamplingParams(temperature=0, max_tokens=48)
+  off = dataclasses.replace(on, speculative=False)
+  with count_compiles() as counts:
+    for batch in ([prompts[0]], prompts):
+      want, s_off = run(engine, tok, batch, off, k)
+      got, s_on = run(engine, tok, batch, on, k)
+      assert tokens(got) == tokens(want)
+      assert s_off.spec_stats.num_draft_tokens == 0
+      assert s_on.spec_stats.num_accepted_tokens > 0  # It did speculate, and it paid.
+      assert sum(c.num_accepted_tokens for c in got) == s_on.spec_stats.num_accepted_tokens
+      assert max(s_on.spec_stats.accepted_per_pos[k:], default=0) == 0
+  assert counts == {"trace": 0, "compile": 0}
+
+
+def test_greedy_tokens_equal_when_preempted(engine, default_model, prompts):
+  """23 pages of 16 tokens cannot hold four 130-token sequences: requests are preempted and
+  recomputed, verified runs in flight included."""
+  on = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+  want, s_off = run(engine, default_model[1], prompts, dataclasses.replace(on, speculative=False))
+  got, s_on = run(engine, default_model[1], prompts, on)
+  assert s_off.num_preemptions > 0 and s_on.num_preemptions > 0
+  assert s_on.spec_stats.num_accepted_tokens > 0
+  assert tokens(got) == tokens(want)
+  assert s_on.pages.num_free_pages == s_on.pages.num_usable_pages  # Every page came back.
+
+
+def test_max_tokens_stops_and_logprobs_inside_verified_runs(engine, default_model, prompts):
+  tok = default_model[1]
+  base = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+  want, _ = run(engine, tok, prompts[:1], dataclasses.replace(base, speculative=False))
+  ids, text = list(want[0].token_ids), want[0].text
+  cases = [dict(max_tokens=n) for n in range(1, 12)] + [
+      dict(stop_token_ids=[ids[9]]), dict(stop=[text[20:26]]), dict(stop=[text[31:33]])]
+  for case in cases:
+    on = dataclasses.replace(base, **case)
+    off, = run(engine, tok, prompts[:1], dataclasses.replace(on, speculative=False))[0]
+    got, = run(engine, tok, prompts[:1], on)[0]
+    assert list(got.token_ids) == list(off.token_ids), case
+    assert (got.text, got.finish_reason, got.stop_reason) == (
+        off.text, off.finish_reason, off.stop_reason), case
+    assert len(got.token_ids) <= on.max_tokens
+    assert len(got.logprobs) == len(got.token_ids)
+    for a, b in zip(got.logprobs, off.logprobs):
+      assert a.top_ids == b.top_ids, case
+      np.testing.assert_allclose([a.logprob, *a.top_logprobs], [b.logprob, *b.top_logprobs],
+                                 atol=2e-3)
+    assert got.num_accepted_tokens > 0 or len(got.token_ids) <= 2, case
+
+
+def test_sampled_tokens_equal_without_speculation_with_every_setting(engine, default_model,
+                                                                     prompts):
+  """The sampler's noise depends only on (seed, position), so a sampled request's verified run
+  is the tokens it would have sampled one at a time: filters, penalties (counting the proposals
+  before each position), bias and seeds alike."""
+  tok = default_model[1]
+  settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02),
+              # Mild penalties: strong ones stop the copying that proposals come from.
+              dict(temperature=0.8, repetition_penalty=1.05, presence_penalty=0.1,
+                   frequency_penalty=0.1),
+              dict(temperature=0, repetition_penalty=1.05, logit_bias={11: 3.0})]
+  for i, case in enumerate(settings):
+    on = SamplingParams(max_tokens=40, seed=100 + i, **case)
+    want, _ = run(engine, tok, prompts, dataclasses.replace(on, speculative=False))
+    got, s_on = run(engine, tok, prompts, on)
+    assert tokens(got) == tokens(want), case
+    assert s_on.spec_stats.num_draft_tokens > 0, case
+
+
+def test_sampled_distribution_matches_without_speculation(engine, default_model, prompts):
+  """Temperature 1, 48 draws a side with different seeds (so not the same draws): a
+  chi-square test of the second and third tokens (the first verified ones) against no
+  speculation."""
+  from scipy import stats
+  tok, n = default_model[1], 48
+  runner = Runner(engine, tok)
+  draws = [(prompts[0], SamplingParams(temperature=1.0, max_tokens=3, seed=i)) for i in range(n)]
+  with_spec = runner.generate(draws)
+  assert runner.scheduler.spec_stats.num_draft_tokens > 0
+  without = Runner(engine, tok).generate(
+      [(p, dataclasses.replace(sp, seed=1000 + sp.seed, speculative=False)) for p, sp in draws])
+  a = [tuple(c.token_ids[1:3]) for c in with_spec]
+  b = [tuple(c.token_ids[1:3]) for c in without]
+  kinds = sorted(set(a) | set(b))
+  table = np.array([[a.count(x) for x in kinds], [b.count(x) for x in kinds]])
+  assert len(kinds) > 1  # Temperature 1 draws more than one continuation.
+  assert stats.chi2_contingency(table).pvalue > 1e-3, table
+
+
+def test_propose_ngram_takes_the_longest_latest_match():
+  spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
+  # The last 3 tokens (7, 8, 9) occurred at 1..3 (then 4, 5): the 3-gram wins over the 2-gram
+  # (8, 9), which occurred later, at 6..7 (then 1).
+  assert propose_ngram([0, 7, 8, 9, 4, 5, 8, 9, 1, 7, 8, 9], spec, 10) == [4, 5, 8]
+  assert propose_ngram([0, 7, 8, 9, 4, 5, 8, 9, 1, 7, 8, 9], spec, 2) == [4, 5]
+  assert propose_ngram([1, 2, 3, 1, 2], spec, 10) == [3, 1, 2]
+  assert propose_ngram([1, 2, 3, 4, 5], spec, 10) == []  # No bigram recurs.
+  assert propose_ngram([5, 5], spec, 10) == []  # Too short to match min 2 before the suffix.
+  assert propose_ngram([5, 5, 5], spec, 10) == [5]  # (5, 5) at 0..1, then 5.
+
+
+def test_backoff_doubles_and_resets():
+  b = Backoff()
+  assert b.may_propose(0)
+  b.record(10, 0)
+  assert not b.may_propose(11) and b.may_propose(12)
+  b.record(12, 0)
+  assert not b.may_propose(15) and b.may_propose(16)
+  b.record(16, 2)
+  b.record(16, 0)
+  assert b.may_propose(18)
+
+
+def test_speculative_config_json_and_errors():
+  c = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, '
+                                  '"prompt_lookup_min": 1, "prompt_lookup_max": 5}')
+  assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 1, 5)
+  for text, words in [('{"method": "eagle"}', "method"), ('{"num_spec": 2}', "unknown keys"),
+                      ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+                      ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+                      ("[4]", "JSON object"), ("{4", "not valid JSON"),
+                      ('{"draft_model": "x"}', "draft")]:
+    with pytest.raises(ValueError, match=words):
+      SpeculativeConfig.from_json(text)
+  with pytest.raises(ValueError, match="speculative"):
+    SamplingParams(speculative=1)
+
+
+def test_verified_programs_are_warmup_programs():
+  """plan --compile and warm-up share assembly.programs(): the verifying variant is among them
+  with speculation on (one per step shape with prefill), and absent without it."""
+  from jaxserve.engine.step_args import Packer
+  on, off = Packer(ENGINE, 128, None), Packer(dataclasses.replace(ENGINE, speculative=None), 128,
+                                               None)
+  assert off.verified_shapes() == []
+  assert on.verify_buckets() == (5, 20)  # A run of k + 1 = 5 tokens; 4 of them (max_prefill_seqs).
+  assert on.verified_shapes() == [s for s in on.shapes() if s.prefill_tokens] + [
+      (d, t, on.width) for d in (0, 4) for t in (5, 20)]
+  args = on.template(on.verified_shapes()[0], verified=True)
+  assert args.verify_rows.shape == (args.prefill_slots.shape[0], K + 1)
+  assert args.verify_drafts.shape == (args.prefill_slots.shape[0], K)
+
+
+def test_speculative_config_flag_on_serve_generate_and_plan(capsys):
+  from jaxserve.cli import flags
+  from jaxserve.cli import main as cli
+  text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+  parser = cli.build_parser()
+  for argv in (["serve"], ["generate", "x"]):
+    args = parser.parse_args([*argv, "--speculative-config", text])
+    assert flags.engine_config(args, "cpu").speculative == SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_max=5)
+    assert flags.engine_config(parser.parse_args(argv), "cpu").speculative is None
+  assert parser.parse_args(["plan", "--compile", "v5e", "--speculative-config", text]
+                           ).speculative_config.num_speculative_tokens == 3
+  with pytest.raises(SystemExit):
+    parser.parse_args(["generate", "x", "--speculative-config", '{"num_speculative": 3}'])
+  assert "unknown keys ['num_speculative']" in capsys.readouterr().err
+
+
+def test_prometheus_counts_under_vllm_names_beside_ours():
+  import types
+
+  from jaxserve.batching.plan import EngineInfo
+  from jaxserve.batching.scheduler import Scheduler
+  from jaxserve.serving.metrics import Metrics
+  info = EngineInfo(num_slots=2, page_size=16, num_pages=8, max_model_len=64, max_prefill_len=32,
+                    can_share_pages=True, vocab_size=100, speculative=SpeculativeConfig())
+  scheduler = Scheduler(SchedulerConfig(), types.SimpleNamespace(info=info))
+  scheduler.spec_stats.record(4, 2)
+  scheduler.spec_stats.record(3, 0)
+  metrics = Metrics()
+  metrics.watch(scheduler)
+  text = metrics.exposition().decode()
+  for prefix in ("jaxserve:", "vllm:"):
+    assert f"{prefix}spec_decode_num_draft_tokens_total 7.0" in text
+    assert f"{prefix}spec_decode_num_accepted_tokens_total 2.0" in text
+    assert f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} 1.0' in text
+    assert f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{position="2"}} 0.0' in text
+  assert scheduler.spec_stats.acceptance_rate == 2 / 7
