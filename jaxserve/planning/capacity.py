@@ -190,7 +190,9 @@ def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: flo
   page = per_layer * (model_cfg.num_layers - num_local)
   budget = (int(memory_bytes * memory_fraction) - weight_bytes
             - num_window_pages * num_local * per_layer)
-  pages = max(0, budget) // page
+  # Every layer local (Mistral): the full pool's pages hold no KV, they only number positions;
+  # as many as one layer's pages would fill the memory left.
+  pages = max(0, budget) // (page or per_layer)
   if pages < 2:
     raise ValueError(
         f"KV cache does not fit: {memory_fraction:.0%} of {_fmt(memory_bytes)} minus weights of "
