@@ -25,6 +25,7 @@ from jaxserve.loading import checkpoint, weights
 from jaxserve.model.kv_cache import WindowedKV
 from support.mock_engine import MockTokenizer
 from support.tiny import count_compiles, dense_logits
+from support.workers import PROMPTS, run_worker
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -54,18 +55,24 @@ ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=17, max_model_len=64,
                       attention_backend=AttentionBackend.REFERENCE)
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-  """(name, transformers model, jaxserve model) for one family: random weights, norms too."""
-  config_class, kwargs = FAMILIES[request.param]
+def save_tiny(name: str, path):
+  """The transformers model of family `name`, random weights (norms too), saved in `path`."""
+  config_class, kwargs = FAMILIES[name]
   torch.manual_seed(0)
   hf = transformers.AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
   with torch.no_grad():
-    for name, p in hf.named_parameters():
-      if name.endswith("norm.weight"):
+    for param_name, p in hf.named_parameters():
+      if param_name.endswith("norm.weight"):
         p.uniform_(0.5, 1.5)
-  path = tmp_path_factory.mktemp(request.param)
   hf.save_pretrained(path)
+  return hf
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+  """(name, transformers model, jaxserve model) for one family."""
+  path = tmp_path_factory.mktemp(request.param)
+  hf = save_tiny(request.param, path)
   cfg, params = weights.load_hf_dir(path)
   return request.param, hf, checkpoint.build_model(cfg, params)
 
@@ -105,11 +112,14 @@ def test_logits_match_transformers_at_every_position(family):
 
 
 def test_greedy_through_the_scheduler_match_transformers(family, checked):
-  """Four prompts batched, one prefilled in chunks of 16, 17 pages of 4 for four requests that
+  """(Each family once: the unnormalised Qwen3-MoE differs from the other in its router only,
+  which the logits test covers.) Four prompts batched, one prefilled in chunks of 16, 17 pages of 4 for four requests that
   grow to 5-8 pages each (so some are preempted and recomputed), then a prompt that shares the
   first one's 16 leading tokens (a prefix hit): transformers' greedy tokens, no compile after
   warm-up."""
-  _, hf, model = family
+  name, hf, model = family
+  if name == "qwen3_moe_unnormed":
+    return
   engine = Engine(model, ENGINE)
   assert isinstance(engine.cache, WindowedKV) == any(model.cfg.local_layers)
   engine.warmup()
@@ -131,3 +141,36 @@ def test_greedy_through_the_scheduler_match_transformers(family, checked):
 def test_unknown_family_is_refused_by_name():
   with pytest.raises(ValueError, match="'DeepseekV3ForCausalLM'.*deepseek_v3.*jaxserve serves"):
     readers.from_hf({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"})
+
+
+def test_expert_parallel_tokens_match_one_device(tmp_path):
+  """Qwen3-MoE (8 experts, top 3; Mixtral runs the same experts code), on 4 fake CPU devices: experts split over `expert` (--ep 2), and over `expert` with each
+  expert's columns over `model` (--tp 2 --ep 2), give the one-device greedy tokens and
+  logprobs; each device holds half the experts."""
+  save_tiny("qwen3_moe", tmp_path)
+  layouts = [[1, 1], [1, 1, {"ep": 2}], [2, 1, {"ep": 2}]]
+  runs = run_worker(dict(devices=4, model={"hf_dir": str(tmp_path)}, prompts=PROMPTS, steps=6,
+                         layouts=layouts))["layouts"]
+  one = runs["1x1"]
+  for layout in ("1x1-ep2", "2x1-ep2"):
+    assert runs[layout]["tokens"] == one["tokens"]
+    np.testing.assert_allclose(runs[layout]["logprobs"], one["logprobs"], atol=1e-4)
+  # The experts are most of the weights: halved on each device by ep 2, quartered with tp 2.
+  assert runs["1x1-ep2"]["param_bytes_device0"] < 0.8 * one["param_bytes_device0"]
+  assert runs["2x1-ep2"]["param_bytes_device0"] < runs["1x1-ep2"]["param_bytes_device0"]
+
+
+@pytest.mark.parametrize("name, total, active, kv_per_token", [
+    ("qwen3-8b", 8.2e9, 8.2e9, 144 * 2**10),  # Its model card: 8.2B.
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9, 96 * 2**10),  # 30.5B in total, 3.3B activated.
+    ("mixtral-8x7b", 46.7e9, 12.9e9, 128 * 2**10)])  # Mistral AI: 46.7B, 12.9B a token.
+def test_planner_knows_the_published_sizes(name, total, active, kv_per_token):
+  """Total and active parameters within 2% of what each model's publisher states (the count is
+  the tiny models' exact one, test_config_and_parameter_count); KV per token in bfloat16."""
+  from jaxserve.config import KVDtype
+  from jaxserve.planning import capacity
+  from jaxserve.planning.known_models import KNOWN_MODELS
+
+  m = KNOWN_MODELS[name]
+  assert abs(m.num_params / total - 1) < 0.02 and abs(m.num_active_params / active - 1) < 0.02
+  assert capacity.kv_bytes_per_token(m, KVDtype.BFLOAT16) == kv_per_token

@@ -116,7 +116,7 @@ def _hf_layer(cfg: ModelConfig, raw: dict, p: str) -> dict:
   if gemma:
     layer.update({key: raw[p + hf + ".weight"] for key, (_, hf) in GEMMA3_NORMS.items()})
   elif cfg.qk_norm:
-    layer.update(q_norm=raw[p + "self_attn.q_norm.weight"], k_norm=raw[p + "self_attn.k_norm.weight"])
+    layer.update({key: raw[f"{p}self_attn.{key}.weight"] for key in ("q_norm", "k_norm")})
   if not cfg.num_experts:
     layer.update({key: raw[f"{p}mlp.{key}_proj.weight"] for key in ("gate", "up", "down")})
     return layer
@@ -152,10 +152,11 @@ def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) 
                             bk=stack("bk", lambda b: b.reshape(K, H)),
                             bv=stack("bv", lambda b: b.reshape(K, H)))
   if cfg.num_experts:
+    experts = lambda w: w.transpose(0, 2, 1)  # [Ex, out, in] -> [Ex, in, out]
     params["layers"].update(router=stack("router", lambda w: w.T),  # [L, D, Ex]
-                            we_gate=stack("e_gate", lambda w: w.transpose(0, 2, 1)),  # [L, Ex, D, Fe]
-                            we_up=stack("e_up", lambda w: w.transpose(0, 2, 1)),
-                            we_down=stack("e_down", lambda w: w.transpose(0, 2, 1)))  # [L, Ex, Fe, D]
+                            we_gate=stack("e_gate", experts),  # [L, Ex, D, Fe]
+                            we_up=stack("e_up", experts),
+                            we_down=stack("e_down", experts))  # [L, Ex, Fe, D]
   else:
     params["layers"].update(w_gate=stack("gate", lambda w: w.T),  # [L, D, F]
                             w_up=stack("up", lambda w: w.T),
@@ -164,7 +165,7 @@ def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) 
     # [L, H] (q_norm, k_norm) and [L, D]
     params["layers"].update({key: stack(key, lambda w: w) for key in GEMMA3_NORMS})
   elif cfg.qk_norm:
-    params["layers"].update(q_norm=stack("q_norm", lambda w: w), k_norm=stack("k_norm", lambda w: w))
+    params["layers"].update({key: stack(key, lambda w: w) for key in ("q_norm", "k_norm")})
   if lm_head is not None:
     params["lm_head"] = lm_head.T  # [D, V]
   return params

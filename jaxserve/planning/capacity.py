@@ -229,9 +229,12 @@ def _fmt(num_bytes: int) -> str:
 
 def format_plan(p: CapacityPlan) -> str:
   m = p.model
+  # A mixture of experts runs only its top-k experts a token: its active parameters.
+  active = (f" ({m.num_active_params / 1e9:.2f}B active: {m.experts_per_token} of "
+            f"{m.num_experts} experts a token)" if m.num_experts else "")
   lines = [
-      f"model               {m.name}: {m.num_params / 1e9:.2f}B params, {m.num_layers} layers, "
-      f"{m.num_kv_heads} KV heads x {m.head_dim}",
+      f"model               {m.name}: {m.num_params / 1e9:.2f}B params{active}, "
+      f"{m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}",
       f"accelerator memory  {_fmt(p.memory_bytes)}",
       f"weights             {_fmt(p.weight_bytes)} ({p.weight_dtype.label})",
       f"KV per token        {_fmt(p.kv_bytes_per_token)} ({p.kv_dtype.label})",
