@@ -44,12 +44,11 @@ FAMILIES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, dict(SMALL, num_experts=8, num_experts_per_tok=3,
                                                     moe_intermediate_size=32,
                                                     norm_topk_prob=True)),
-    "qwen3_moe_unnormed": (transformers.Qwen3MoeConfig, dict(
-        SMALL, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-        norm_topk_prob=False)),
     "mixtral": (transformers.MixtralConfig, dict(SMALL, num_local_experts=4,
                                                  num_experts_per_tok=2)),
 }
+# Its router's weights not renormalised (Qwen3-MoE's default): only the logits test needs it.
+UNNORMED = (transformers.Qwen3MoeConfig, dict(FAMILIES["qwen3_moe"][1], norm_topk_prob=False))
 ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=17, max_model_len=64,
                       prefill_buckets=(16,), compilation_cache_dir=None,
                       attention_backend=AttentionBackend.REFERENCE)
@@ -57,7 +56,7 @@ ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=17, max_model_len=64,
 
 def save_tiny(name: str, path):
   """The transformers model of family `name`, random weights (norms too), saved in `path`."""
-  config_class, kwargs = FAMILIES[name]
+  config_class, kwargs = FAMILIES.get(name, UNNORMED)
   torch.manual_seed(0)
   hf = transformers.AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
   with torch.no_grad():
@@ -68,13 +67,17 @@ def save_tiny(name: str, path):
   return hf
 
 
+def load_tiny(name: str, tmp_path_factory):
+  """(name, transformers model, jaxserve model) for family `name` (or "unnormed")."""
+  path = tmp_path_factory.mktemp(name)
+  hf = save_tiny(name, path)
+  cfg, params = weights.load_hf_dir(path)
+  return name, hf, checkpoint.build_model(cfg, params)
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-  """(name, transformers model, jaxserve model) for one family."""
-  path = tmp_path_factory.mktemp(request.param)
-  hf = save_tiny(request.param, path)
-  cfg, params = weights.load_hf_dir(path)
-  return request.param, hf, checkpoint.build_model(cfg, params)
+  return load_tiny(request.param, tmp_path_factory)
 
 
 def greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -88,8 +91,7 @@ def test_config_and_parameter_count(family):
   name, hf, model = family
   cfg = model.cfg
   expected = {"qwen3": ModelFamily.QWEN3, "mistral": ModelFamily.MISTRAL,
-              "qwen3_moe": ModelFamily.QWEN3_MOE, "qwen3_moe_unnormed": ModelFamily.QWEN3_MOE,
-              "mixtral": ModelFamily.MIXTRAL}[name]
+              "qwen3_moe": ModelFamily.QWEN3_MOE, "mixtral": ModelFamily.MIXTRAL}[name]
   assert cfg.family is expected
   params = nnx.to_pure_dict(nnx.state(model))
   assert cfg.num_params == sum(x.size for x in jax.tree.leaves(params))  # The planner's count.
@@ -103,7 +105,17 @@ def test_config_and_parameter_count(family):
 def test_logits_match_transformers_at_every_position(family):
   """40 tokens: Mistral's positions past its 8-token window see only their window; the experts
   see every routing the 40 tokens pick."""
-  _, hf, model = family
+  assert_logits_match(*family[1:])
+
+
+def test_unnormalised_router_logits_match_transformers(tmp_path_factory):
+  """Qwen3-MoE with norm_topk_prob false: the top-k softmax weights are used as they are."""
+  _, hf, model = load_tiny("unnormed", tmp_path_factory)
+  assert not model.cfg.norm_topk
+  assert_logits_match(hf, model)
+
+
+def assert_logits_match(hf, model):
   ids = [int(i) for i in np.random.default_rng(0).integers(0, VOCAB, 40)]
   with torch.no_grad():
     ref = hf(torch.tensor([ids])).logits[0].numpy()
@@ -112,14 +124,11 @@ def test_logits_match_transformers_at_every_position(family):
 
 
 def test_greedy_through_the_scheduler_match_transformers(family, checked):
-  """(Each family once: the unnormalised Qwen3-MoE differs from the other in its router only,
-  which the logits test covers.) Four prompts batched, one prefilled in chunks of 16, 17 pages of 4 for four requests that
+  """Four prompts batched, one prefilled in chunks of 16, 17 pages of 4 for four requests that
   grow to 5-8 pages each (so some are preempted and recomputed), then a prompt that shares the
   first one's 16 leading tokens (a prefix hit): transformers' greedy tokens, no compile after
   warm-up."""
-  name, hf, model = family
-  if name == "qwen3_moe_unnormed":
-    return
+  _, hf, model = family
   engine = Engine(model, ENGINE)
   assert isinstance(engine.cache, WindowedKV) == any(model.cfg.local_layers)
   engine.warmup()
@@ -144,9 +153,10 @@ def test_unknown_family_is_refused_by_name():
 
 
 def test_expert_parallel_tokens_match_one_device(tmp_path):
-  """Qwen3-MoE (8 experts, top 3; Mixtral runs the same experts code), on 4 fake CPU devices: experts split over `expert` (--ep 2), and over `expert` with each
-  expert's columns over `model` (--tp 2 --ep 2), give the one-device greedy tokens and
-  logprobs; each device holds half the experts."""
+  """Qwen3-MoE (8 experts, top 3; Mixtral runs the same experts code) on 4 fake CPU devices:
+  experts split over `expert` (--ep 2), and over `expert` with each expert's columns over
+  `model` (--tp 2 --ep 2), give the one-device greedy tokens and logprobs; each device holds
+  half the experts."""
   save_tiny("qwen3_moe", tmp_path)
   layouts = [[1, 1], [1, 1, {"ep": 2}], [2, 1, {"ep": 2}]]
   runs = run_worker(dict(devices=4, model={"hf_dir": str(tmp_path)}, prompts=PROMPTS, steps=6,
