@@ -46,6 +46,8 @@ FAMILIES = {
                                                     norm_topk_prob=True)),
     "mixtral": (transformers.MixtralConfig, dict(SMALL, num_local_experts=4,
                                                  num_experts_per_tok=2)),
+    # Phi-3-mini-4k's window (2047 of 4096), here 8; its fused QKV and gate/up.
+    "phi3": (transformers.Phi3Config, dict(SMALL, sliding_window=8, pad_token_id=0)),
 }
 # Its router's weights not renormalised (Qwen3-MoE's default): only the logits test needs it.
 UNNORMED = (transformers.Qwen3MoeConfig, dict(FAMILIES["qwen3_moe"][1], norm_topk_prob=False))
@@ -91,7 +93,8 @@ def test_config_and_parameter_count(family):
   name, hf, model = family
   cfg = model.cfg
   expected = {"qwen3": ModelFamily.QWEN3, "mistral": ModelFamily.MISTRAL,
-              "qwen3_moe": ModelFamily.QWEN3_MOE, "mixtral": ModelFamily.MIXTRAL}[name]
+              "qwen3_moe": ModelFamily.QWEN3_MOE, "mixtral": ModelFamily.MIXTRAL,
+              "phi3": ModelFamily.PHI3}[name]
   assert cfg.family is expected
   params = nnx.to_pure_dict(nnx.state(model))
   assert cfg.num_params == sum(x.size for x in jax.tree.leaves(params))  # The planner's count.
@@ -99,7 +102,7 @@ def test_config_and_parameter_count(family):
   if cfg.num_experts:
     assert cfg.num_active_params < cfg.num_params
     assert cfg.norm_topk == hf.config.to_dict().get("norm_topk_prob", True)
-  assert cfg.local_layers == ((True,) * 2 if name == "mistral" else ())
+  assert cfg.local_layers == ((True,) * 2 if name in ("mistral", "phi3") else ())
 
 
 def test_logits_match_transformers_at_every_position(family):
@@ -184,3 +187,14 @@ def test_planner_knows_the_published_sizes(name, total, active, kv_per_token):
   m = KNOWN_MODELS[name]
   assert abs(m.num_params / total - 1) < 0.02 and abs(m.num_active_params / active - 1) < 0.02
   assert capacity.kv_bytes_per_token(m, KVDtype.BFLOAT16) == kv_per_token
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "longrope"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.75}, "partial_rotary_factor")])
+def test_phi3_rope_it_cannot_run_is_refused_by_name(rope, message):
+  hf = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 64,
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "rope_scaling": rope}
+  with pytest.raises(ValueError, match=f"phi3 with .*{message}"):
+    readers.from_hf(hf)

@@ -18,6 +18,7 @@ class ModelFamily(enum.Enum):
   QWEN3_MOE = "qwen3_moe"  # Qwen3's attention, a mixture of experts for the MLP.
   MISTRAL = "mistral"  # A sliding window on every layer (Mistral 7B v0.1); without one, LLAMA.
   MIXTRAL = "mixtral"  # Llama's attention (a window when set), a mixture of experts.
+  PHI3 = "phi3"  # Fused QKV and gate/up in the checkpoint (split at load), a window when set.
 
 
 @dataclasses.dataclass(frozen=True)

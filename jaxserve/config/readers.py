@@ -20,6 +20,7 @@ HF_FAMILIES = {
     "LlamaForCausalLM": ModelFamily.LLAMA, "Qwen2ForCausalLM": ModelFamily.LLAMA,
     "MistralForCausalLM": ModelFamily.MISTRAL, "Qwen3ForCausalLM": ModelFamily.QWEN3,
     "Qwen3MoeForCausalLM": ModelFamily.QWEN3_MOE, "MixtralForCausalLM": ModelFamily.MIXTRAL,
+    "Phi3ForCausalLM": ModelFamily.PHI3,
 }
 SERVED = (*HF_FAMILIES, *GEMMA3_ARCHITECTURES)
 
@@ -33,6 +34,8 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
     raise ValueError(f"unsupported architecture {arch!r} (model_type "
                      f"{hf.get('model_type')!r}): jaxserve serves {', '.join(SERVED)}")
   family = HF_FAMILIES[arch]
+  if family is ModelFamily.PHI3:
+    _check_phi3(hf)
   num_heads = hf["num_attention_heads"]
   cfg = ModelConfig(
       vocab_size=hf["vocab_size"],
@@ -68,15 +71,28 @@ def _hf_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
   return {"rope_theta": theta, "rope_scaling": scaling}
 
 
+def _check_phi3(hf: Mapping[str, Any]) -> None:
+  """Phi-3 mini/medium 4k run as they are; the 128k ones and Phi-3.5-mini scale RoPE with
+  `longrope` (two factor lists, short and long), which jaxserve does not implement."""
+  scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind != "default":
+    raise ValueError(f"phi3 with {kind!r} RoPE scaling (Phi-3 128k, Phi-3.5-mini): jaxserve "
+                     "does not implement it; the 4k Phi-3 models run")
+  if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    raise ValueError("phi3 with partial_rotary_factor != 1 (Phi-4-mini): jaxserve rotates "
+                     "every dimension of a head")
+
+
 def _hf_window(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-  """Mistral (and Mixtral) attend to the last `sliding_window` positions on every layer, when
+  """Mistral (Mixtral, Phi-3) attend to the last `sliding_window` positions on every layer, when
   the config sets one shorter than the context; without one, Mistral is a Llama. Qwen2/3 write
   a window but use it only with `use_sliding_window`, which no released model sets."""
   window = hf.get("sliding_window")
   if hf.get("use_sliding_window"):
     raise ValueError(f"{cfg.family.value} with use_sliding_window: jaxserve does not run "
                      "Qwen's per-layer windows (no released model sets it)")
-  if cfg.family not in (ModelFamily.MISTRAL, ModelFamily.MIXTRAL):
+  if cfg.family not in (ModelFamily.MISTRAL, ModelFamily.MIXTRAL, ModelFamily.PHI3):
     return {}
   if not window or window >= cfg.max_seq_len:
     family = ModelFamily.LLAMA if cfg.family is ModelFamily.MISTRAL else cfg.family

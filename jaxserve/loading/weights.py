@@ -97,10 +97,25 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
   for f in files:
     with safe_open(f, framework="flax") as sf:  # flax: reads bfloat16, which numpy cannot.
       raw.update({k: np.asarray(sf.get_tensor(k), np.float32) for k in sf.keys()})
+  if cfg.family is ModelFamily.PHI3:
+    _split_phi3(cfg, raw)
   layers = [_hf_layer(cfg, raw, f"model.layers.{i}.") for i in range(cfg.num_layers)]
   head = None if cfg.tie_embeddings else raw["lm_head.weight"]
   return cfg, to_params(cfg, raw["model.embed_tokens.weight"], layers, raw["model.norm.weight"],
                         head)
+
+
+def _split_phi3(cfg: ModelConfig, raw: dict) -> None:
+  """Phi-3 stores q, k and v as one [(N + 2K) * H, D] matrix, and gate and up as one [2F, D]:
+  into Llama's names, in place."""
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    qkv = raw.pop(p + "self_attn.qkv_proj.weight")
+    for key, rows in zip("qkv", np.split(qkv, [q, q + kv])):
+      raw[f"{p}self_attn.{key}_proj.weight"] = rows
+    gate, up = np.split(raw.pop(p + "mlp.gate_up_proj.weight"), 2)
+    raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"] = gate, up
 
 
 def _hf_layer(cfg: ModelConfig, raw: dict, p: str) -> dict:

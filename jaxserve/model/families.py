@@ -12,7 +12,7 @@ Model = Transformer | Gemma3 | Decoder
 
 CLASSES = {ModelFamily.LLAMA: Transformer, ModelFamily.GEMMA3: Gemma3,
            ModelFamily.QWEN3: Decoder, ModelFamily.QWEN3_MOE: Decoder,
-           ModelFamily.MISTRAL: Decoder, ModelFamily.MIXTRAL: Decoder}
+           ModelFamily.MISTRAL: Decoder, ModelFamily.MIXTRAL: Decoder, ModelFamily.PHI3: Decoder}
 
 
 def model_class(cfg: ModelConfig) -> type[Transformer] | type[Gemma3] | type[Decoder]:
