@@ -43,7 +43,7 @@ def check_divisible(cfg: ModelConfig, tp: int, dp: int, num_slots: int, ep: int 
     raise ValueError(f"--tp {tp} does not divide {cfg.name}'s expert hidden dim "
                      f"{cfg.expert_hidden_dim}")
   sizes = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "mlp": cfg.hidden_dim}
-  for name in sizes:
+  for name in ("kv_heads", "heads", "mlp"):
     if sizes[name] % tp:
       divisors = [d for d in range(1, cfg.num_kv_heads + 1)
                   if not (cfg.num_heads % d or cfg.num_kv_heads % d or cfg.hidden_dim % d)]
