@@ -5,8 +5,8 @@ what XLA does with `jax.lax.ragged_dot` on this backend.
 
 Both models are Qwen3 blocks with random weights and the same attention: the MoE has 8 experts
 of hidden dim F, 2 a token; the dense one an MLP of 2F, so a token runs through the same number
-of weights (`num_active_params` equal but for the router's D x 8 a layer). The MoE step also routes (a softmax and top-k over the
-experts), sorts the step's rows by expert and runs three ragged matmuls. The ratio MoE / dense is
+of weights (`num_active_params` equal but for the router's D x 8 a layer). The MoE step also
+routes (a softmax and top-k over the experts), sorts the step's rows by expert and runs three ragged matmuls. The ratio MoE / dense is
 the figure to keep (a loaded machine slows both alike).
 
 `ragged_dot` alone: the grouped matmul of the step's routed rows against every expert's weights,
@@ -87,7 +87,8 @@ def main() -> None:
     rows = b * MOE.experts_per_token
     out["ragged_dot_ms"][b] = dict(zip(("ragged", "one_expert"), ragged_vs_dense_ms(rows, MOE)))
   print(json.dumps(out, indent=1))
-  print(f"{'batch':>5} {'dense ms':>9} {'moe ms':>9} {'moe/dense':>9} {'ragged_dot/one matmul':>22}")
+  print(f"{'batch':>5} {'dense ms':>9} {'moe ms':>9} {'moe/dense':>9} "
+        f"{'ragged_dot/one matmul':>22}")
   for b in batches:
     d, m = out["decode_ms"]["tiny-dense"][b], out["decode_ms"]["tiny-moe"][b]
     r = out["ragged_dot_ms"][b]
