@@ -6,8 +6,8 @@ what XLA does with `jax.lax.ragged_dot` on this backend.
 Both models are Qwen3 blocks with random weights and the same attention: the MoE has 8 experts
 of hidden dim F, 2 a token; the dense one an MLP of 2F, so a token runs through the same number
 of weights (`num_active_params` equal but for the router's D x 8 a layer). The MoE step also
-routes (a softmax and top-k over the experts), sorts the step's rows by expert and runs three ragged matmuls. The ratio MoE / dense is
-the figure to keep (a loaded machine slows both alike).
+routes (a softmax and top-k over the experts), sorts the step's rows by expert and runs three
+ragged matmuls. The ratio MoE / dense is the figure to keep (a loaded machine slows both alike).
 
 `ragged_dot` alone: the grouped matmul of the step's routed rows against every expert's weights,
 timed beside one plain matmul of the same rows against one expert's weights (the useful FLOPs).
