@@ -22,19 +22,21 @@ def _setup(args: dict) -> None:
                                process_id=args["process_id"], initialization_timeout=60)
 
 
-def _model(args: dict, tp: int, dp: int):
+def _model(args: dict, tp: int, dp: int, ep: int = 1):
   from jaxserve.config import ModelConfig
   from jaxserve.engine import placement
-  from jaxserve.loading import checkpoint
+  from jaxserve.loading import checkpoint, weights
 
   if args["model"] == "default":
     cfg, params, _ = checkpoint.read_source(checkpoint.resolve(None))
+  elif "hf_dir" in args["model"]:  # A Hugging Face directory the test saved (tiny MoE models).
+    cfg, params = weights.load_hf_dir(args["model"]["hf_dir"])
   else:
     cfg = ModelConfig(**args["model"])
     params = random_params(cfg, seed=0)
-  if tp * dp == 1:
+  if tp * dp * ep == 1:
     return checkpoint.build_model(cfg, params)
-  return checkpoint.build_model(cfg, params, "float32", placement.make_mesh(tp, dp))
+  return checkpoint.build_model(cfg, params, "float32", placement.make_mesh(tp, dp, ep=ep))
 
 
 def random_params(cfg, seed: int) -> dict:
@@ -100,7 +102,7 @@ def _collectives(engine, tables) -> dict:
 
 
 def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major",
-               backend: str = "reference") -> dict:
+               backend: str = "reference", ep: int = 1) -> dict:
   from jaxserve.config import AttentionBackend, EngineConfig, KVLayout
   from jaxserve.engine.engine import Engine
 
@@ -108,9 +110,9 @@ def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major
   # The persistent cache makes the HLO dump (a second compile of decode) a cache hit.
   config = EngineConfig(num_slots=args.get("slots", 4), page_size=8, num_pages=64, max_model_len=64,
                         prefill_buckets=(32,), compilation_cache_dir=args.get("cache_dir"), tp=tp,
-                        dp=dp, kv_layout=KVLayout(kv_layout),
+                        dp=dp, ep=ep, kv_layout=KVLayout(kv_layout),
                         attention_backend=AttentionBackend(backend))
-  engine = Engine(_model(args, tp, dp), config)
+  engine = Engine(_model(args, tp, dp, ep), config)
   result = _greedy(engine, args["prompts"], args["steps"])
   result["param_bytes_device0"] = _device0_param_bytes(engine.params)
   result["cache_bytes_device0"] = _device0_param_bytes(engine.cache)
@@ -124,11 +126,13 @@ def main() -> None:
   _setup(args)
   import jax
   out = {"process": jax.process_index(), "num_devices": jax.device_count(), "layouts": {}}
-  # [tp, dp], [tp, dp, KVLayout value] or [tp, dp, KVLayout value, AttentionBackend value]
+  # [tp, dp], [tp, dp, KVLayout value] or [tp, dp, KVLayout value, AttentionBackend value],
+  # or [tp, dp, {"ep": n}] (named "tpxdp-epn")
   for tp, dp, *kv_layout in args["layouts"]:
     start = time.perf_counter()
-    name = "-".join([f"{tp}x{dp}", *kv_layout])
-    out["layouts"][name] = run_layout(args, tp, dp, *kv_layout)
+    extra = kv_layout.pop() if kv_layout and isinstance(kv_layout[-1], dict) else {}
+    name = "-".join([f"{tp}x{dp}", *kv_layout, *(f"{k}{v}" for k, v in extra.items())])
+    out["layouts"][name] = run_layout(args, tp, dp, *kv_layout, **extra)
     out["layouts"][name]["seconds"] = time.perf_counter() - start
   print(json.dumps(out), flush=True)
   if "coordinator" in args:

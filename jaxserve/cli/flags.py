@@ -83,6 +83,8 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
                  help="tensor parallel: devices each model is split over")
   g.add_argument("--dp", type=int, default=_default(EngineConfig, "dp"),
                  help="data parallel: groups the decode slots are split over")
+  g.add_argument("--ep", type=int, default=_default(EngineConfig, "ep"),
+                 help="expert parallel: devices a mixture of experts' experts are split over")
   g.add_argument("--multihost", action="store_true",
                  help="join the other hosts of a TPU slice or SLURM job, which JAX finds by itself")
   g.add_argument("--coordinator", default=None,
@@ -131,7 +133,8 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         kv_dtype=kv_dtype, attention_backend=backend, tp=args.tp, dp=args.dp,
-                        window_pages=args.window_pages, speculative=args.speculative_config)
+                        ep=args.ep, window_pages=args.window_pages,
+                        speculative=args.speculative_config)
   # The platform's default backend too, so a bad pair fails here, before the model loads.
   config.check_backend(backend or default_attention_backend(platform))
   return config
@@ -150,6 +153,8 @@ def add_compile_flags(p: argparse.ArgumentParser) -> None:
                  help="prefill length buckets")
   p.add_argument("--tp", type=int, default=d("tp"),
                  help="tensor parallelism: chips of the target's topology the model splits over")
+  p.add_argument("--ep", type=int, default=d("ep"),
+                 help="expert parallelism: chips a mixture of experts' experts split over")
   add_window_flag(p)
   add_speculative_flag(p)
   p.add_argument("--json", action="store_true", help="print the reports as JSON")

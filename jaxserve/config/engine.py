@@ -112,6 +112,7 @@ class EngineConfig:
   # Tensor parallel: devices the weights and KV heads are split over (mesh axis `model`).
   tp: int = 1
   dp: int = 1  # Data parallel: groups the decode slots are split over (mesh axis `data`).
+  ep: int = 1  # Expert parallel: devices a mixture of experts' experts are split over (`expert`).
   # Speculative decoding (None: off); its k sets the verify steps' shapes (config/speculative.py).
   speculative: SpeculativeConfig | None = None
 
@@ -123,7 +124,7 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.dtype must be one of {[d.value for d in Dtype]}, "
                          f"got {self.dtype!r}")
       object.__setattr__(self, "dtype", Dtype(self.dtype))
-    for field in ("num_slots", "page_size", "max_model_len", "tp", "dp"):
+    for field in ("num_slots", "page_size", "max_model_len", "tp", "dp", "ep"):
       if getattr(self, field) <= 0:
         raise ValueError(f"EngineConfig.{field} must be positive, got {getattr(self, field)}")
     if not 0 < self.memory_fraction <= 1:

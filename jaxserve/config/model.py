@@ -13,6 +13,12 @@ class ModelFamily(enum.Enum):
 
   LLAMA = "llama"  # SmolLM2, Llama 2/3, Mistral, Qwen2: model/llama.py.
   GEMMA3 = "gemma3"  # Gemma 3 text models: model/gemma3.py (configs read by config/gemma3.py).
+  # The Llama block's variants, model/decoder.py (configs read by config/readers.py):
+  QWEN3 = "qwen3"  # RMSNorm on each query and key head, no QKV bias.
+  QWEN3_MOE = "qwen3_moe"  # Qwen3's attention, a mixture of experts for the MLP.
+  MISTRAL = "mistral"  # A sliding window on every layer (Mistral 7B v0.1); without one, LLAMA.
+  MIXTRAL = "mixtral"  # Llama's attention (a window when set), a mixture of experts.
+  PHI3 = "phi3"  # Fused QKV and gate/up in the checkpoint (split at load), a window when set.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +33,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A decoder of one of the `ModelFamily`s. The fields after `name` are Gemma 3's only."""
+  """A decoder of one of the `ModelFamily`s. The fields after `name` are some families' only:
+  a window (Gemma 3, Mistral), Gemma 3's RoPE and scalings, and the mixture of experts."""
 
   vocab_size: int
   dim: int
@@ -50,6 +57,10 @@ class ModelConfig:
   rope_linear_factor: float | None = None  # Global layers' positions are divided by this.
   query_pre_attn_scalar: float | None = None  # Attention scores are scaled by its -1/2 power.
   final_logit_softcapping: float | None = None  # Logits become cap * tanh(logit / cap).
+  num_experts: int = 0  # Experts of each MoE layer (0: a dense MLP of hidden_dim).
+  experts_per_token: int = 0  # Experts each token is routed to (top-k).
+  expert_hidden_dim: int = 0  # Each expert's SwiGLU hidden dim.
+  norm_topk: bool = True  # Renormalise the top-k routing weights to sum to 1.
 
   def __post_init__(self):
     for field in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -65,16 +76,37 @@ class ModelConfig:
     if any(self.local_layers) and not (self.sliding_window or 0) > 0:
       raise ValueError("ModelConfig.local_layers needs a positive sliding_window, got "
                        f"{self.sliding_window}")
+    if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+      raise ValueError(f"ModelConfig.experts_per_token ({self.experts_per_token}) must be in "
+                       f"1..num_experts ({self.num_experts})")
+    if self.num_experts and self.expert_hidden_dim <= 0:
+      raise ValueError("ModelConfig.expert_hidden_dim must be positive for a mixture of experts")
+
+  @property
+  def qk_norm(self) -> bool:
+    return self.family in (ModelFamily.GEMMA3, ModelFamily.QWEN3, ModelFamily.QWEN3_MOE)
 
   @property
   def num_params(self) -> int:
+    """Every parameter, all experts included (what the weights take in memory)."""
+    return self._params(self.num_experts)
+
+  @property
+  def num_active_params(self) -> int:
+    """The parameters one token runs through: its top-k experts only (the FLOPs per token)."""
+    return self._params(self.experts_per_token)
+
+  def _params(self, experts: int) -> int:
     d, h = self.dim, self.head_dim
     attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
     if self.qkv_bias:
       attn += (self.num_heads + 2 * self.num_kv_heads) * h
-    layer = attn + 3 * d * self.hidden_dim + 2 * d
-    if self.family is ModelFamily.GEMMA3:  # Norms after attention and the MLP, and on q and k.
-      layer += 2 * d + 2 * h
+    mlp = 3 * d * self.hidden_dim
+    if self.num_experts:  # The router, and the experts a token runs (or all of them).
+      mlp = d * self.num_experts + experts * 3 * d * self.expert_hidden_dim
+    layer = attn + mlp + 2 * d + (2 * h if self.qk_norm else 0)
+    if self.family is ModelFamily.GEMMA3:  # Norms after attention and the MLP.
+      layer += 2 * d
     embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * layer + embed + d
 

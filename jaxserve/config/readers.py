@@ -5,13 +5,24 @@ Llama-family readers here; Gemma 3's in config/gemma3.py.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from jaxserve.config import gemma3
-from jaxserve.config.model import ModelConfig, RopeScaling
+from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
 
 # The text-only model, and the multimodal one (4B, 12B, 27B), read as its text model.
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+
+
+# Architecture -> family of the Llama block and its variants (model/llama.py, model/decoder.py).
+HF_FAMILIES = {
+    "LlamaForCausalLM": ModelFamily.LLAMA, "Qwen2ForCausalLM": ModelFamily.LLAMA,
+    "MistralForCausalLM": ModelFamily.MISTRAL, "Qwen3ForCausalLM": ModelFamily.QWEN3,
+    "Qwen3MoeForCausalLM": ModelFamily.QWEN3_MOE, "MixtralForCausalLM": ModelFamily.MIXTRAL,
+    "Phi3ForCausalLM": ModelFamily.PHI3,
+}
+SERVED = (*HF_FAMILIES, *GEMMA3_ARCHITECTURES)
 
 
 def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
@@ -19,9 +30,33 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
   arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
   if arch in GEMMA3_ARCHITECTURES or hf.get("model_type") in ("gemma3_text", "gemma3"):
     return gemma3.from_hf(hf, name)
-  if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
-    raise ValueError(f"unsupported architecture {arch!r}: jaxserve runs Llama-family models")
+  if arch not in HF_FAMILIES:
+    raise ValueError(f"unsupported architecture {arch!r} (model_type "
+                     f"{hf.get('model_type')!r}): jaxserve serves {', '.join(SERVED)}")
+  family = HF_FAMILIES[arch]
+  if family is ModelFamily.PHI3:
+    _check_phi3(hf)
   num_heads = hf["num_attention_heads"]
+  cfg = ModelConfig(
+      vocab_size=hf["vocab_size"],
+      dim=hf["hidden_size"],
+      num_layers=hf["num_hidden_layers"],
+      num_heads=num_heads,
+      num_kv_heads=hf.get("num_key_value_heads", num_heads),
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+      hidden_dim=hf["intermediate_size"],
+      norm_eps=hf.get("rms_norm_eps", 1e-5),
+      max_seq_len=hf.get("max_position_embeddings", 2048),
+      tie_embeddings=hf.get("tie_word_embeddings", False),
+      qkv_bias=arch == "Qwen2ForCausalLM" or hf.get("attention_bias", False),
+      name=name,
+      family=family,
+      **_hf_rope(hf),
+  )
+  return dataclasses.replace(cfg, **_hf_window(hf, cfg), **_hf_experts(hf, family))
+
+
+def _hf_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
   # transformers >= 5 writes `rope_parameters` (theta included) instead of rope_theta/rope_scaling.
   rope = hf.get("rope_parameters") or {}
   theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -33,22 +68,54 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
                           scaling["original_max_position_embeddings"])
   elif scaling:
     raise ValueError(f"unsupported rope_scaling {scaling!r}")
-  return ModelConfig(
-      vocab_size=hf["vocab_size"],
-      dim=hf["hidden_size"],
-      num_layers=hf["num_hidden_layers"],
-      num_heads=num_heads,
-      num_kv_heads=hf.get("num_key_value_heads", num_heads),
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-      hidden_dim=hf["intermediate_size"],
-      norm_eps=hf.get("rms_norm_eps", 1e-5),
-      rope_theta=theta,
-      rope_scaling=scaling,
-      max_seq_len=hf.get("max_position_embeddings", 2048),
-      tie_embeddings=hf.get("tie_word_embeddings", False),
-      qkv_bias=arch == "Qwen2ForCausalLM" or hf.get("attention_bias", False),
-      name=name,
-  )
+  return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def _check_phi3(hf: Mapping[str, Any]) -> None:
+  """Phi-3 mini/medium 4k run as they are; the 128k ones and Phi-3.5-mini scale RoPE with
+  `longrope` (two factor lists, short and long), which jaxserve does not implement."""
+  scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind != "default":
+    raise ValueError(f"phi3 with {kind!r} RoPE scaling (Phi-3 128k, Phi-3.5-mini): jaxserve "
+                     "does not implement it; the 4k Phi-3 models run")
+  if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    raise ValueError("phi3 with partial_rotary_factor != 1 (Phi-4-mini): jaxserve rotates "
+                     "every dimension of a head")
+
+
+def _hf_window(hf: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+  """Mistral (Mixtral, Phi-3) attend to the last `sliding_window` positions on every layer, when
+  the config sets one shorter than the context; without one, Mistral is a Llama. Qwen2/3 write
+  a window but use it only with `use_sliding_window`, which no released model sets."""
+  window = hf.get("sliding_window")
+  if hf.get("use_sliding_window"):
+    raise ValueError(f"{cfg.family.value} with use_sliding_window: jaxserve does not run "
+                     "Qwen's per-layer windows (no released model sets it)")
+  if cfg.family not in (ModelFamily.MISTRAL, ModelFamily.MIXTRAL, ModelFamily.PHI3):
+    return {}
+  if not window or window >= cfg.max_seq_len:
+    family = ModelFamily.LLAMA if cfg.family is ModelFamily.MISTRAL else cfg.family
+    return {"family": family}
+  return {"sliding_window": window, "local_layers": (True,) * cfg.num_layers}
+
+
+def _hf_experts(hf: Mapping[str, Any], family: ModelFamily) -> dict[str, Any]:
+  """Both route with a softmax over every expert, then take the top k; Mixtral always
+  renormalises the k weights, Qwen3-MoE when `norm_topk_prob` says so."""
+  if family is ModelFamily.MIXTRAL:
+    return {"num_experts": hf["num_local_experts"], "experts_per_token": hf["num_experts_per_tok"],
+            "expert_hidden_dim": hf["intermediate_size"], "norm_topk": True}
+  if family is not ModelFamily.QWEN3_MOE:
+    return {}
+  if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+    raise ValueError("qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step): "
+                     "jaxserve runs Qwen3-MoE with experts on every layer, as released")
+  return {"num_experts": hf.get("num_experts", hf.get("num_local_experts")),
+          "experts_per_token": hf["num_experts_per_tok"],
+          "expert_hidden_dim": hf["moe_intermediate_size"],
+          "norm_topk": hf.get("norm_topk_prob", False)}
+
 
 def from_gguf(meta: Mapping[str, Any], has_output: bool, name: str = "model") -> ModelConfig:
   """Builds a config from GGUF metadata (`meta` maps key -> python value)."""

@@ -74,13 +74,15 @@ def abstract_weights(model: ModelConfig, dtype: str):
 def engine_programs(model: ModelConfig, config: EngineConfig, backend: AttentionBackend,
                     num_stop_ids: int = 1, devices=None) -> list[Program]:
   """The programs `Engine.warmup` compiles (assembly.programs(), from the same assembly), on
-  abstract arguments. With tp > 1, over a `model` mesh of `devices` (abstract ones), the
-  arrays placed as the engine places them."""
+  abstract arguments. With tp or ep > 1, over a `model` (and `expert`) mesh of `devices`
+  (abstract ones), the arrays placed as the engine places them."""
   if config.dp > 1:
     raise ValueError("compiling for a target covers tensor parallelism (--tp) only, not --dp")
   config = engine_config_for(config, backend)
   graphdef, params = abstract_weights(model, config.dtype.value)
-  mesh = placement.make_mesh(config.tp, 1, devices=list(devices)) if config.tp > 1 else None
+  mesh = None
+  if config.tp * config.ep > 1:
+    mesh = placement.make_mesh(config.tp, 1, devices=list(devices), ep=config.ep)
   asm = assembly.assemble(graphdef, params, model, config, backend, mesh)
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
@@ -112,8 +114,9 @@ def target_programs(target: str, model: ModelConfig, config: EngineConfig):
   """(the target's compile-only devices, the warm-up programs for them: engine_programs with
   the target's kernels unless the config names a backend)."""
   devices = targets.abstract_devices(target)
-  if config.tp > len(devices):
-    raise ValueError(f"--tp {config.tp}: {target}'s compile-only topology has {len(devices)} chips")
+  if config.tp * config.ep > len(devices):
+    raise ValueError(f"--tp {config.tp} x --ep {config.ep}: {target}'s compile-only topology has "
+                     f"{len(devices)} chips")
   backend = config.attention_backend or _KERNELS[targets.TARGETS[target].platform]
   return devices, engine_programs(model, config, backend, devices=devices)
 
@@ -171,6 +174,10 @@ def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
   computed to fit, the first of those fitting (or the last one tried)."""
   params = abstract_weights(model, config.dtype.value)[1]
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  # Under ep each device holds 1/ep of the experts (and all of the rest, 1/tp of it split).
+  experts = (model.num_layers * model.num_experts * 3 * model.dim * model.expert_hidden_dim
+             * jnp.dtype(config.dtype.value).itemsize)
+  weights -= experts - experts // config.ep
   # Today's engine sizes from the weights alone: the most pages there can be.
   ceiling = capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
                                    kv_cache.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
@@ -251,7 +258,7 @@ def run_compile(args) -> int:
   model = capacity.load_model_config(args.model)
   config = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                         memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
-                        dtype=args.dtype, tp=args.tp,
+                        dtype=args.dtype, tp=args.tp, ep=args.ep,
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         compilation_cache_dir=None, window_pages=args.window_pages,
                         speculative=args.speculative_config)

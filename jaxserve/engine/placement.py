@@ -19,23 +19,29 @@ from jaxserve.model import axes, kv_cache
 from jaxserve.model.kv_cache import KVCache, WindowedKV
 
 
-def make_mesh(tp: int, dp: int = 1, devices=None) -> Mesh:
-  """A [dp, tp] mesh over dp * tp devices (of all processes). Auto axes: XLA's partitioner
-  places the collectives, the code keeps its unsharded types."""
+def make_mesh(tp: int, dp: int = 1, devices=None, ep: int = 1) -> Mesh:
+  """A [dp, tp] mesh over dp * tp devices (of all processes), or [dp, ep, tp] with an `expert`
+  axis when ep > 1. Auto axes: XLA's partitioner places the collectives, the code keeps its
+  unsharded types."""
   devices = jax.devices() if devices is None else devices
-  axis_types = (AxisType.Auto, AxisType.Auto)
-  if tp * dp == len(devices):  # All of them: jax.make_mesh follows a TPU slice's topology.
-    return jax.make_mesh((dp, tp), (axes.DATA, axes.MODEL), axis_types, devices=devices)
-  if tp * dp > len(devices):
-    raise ValueError(f"tp={tp} x dp={dp} needs {tp * dp} devices; {len(devices)} available")
+  shape, names = (dp, ep, tp), (axes.DATA, axes.EXPERT, axes.MODEL)
+  if ep == 1:
+    shape, names = (dp, tp), (axes.DATA, axes.MODEL)
+  size, axis_types = tp * dp * ep, (AxisType.Auto,) * len(shape)
+  if size == len(devices):  # All of them: jax.make_mesh follows a TPU slice's topology.
+    return jax.make_mesh(shape, names, axis_types, devices=devices)
+  if size > len(devices):
+    raise ValueError(f"tp={tp} x dp={dp} x ep={ep} needs {size} devices; "
+                     f"{len(devices)} available")
   # Consecutive devices form a `model` group: on a GPU host those share the fastest links.
-  return Mesh(np.asarray(devices[:tp * dp]).reshape(dp, tp), (axes.DATA, axes.MODEL),
-              axis_types=axis_types)
+  return Mesh(np.asarray(devices[:size]).reshape(shape), names, axis_types=axis_types)
 
 
 def mesh_for(config: EngineConfig) -> Mesh | None:
   """The engine's mesh, or None on one device (the unsharded path, unchanged)."""
-  return make_mesh(config.tp, config.dp) if config.tp * config.dp > 1 else None
+  if config.tp * config.dp * config.ep == 1:
+    return None
+  return make_mesh(config.tp, config.dp, ep=config.ep)
 
 
 def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None,
@@ -96,7 +102,8 @@ class EngineShardings:
   @classmethod
   def create(cls, mesh: Mesh, cfg: ModelConfig, config: EngineConfig, params: nnx.State,
              decode_state) -> EngineShardings:
-    axes.check_divisible(cfg, mesh.shape[axes.MODEL], mesh.shape[axes.DATA], config.num_slots)
+    axes.check_divisible(cfg, mesh.shape[axes.MODEL], mesh.shape[axes.DATA], config.num_slots,
+                         mesh.shape.get(axes.EXPERT, 1))
     cache = jax.eval_shape(lambda: kv_cache.create(cfg, config))
     return cls(mesh, param_shardings(mesh, params), cache_sharding(mesh, cache),
                slots_sharding(mesh, decode_state), replicated(mesh))

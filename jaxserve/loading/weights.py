@@ -97,29 +97,53 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
   for f in files:
     with safe_open(f, framework="flax") as sf:  # flax: reads bfloat16, which numpy cannot.
       raw.update({k: np.asarray(sf.get_tensor(k), np.float32) for k in sf.keys()})
-  p = "model.layers.{}."
-  # Gemma's post_attention_layernorm follows attention; its MLP's pre-norm has its own name.
-  gemma = cfg.family is ModelFamily.GEMMA3
-  mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
-  layers = [{
-      "attn_norm": raw[p.format(i) + "input_layernorm.weight"],
-      "q": raw[p.format(i) + "self_attn.q_proj.weight"],
-      "k": raw[p.format(i) + "self_attn.k_proj.weight"],
-      "v": raw[p.format(i) + "self_attn.v_proj.weight"],
-      "o": raw[p.format(i) + "self_attn.o_proj.weight"],
-      "mlp_norm": raw[p.format(i) + mlp_norm + ".weight"],
-      "gate": raw[p.format(i) + "mlp.gate_proj.weight"],
-      "up": raw[p.format(i) + "mlp.up_proj.weight"],
-      "down": raw[p.format(i) + "mlp.down_proj.weight"],
-      **({"bq": raw[p.format(i) + "self_attn.q_proj.bias"],
-          "bk": raw[p.format(i) + "self_attn.k_proj.bias"],
-          "bv": raw[p.format(i) + "self_attn.v_proj.bias"]} if cfg.qkv_bias else {}),
-      **({key: raw[p.format(i) + hf + ".weight"] for key, (_, hf) in GEMMA3_NORMS.items()}
-         if gemma else {}),
-  } for i in range(cfg.num_layers)]
+  if cfg.family is ModelFamily.PHI3:
+    _split_phi3(cfg, raw)
+  layers = [_hf_layer(cfg, raw, f"model.layers.{i}.") for i in range(cfg.num_layers)]
   head = None if cfg.tie_embeddings else raw["lm_head.weight"]
   return cfg, to_params(cfg, raw["model.embed_tokens.weight"], layers, raw["model.norm.weight"],
                         head)
+
+
+def _split_phi3(cfg: ModelConfig, raw: dict) -> None:
+  """Phi-3 stores q, k and v as one [(N + 2K) * H, D] matrix, and gate and up as one [2F, D]:
+  into Llama's names, in place."""
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    qkv = raw.pop(p + "self_attn.qkv_proj.weight")
+    for key, rows in zip("qkv", np.split(qkv, [q, q + kv])):
+      raw[f"{p}self_attn.{key}_proj.weight"] = rows
+    gate, up = np.split(raw.pop(p + "mlp.gate_up_proj.weight"), 2)
+    raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"] = gate, up
+
+
+def _hf_layer(cfg: ModelConfig, raw: dict, p: str) -> dict:
+  """One layer's torch-layout tensors, by our names (`p`: the layer's prefix)."""
+  # Gemma's post_attention_layernorm follows attention; its MLP's pre-norm has its own name.
+  gemma = cfg.family is ModelFamily.GEMMA3
+  mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
+  layer = {"attn_norm": raw[p + "input_layernorm.weight"],
+           "mlp_norm": raw[p + mlp_norm + ".weight"],
+           **{key: raw[f"{p}self_attn.{key}_proj.weight"] for key in "qkvo"}}
+  if cfg.qkv_bias:
+    layer.update({"b" + key: raw[f"{p}self_attn.{key}_proj.bias"] for key in "qkv"})
+  if gemma:
+    layer.update({key: raw[p + hf + ".weight"] for key, (_, hf) in GEMMA3_NORMS.items()})
+  elif cfg.qk_norm:
+    layer.update({key: raw[f"{p}self_attn.{key}.weight"] for key in ("q_norm", "k_norm")})
+  if not cfg.num_experts:
+    layer.update({key: raw[f"{p}mlp.{key}_proj.weight"] for key in ("gate", "up", "down")})
+    return layer
+  # Mixtral names its experts' projections w1 (gate), w3 (up) and w2 (down).
+  moe, names = "mlp.", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+  if cfg.family is ModelFamily.MIXTRAL:
+    moe, names = "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
+  layer["router"] = raw[p + moe + "gate.weight"]  # [Ex, D]
+  for key, name in names.items():  # [Ex, out, in]
+    layer["e_" + key] = np.stack([raw[f"{p}{moe}experts.{e}.{name}.weight"]
+                                  for e in range(cfg.num_experts)])
+  return layer
 
 
 def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) -> dict:
@@ -135,9 +159,6 @@ def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) 
           "wv": stack("v", lambda w: w.T.reshape(D, K, H)),
           "wo": stack("o", lambda w: w.T.reshape(N, H, D)),  # [L, N, H, D]
           "mlp_norm": stack("mlp_norm", lambda w: w),
-          "w_gate": stack("gate", lambda w: w.T),  # [L, D, F]
-          "w_up": stack("up", lambda w: w.T),
-          "w_down": stack("down", lambda w: w.T),  # [L, F, D]
       },
       "final_norm": final_norm,
   }
@@ -145,9 +166,21 @@ def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) 
     params["layers"].update(bq=stack("bq", lambda b: b.reshape(N, H)),
                             bk=stack("bk", lambda b: b.reshape(K, H)),
                             bv=stack("bv", lambda b: b.reshape(K, H)))
+  if cfg.num_experts:
+    experts = lambda w: w.transpose(0, 2, 1)  # [Ex, out, in] -> [Ex, in, out]
+    params["layers"].update(router=stack("router", lambda w: w.T),  # [L, D, Ex]
+                            we_gate=stack("e_gate", experts),  # [L, Ex, D, Fe]
+                            we_up=stack("e_up", experts),
+                            we_down=stack("e_down", experts))  # [L, Ex, Fe, D]
+  else:
+    params["layers"].update(w_gate=stack("gate", lambda w: w.T),  # [L, D, F]
+                            w_up=stack("up", lambda w: w.T),
+                            w_down=stack("down", lambda w: w.T))  # [L, F, D]
   if cfg.family is ModelFamily.GEMMA3:
     # [L, H] (q_norm, k_norm) and [L, D]
     params["layers"].update({key: stack(key, lambda w: w) for key in GEMMA3_NORMS})
+  elif cfg.qk_norm:
+    params["layers"].update({key: stack(key, lambda w: w) for key in ("q_norm", "k_norm")})
   if lm_head is not None:
     params["lm_head"] = lm_head.T  # [D, V]
   return params

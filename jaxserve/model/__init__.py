@@ -1,4 +1,5 @@
-"""The models: the Llama-family and Gemma 3 decoders (families.py picks one per ModelFamily),
+"""The models: the Llama-family and Gemma 3 decoders, and the Llama block's variants (Qwen3,
+Mistral, and the mixtures of experts Qwen3-MoE and Mixtral; families.py picks one per ModelFamily),
 their attention over the paged KV cache, and the logical axes they are sharded by.
 
 Shape letters, the one key for every comment, einsum and `x_BTD` name of jaxserve and of
@@ -10,6 +11,10 @@ kernels_pallas:
   W: pages per sequence (page-table width)
   X: last axis of a stored K or V array: H for values, 1 for their scales
   Kg: KV-head groups of a ragged page row (tp of them, each a device's heads; 1 without tp)
+
+Mixture-of-experts letters (model/moe.py):
+  Ex: experts    Ek: experts each token is routed to (top-k)    Fe: an expert's hidden dim
+  M: routed rows (T * Ek: each token once per expert it is routed to), sorted by expert
 
 Engine letters (a step packs decode rows, then prefill sequences, on one axis):
   Bd: a step's decode rows    Bp: a step's prefill sequences (B = Bd + Bp)

@@ -109,6 +109,8 @@ def _attend_windowed(q, k, v, cache: WindowedKV, layer, meta: AttentionMetadata,
                      window=local_window, local_window=local_window)
     return out, dataclasses.replace(c, window=kv)
 
+  if all(cache.is_window):  # Every layer local (Mistral): the full pool holds no layer.
+    return local(cache)
   return jax.lax.cond(jnp.asarray(cache.is_window)[layer], local, full, cache)
 
 

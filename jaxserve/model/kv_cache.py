@@ -182,8 +182,9 @@ class KVCache:
     `num_pages` (one page group of a `WindowedKV`)."""
     kv_layout = engine.kv_layout or KVLayout.PAGED_TOKEN_MAJOR  # None: the engine had no say.
     layout, kv_dtype = _LAYOUTS[kv_layout], kv_dtype_of(engine)
-    dims = (num_layers or model.num_layers, num_pages or engine.num_pages, engine.page_size,
-            model.num_kv_heads)
+    # 0 layers: a WindowedKV's full pool when every layer is local (Mistral).
+    dims = (model.num_layers if num_layers is None else num_layers,
+            num_pages or engine.num_pages, engine.page_size, model.num_kv_heads)
     shape = lambda X: layout.shape(*dims, X, engine.num_slots, engine.max_pages_per_seq)
     ragged = None
     if kv_layout is KVLayout.RAGGED:

@@ -190,7 +190,9 @@ def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: flo
   page = per_layer * (model_cfg.num_layers - num_local)
   budget = (int(memory_bytes * memory_fraction) - weight_bytes
             - num_window_pages * num_local * per_layer)
-  pages = max(0, budget) // page
+  # Every layer local (Mistral): the full pool's pages hold no KV, they only number positions;
+  # as many as one layer's pages would fill the memory left.
+  pages = max(0, budget) // (page or per_layer)
   if pages < 2:
     raise ValueError(
         f"KV cache does not fit: {memory_fraction:.0%} of {_fmt(memory_bytes)} minus weights of "
@@ -227,9 +229,12 @@ def _fmt(num_bytes: int) -> str:
 
 def format_plan(p: CapacityPlan) -> str:
   m = p.model
+  # A mixture of experts runs only its top-k experts a token: its active parameters.
+  active = (f" ({m.num_active_params / 1e9:.2f}B active: {m.experts_per_token} of "
+            f"{m.num_experts} experts a token)" if m.num_experts else "")
   lines = [
-      f"model               {m.name}: {m.num_params / 1e9:.2f}B params, {m.num_layers} layers, "
-      f"{m.num_kv_heads} KV heads x {m.head_dim}",
+      f"model               {m.name}: {m.num_params / 1e9:.2f}B params{active}, "
+      f"{m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}",
       f"accelerator memory  {_fmt(p.memory_bytes)}",
       f"weights             {_fmt(p.weight_bytes)} ({p.weight_dtype.label})",
       f"KV per token        {_fmt(p.kv_bytes_per_token)} ({p.kv_dtype.label})",

@@ -75,4 +75,30 @@ KNOWN_MODELS = types.MappingProxyType({
                         "num_attention_heads": 16, "num_hidden_layers": 48,
                         "num_key_value_heads": 8, "rope_scaling": _GEMMA3_LINEAR_8,
                         "sliding_window": 1024}}, name="gemma-3-12b"),
+    # Qwen/Qwen3-8B config.json
+    "qwen3-8b": readers.from_hf({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
+        "rms_norm_eps": 1e-06, "attention_bias": False, "tie_word_embeddings": False,
+        "use_sliding_window": False, "sliding_window": None}, name="qwen3-8b"),
+    # Qwen/Qwen3-30B-A3B config.json (128 experts, 8 a token)
+    "qwen3-30b-a3b": readers.from_hf({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06,
+        "attention_bias": False, "tie_word_embeddings": False, "use_sliding_window": False,
+        "sliding_window": None}, name="qwen3-30b-a3b"),
+    # mistralai/Mixtral-8x7B-v0.1 config.json (8 experts, 2 a token; no sliding window)
+    "mixtral-8x7b": readers.from_hf({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1e6,
+        "rms_norm_eps": 1e-05, "sliding_window": None, "tie_word_embeddings": False},
+        name="mixtral-8x7b"),
 })
