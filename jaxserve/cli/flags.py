@@ -11,6 +11,7 @@ from jaxserve.config import (
   Dtype,
   EngineConfig,
   KVDtype,
+  Quantization,
   SamplingParams,
   default_attention_backend,
 )
@@ -50,8 +51,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  "--attention reference")
   p.add_argument("--attention", default=None, choices=[x.value for x in AttentionBackend],
                  help="attention backend (default: reference on CPU, pallas on TPU/GPU)")
+  add_quantization_flag(p)
   add_window_flag(p)
   add_parallel_flags(p)
+
+
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+  d = _default(EngineConfig, "quantization").value
+  p.add_argument("--quantization", default=d, choices=[q.value for q in Quantization],
+                 help="how weights are stored: none (float), int8 (per output channel, from any "
+                 "source), gguf (a GGUF source's own blocks), auto (gguf for a GGUF source on "
+                 f"CPU, where it is faster; else none) (default {d})")
 
 
 def add_window_flag(p: argparse.ArgumentParser) -> None:
@@ -114,7 +124,8 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         kv_dtype=kv_dtype, attention_backend=backend, tp=args.tp, dp=args.dp,
-                        window_pages=args.window_pages)
+                        window_pages=args.window_pages,
+                        quantization=Quantization(args.quantization))
   # The platform's default backend too, so a bad pair fails here, before the model loads.
   config.check_backend(backend or default_attention_backend(platform))
   return config

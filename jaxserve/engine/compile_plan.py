@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
+from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, Quantization
 from jaxserve.engine import assembly, placement, targets
 from jaxserve.engine.engine import engine_config_for
 from jaxserve.engine.step_args import StepShape
-from jaxserve.model import kv_cache
+from jaxserve.model import kv_cache, quant
 from jaxserve.model.families import model_class
 from jaxserve.planning import capacity
 
@@ -64,9 +64,12 @@ def _i32(*shape):
   return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
-def abstract_weights(model: ModelConfig, dtype: str):
-  """(graphdef, params) of the model with ShapeDtypeStruct leaves: no weight is ever made."""
-  abstract = nnx.eval_shape(lambda: model_class(model)(model, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+def abstract_weights(model: ModelConfig, dtype: str,
+                     quantization: Quantization = Quantization.NONE):
+  """(graphdef, params) of the model with ShapeDtypeStruct leaves: no weight is ever made. The
+  weights stored as `quantization` has them (quant.layouts_for)."""
+  abstract = nnx.eval_shape(lambda: model_class(model)(
+      model, jnp.dtype(dtype), rngs=nnx.Rngs(0), quant_layouts=quant.layouts_for(quantization)))
   return nnx.split(abstract)
 
 
@@ -78,7 +81,7 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   if config.dp > 1:
     raise ValueError("compiling for a target covers tensor parallelism (--tp) only, not --dp")
   config = engine_config_for(config, backend)
-  graphdef, params = abstract_weights(model, config.dtype.value)
+  graphdef, params = abstract_weights(model, config.dtype.value, config.quantization)
   mesh = placement.make_mesh(config.tp, 1, devices=list(devices)) if config.tp > 1 else None
   asm = assembly.assemble(graphdef, params, model, config, backend, mesh)
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
@@ -168,7 +171,7 @@ def compile_engine(target: str, model: ModelConfig, config: EngineConfig,
 def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
   """[(pages, reports), ...]: the neediest programs at a probe pool, then every program at pools
   computed to fit, the first of those fitting (or the last one tried)."""
-  params = abstract_weights(model, config.dtype.value)[1]
+  params = abstract_weights(model, config.dtype.value, config.quantization)[1]
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   # Today's engine sizes from the weights alone: the most pages there can be.
   ceiling = capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
@@ -252,7 +255,8 @@ def run_compile(args) -> int:
                         memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
                         dtype=args.dtype, tp=args.tp,
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
-                        compilation_cache_dir=None, window_pages=args.window_pages)
+                        compilation_cache_dir=None, window_pages=args.window_pages,
+                        quantization=args.quantization)
   result = compile_engine(args.compile, model, config)
   print(json.dumps(result, indent=1) if args.json else format_table(result))
   return 0 if result["fits"] else 1

@@ -20,6 +20,8 @@ from typing import Mapping
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.config import Quantization
+
 # Each quantizable weight's input axes in its float layout (without the stacked [L] axis): the
 # axes a dot reduces over, the ones GGUF's blocks run along.
 IN_AXES = {
@@ -125,6 +127,19 @@ def embed(ids, w: nnx.Param | Quantized, dtype):
 
 def _group(w: Quantized) -> int:
   return w.values.shape[-1] // w.scale.shape[-1]
+
+
+# The layout `plan --compile` and the planner assume for GGUF blocks without a file to read: a
+# 4-bit block type's (Q4_1, Q4_K), a scale and a minimum per 32 values.
+GGUF_LAYOUT = Layout(32, has_min=True)
+
+
+def layouts_for(mode: Quantization) -> dict[str, Layout] | None:
+  """Every weight in one layout, for a model built from a config alone (`plan --compile`):
+  int8 per output channel, or GGUF_LAYOUT; None (float) for none and auto (a config has no
+  blocks)."""
+  layout = {Quantization.INT8: Layout(None), Quantization.GGUF: GGUF_LAYOUT}.get(mode)
+  return None if layout is None else {name: layout for name in IN_AXES}
 
 
 def layouts_of(params: Mapping) -> dict[str, Layout]:
