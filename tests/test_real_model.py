@@ -109,3 +109,28 @@ def test_http_echo_prompt_logprobs_match_transformers(llm, hf_model, prompts):
       assert np.abs(np.array(got[1:]) - want).max() < 1e-3, len(ids)
   finally:
     srv.close()
+
+
+def test_auto_serves_the_ggufs_blocks_with_the_float_models_logits(llm, default_model, prompts):
+  """LLM() defaults on CPU: `auto` serves the GGUF's own Q4_1/Q8_0 blocks (int8 values and their
+  scales on the device, dequantized in the step), and the logits at every position are the
+  float32 dequantized model's within 1e-4: the same numbers."""
+  from jaxserve.model import quant
+
+  assert isinstance(llm.model.embed, quant.Quantized)
+  assert llm.model.layers.w_up.values[...].dtype == np.int8
+  for ids in prompts.values():
+    ours, ref = dense_logits(llm.model, ids), dense_logits(default_model[0], ids)
+    assert np.abs(np.asarray(ours) - np.asarray(ref)).max() < 1e-4
+
+
+def test_int8_weights_keep_the_float_models_predictions(default_model):
+  """int8 per output channel against float32, teacher-forced on README text (the full size of
+  scripts/quant_quality.py: 32 windows x 64 tokens): top-1 agreement >= 98%, mean KL <= 0.02."""
+  from support import script_loader
+
+  qq = script_loader.load("quant_quality")
+  model, tokenizer = default_model
+  result = qq.compare(model, qq.int8_model(model), qq.windows(tokenizer, 32, 64), dense_logits)
+  assert result["positions"] == 32 * 64
+  assert result["top1_agreement"] >= 0.98 and result["mean_kl"] <= 0.02, result
