@@ -27,11 +27,19 @@ def _model(args: dict, tp: int, dp: int):
   from jaxserve.engine import placement
   from jaxserve.loading import checkpoint
 
-  if args["model"] == "default":
+  from jaxserve.config import Quantization
+  from jaxserve.loading import pull, quantize
+
+  mode = Quantization(args.get("quantization", "none"))
+  if args["model"] == "default" and mode is Quantization.GGUF:  # The GGUF's own blocks.
+    cfg, params, _, _ = checkpoint.read_quantized(pull.gguf_path(), mode, "cpu")
+  elif args["model"] == "default":
     cfg, params, _ = checkpoint.read_source(checkpoint.resolve(None))
   else:
     cfg = ModelConfig(**args["model"])
     params = random_params(cfg, seed=0)
+  if mode is Quantization.INT8:
+    params = quantize.to_int8(params)
   if tp * dp == 1:
     return checkpoint.build_model(cfg, params)
   return checkpoint.build_model(cfg, params, "float32", placement.make_mesh(tp, dp))
