@@ -3,6 +3,7 @@ workload, for --quantization none, gguf and int8 on the default model, each mode
 fresh process; prints each mode's figures and its ratios to none.
 
   python scripts/bench_quant.py [--slots-list 1,16,64] [--steps 32] [--requests 64]
+  python scripts/bench_quant.py --matmul   # the layer scan behind `auto`'s choice (README)
 
 A decode step's time is the difference of two runs through the offline API that differ only in
 output length (max_tokens `steps` and 2 * `steps`, ignore_eos, 8-token prompts), divided by
@@ -67,6 +68,40 @@ def measure(mode: str, args) -> dict:
   return out
 
 
+def matmul_scan() -> None:
+  """30 SmolLM2-shaped [M, 576] x [576, 1536] layers under one scan, weights float32, int8 per
+  output channel, or int8 + float32 scale and minimum per 32 (the gguf form): min of 7 runs."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  L, D, F, g = 30, 576, 1536, 32
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.integers(-8, 8, (L, D, F)).astype(np.int8))
+  per_channel = jnp.asarray(rng.random((L, 1, F), np.float32))
+  group = lambda: jnp.asarray(rng.random((L, D // g, 1, F), np.float32))
+  weights = {
+      "float32": (lambda h, w: h @ w, jnp.asarray(rng.standard_normal((L, D, F), np.float32))),
+      "int8": (lambda h, w: h @ (w[0].astype(h.dtype) * w[1]), (q, per_channel)),
+      "gguf": (lambda h, w: h @ (w[0].reshape(D // g, g, F).astype(h.dtype) * w[1] + w[2])
+               .reshape(D, F), (q, group(), group())),
+  }
+  for m in (1, 16, 64):
+    x, times = jnp.asarray(rng.standard_normal((m, D), np.float32)), {}
+    for name, (dot, w) in weights.items():
+      body = lambda h, wl, dot=dot: (jnp.tanh(dot(h, wl)[:, :D]), None)
+      run = jax.jit(lambda x, w, body=body: jax.lax.scan(body, x, w)[0])
+      run(x, w).block_until_ready()
+      samples = []
+      for _ in range(7):
+        t = time.perf_counter()
+        run(x, w).block_until_ready()
+        samples.append(time.perf_counter() - t)
+      times[name] = min(samples)
+    print(f"M={m}: " + ", ".join(f"{k} {1e3 * v:.1f} ms ({v / times['float32']:.2f}x)"
+                                 for k, v in times.items()), flush=True)
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--mode", choices=MODES, default=None, help="(internal) measure one mode here")
@@ -74,7 +109,11 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=32)
   p.add_argument("--requests", type=int, default=64)
   p.add_argument("--max-tokens", type=int, default=128)
+  p.add_argument("--matmul", action="store_true", help="only the layer scan, in this process")
   args = p.parse_args()
+  if args.matmul:
+    matmul_scan()
+    return
   if args.mode:
     print(json.dumps(measure(args.mode, args)))
     return

@@ -125,12 +125,13 @@ def test_auto_serves_the_ggufs_blocks_with_the_float_models_logits(llm, default_
 
 
 def test_int8_weights_keep_the_float_models_predictions(default_model):
-  """int8 per output channel against float32, teacher-forced on README text (the full size of
-  scripts/quant_quality.py: 32 windows x 64 tokens): top-1 agreement >= 98%, mean KL <= 0.02."""
+  """int8 per output channel against float32, teacher-forced on README text, 8 windows x 64
+  tokens (scripts/quant_quality.py measures the issue's full 32 x 64): top-1 agreement >= 98%,
+  mean KL <= 0.02."""
   from support import script_loader
 
   qq = script_loader.load("quant_quality")
   model, tokenizer = default_model
-  result = qq.compare(model, qq.int8_model(model), qq.windows(tokenizer, 32, 64), dense_logits)
-  assert result["positions"] == 32 * 64
+  result = qq.compare(model, qq.int8_model(model), qq.windows(tokenizer, 8, 64), dense_logits)
+  assert result["positions"] == 8 * 64
   assert result["top1_agreement"] >= 0.98 and result["mean_kl"] <= 0.02, result
