@@ -26,7 +26,8 @@ class LLM:
     """`model`: None (the default model), a packaged model's name, or a path (GGUF file,
     Hugging Face directory, or jaxserve checkpoint)."""
     mesh = placement.mesh_for(engine_config)
-    self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype.value, mesh)
+    self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype.value, mesh,
+                                                       engine_config.quantization)
     self.engine = Engine(self.model, engine_config, stop_ids=self.tokenizer.stop_ids)
     if warmup:
       self.engine.warmup()
@@ -70,7 +71,8 @@ def load_engine(model: str | None, engine_config: EngineConfig,
                 served_model_name: str | None = None) -> Loaded:
   """`jaxserve serve`'s loader: the model, its engine compiled for every bucket, its tokenizer."""
   transformer, tokenizer = checkpoint.load_model(model, engine_config.dtype.value,
-                                                 placement.mesh_for(engine_config))
+                                                 placement.mesh_for(engine_config),
+                                                 engine_config.quantization)
   engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids)
   engine.warmup()
   return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name)

@@ -23,17 +23,22 @@ def _setup(args: dict) -> None:
 
 
 def _model(args: dict, tp: int, dp: int, ep: int = 1):
-  from jaxserve.config import ModelConfig
+  from jaxserve.config import ModelConfig, Quantization
   from jaxserve.engine import placement
-  from jaxserve.loading import checkpoint, weights
+  from jaxserve.loading import checkpoint, pull, quantize, weights
 
-  if args["model"] == "default":
+  mode = Quantization(args.get("quantization", "none"))
+  if args["model"] == "default" and mode is Quantization.GGUF:  # The GGUF's own blocks.
+    cfg, params, _, _ = checkpoint.read_quantized(pull.gguf_path(), mode, "cpu")
+  elif args["model"] == "default":
     cfg, params, _ = checkpoint.read_source(checkpoint.resolve(None))
   elif "hf_dir" in args["model"]:  # A Hugging Face directory the test saved (tiny MoE models).
     cfg, params = weights.load_hf_dir(args["model"]["hf_dir"])
   else:
     cfg = ModelConfig(**args["model"])
     params = random_params(cfg, seed=0)
+  if mode is Quantization.INT8:
+    params = quantize.to_int8(params)
   if tp * dp * ep == 1:
     return checkpoint.build_model(cfg, params)
   return checkpoint.build_model(cfg, params, "float32", placement.make_mesh(tp, dp, ep=ep))

@@ -325,3 +325,20 @@ def test_checkpoint_round_trip(tiny, llm, tmp_path):
   ids = list(range(3, 43))
   restored = checkpoint.build_model(cfg, params)
   assert np.array_equal(dense_logits(restored, ids, 4), dense_logits(tiny, ids, 4))
+
+
+@pytest.mark.real_model
+def test_real_gguf_blocks_give_the_float_models_logits(llm, gguf_path, prompts):
+  """`auto` on CPU serves the Q4_K_M file's own blocks (Q4_K and Q6_K ffn_down layers in one
+  array, Q5_0 and Q8_0 attn_v, the Q8_0 embedding as the tied head): the logits are the float32
+  dequantized model's within 1e-4."""
+  from jaxserve.config import Quantization
+  from jaxserve.model import quant
+
+  assert isinstance(llm.model.layers.w_down, quant.Quantized)
+  assert isinstance(llm.model.embed, quant.Quantized)
+  dense, _ = checkpoint.load_model(str(gguf_path), quantization=Quantization.NONE)
+  for kind in ("raw", "chat"):
+    ours = chunked_last_logits(llm.model, prompts[kind], chunk=512, page_size=16)
+    ref = chunked_last_logits(dense, prompts[kind], chunk=512, page_size=16)
+    assert np.abs(ours - ref).max() < 1e-4, kind

@@ -106,6 +106,30 @@ def test_contiguous_cache_splits_by_slot_over_data(tiny_runs):
   assert run["cache_bytes_device0"] == full // 4
 
 
+def test_int8_weights_split_with_their_scales(tmp_path):
+  """int8 weights under tp 2 and 4: each device holds its heads' and MLP columns' values and
+  scales (per output channel), and greedy tokens equal one device's."""
+  runs = run_worker(dict(devices=4, model=TINY8, prompts=PROMPTS, steps=6, quantization="int8",
+                         layouts=[[1, 1], [2, 1], [4, 1]], cache_dir=str(tmp_path)))["layouts"]
+  for layout in ("2x1", "4x1"):
+    assert runs[layout]["tokens"] == runs["1x1"]["tokens"]
+    np.testing.assert_allclose(runs[layout]["logprobs"], runs["1x1"]["logprobs"], atol=1e-4)
+  assert runs["4x1"]["param_bytes_device0"] < runs["2x1"]["param_bytes_device0"] / 1.8
+
+
+@pytest.mark.real_model
+def test_default_model_gguf_blocks_under_tp3_match_one_device(tmp_path):
+  """The GGUF's Q4_1/Q8_0 blocks at tp=3: group scales and minima split with their heads, MLP
+  columns and vocabulary rows; greedy tokens equal one device's."""
+  prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1072, 28560, 30, 94, 33]]
+  runs = run_worker(dict(devices=3, model="default", prompts=prompts, steps=8,
+                         quantization="gguf", layouts=[[1, 1], [3, 1]],
+                         cache_dir=str(tmp_path)))["layouts"]
+  assert runs["3x1"]["tokens"] == runs["1x1"]["tokens"]
+  np.testing.assert_allclose(runs["3x1"]["logprobs"], runs["1x1"]["logprobs"], atol=1e-3)
+  assert runs["3x1"]["param_bytes_device0"] < runs["1x1"]["param_bytes_device0"] / 2.5
+
+
 @pytest.mark.real_model
 def test_default_model_tp3_dp2_matches_one_device(tmp_path):
   """SmolLM2-135M (9 heads, 3 KV heads): tp=3 splits one KV head per device; dp=2 on top."""

@@ -11,6 +11,7 @@ from jaxserve.config import (
   Dtype,
   EngineConfig,
   KVDtype,
+  Quantization,
   SamplingParams,
   SpeculativeConfig,
   default_attention_backend,
@@ -51,6 +52,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  "--attention reference")
   p.add_argument("--attention", default=None, choices=[x.value for x in AttentionBackend],
                  help="attention backend (default: reference on CPU, pallas on TPU/GPU)")
+  add_quantization_flag(p)
   add_window_flag(p)
   add_parallel_flags(p)
   add_speculative_flag(p)
@@ -69,6 +71,14 @@ def speculative_config(text: str) -> SpeculativeConfig:
     return SpeculativeConfig.from_json(text)
   except (ValueError, TypeError) as e:
     raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+  d = _default(EngineConfig, "quantization").value
+  p.add_argument("--quantization", default=d, choices=[q.value for q in Quantization],
+                 help="how weights are stored: none (float), int8 (per output channel, from any "
+                 "source), gguf (a GGUF source's own blocks), auto (gguf for a GGUF source on "
+                 f"CPU, where it is faster; else none) (default {d})")
 
 
 def add_window_flag(p: argparse.ArgumentParser) -> None:
@@ -134,7 +144,8 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         kv_dtype=kv_dtype, attention_backend=backend, tp=args.tp, dp=args.dp,
                         ep=args.ep, window_pages=args.window_pages,
-                        speculative=args.speculative_config)
+                        speculative=args.speculative_config,
+                        quantization=Quantization(args.quantization))
   # The platform's default backend too, so a bad pair fails here, before the model loads.
   config.check_backend(backend or default_attention_backend(platform))
   return config

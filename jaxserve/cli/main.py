@@ -8,6 +8,7 @@ import sys
 import time
 
 from jaxserve.cli import flags
+from jaxserve.config import Quantization
 from jaxserve.planning import capacity
 
 
@@ -174,8 +175,11 @@ def run_pull(args) -> int:
 
 
 def run_convert(args) -> int:
+  import jax
+
   from jaxserve.loading import checkpoint
-  checkpoint.convert(args.src, args.dst)
+  checkpoint.convert(args.src, args.dst, Quantization(args.quantization),
+                     jax.default_backend())
   print(f"wrote {args.dst}")
   return 0
 
@@ -201,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="convert a GGUF file or HF directory into a jaxserve checkpoint")
   c.add_argument("src")
   c.add_argument("dst")
+  flags.add_quantization_flag(c)
   c.set_defaults(run=run_convert)
   _add_serve_parser(sub)
   from jaxserve.api import client

@@ -15,15 +15,17 @@ from jaxserve.config.engine import (
                                     KVDtype,
                                     KVLayout,
                                     Platform,
+                                    Quantization,
                                     QueuePolicy,
                                     SchedulerConfig,
                                     default_attention_backend,
+                                    pick_quantization,
 )
 from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
 from jaxserve.config.sampling import SamplingParams
 from jaxserve.config.speculative import SpeculativeConfig
 
 __all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype",
-           "KVLayout", "ModelConfig", "ModelFamily", "Platform", "QueuePolicy", "RopeScaling",
-           "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "default_attention_backend",
-           "is_int", "json_type", "short"]
+           "KVLayout", "ModelConfig", "ModelFamily", "Platform", "Quantization", "QueuePolicy",
+           "RopeScaling", "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
+           "default_attention_backend", "is_int", "json_type", "pick_quantization", "short"]

@@ -47,6 +47,35 @@ class KVDtype(enum.Enum):
     self.scale_bytes = scale_bytes
 
 
+class Quantization(enum.Enum):
+  """How the weights are stored on the device (model/quant.py)."""
+
+  NONE = "none"  # Float, in the engine's dtype.
+  INT8 = "int8"  # Weight-only int8, one float32 scale per output channel, from any source.
+  GGUF = "gguf"  # A GGUF file's own blocks (or a checkpoint that stores quantized weights).
+  # GGUF for a source that holds blocks where that is at least as fast as float (measured: CPU),
+  # else NONE: `pick_quantization`.
+  AUTO = "auto"
+
+
+# Platforms where serving GGUF blocks was measured at least as fast as float (README,
+# "Quantized weights"): XLA:CPU reads int8 values and their group scales in 0.5-0.7x the time of
+# float32. TPU and GPU are not measured yet, so `auto` keeps float there.
+GGUF_FASTER_ON = ("cpu",)
+
+
+def pick_quantization(mode: Quantization, has_blocks: bool, platform: str) -> Quantization:
+  """What `mode` means for a source (`has_blocks`: it stores quantized weights) on `platform`
+  (jax.default_backend()'s name): AUTO resolved, and GGUF refused for a float source."""
+  if mode is Quantization.AUTO:
+    return Quantization.GGUF if has_blocks and platform in GGUF_FASTER_ON else Quantization.NONE
+  if mode is Quantization.GGUF and not has_blocks:
+    raise ValueError("--quantization gguf needs a source that stores quantized blocks (a .gguf "
+                     "file, a packaged model, or a checkpoint converted with --quantization "
+                     "gguf); this one stores float weights: use int8 or none")
+  return mode
+
+
 class AttentionBackend(enum.Enum):
   REFERENCE = "reference"  # Plain jnp: gather pages, masked softmax. The fast path on CPU.
   PALLAS = "pallas"  # The kernels of kernels_pallas/ for the running platform (interpret on CPU).
@@ -115,8 +144,15 @@ class EngineConfig:
   ep: int = 1  # Expert parallel: devices a mixture of experts' experts are split over (`expert`).
   # Speculative decoding (None: off); its k sets the verify steps' shapes (config/speculative.py).
   speculative: SpeculativeConfig | None = None
+  # How the weights are stored (a name is taken too): `pick_quantization` resolves AUTO.
+  quantization: Quantization = Quantization.AUTO
 
   def __post_init__(self):
+    if not isinstance(self.quantization, Quantization):
+      if self.quantization not in {q.value for q in Quantization}:
+        raise ValueError(f"EngineConfig.quantization must be one of "
+                         f"{[q.value for q in Quantization]}, got {self.quantization!r}")
+      object.__setattr__(self, "quantization", Quantization(self.quantization))
     if self.max_prefill_seqs < 1:
       raise ValueError(f"EngineConfig.max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
     if not isinstance(self.dtype, Dtype):

@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
+from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, Quantization
 from jaxserve.engine import assembly, placement, targets
 from jaxserve.engine.engine import engine_config_for
 from jaxserve.engine.step_args import StepShape
-from jaxserve.model import kv_cache
+from jaxserve.model import kv_cache, quant
 from jaxserve.model.families import model_class
 from jaxserve.planning import capacity
 
@@ -65,9 +65,12 @@ def _i32(*shape):
   return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
-def abstract_weights(model: ModelConfig, dtype: str):
-  """(graphdef, params) of the model with ShapeDtypeStruct leaves: no weight is ever made."""
-  abstract = nnx.eval_shape(lambda: model_class(model)(model, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+def abstract_weights(model: ModelConfig, dtype: str,
+                     quantization: Quantization = Quantization.NONE):
+  """(graphdef, params) of the model with ShapeDtypeStruct leaves: no weight is ever made. The
+  weights stored as `quantization` has them (quant.layouts_for)."""
+  abstract = nnx.eval_shape(lambda: model_class(model)(
+      model, jnp.dtype(dtype), rngs=nnx.Rngs(0), quant_layouts=quant.layouts_for(quantization)))
   return nnx.split(abstract)
 
 
@@ -79,7 +82,7 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   if config.dp > 1:
     raise ValueError("compiling for a target covers tensor parallelism (--tp) only, not --dp")
   config = engine_config_for(config, backend)
-  graphdef, params = abstract_weights(model, config.dtype.value)
+  graphdef, params = abstract_weights(model, config.dtype.value, config.quantization)
   mesh = None
   if config.tp * config.ep > 1:
     mesh = placement.make_mesh(config.tp, 1, devices=list(devices), ep=config.ep)
@@ -172,7 +175,7 @@ def compile_engine(target: str, model: ModelConfig, config: EngineConfig,
 def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
   """[(pages, reports), ...]: the neediest programs at a probe pool, then every program at pools
   computed to fit, the first of those fitting (or the last one tried)."""
-  params = abstract_weights(model, config.dtype.value)[1]
+  params = abstract_weights(model, config.dtype.value, config.quantization)[1]
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   # Under ep each device holds 1/ep of the experts (and all of the rest, 1/tp of it split).
   experts = (model.num_layers * model.num_experts * 3 * model.dim * model.expert_hidden_dim
@@ -261,7 +264,8 @@ def run_compile(args) -> int:
                         dtype=args.dtype, tp=args.tp, ep=args.ep,
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         compilation_cache_dir=None, window_pages=args.window_pages,
-                        speculative=args.speculative_config)
+                        speculative=args.speculative_config,
+                        quantization=args.quantization)
   result = compile_engine(args.compile, model, config)
   print(json.dumps(result, indent=1) if args.json else format_table(result))
   return 0 if result["fits"] else 1

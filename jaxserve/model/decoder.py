@@ -16,23 +16,32 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import attention, moe
+from jaxserve.model import attention, moe, quant
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.llama import Transformer, _param, apply_rope, rms_norm, stacked_layers
+from jaxserve.model.llama import (
+    Transformer,
+    _param,
+    _weight,
+    apply_rope,
+    rms_norm,
+    stacked_layers,
+)
 
 
 class Block(nnx.Module):
   """One decoder layer: pre-norm attention (qk-norm, window as the config says), then a pre-norm
   SwiGLU MLP or mixture of experts."""
 
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant_layouts=None):
     D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.cfg = cfg
+    w = lambda name, shape, names, fan_in: _weight(name, quant_layouts, rngs, shape, names, dtype,
+                                                   fan_in)
     self.attn_norm = _param(rngs, (D,), ("embed",), dtype)
-    self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), dtype, fan_in=D)
-    self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
-    self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
-    self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, fan_in=N * H)
+    self.wq = w("wq", (D, N, H), ("embed", "heads", "head_dim"), D)
+    self.wk = w("wk", (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+    self.wv = w("wv", (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+    self.wo = w("wo", (N, H, D), ("heads", "head_dim", "embed"), N * H)
     if cfg.qkv_bias:
       self.bq = _param(rngs, (N, H), ("heads", "head_dim"), dtype, fan_in=D)
       self.bk = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
@@ -50,18 +59,18 @@ class Block(nnx.Module):
                             fan_in=Fe)
     else:
       F = cfg.hidden_dim
-      self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
-      self.w_up = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
-      self.w_down = _param(rngs, (F, D), ("mlp", "embed"), dtype, fan_in=F)
+      self.w_gate = w("w_gate", (D, F), ("embed", "mlp"), D)
+      self.w_up = w("w_up", (D, F), ("embed", "mlp"), D)
+      self.w_down = w("w_down", (F, D), ("mlp", "embed"), F)
 
   def __call__(self, x, layer, cache: KVCache, meta: attention.AttentionMetadata, inv_freq,
                attn: attention.AttentionSpec):
     """x [B, T, D] -> [B, T, D], with this layer's K/V written into `cache`."""
     cfg = self.cfg
     h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
-    q = jnp.einsum("BTD,DNH->BTNH", h, self.wq[...])
-    k = jnp.einsum("BTD,DKH->BTKH", h, self.wk[...])
-    v = jnp.einsum("BTD,DKH->BTKH", h, self.wv[...])
+    q = quant.linear("BTD,DNH->BTNH", h, self.wq)
+    k = quant.linear("BTD,DKH->BTKH", h, self.wk)
+    v = quant.linear("BTD,DKH->BTKH", h, self.wv)
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if cfg.qk_norm:  # Per head, before RoPE (Qwen3).
@@ -73,16 +82,16 @@ class Block(nnx.Module):
     window = cfg.sliding_window if any(cfg.local_layers) else None
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
                                   local_window=window)  # [B, T, N, H]
-    x = x + jnp.einsum("BTNH,NHD->BTD", out.astype(x.dtype), self.wo[...])
+    x = x + quant.linear("BTNH,NHD->BTD", out.astype(x.dtype), self.wo)
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
     return x + self._mlp(h, attn), cache
 
   def _mlp(self, h_BTD, attn: attention.AttentionSpec):
     cfg = self.cfg
     if not cfg.num_experts:
-      gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate[...]))
-      up = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up[...])
-      return jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])
+      gate = jax.nn.silu(quant.linear("BTD,DF->BTF", h_BTD, self.w_gate))
+      up = quant.linear("BTD,DF->BTF", h_BTD, self.w_up)
+      return quant.linear("BTF,FD->BTD", gate * up, self.w_down)
     B, T, D = h_BTD.shape
     h_TD = h_BTD.reshape(B * T, D)
     weights, experts = moe.route(h_TD, self.router[...], cfg.experts_per_token, cfg.norm_topk)
@@ -93,13 +102,16 @@ class Block(nnx.Module):
 
 class Decoder(Transformer):
   """Called like llama.Transformer: (tokens, cache, meta, attn) -> (logits, cache); its forward
-  and head are the Transformer's, over `Block`s."""
+  and head are the Transformer's, over `Block`s. The experts and the router stay float under
+  every `quantization` (loading/quantize.py quantizes the named matrices only)."""
 
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+               quant_layouts: quant.Layouts | None = None):
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), dtype, fan_in=1)
-    self.layers = stacked_layers(cfg, lambda rngs: Block(cfg, dtype, rngs), rngs)
+    self.embed = _weight("embed", quant_layouts, rngs, (cfg.vocab_size, cfg.dim),
+                         ("vocab", "embed"), dtype, 1)
+    self.layers = stacked_layers(cfg, lambda rngs: Block(cfg, dtype, rngs, quant_layouts), rngs)
     self.final_norm = _param(rngs, (cfg.dim,), ("embed",), dtype)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype,
-                            fan_in=cfg.dim)
+      self.lm_head = _weight("lm_head", quant_layouts, rngs, (cfg.dim, cfg.vocab_size),
+                             ("embed", "vocab"), dtype, cfg.dim)

@@ -20,9 +20,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import attention
+from jaxserve.model import attention, quant
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.llama import _param, apply_rope, rms_norm, stacked_layers
+from jaxserve.model.llama import _weight, apply_rope, rms_norm, stacked_layers
 
 NO_WINDOW = np.iinfo(np.int32).max  # A global layer's window: every position is inside it.
 
@@ -60,21 +60,23 @@ def _norm_param(shape, names, dtype) -> nnx.Param:
 class Gemma3Block(nnx.Module):
   """One decoder layer: normed attention with qk-norm, then a normed GeGLU MLP."""
 
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant_layouts=None):
     D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
     self.cfg = cfg
+    w = lambda name, shape, names, fan_in: _weight(name, quant_layouts, rngs, shape, names, dtype,
+                                                   fan_in)
     self.attn_norm = _norm_param((D,), ("embed",), dtype)
-    self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), dtype, fan_in=D)
-    self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
-    self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
-    self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, fan_in=N * H)
+    self.wq = w("wq", (D, N, H), ("embed", "heads", "head_dim"), D)
+    self.wk = w("wk", (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+    self.wv = w("wv", (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+    self.wo = w("wo", (N, H, D), ("heads", "head_dim", "embed"), N * H)
     self.q_norm = _norm_param((H,), ("head_dim",), dtype)
     self.k_norm = _norm_param((H,), ("head_dim",), dtype)
     self.post_attn_norm = _norm_param((D,), ("embed",), dtype)
     self.mlp_norm = _norm_param((D,), ("embed",), dtype)
-    self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
-    self.w_up = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
-    self.w_down = _param(rngs, (F, D), ("mlp", "embed"), dtype, fan_in=F)
+    self.w_gate = w("w_gate", (D, F), ("embed", "mlp"), D)
+    self.w_up = w("w_up", (D, F), ("embed", "mlp"), D)
+    self.w_down = w("w_down", (F, D), ("mlp", "embed"), F)
     self.post_mlp_norm = _norm_param((D,), ("embed",), dtype)
 
   def __call__(self, x, layer, cache: KVCache, meta: attention.AttentionMetadata, inv_freq, window,
@@ -83,9 +85,9 @@ class Gemma3Block(nnx.Module):
     window (a scalar) are this layer's."""
     cfg, eps = self.cfg, self.cfg.norm_eps
     h = norm(x, self.attn_norm[...], eps)
-    q = norm(jnp.einsum("BTD,DNH->BTNH", h, self.wq[...]), self.q_norm[...], eps)
-    k = norm(jnp.einsum("BTD,DKH->BTKH", h, self.wk[...]), self.k_norm[...], eps)
-    v = jnp.einsum("BTD,DKH->BTKH", h, self.wv[...])
+    q = norm(quant.linear("BTD,DNH->BTNH", h, self.wq), self.q_norm[...], eps)
+    k = norm(quant.linear("BTD,DKH->BTKH", h, self.wk), self.k_norm[...], eps)
+    v = quant.linear("BTD,DKH->BTKH", h, self.wv)
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)
     # The attention scales scores by H ** -0.5; Gemma wants query_pre_attn_scalar ** -0.5
@@ -96,25 +98,28 @@ class Gemma3Block(nnx.Module):
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
                                   local_window=cfg.sliding_window)  # [B, T, N, H]
     out = out.astype(x.dtype)
-    x = x + norm(jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), self.post_attn_norm[...], eps)
+    x = x + norm(quant.linear("BTNH,NHD->BTD", out, self.wo), self.post_attn_norm[...], eps)
     h = norm(x, self.mlp_norm[...], eps)
-    gate = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]), approximate=True)
-    up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
-    down = jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...])
+    gate = jax.nn.gelu(quant.linear("BTD,DF->BTF", h, self.w_gate), approximate=True)
+    up = quant.linear("BTD,DF->BTF", h, self.w_up)
+    down = quant.linear("BTF,FD->BTD", gate * up, self.w_down)
     return x + norm(down, self.post_mlp_norm[...], eps), cache
 
 
 class Gemma3(nnx.Module):
   """Called like llama.Transformer: (tokens, cache, meta, attn) -> (logits, cache)."""
 
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+               quant_layouts: quant.Layouts | None = None):
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), dtype, fan_in=1)
-    self.layers = stacked_layers(cfg, lambda rngs: Gemma3Block(cfg, dtype, rngs), rngs)
+    self.embed = _weight("embed", quant_layouts, rngs, (cfg.vocab_size, cfg.dim),
+                         ("vocab", "embed"), dtype, 1)
+    self.layers = stacked_layers(cfg, lambda rngs: Gemma3Block(cfg, dtype, rngs, quant_layouts),
+                                 rngs)
     self.final_norm = _norm_param((cfg.dim,), ("embed",), dtype)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype,
-                            fan_in=cfg.dim)
+      self.lm_head = _weight("lm_head", quant_layouts, rngs, (cfg.dim, cfg.vocab_size),
+                             ("embed", "vocab"), dtype, cfg.dim)
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True,
@@ -123,10 +128,10 @@ class Gemma3(nnx.Module):
     [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
     the cache."""
     cfg = self.cfg
-    embed = self.embed[...]
+    dtype = self.final_norm[...].dtype
     # sqrt(D) rounded to the model dtype first, as Hugging Face does (in bfloat16 it is 25.25,
     # not 25.3, for D = 640): the checkpoints were trained with that rounding.
-    x = embed[tokens] * jnp.asarray(math.sqrt(cfg.dim), embed.dtype)  # [B, T, D]
+    x = quant.embed(tokens, self.embed, dtype) * jnp.asarray(math.sqrt(cfg.dim), dtype)  # [B, T, D]
     graphdef, layer_state = nnx.split(self.layers)
 
     def body(carry, xs):
@@ -146,8 +151,10 @@ class Gemma3(nnx.Module):
     """The last layer's output [..., D] -> logits [..., V] float32 (soft-capped if set)."""
     cfg = self.cfg
     x = norm(x, self.final_norm[...], cfg.norm_eps)
-    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V]
-    logits = jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32)
+    if cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
+      logits = quant.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
+    else:
+      logits = quant.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
       cap = cfg.final_logit_softcapping
       logits = cap * jnp.tanh(logits / cap)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import attention
+from jaxserve.model import attention, quant
 from jaxserve.model.kv_cache import KVCache
 
 
@@ -25,6 +25,13 @@ def _param(rngs: nnx.Rngs, shape, names, dtype, fan_in: int | None = None) -> nn
   else:
     value = (jax.random.normal(rngs.params(), shape) / jnp.sqrt(fan_in)).astype(dtype)
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _weight(name: str, layouts: quant.Layouts | None, rngs: nnx.Rngs, shape, names, dtype,
+            fan_in: int):
+  """A matrix: float (random, for tests), or quantized when `layouts` names it (model/quant.py)."""
+  return quant.weight(name, layouts, lambda: _param(rngs, shape, names, dtype, fan_in), shape,
+                      names)
 
 
 def rms_norm(x, scale, eps: float):
@@ -75,53 +82,60 @@ def stacked_layers(cfg: ModelConfig, make_layer, rngs: nnx.Rngs):
 class DecoderLayer(nnx.Module):
   """One decoder layer: pre-norm attention, then a pre-norm SwiGLU MLP."""
 
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant_layouts=None):
     D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
     self.cfg = cfg
+    w = lambda name, shape, names, fan_in: _weight(name, quant_layouts, rngs, shape, names, dtype,
+                                                   fan_in)
     self.attn_norm = _param(rngs, (D,), ("embed",), dtype)
-    self.wq = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), dtype, fan_in=D)
-    self.wk = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
-    self.wv = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), dtype, fan_in=D)
-    self.wo = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), dtype, fan_in=N * H)
+    self.wq = w("wq", (D, N, H), ("embed", "heads", "head_dim"), D)
+    self.wk = w("wk", (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+    self.wv = w("wv", (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+    self.wo = w("wo", (N, H, D), ("heads", "head_dim", "embed"), N * H)
     if cfg.qkv_bias:
       self.bq = _param(rngs, (N, H), ("heads", "head_dim"), dtype, fan_in=D)
       self.bk = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
       self.bv = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
     self.mlp_norm = _param(rngs, (D,), ("embed",), dtype)
-    self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
-    self.w_up = _param(rngs, (D, F), ("embed", "mlp"), dtype, fan_in=D)
-    self.w_down = _param(rngs, (F, D), ("mlp", "embed"), dtype, fan_in=F)
+    self.w_gate = w("w_gate", (D, F), ("embed", "mlp"), D)
+    self.w_up = w("w_up", (D, F), ("embed", "mlp"), D)
+    self.w_down = w("w_down", (F, D), ("mlp", "embed"), F)
 
   def __call__(self, x, layer, cache: KVCache, meta: attention.AttentionMetadata, inv_freq,
                attn: attention.AttentionSpec):
     """x [B, T, D] -> [B, T, D], with this layer's K/V written into `cache`."""
     cfg = self.cfg
     h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
-    q = jnp.einsum("BTD,DNH->BTNH", h, self.wq[...])
-    k = jnp.einsum("BTD,DKH->BTKH", h, self.wk[...])
-    v = jnp.einsum("BTD,DKH->BTKH", h, self.wv[...])
+    q = quant.linear("BTD,DNH->BTNH", h, self.wq)
+    k = quant.linear("BTD,DKH->BTKH", h, self.wk)
+    v = quant.linear("BTD,DKH->BTKH", h, self.wv)
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn)  # [B, T, N, H]
     out = out.astype(x.dtype)
-    x = x + jnp.einsum("BTNH,NHD->BTD", out, self.wo[...])
+    x = x + quant.linear("BTNH,NHD->BTD", out, self.wo)
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-    gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.w_gate[...]))
-    up = jnp.einsum("BTD,DF->BTF", h, self.w_up[...])
-    return x + jnp.einsum("BTF,FD->BTD", gate * up, self.w_down[...]), cache
+    gate = jax.nn.silu(quant.linear("BTD,DF->BTF", h, self.w_gate))
+    up = quant.linear("BTD,DF->BTF", h, self.w_up)
+    return x + quant.linear("BTF,FD->BTD", gate * up, self.w_down), cache
 
 
 class Transformer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+  """`quant_layouts` (quant.layouts_of a parameter pytree): the weights stored quantized."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+               quant_layouts: quant.Layouts | None = None):
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), dtype, fan_in=1)
-    self.layers = stacked_layers(cfg, lambda rngs: DecoderLayer(cfg, dtype, rngs), rngs)
+    self.embed = _weight("embed", quant_layouts, rngs, (cfg.vocab_size, cfg.dim),
+                         ("vocab", "embed"), dtype, 1)
+    self.layers = stacked_layers(cfg, lambda rngs: DecoderLayer(cfg, dtype, rngs, quant_layouts),
+                                 rngs)
     self.final_norm = _param(rngs, (cfg.dim,), ("embed",), dtype)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), dtype,
-                            fan_in=cfg.dim)
+      self.lm_head = _weight("lm_head", quant_layouts, rngs, (cfg.dim, cfg.vocab_size),
+                             ("embed", "vocab"), dtype, cfg.dim)
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True,
@@ -129,7 +143,7 @@ class Transformer(nnx.Module):
     """tokens [1, T] -> logits [B, V] at each sequence's last new token (meta.sample_rows), or
     [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
     the cache."""
-    x = self.embed[...][tokens]  # [B, T, D]
+    x = quant.embed(tokens, self.embed, self.final_norm[...].dtype)  # [B, T, D]
     inv_freq = rope_frequencies(self.cfg)
     graphdef, layer_state = nnx.split(self.layers)
 
@@ -148,5 +162,6 @@ class Transformer(nnx.Module):
   def head(self, x):
     """The last layer's output [..., D] -> logits [..., V] float32."""
     x = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
-    head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]  # [D, V]
-    return jnp.einsum("...D,DV->...V", x, head).astype(jnp.float32)
+    if self.cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
+      return quant.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
+    return quant.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)

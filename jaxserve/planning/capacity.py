@@ -38,7 +38,7 @@ import pathlib
 import sys
 import types
 
-from jaxserve.config import KVDtype, ModelConfig, readers
+from jaxserve.config import KVDtype, ModelConfig, Quantization, readers
 from jaxserve.config.engine import window_pages_per_seq
 from jaxserve.planning.known_models import KNOWN_MODELS
 
@@ -56,6 +56,11 @@ class WeightDtype(enum.Enum):
   BFLOAT16 = ("bfloat16", 2, 1)
   FLOAT16 = ("float16", 2, 1)
   INT8 = ("int8", 34, 32)  # Q8_0: 32 int8 + one f16 scale = 34 bytes per 32 weights.
+  # What the engine stores (model/quant.py): int8 per output channel, a float32 scale per row of
+  # at least 1,024 inputs on the models planned for (less than 1/256 more), and GGUF 4-bit blocks
+  # unpacked to int8 values with a float32 scale and minimum per 32 (a Q6_K layer's 16: 48/32).
+  INT8_CHANNEL = ("int8-channel", 257, 256)
+  GGUF_STORED = ("gguf-stored", 40, 32)
   INT4 = ("int4", 18, 32)  # Q4_0: 32 nibbles + one f16 scale = 18 bytes per 32 weights.
   Q4_1 = ("q4_1", 20, 32)  # Q4_1: 32 nibbles + f16 scale + f16 min = 20 bytes per 32 weights.
 
@@ -288,6 +293,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       help="tokens per conversation (default: the model's max context)")
   parser.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="bfloat16",
                       help="int8, int4, q4_1: GGUF Q8_0, Q4_0, Q4_1 pages of 32")
+  parser.add_argument("--quantization", choices=[q.value for q in Quantization], default="none",
+                      help="weights as the engine stores them: int8 (per output channel), gguf "
+                      "(4-bit blocks unpacked to int8 + float32 scale and minimum per 32); none "
+                      "and auto (a config has no blocks): --weight-dtype")
   parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bfloat16",
                       help="int8 adds a float32 scale per token and KV head")
   parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -298,13 +307,20 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
   return parser
 
 
+def stored_weight_dtype(mode: Quantization, weight_dtype: str) -> WeightDtype:
+  """The bytes per weight the engine holds in `mode` (none, auto: the float `weight_dtype`)."""
+  stored = {Quantization.INT8: WeightDtype.INT8_CHANNEL, Quantization.GGUF: WeightDtype.GGUF_STORED}
+  return stored.get(mode, WEIGHT_DTYPES[weight_dtype])
+
+
 def run_plan(args: argparse.Namespace) -> int:
   """Prints the plan; returns 1 when no full-length conversation fits (or the input is bad)."""
   try:
     cfg = load_model_config(args.model)
     plan = lambda window_only: plan_capacity(
         cfg, round(args.memory_gib * GIB), args.context or cfg.max_seq_len,
-        weight_dtype=WEIGHT_DTYPES[args.weight_dtype], kv_dtype=KV_DTYPES[args.kv_dtype],
+        weight_dtype=stored_weight_dtype(Quantization(args.quantization), args.weight_dtype),
+        kv_dtype=KV_DTYPES[args.kv_dtype],
         page_size=args.page_size, prefill_tokens=args.prefill_tokens,
         overhead_bytes=round(args.overhead_gib * GIB), window_only=window_only)
     today = plan(False)

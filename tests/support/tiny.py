@@ -65,4 +65,4 @@ _dense = nnx.jit(dense_forward, static_argnums=(2,))
 
 
 def _dtype(model: Transformer) -> str:
-  return jnp.dtype(model.embed[...].dtype).name
+  return jnp.dtype(model.final_norm[...].dtype).name

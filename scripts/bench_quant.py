@@ -1,0 +1,142 @@
+"""Weight quantization on CPU: decode step time at 1, 16 and 64 slots and the 64-request
+workload, for --quantization none, gguf and int8 on the default model, each mode in its own
+fresh process; prints each mode's figures and its ratios to none.
+
+  python scripts/bench_quant.py [--slots-list 1,16,64] [--steps 32] [--requests 64]
+  python scripts/bench_quant.py --matmul   # the layer scan behind `auto`'s choice (README)
+
+A decode step's time is the difference of two runs through the offline API that differ only in
+output length (max_tokens `steps` and 2 * `steps`, ignore_eos, 8-token prompts), divided by
+`steps`: prefill, warm-up and host set-up cancel out. On a loaded machine only the ratios mean
+much: the load average is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve()
+WORKLOAD = HERE.parent / "workloads" / "peers_64.jsonl"
+MODES = ("none", "gguf", "int8")
+
+
+def _llm(mode: str, slots: int):
+  from jaxserve.config import EngineConfig
+  from jaxserve.llm import LLM
+
+  cfg = EngineConfig(num_slots=slots, page_size=16, max_model_len=512,
+                     num_pages=slots * 32 + 1, prefill_buckets=(64, 128, 256),
+                     compilation_cache_dir=None, quantization=mode)
+  return LLM(None, engine_config=cfg)
+
+
+def _timed(llm, prompts, max_tokens: int) -> float:
+  from jaxserve.config import SamplingParams
+
+  params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+  t = time.perf_counter()
+  llm.generate(prompts, params)
+  return time.perf_counter() - t
+
+
+def measure(mode: str, args) -> dict:
+  out = {"mode": mode, "decode_ms": {}}
+  for slots in args.slots_list:
+    llm = _llm(mode, slots)
+    prompts = [[100 + i] * 8 for i in range(slots)]
+    _timed(llm, prompts, 2)  # Compiles nothing new; warms the host path.
+    short, long = (min(_timed(llm, prompts, n) for _ in range(2))
+                   for n in (args.steps, 2 * args.steps))
+    out["decode_ms"][str(slots)] = 1e3 * (long - short) / args.steps
+  if args.requests:
+    from jaxserve.config import SamplingParams
+
+    work = [json.loads(line) for line in WORKLOAD.read_text().splitlines()][:args.requests]
+    llm = _llm(mode, 64)
+    params = [SamplingParams(temperature=0, max_tokens=min(r["max_tokens"], args.max_tokens),
+                             ignore_eos=True) for r in work]
+    t = time.perf_counter()
+    llm.generate([r["prompt_token_ids"] for r in work], params)
+    out["workload_s"] = time.perf_counter() - t
+  out["load_avg"] = os.getloadavg()[0]
+  return out
+
+
+def matmul_scan() -> None:
+  """30 SmolLM2-shaped [M, 576] x [576, 1536] layers under one scan, weights float32, int8 per
+  output channel, or int8 + float32 scale and minimum per 32 (the gguf form): min of 7 runs."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  L, D, F, g = 30, 576, 1536, 32
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.integers(-8, 8, (L, D, F)).astype(np.int8))
+  per_channel = jnp.asarray(rng.random((L, 1, F), np.float32))
+  group = lambda: jnp.asarray(rng.random((L, D // g, 1, F), np.float32))
+  weights = {
+      "float32": (lambda h, w: h @ w, jnp.asarray(rng.standard_normal((L, D, F), np.float32))),
+      "int8": (lambda h, w: h @ (w[0].astype(h.dtype) * w[1]), (q, per_channel)),
+      "gguf": (lambda h, w: h @ (w[0].reshape(D // g, g, F).astype(h.dtype) * w[1] + w[2])
+               .reshape(D, F), (q, group(), group())),
+  }
+  for m in (1, 16, 64):
+    x, times = jnp.asarray(rng.standard_normal((m, D), np.float32)), {}
+    for name, (dot, w) in weights.items():
+      body = lambda h, wl, dot=dot: (jnp.tanh(dot(h, wl)[:, :D]), None)
+      run = jax.jit(lambda x, w, body=body: jax.lax.scan(body, x, w)[0])
+      run(x, w).block_until_ready()
+      samples = []
+      for _ in range(7):
+        t = time.perf_counter()
+        run(x, w).block_until_ready()
+        samples.append(time.perf_counter() - t)
+      times[name] = min(samples)
+    print(f"M={m}: " + ", ".join(f"{k} {1e3 * v:.1f} ms ({v / times['float32']:.2f}x)"
+                                 for k, v in times.items()), flush=True)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--mode", choices=MODES, default=None, help="(internal) measure one mode here")
+  p.add_argument("--slots-list", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+  p.add_argument("--steps", type=int, default=32)
+  p.add_argument("--requests", type=int, default=64)
+  p.add_argument("--max-tokens", type=int, default=128)
+  p.add_argument("--matmul", action="store_true", help="only the layer scan, in this process")
+  args = p.parse_args()
+  if args.matmul:
+    matmul_scan()
+    return
+  if args.mode:
+    print(json.dumps(measure(args.mode, args)))
+    return
+  results = {}
+  for mode in MODES:
+    cmd = [sys.executable, str(HERE), "--mode", mode, "--steps", str(args.steps),
+           "--slots-list", ",".join(map(str, args.slots_list)), "--requests", str(args.requests),
+           "--max-tokens", str(args.max_tokens)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(results[mode]), flush=True)
+  base = results["none"]
+  for mode in ("gguf", "int8"):
+    r = results[mode]
+    ratios = {s: base["decode_ms"][s] / r["decode_ms"][s] for s in r["decode_ms"]}
+    line = f"{mode}: decode speed-up over none " + ", ".join(
+        f"{s} slots {x:.2f}x" for s, x in ratios.items())
+    if "workload_s" in r:
+      speedup = base["workload_s"] / r["workload_s"]
+      line += f"; {args.requests}-request workload {speedup:.2f}x"
+    print(line)
+
+
+if __name__ == "__main__":
+  main()

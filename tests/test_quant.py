@@ -1,0 +1,102 @@
+"""Quantized weights (model/quant.py): GGUF's block types unpacked exactly (loading/gguf_blocks.py),
+int8 per output channel (loading/quantize.py), and both dequantized inside the step."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import Quantization, pick_quantization
+from jaxserve.loading import gguf_blocks, pull, quantize
+from jaxserve.model import quant
+
+# The byte offsets of each block type's float16 fields (d, and m or dmin): random bytes
+# elsewhere are a valid block of any type.
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng) -> np.ndarray:
+  size, nbytes, _ = gguf_blocks.READERS[type_name]
+  blocks = rng.integers(0, 256, (rows * cols // size, nbytes), dtype=np.uint8)
+  for at in F16_FIELDS[type_name]:
+    f16 = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+    blocks[:, at:at + 2] = f16.view(np.uint8).reshape(-1, 2)
+  return blocks.reshape(rows, -1)
+
+
+def same_bits(a, b) -> bool:
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def device_dequant(blocks: gguf_blocks.Blocks) -> np.ndarray:
+  """The step's dequantization (quant.dequant, jitted) of Blocks in torch layout [out, in]."""
+  w = quant.Quantized(blocks.values.shape, (None, None), quant.Layout(blocks.group,
+                      blocks.minimum is not None), (1,))
+  w.values[...] = jnp.asarray(blocks.values)
+  w.scale[...] = jnp.asarray(blocks.scale)
+  if blocks.minimum is not None:
+    w.minimum[...] = jnp.asarray(blocks.minimum)
+  return np.asarray(jax.jit(lambda w: quant.dequant(w, jnp.float32))(w))
+
+
+@pytest.mark.parametrize("type_name", list(gguf_blocks.READERS))
+def test_each_block_type_dequantizes_to_ggufs_own_numbers(type_name):
+  """Random blocks of every type read here: values * scale + minimum, on the host and in the
+  jitted step, is gguf.quants.dequantize bit for bit."""
+  data = random_blocks(type_name, 4, 512, np.random.default_rng(0))
+  ref = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+  blocks = gguf_blocks.unpack(data, type_name, (4, 512))
+  assert blocks.values.dtype == np.int8 and blocks.scale.dtype == np.float32
+  assert blocks.group == (16 if type_name == "Q6_K" else 32)
+  assert same_bits(blocks.dequantize(), ref)
+  assert same_bits(device_dequant(blocks), ref)
+  # How a Q4_K layer stacks beside a Q6_K one, and a Q5_0 beside a Q4_1: the same numbers (a
+  # zero minimum turns -0.0 into +0.0, equal as a number).
+  regrouped = blocks.regroup(16, with_minimum=True)
+  assert np.array_equal(regrouped.dequantize(), ref)
+
+
+def test_real_tensors_of_both_packaged_ggufs_unpack_exactly():
+  """One tensor of each quantized type in SmolLM2 (Q8_0, Q4_1) and Gemma 3 (Q5_0, Q4_K, Q6_K)."""
+  seen = {}
+  for model in (pull.SMOLLM2, pull.GEMMA3):
+    for t in gguf.GGUFReader(str(pull.gguf_path(model))).tensors:
+      if t.tensor_type.name in gguf_blocks.READERS:
+        seen.setdefault(t.tensor_type.name, t)
+  assert {"Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"} <= set(seen)
+  for name, t in seen.items():
+    shape = tuple(reversed([int(d) for d in t.shape]))
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+    assert same_bits(gguf_blocks.unpack(t.data, name, shape).dequantize(), ref), name
+
+
+def test_unknown_block_type_is_refused_by_name():
+  with pytest.raises(ValueError, match="Q2_K is not read in gguf mode"):
+    gguf_blocks.unpack(np.zeros((1, 84), np.uint8), "Q2_K", (1, 256))
+
+
+def test_int8_per_output_channel():
+  """Each output channel's largest weight maps to +-127; the error is at most half a step."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((6, 3, 4, 5)).astype(np.float32)  # [L, N, H, D]: wo, inputs N and H.
+  q = quantize.int8(w, (1, 2))
+  assert q["values"].dtype == np.int8 and q["scale"].shape == (6, 1, 1, 5)
+  assert (np.abs(q["values"]).max(axis=(1, 2)) == 127).all()
+  back = quantize.dequantize(q)
+  assert (np.abs(back - w) <= q["scale"] / 2 + 1e-7).all()
+  layouts = quant.layouts_of({"layers": {"wo": q}})
+  assert layouts == {"wo": quant.Layout(None, False)}
+
+
+def test_auto_picks_gguf_only_for_blocks_on_cpu():
+  auto = Quantization.AUTO
+  assert pick_quantization(auto, True, "cpu") is Quantization.GGUF
+  assert pick_quantization(auto, False, "cpu") is Quantization.NONE
+  assert pick_quantization(auto, True, "tpu") is Quantization.NONE
+  with pytest.raises(ValueError, match="needs a source that stores quantized blocks"):
+    pick_quantization(Quantization.GGUF, False, "cpu")
