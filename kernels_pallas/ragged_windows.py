@@ -4,7 +4,8 @@
 Queries are placed in their head's K window with zeros on the other lanes, so the neighbours'
 lanes add exactly 0 to QK^T; the output of a V window holds the neighbours' PV too, and
 unpack_outputs keeps only the head's own lanes. With head_dim a multiple of 128 the windows are
-the heads themselves. int8 rows add one window over their 2K scale exponents. Shape letters: the key in jaxserve/model/__init__.py (A rows).
+the heads themselves. int8 rows add one window over their 2K scale exponents. Shape letters:
+the key in jaxserve/model/__init__.py (A rows).
 """
 
 from __future__ import annotations
