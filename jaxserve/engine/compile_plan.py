@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 from typing import Any, Callable, Collection
 
 import jax
@@ -257,6 +258,10 @@ def run_compile(args) -> int:
                         dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp,
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         compilation_cache_dir=None, window_pages=args.window_pages)
-  result = compile_engine(args.compile, model, config)
+  try:
+    result = compile_engine(args.compile, model, config)
+  except ValueError as e:  # The pool cannot fit (weights beyond the memory): say so, no trace.
+    print(f"jaxserve plan --compile: {e}", file=sys.stderr)
+    return 1
   print(json.dumps(result, indent=1) if args.json else format_table(result))
   return 0 if result["fits"] else 1

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import Dtype, EngineConfig, KVDtype, KVLayout, ModelConfig
-from jaxserve.config.engine import window_pages_per_seq
+from jaxserve.config.engine import RAGGED_KV_DTYPES, window_pages_per_seq
 from kernels_pallas import kv_quant, ragged_layout
 
 SCRATCH_PAGE = 0
@@ -187,6 +187,9 @@ class KVCache:
     shape = lambda X: layout.shape(*dims, X, engine.num_slots, engine.max_pages_per_seq)
     values, ragged = STORAGE_DTYPES[kv_dtype], None
     if kv_layout is KVLayout.RAGGED:
+      if kv_dtype not in RAGGED_KV_DTYPES:
+        raise ValueError(f"the ragged KV layout stores "
+                         f"{', '.join(d.label for d in RAGGED_KV_DTYPES)}, not {kv_dtype.label}")
       ragged = (model.num_kv_heads, model.head_dim, engine.tp, jnp.dtype(values).name)
       shape = lambda X: (*dims[:3], ragged_lanes(*ragged))
     zeros = lambda X, dtype: jnp.zeros(shape(X), dtype)
