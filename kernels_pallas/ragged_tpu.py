@@ -14,8 +14,9 @@ writes the step's new K/V into the pages and every later read must see them:
             softmax per row, rows of other sequences masked.
 The cache is read and written through the output ref, aliased to the input, so the kernel works on
 the caller's one copy. 8-bit pages (kv_quant.py) are moved through bf16 in step 1 (exact) and
-dequantized in VMEM in step 2: int8 times 2^e of its key, float8 through f32. Q rows are laid out [K, G, T, E], each KV head's queries in the
-128-aligned lane window that covers its K lanes (ragged_layout.lane_window).
+dequantized in VMEM in step 2: int8 times 2^e of its key, float8 through f32. Q rows are laid
+out [K, G, T, E], each KV head's queries in the 128-aligned lane window that covers its K lanes
+(ragged_layout.lane_window).
 Shape letters: the key in jaxserve/model/__init__.py; R = G * Tq rows, Q pages per chunk,
 C = Q * Z keys.
 """
