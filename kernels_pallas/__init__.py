@@ -13,8 +13,9 @@ each sequence's pages, with an optional sliding window. Four pieces:
   sweep test       tests/test_kernels_ragged.py runs both variants in interpret mode against the
                    reference over ragged steps (inputs from tests/support/ragged_testing.py).
 The KV pages are the lane-dense layout of ragged_layout.py: kv_pages [L, P, Z, Cr], one row per
-token holding its K heads then its V heads, float32 or bfloat16 only. Page 0 is the engine's
-scratch page and never in the valid part of a page table. Page tables are int32.
+token holding its K heads then its V heads: float32, bfloat16, int8 (each row's scale exponents
+after its V heads) or float8 e4m3fn / e5m2 (per-tensor scales); kv_quant.py encodes them. Page 0
+is the engine's scratch page and never in the valid part of a page table. Page tables are int32.
 """
 
 from __future__ import annotations

@@ -89,5 +89,8 @@ def finish_softmax(carry):
 
 
 def compute_dtype(q_dtype, kv_dtype):
-  """The one dtype both matmul operands are cast to: bf16 only when Q and K/V both are."""
+  """The one dtype both matmul operands are cast to: bf16 only when Q and K/V both are; Q's
+  own for 8-bit K/V, which is dequantized to it."""
+  if jnp.dtype(kv_dtype).itemsize == 1:
+    return jnp.dtype(q_dtype)
   return jnp.promote_types(q_dtype, kv_dtype)

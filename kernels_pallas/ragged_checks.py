@@ -8,9 +8,9 @@ import math
 
 import jax.numpy as jnp
 
-from kernels_pallas import common, ragged_layout
+from kernels_pallas import common, kv_quant, ragged_layout
 
-KV_DTYPES = (jnp.float32, jnp.bfloat16)
+KV_DTYPES = kv_quant.STORAGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,8 @@ def _check_pages(kv_pages, layer, layout):
   _require(kv_pages.ndim == (4 if layer is not None else 3),
            f"kv_pages must be {want}{' with layer' if layer is not None else ''}, got shape "
            f"{kv_pages.shape}")
-  _require(kv_pages.dtype in KV_DTYPES, f"kv_pages must be float32 or bfloat16, got "
-                                        f"{kv_pages.dtype}")
+  _require(kv_pages.dtype in KV_DTYPES, f"kv_pages must be one of "
+                                        f"{[d.name for d in KV_DTYPES]}, got {kv_pages.dtype}")
   _require(kv_pages.shape[-1] == layout.lanes,
            f"kv_pages lanes {kv_pages.shape[-1]} != {layout.lanes}, the ragged layout of "
            f"{layout.num_kv_heads} KV heads of head_dim {layout.head_dim}")
@@ -82,6 +82,17 @@ def check_args(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_s
   shape = kv_pages.shape if layer is not None else (1, *kv_pages.shape)
   return RaggedDims(q.shape[1], num_kv_heads, head_dim, shape[0], shape[1], shape[2],
                     num_seqs_max, width, layout)
+
+
+def kv_scales(kv_dtype, k_scale: float | None, v_scale: float | None) -> tuple[float, float]:
+  """float8 pages' per-tensor scales (1.0 when None); other dtypes take none."""
+  given = [x for x in (k_scale, v_scale) if x is not None]
+  if not kv_quant.is_float8(kv_dtype):
+    _require(not given, f"k_scale and v_scale are for float8 kv_pages, not {kv_dtype}")
+  for x in given:
+    _require(isinstance(x, (int, float)) and math.isfinite(x) and x > 0,
+             f"k_scale and v_scale must be positive finite floats, got {x!r}")
+  return (1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
 
 
 def scale(sm_scale: float | None, head_dim: int) -> float:

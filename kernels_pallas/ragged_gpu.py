@@ -4,10 +4,12 @@ Grid: (block of Tq packed tokens, KV head); programs run in any order and in par
 grid-wide barrier. So, unlike the TPU variant, no program reads what another writes:
   write   each program stores its own tokens' K and V of its KV head into their page rows (a
           row scatter; the kernel has no masked scatter in interpret mode, so padding tokens
-          repeat the last real token's store: the same bytes to the same row, a benign race);
+          repeat the last real token's store: the same bytes to the same row, a benign race),
+          and int8's exponent lanes, which every head's program stores alike (the same race);
   attend  keys before a sequence's new tokens (positions < context) come from its pages, the
-          new ones straight from k_new / v_new (packed row q_start + position - context), so
-          the pages' new rows are never read in the call that writes them.
+          new ones straight from the step's new rows (packed row q_start + position - context,
+          quantized like the pages), so the pages' new rows are never read in the call that
+          writes them. int8 keys and values are scaled by 2^e per key (kv_quant.py).
 Each program loops over the sequences [seq_lo, seq_hi) that overlap its block and, for each,
 over chunks of keys from the sliding window's first (or 0) to the block's last position, with
 an online softmax per row and rows of other sequences masked. Page rows are
@@ -50,22 +52,21 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
                    seq_lo_ref, seq_hi_ref,  # [T / Tq] int32
                    src_ref, dest_ref,  # [Tq] int32: token to store, and its cache row
                    q_ref,  # [Gp, Tq, H]
-                   k_new_ref, v_new_ref,  # [T, K, H]
+                   new_ref,  # [T, Cr / H, H]: the step's new page rows
                    pages_ref,  # [L * P * Z, Cr / H, H] as given (aliased to pages_out_ref)
                    o_ref,  # [Gp, Tq, H]
                    pages_out_ref,  # [L * P * Z, Cr / H, H]
-                   *, sm_scale: float, page_size: int, chunk_len: int,
-                   sliding_window: int | None):
+                   *, sm_scale: float, v_scale: float, num_kv_heads: int, scale_groups: int,
+                   page_size: int, chunk_len: int, sliding_window: int | None):
   block, head = pl.program_id(0), pl.program_id(1)
-  num_kv_heads = k_new_ref.shape[1]
-  last_token = k_new_ref.shape[0] - 1
+  last_token = new_ref.shape[0] - 1
+  stored = [head, num_kv_heads + head] + [2 * num_kv_heads + g for g in range(scale_groups)]
 
   @pl.when(cu_ref[cu_ref.shape[0] - 1] > 0)  # No real token: nothing to store.
   def _():
     src, dest = src_ref[...], dest_ref[...]
-    pages_out_ref[dest, head, :] = k_new_ref[src, head, :].astype(pages_out_ref.dtype)
-    pages_out_ref[dest, num_kv_heads + head, :] = v_new_ref[src, head, :].astype(
-        pages_out_ref.dtype)
+    for group in stored:
+      pages_out_ref[dest, group, :] = new_ref[src, group, :]
 
   group, block_q, head_dim = q_ref.shape
   rows = group * block_q
@@ -93,10 +94,13 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
       new_row = jnp.clip(q_start + key - context, 0, last_token)  # [C]
       cached = (key < context)[:, None]  # [C, 1]
       live = (key < kv_len)[:, None]  # Zeroing V past the end keeps 0 * garbage out of PV.
-      k = jnp.where(cached, pages_ref[cache_row, head, :].astype(q.dtype),
-                    k_new_ref[new_row, head, :].astype(q.dtype))  # [C, H]
-      v = jnp.where(cached, pages_ref[cache_row, num_kv_heads + head, :].astype(q.dtype),
-                    v_new_ref[new_row, head, :].astype(q.dtype))  # [C, H]
+      load = lambda group: jnp.where(cached, pages_ref[cache_row, group, :].astype(jnp.float32),
+                                     new_ref[new_row, group, :].astype(jnp.float32))  # [C, H]
+      k, v = load(head), load(num_kv_heads + head)  # [C, H] f32
+      if scale_groups:  # int8: key c's values times 2^e[c].
+        k = k * _exponents(load, num_kv_heads, scale_groups, head, head_dim)
+        v = v * _exponents(load, num_kv_heads, scale_groups, num_kv_heads + head, head_dim)
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
       v = jnp.where(live, v, jnp.zeros_like(v))
       mask = in_seq & (key[None, :] <= q_pos)  # [R, C]
       if sliding_window is not None:
@@ -108,7 +112,21 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
 
   init = common.init_softmax(rows, head_dim)
   carry = jax.lax.fori_loop(seq_lo_ref[block], seq_hi_ref[block], seq_body, init)
-  o_ref[...] = common.finish_softmax(carry).reshape(group, block_q, head_dim).astype(o_ref.dtype)
+  out = common.finish_softmax(carry)  # [R, H]
+  out = out if v_scale == 1.0 else out * v_scale
+  o_ref[...] = out.reshape(group, block_q, head_dim).astype(o_ref.dtype)
+
+
+def _exponents(load, num_kv_heads: int, scale_groups: int, j, head_dim: int):
+  """[C, 1] f32: 2^e of exponent j (K head j, or V head j - K) of every key; j may be traced.
+  Picked from the exponent lanes by a masked sum (no dynamic lane index in Triton)."""
+  lane = jnp.arange(head_dim)[None, :]  # [1, H]
+  total = 0.0
+  for g in range(scale_groups):
+    exps = load(2 * num_kv_heads + g)  # [C, H]
+    total = total + jnp.sum(jnp.where(lane + g * head_dim == j, exps, 0.0), axis=1,
+                            keepdims=True)
+  return jnp.exp2(total)
 
 
 def _store_rows(page_tables, cu_live, kv_lens, num_seqs, padded: int, page_size: int):
@@ -122,12 +140,12 @@ def _store_rows(page_tables, cu_live, kv_lens, num_seqs, padded: int, page_size:
   return src, dest[src]
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "sm_scale", "sliding_window",
+@functools.partial(jax.jit, static_argnames=("dims", "sm_scale", "sliding_window", "kv_scales",
                                              "pages_per_chunk", "block_q", "num_warps",
                                              "interpret"))
 def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
-                           layer, *, dims, sm_scale, sliding_window, pages_per_chunk=None,
-                           block_q=None, num_warps=4, interpret=False):
+                           layer, *, dims, sm_scale, sliding_window, kv_scales=(1.0, 1.0),
+                           pages_per_chunk=None, block_q=None, num_warps=4, interpret=False):
   """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages); layer: int32 scalar."""
   check_triton_sizes(dims.page_size, dims.head_dim)
   num_tokens, _, head_dim = q.shape
@@ -146,9 +164,15 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
   dtype = common.compute_dtype(q.dtype, kv_pages.dtype)
   q_TKGH = q.reshape(num_tokens, dims.num_kv_heads, dims.group, head_dim).astype(dtype)
   q_TKGH = jnp.pad(q_TKGH, ((0, padded - num_tokens), (0, 0), (0, group - dims.group), (0, 0)))
-  pages = kv_pages.reshape(-1, dims.layout.lanes // head_dim, head_dim)  # [L * P * Z, Cr / H, H]
-  kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, page_size=dims.page_size,
-                             chunk_len=chunk_len, sliding_window=sliding_window)
+  groups = dims.layout.lanes // head_dim
+  pages = kv_pages.reshape(-1, groups, head_dim)  # [L * P * Z, Cr / H, H]
+  new_rows = ragged_reference.new_rows(k_new, v_new, dims.layout, *kv_scales)  # [T, Cr]
+  new_rows = new_rows.reshape(num_tokens, groups, head_dim)
+  kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale * kv_scales[0],
+                             v_scale=kv_scales[1], num_kv_heads=dims.num_kv_heads,
+                             scale_groups=dims.layout.scale_lanes // head_dim,
+                             page_size=dims.page_size, chunk_len=chunk_len,
+                             sliding_window=sliding_window)
   whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
   q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda j, h: (h, 0, j, 0))
   token_spec = pl.BlockSpec((block_q,), lambda j, h: (j,))
@@ -157,14 +181,14 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
       kernel,
       grid=(padded // block_q, dims.num_kv_heads),
       in_specs=[*[whole(x.shape) for x in small], token_spec, token_spec, q_spec,
-                whole(k_new.shape), whole(v_new.shape), whole(pages.shape)],
+                whole(new_rows.shape), whole(pages.shape)],
       out_specs=[q_spec, whole(pages.shape)],
       out_shape=[jax.ShapeDtypeStruct((dims.num_kv_heads, group, padded, head_dim), q.dtype),
                  jax.ShapeDtypeStruct(pages.shape, pages.dtype)],
-      input_output_aliases={len(small) + 5: 1},
+      input_output_aliases={len(small) + 4: 1},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
       interpret=interpret,
       name="ragged_paged_attention_gpu",
-  )(*small, src, dest, q_TKGH.transpose(1, 2, 0, 3), k_new, v_new, pages)
+  )(*small, src, dest, q_TKGH.transpose(1, 2, 0, 3), new_rows, pages)
   out = o_KGTH.transpose(2, 0, 1, 3)[:num_tokens, :, :dims.group]  # [T, K, G, H]
   return out.reshape(q.shape), pages.reshape(kv_pages.shape)

@@ -4,6 +4,9 @@
                             lanes [h * H, (h + 1) * H)           K of KV head h
                             lanes [(K + h) * H, (K + h + 1) * H)  V of KV head h
                             lanes [2 * K * H, Cr)                 padding (zeros), Cr % 128 == 0
+    int8 pages add, after the V heads, the scale exponents (kv_quant.py): lane 2 * K * H + j holds
+    K head j's (j < K), then V head j - K's, in H * ceil(2K / H) lanes (whole head-width groups,
+    which the GPU kernel stores like a head). The values' row is padded past them.
 
 Why this shape: a TPU tiles the minor two dims of an array in HBM and VMEM by (sublanes, 128
 lanes), sublanes = 8 for 32-bit and 16 for 16-bit dtypes. The token-major [P, Z, K, H] pages have
@@ -25,6 +28,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from kernels_pallas import kv_quant
+
 LANES = 128
 
 
@@ -41,10 +46,16 @@ class RaggedLayout:
   head_dim: int
   dtype: str  # A jnp dtype name, so the dataclass stays hashable (a static jit argument).
   lanes: int  # Cr
+  scale_lanes: int = 0  # int8: the lanes that hold the 2K scale exponents (whole H-lane groups).
+
+  @property
+  def value_lanes(self) -> int:
+    return 2 * self.num_kv_heads * self.head_dim
 
   @property
   def used_lanes(self) -> int:
-    return 2 * self.num_kv_heads * self.head_dim
+    """Lanes holding data: the values, and int8's 2K exponents."""
+    return self.value_lanes + (2 * self.num_kv_heads if self.scale_lanes else 0)
 
   @property
   def padding_lanes(self) -> int:
@@ -75,20 +86,36 @@ class RaggedLayout:
     return self.num_bytes(num_layers, num_pages, page_size) - used
 
 
+def scale_lanes_for(num_kv_heads: int, head_dim: int, dtype) -> int:
+  """Lanes of a row's scale exponents: int8 only, 2K of them in whole H-lane groups."""
+  return head_dim * -(-2 * num_kv_heads // head_dim) if kv_quant.is_int8(dtype) else 0
+
+
 def layout_for(num_kv_heads: int, head_dim: int, dtype) -> RaggedLayout:
   """The lane-dense layout for a model's (K, H) and KV dtype (a pure function of the three)."""
   if num_kv_heads < 1 or head_dim < 1:
     raise ValueError(f"num_kv_heads and head_dim must be >= 1, got {num_kv_heads}, {head_dim}")
-  used = 2 * num_kv_heads * head_dim
+  scales = scale_lanes_for(num_kv_heads, head_dim, dtype)
+  used = 2 * num_kv_heads * head_dim + scales
   return RaggedLayout(num_kv_heads, head_dim, jnp.dtype(dtype).name,
-                      -(-used // LANES) * LANES)
+                      -(-used // LANES) * LANES, scales)
 
 
-def pack_rows(k_new, v_new, lanes: int):
-  """k_new, v_new [T, K, H] -> [T, Cr] page rows in this layout (padding lanes 0)."""
+def pack_rows(k_new, v_new, lanes: int, exponents=None):
+  """k_new, v_new [T, K, H] -> [T, Cr] page rows in this layout (padding lanes 0); exponents
+  [T, 2K] int8 (K's, then V's): int8 pages' scales, in the lanes after the values."""
   t = k_new.shape[0]
-  rows = jnp.concatenate([k_new.reshape(t, -1), v_new.reshape(t, -1)], axis=1)  # [T, 2KH]
+  parts = [k_new.reshape(t, -1), v_new.reshape(t, -1)]  # [T, KH] each
+  if exponents is not None:
+    parts.append(exponents.astype(k_new.dtype))  # [T, 2K]
+  rows = jnp.concatenate(parts, axis=1)  # [T, 2KH (+ 2K)]
   return jnp.pad(rows, ((0, 0), (0, lanes - rows.shape[1])))
+
+
+def unpack_exponents(rows, num_kv_heads: int, head_dim: int):
+  """[..., Cr] int8 page rows -> the scale exponents of K and of V, [..., K] each."""
+  lo = 2 * num_kv_heads * head_dim
+  return rows[..., lo:lo + num_kv_heads], rows[..., lo + num_kv_heads:lo + 2 * num_kv_heads]
 
 
 def unpack_rows(rows, num_kv_heads: int, head_dim: int):

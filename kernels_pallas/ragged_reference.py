@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import ragged_checks, ragged_layout
+from kernels_pallas import kv_quant, ragged_checks, ragged_layout
 
 
 def token_sequences(cu_q_lens, num_seqs, num_tokens: int):
@@ -56,18 +56,37 @@ def _attend(q_TKGH, k_TSKH, v_TSKH, mask_TS, sm_scale: float):
   return out / jnp.where(l > 0, l, 1.0)  # Rows with no key (padding) are 0.
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
+def new_rows(k_new, v_new, layout: ragged_layout.RaggedLayout, k_scale: float, v_scale: float):
+  """The step's new K/V [T, K, H] quantized to the pages' dtype -> page rows [T, Cr]."""
+  (k, k_exp), (v, v_exp) = (kv_quant.quantize(k_new, layout.dtype, k_scale),
+                            kv_quant.quantize(v_new, layout.dtype, v_scale))
+  exponents = None if k_exp is None else jnp.concatenate([k_exp, v_exp], axis=-1)  # [T, 2K]
+  return ragged_layout.pack_rows(k, v, layout.lanes, exponents)
+
+
+def read_rows(rows, layout: ragged_layout.RaggedLayout, k_scale: float, v_scale: float):
+  """[..., Cr] page rows -> K, V [..., K, H] in float32, dequantized."""
+  k, v = ragged_layout.unpack_rows(rows, layout.num_kv_heads, layout.head_dim)
+  if not layout.scale_lanes:
+    return kv_quant.dequantize(k, None, k_scale), kv_quant.dequantize(v, None, v_scale)
+  k_exp, v_exp = ragged_layout.unpack_exponents(rows, layout.num_kv_heads, layout.head_dim)
+  return kv_quant.dequantize(k, k_exp), kv_quant.dequantize(v, v_exp)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "k_scale", "v_scale"))
 def ragged_paged_attention_reference(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens,
-                                     num_seqs, *, layer=None, sm_scale=None, sliding_window=None):
+                                     num_seqs, *, layer=None, sm_scale=None, sliding_window=None,
+                                     k_scale=None, v_scale=None):
   """See kernels_pallas.ragged_paged_attention; returns (out [T, N, H], kv_pages)."""
   dims = ragged_checks.check_args(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens,
                                   num_seqs, layer, sliding_window)
+  k_scale, v_scale = ragged_checks.kv_scales(kv_pages.dtype, k_scale, v_scale)
   pages = kv_pages if layer is not None else kv_pages[None]
   layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
   t, n, h = q.shape
   seq, valid = token_sequences(cu_q_lens, num_seqs, t)
   pos = token_positions(cu_q_lens, kv_lens, seq)  # [T]
-  rows = ragged_layout.pack_rows(k_new, v_new, dims.layout.lanes)  # [T, Cr]
+  rows = new_rows(k_new, v_new, dims.layout, k_scale, v_scale)  # [T, Cr]
   pages = write_new_kv(rows, pages, page_tables, seq, pos, valid, layer)
 
   z = dims.page_size
@@ -78,8 +97,8 @@ def ragged_paged_attention_reference(q, k_new, v_new, kv_pages, page_tables, cu_
   mask = valid[:, None] & (key_pos[None, :] <= pos[:, None])  # [T, S]
   if sliding_window is not None:
     mask &= key_pos[None, :] > pos[:, None] - sliding_window
-  gathered = jnp.where(mask[..., None], gathered.astype(jnp.float32), 0.0)
-  k, v = ragged_layout.unpack_rows(gathered, dims.num_kv_heads, h)  # [T, S, K, H] each
+  k, v = read_rows(gathered, dims.layout, k_scale, v_scale)  # [T, S, K, H] each, float32
+  k, v = (jnp.where(mask[..., None, None], x, 0.0) for x in (k, v))
   q_TKGH = q.reshape(t, dims.num_kv_heads, n // dims.num_kv_heads, h).astype(jnp.float32)
   out = _attend(q_TKGH, k, v, mask, ragged_checks.scale(sm_scale, h))
   out = out.reshape(t, n, h).astype(q.dtype)

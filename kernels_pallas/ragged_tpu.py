@@ -13,8 +13,10 @@ writes the step's new K/V into the pages and every later read must see them:
             last position, double-buffered DMAs of whole pages (K and V in one row), an online
             softmax per row, rows of other sequences masked.
 The cache is read and written through the output ref, aliased to the input, so the kernel works on
-the caller's one copy. Q rows are laid out [K, G, T, E], each KV head's queries in the
-128-aligned lane window that covers its K lanes (ragged_layout.lane_window).
+the caller's one copy. 8-bit pages (kv_quant.py) are moved through bf16 in step 1 (exact) and
+dequantized in VMEM in step 2: int8 times 2^e of its key, float8 through f32. Q rows are laid
+out [K, G, T, E], each KV head's queries in the 128-aligned lane window that covers its K lanes
+(ragged_layout.lane_window).
 Shape letters: the key in jaxserve/model/__init__.py; R = G * Tq rows, Q pages per chunk,
 C = Q * Z keys.
 """
@@ -29,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas import common, ragged_layout, tpu_pages
+from kernels_pallas import common, kv_quant, ragged_layout, ragged_reference, tpu_pages
 from kernels_pallas.ragged_windows import HeadWindows
 
 _TARGET_ROWS = 256  # Query rows (G * Tq) per block: fills the MXU's rows on v5e/v6e.
@@ -52,14 +54,18 @@ def _write_new_kv(scalars, new_hbm_ref, pages_ref, page_buf, new_buf, sem, *, pa
     shift = start - block * page_size
     row = lax.broadcasted_iota(jnp.int32, (page_size, 2 * page_size), 0)
     col = lax.broadcasted_iota(jnp.int32, (page_size, 2 * page_size), 1)
-    one_hot = (col == row + shift).astype(new_buf.dtype)  # [Z, 2Z]
+    new = new_buf[...].reshape(2 * page_size, lanes)  # [2Z, Cr]
+    if kv_quant.is_8bit(new.dtype):  # Every int8 and float8 value is exact in bf16.
+      new = new.astype(jnp.float32).astype(jnp.bfloat16)
+    one_hot = (col == row + shift).astype(new.dtype)  # [Z, 2Z]
     # f32 needs HIGHEST: the default rounds the operands to bf16 on the MXU.
-    exact = lax.Precision.HIGHEST if new_buf.dtype == jnp.float32 else None
-    moved = jnp.dot(one_hot, new_buf[...].reshape(2 * page_size, lanes), precision=exact,
-                    preferred_element_type=jnp.float32)  # [Z, Cr]
+    exact = lax.Precision.HIGHEST if new.dtype == jnp.float32 else None
+    moved = jnp.dot(one_hot, new, precision=exact, preferred_element_type=jnp.float32)  # [Z, Cr]
     pos = p * page_size + lax.broadcasted_iota(jnp.int32, (page_size, lanes), 0)
     is_new = (pos >= context) & (pos < kv_len)
-    page_buf[...] = jnp.where(is_new, moved.astype(page_buf.dtype), page_buf[...])
+    # The select in f32: 8-bit vectors have few native ops; the round trip is exact.
+    page_buf[...] = jnp.where(is_new, moved, page_buf[...].astype(jnp.float32)).astype(
+        page_buf.dtype)
     back = pltpu.make_async_copy(page_buf, pages_ref.at[page], sem.at[0])
     back.start()
     back.wait()
@@ -85,7 +91,7 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
                    sem,  # DMA [2]
                    page_buf, new_buf, write_sem,  # [Z, Cr], [2, Z, Cr] VMEM, DMA [3]
                    *, sm_scale: float, windows: HeadWindows, pages_per_seq: int,
-                   sliding_window: int | None):
+                   sliding_window: int | None, v_scale: float):
   block = pl.program_id(0)
   scalars = (meta_ref, tables_ref, cu_ref, kv_lens_ref)
 
@@ -99,6 +105,7 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
   per_chunk, page_size = kv_buf.shape[1:3]
   chunk_len = per_chunk * page_size
   dtype = q_ref.dtype
+  read = functools.partial(_read_lanes, kv_buf, chunk_len=chunk_len)
   # Packed token of each row: rows are (g, t) pairs, g major; Tq is a power of two.
   tok = block * block_q + jnp.bitwise_and(
       lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 0), block_q - 1)  # [R, C]
@@ -132,11 +139,15 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
       mask = in_seq & (kv_pos <= q_pos)  # [R, C] causal, this sequence's rows only
       if sliding_window is not None:
         mask &= kv_pos > q_pos - sliding_window
+      scales = None
+      if windows.scales is not None:  # int8: 2^e per key and head, [C, sw] f32
+        scales = jnp.exp2(read(slot, windows.scales, jnp.float32).astype(jnp.float32))
       new_carry = []
-      for h, ((k_lo, k_hi), (v_lo, v_hi)) in enumerate(zip(windows.k, windows.v)):
-        q = q_ref[h, :, :, pl.ds(0, k_hi - k_lo)].reshape(rows, k_hi - k_lo)  # [R, kw]
-        k = kv_buf[slot, :, :, pl.ds(k_lo, k_hi - k_lo)].reshape(chunk_len, -1).astype(dtype)
-        v = kv_buf[slot, :, :, pl.ds(v_lo, v_hi - v_lo)].reshape(chunk_len, -1).astype(dtype)
+      for h, (k_win, v_win) in enumerate(zip(windows.k, windows.v)):
+        kw = k_win[1] - k_win[0]
+        q = q_ref[h, :, :, pl.ds(0, kw)].reshape(rows, kw)  # [R, kw]
+        k = read(slot, k_win, dtype, scale=windows.scale_column(scales, h))  # [C, kw]
+        v = read(slot, v_win, dtype, scale=windows.scale_column(scales, windows.num_heads + h))
         logits = common.qk_logits(q, k, sm_scale)  # [R, C]
         new_carry.append(common.softmax_step(carry[h], logits, mask, v))
       return tuple(new_carry)
@@ -147,24 +158,38 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
   init = tuple(common.init_softmax(rows, hi - lo) for lo, hi in windows.v)
   carry = lax.fori_loop(seq_lo_ref[block], seq_hi_ref[block], seq_body, init)
   for h, (lo, hi) in enumerate(windows.v):  # Lanes past a narrower window stay unwritten.
-    out = common.finish_softmax(carry[h]).astype(o_ref.dtype)  # [R, vw]
+    out = common.finish_softmax(carry[h])  # [R, vw]
+    out = (out if v_scale == 1.0 else out * v_scale).astype(o_ref.dtype)
     o_ref[h, :, :, pl.ds(0, hi - lo)] = out.reshape(group, block_q, hi - lo)
 
 
-def _new_row_blocks(k_new, v_new, lanes: int, page_size: int, dtype):
+def _read_lanes(kv_buf, slot, window, dtype, *, chunk_len: int, scale=None):
+  """A lane window of a chunk's page rows as [C, w] in `dtype`; int8 values times `scale` [C, 1],
+  float8 ones through f32 (few 8-bit vector ops are native)."""
+  lo, hi = window
+  x = kv_buf[slot, :, :, pl.ds(lo, hi - lo)].reshape(chunk_len, hi - lo)  # [C, w]
+  if scale is not None:
+    return (x.astype(jnp.float32) * scale).astype(dtype)
+  if kv_quant.is_8bit(x.dtype):
+    return x.astype(jnp.float32).astype(dtype)
+  return x.astype(dtype)
+
+
+def _new_row_blocks(k_new, v_new, layout, page_size: int, kv_scales):
   """[T, K, H] x2 -> [T' / Z, Z, Cr] page rows, Z zero rows in front and at least Z behind, so
   the two Z-row blocks that cover any page's new rows always exist."""
-  rows = ragged_layout.pack_rows(k_new, v_new, lanes).astype(dtype)  # [T, Cr]
+  rows = ragged_reference.new_rows(k_new, v_new, layout, *kv_scales)  # [T, Cr]
+  lanes = layout.lanes
   total = common.round_up(rows.shape[0] + page_size, page_size) + page_size
   rows = jnp.pad(rows, ((page_size, total - rows.shape[0] - page_size), (0, 0)))
   return rows.reshape(total // page_size, page_size, lanes)
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "sm_scale", "sliding_window",
+@functools.partial(jax.jit, static_argnames=("dims", "sm_scale", "sliding_window", "kv_scales",
                                              "pages_per_chunk", "block_q", "interpret"))
 def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
-                           layer, *, dims, sm_scale, sliding_window, pages_per_chunk=None,
-                           block_q=None, interpret=False):
+                           layer, *, dims, sm_scale, sliding_window, kv_scales=(1.0, 1.0),
+                           pages_per_chunk=None, block_q=None, interpret=False):
   """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages [L, P, Z, Cr]); layer: int32."""
   num_tokens, _, head_dim = q.shape
   page_size, lanes = dims.page_size, dims.layout.lanes
@@ -191,9 +216,10 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
   meta = jnp.stack([num_seqs, layer * dims.num_pages]).astype(jnp.int32)
   scalars = (meta, page_tables.reshape(-1), cu_live, kv_lens, seq_lo, seq_hi)
   pages = kv_pages.reshape(-1, page_size, lanes)  # [L * P, Z, Cr]: a free view
-  new_rows = _new_row_blocks(k_new, v_new, lanes, page_size, kv_pages.dtype)
-  kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, windows=windows,
-                             pages_per_seq=dims.pages_per_seq, sliding_window=sliding_window)
+  new_rows = _new_row_blocks(k_new, v_new, dims.layout, page_size, kv_scales)
+  kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale * kv_scales[0], windows=windows,
+                             pages_per_seq=dims.pages_per_seq, sliding_window=sliding_window,
+                             v_scale=kv_scales[1])
   q_spec = pl.BlockSpec((dims.num_kv_heads, dims.group, block_q, q_win.shape[-1]),
                         lambda j, *_: (0, 0, j, 0))
   hbm = pl.BlockSpec(memory_space=pl.ANY)

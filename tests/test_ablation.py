@@ -18,7 +18,7 @@ SETTINGS = ablate.Settings(num_requests=4, num_slots=2, max_model_len=64, prefil
 
 def test_sequences_that_fit_counts_blocks_by_hand():
   """TINY: 2 * 2 layers * 2 KV heads * 16 * 4 B = 512 B per token in float32, 128 B in int8 +
-  2 * 2 * 2 * 4 B of scales = 160 B. Budget 8 pages of 8 tokens (f32) = 32 KiB."""
+  2 * 2 * 2 * 1 B of scale exponents = 136 B. Budget 8 pages of 8 tokens (f32) = 32 KiB."""
   s = dataclasses.replace(SETTINGS, budget_bytes=8 * 8 * 512)
   work = [([1] * 20, 4)] * 5  # 24 tokens = 3 pages each, the prompt's 2 full pages shared:
   paged = ablate.Variant(KVLayout.PAGED_TOKEN_MAJOR, 8, KVDtype.FLOAT32)
@@ -31,7 +31,7 @@ def test_sequences_that_fit_counts_blocks_by_hand():
   s2 = dataclasses.replace(s, budget_bytes=2 * 64 * 512)
   assert ablate.sequences_that_fit(TINY, contiguous, work, s2) == 2
   int8 = ablate.Variant(KVLayout.PAGED_TOKEN_MAJOR, 8, KVDtype.INT8)
-  s3 = dataclasses.replace(s, budget_bytes=6 * 8 * 160)  # 6 int8 pages: two distinct sequences.
+  s3 = dataclasses.replace(s, budget_bytes=6 * 8 * 136)  # 6 int8 pages: two distinct sequences.
   assert ablate.sequences_that_fit(TINY, int8, distinct, s3) == 2
 
 

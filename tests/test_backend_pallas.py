@@ -10,6 +10,7 @@ import pytest
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, KVDtype, KVLayout, SamplingParams
+from jaxserve.config.engine import RAGGED_KV_DTYPES
 from jaxserve.engine.engine import Engine, default_backend, engine_config_for
 from support.engine_calls import decode, prefill
 from support.tiny import TINY_ENGINE
@@ -44,8 +45,34 @@ def test_backend_is_picked_from_the_platform():
   assert default_backend() is AttentionBackend.REFERENCE  # This machine is CPU-only.
 
 
+def run_8bit_kv(model, backend, kv_dtype):
+  """Two prompts in pages of 32 (TPU tiles 8-bit rows by 32), then 4 decode steps, over 8-bit KV
+  in the ragged layout: every sampled token and logprob."""
+  config = dataclasses.replace(TINY_ENGINE, page_size=32, kv_dtype=kv_dtype,
+                               kv_layout=KVLayout.RAGGED, attention_backend=backend)
+  engine, rng = Engine(model, config), np.random.default_rng(4)
+  a, b = list(rng.integers(2, 128, 20)), list(rng.integers(2, 128, 13))
+  out = [prefill(engine, PrefillChunk("a", 0, a, 0, [1], True, GREEDY, 0, a, ())),
+         prefill(engine, PrefillChunk("b", 1, b, 0, [2], True, GREEDY, 0, b, ()))]
+  tables = np.zeros((4, 4), np.int32)
+  tables[0, 0], tables[1, 0] = 1, 2
+  out += [decode(engine, [0, 1], tables) for _ in range(4)]
+  return [f.result()[:2] for f in out], [f.logprobs()[0][:2] for f in out]
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FLOAT8_E5M2], ids=lambda d: d.label)
+def test_pallas_backend_matches_reference_on_8bit_kv(tiny_model, kv_dtype):
+  """The kernel (TPU variant, interpreted) and the jnp path store the same 8-bit pages and read
+  them back alike: the same tokens and logprobs as the jnp path over the same layout."""
+  ref_tokens, ref_lps = run_8bit_kv(tiny_model, AttentionBackend.REFERENCE, kv_dtype)
+  tokens, lps = run_8bit_kv(tiny_model, AttentionBackend.PALLAS, kv_dtype)
+  for r, t in zip(ref_tokens, tokens):
+    np.testing.assert_array_equal(r, t)
+  np.testing.assert_allclose(np.concatenate(lps), np.concatenate(ref_lps), atol=1e-4)
+
+
 PALLAS = [AttentionBackend.PALLAS, AttentionBackend.PALLAS_TPU, AttentionBackend.PALLAS_GPU]
-QUANTIZED = [KVDtype.INT8, KVDtype.FLOAT8_E4M3, KVDtype.FLOAT16]
+QUANTIZED = [KVDtype.FLOAT16]  # The only KVDtype the ragged layout does not store.
 
 
 @pytest.mark.parametrize("backend", PALLAS, ids=lambda b: b.value)
@@ -53,7 +80,8 @@ QUANTIZED = [KVDtype.INT8, KVDtype.FLOAT8_E4M3, KVDtype.FLOAT16]
 def test_pallas_backend_refuses_kv_dtypes_the_ragged_layout_cannot_store(tiny_model, backend,
                                                                           kv_dtype):
   """At configuration time, naming the dtype and the way out, not inside the first step."""
-  named = f"stores float32 or bfloat16, not {kv_dtype.label}; use --attention reference"
+  named = (f"stores float32, bfloat16, int8, float8_e4m3, float8_e5m2, not {kv_dtype.label}; "
+           "use --attention reference")
   with pytest.raises(ValueError, match=named):
     dataclasses.replace(TINY_ENGINE, kv_dtype=kv_dtype, attention_backend=backend)
   config = dataclasses.replace(TINY_ENGINE, kv_dtype=kv_dtype)  # Backend left to the platform.
@@ -65,8 +93,8 @@ def test_pallas_backend_refuses_kv_dtypes_the_ragged_layout_cannot_store(tiny_mo
   assert engine.config.kv_layout is KVLayout.PAGED_TOKEN_MAJOR
 
 
-@pytest.mark.parametrize("kv_dtype", [KVDtype.FLOAT32, KVDtype.BFLOAT16])
-def test_pallas_backend_takes_float_kv(kv_dtype):
+@pytest.mark.parametrize("kv_dtype", RAGGED_KV_DTYPES, ids=lambda d: d.label)
+def test_pallas_backend_takes_float_and_8bit_kv(kv_dtype):
   config = dataclasses.replace(TINY_ENGINE, kv_dtype=kv_dtype,
                                attention_backend=AttentionBackend.PALLAS)
   assert engine_config_for(config, AttentionBackend.PALLAS).kv_layout is KVLayout.RAGGED

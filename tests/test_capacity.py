@@ -58,7 +58,7 @@ def test_weight_bytes_round_up_a_partial_quant_block():
 @pytest.mark.parametrize("name, dtype, expected", [
     ("llama-2-7b", KVDtype.BFLOAT16, 524_288),  # 2 * 32 layers * 32 heads * 128 * 2 B
     ("llama-2-7b", KVDtype.FLOAT32, 1_048_576),  # 2 * 32 * 32 * 128 * 4 B
-    ("llama-2-7b", KVDtype.INT8, 270_336),  # 2 * 32 * 32 * (128 * 1 B + 4 B scale)
+    ("llama-2-7b", KVDtype.INT8, 264_192),  # 2 * 32 * 32 * (128 * 1 B + 1 B scale exponent)
     ("llama-2-7b", KVDtype.FLOAT8_E4M3, 262_144),  # 2 * 32 * 32 * 128 * 1 B
     ("llama-3-8b", KVDtype.BFLOAT16, 131_072),  # 2 * 32 * 8 * 128 * 2 B
     ("smollm2-135m", KVDtype.BFLOAT16, 23_040),  # 2 * 30 * 3 * 64 * 2 B
@@ -128,9 +128,9 @@ def test_num_kv_pages():
   # a page is 16 * 524,288 = 8,388,608 B; 63,832,580,096 // 8,388,608 = 7,609.
   pages = capacity.num_kv_pages(LLAMA2_7B, 80 * GIB, 0.9, 16, KVDtype.BFLOAT16, 13_476_831_232)
   assert pages == 7609
-  # int8 KV with page 32: 32 * 270,336 = 8,650,752 B per page; 63,832,580,096 // that = 7,378.
+  # int8 KV with page 32: 32 * 264,192 = 8,454,144 B per page; 63,832,580,096 // that = 7,550.
   assert capacity.num_kv_pages(LLAMA2_7B, 80 * GIB, 0.9, 32, KVDtype.INT8,
-                                13_476_831_232) == 7378
+                                13_476_831_232) == 7550
 
 
 def test_num_kv_pages_rejects_what_cannot_work():
@@ -222,9 +222,9 @@ def test_plan_subcommand_parses_and_defaults_to_the_models_context(capsys):
                             "--kv-dtype", "int8", "--weight-dtype", "q4_1", "--page-size", "32"])
   assert capacity.run_plan(args) == 0
   out = capsys.readouterr().out
-  # SmolLM2's context is 8192 = 256 pages of 32; int8 KV per token 2 * 30 * 3 * (64 + 4) = 12,240 B.
+  # SmolLM2's context is 8192 = 256 pages of 32; int8 KV per token 2 * 30 * 3 * (64 + 1) = 11,700 B.
   assert "(8192 tokens in 256 pages of 32)" in out
-  assert "11.95 KiB (int8)" in out  # 12,240 / 1024 = 11.953
+  assert "11.43 KiB (int8)" in out  # 11,700 / 1024 = 11.426
   # Q4_1 weights: 134,515,008 / 32 = 4,203,594 pages * 20 B = 84,071,880 B = 80.18 MiB.
   assert "80.18 MiB (q4_1)" in out
   with pytest.raises(SystemExit):

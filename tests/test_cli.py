@@ -37,10 +37,10 @@ def test_unknown_model_names_the_problem(capsys):
 
 
 def test_quantized_kv_on_the_pallas_backend_fails_before_the_model_loads(capsys):
-  assert cli.main(["generate", "x", "--model", "no-such-model", "--kv-dtype", "int8",
+  assert cli.main(["generate", "x", "--model", "no-such-model", "--kv-dtype", "float16",
                    "--attention", "pallas", *FLAGS]) == 2
   err = capsys.readouterr().err
-  assert err.startswith("jaxserve: error: kv_dtype int8") and "--attention reference" in err
+  assert err.startswith("jaxserve: error: kv_dtype float16") and "--attention reference" in err
   assert "no-such-model" not in err  # Refused at the flags, before any model is looked up.
 
 
@@ -54,9 +54,16 @@ def test_serve_refuses_quantized_kv_on_the_pallas_backend_before_serving(capsys)
 
 def test_kv_dtype_flag_checks_against_the_platforms_default_backend():
   parse = lambda *extra: cli.build_parser().parse_args(["serve", *FLAGS[2:], *extra])
-  args = parse("--kv-dtype", "float8_e4m3")
-  with pytest.raises(ValueError, match="not float8_e4m3"):
+  args = parse("--kv-dtype", "float16")
+  with pytest.raises(ValueError, match="not float16"):
     flags.engine_config(args, "tpu")  # TPU/GPU default to the Pallas kernels.
-  assert flags.engine_config(args, "cpu").kv_dtype is KVDtype.FLOAT8_E4M3  # CPU: reference.
+  assert flags.engine_config(args, "cpu").kv_dtype is KVDtype.FLOAT16  # CPU: reference.
+  # 8-bit KV runs on the kernels, in pages of 32 unless --page-size says otherwise.
+  for label in ("int8", "float8_e4m3", "float8_e5m2"):
+    config = flags.engine_config(parse("--kv-dtype", label), "tpu")
+    assert (config.kv_dtype.label, config.page_size) == (label, 32)
+  given = parse("--kv-dtype", "int8", "--page-size", "64")
+  assert flags.engine_config(given, "gpu").page_size == 64
+  assert flags.engine_config(parse(), "gpu").page_size == 16
   config = flags.engine_config(parse("--kv-dtype", "int8", "--attention", "reference"), "gpu")
   assert (config.kv_dtype, config.attention_backend) == (KVDtype.INT8, AttentionBackend.REFERENCE)

@@ -1,9 +1,11 @@
 """Ragged paged attention (one call per layer, K/V written in place): the layout function, the
 reference against hand-worked numbers and against a token-major prefill reference, then both kernel
 variants (TPU and GPU, Pallas interpret mode) against the reference over a sweep of ragged steps,
-outputs and written pages both."""
+outputs and written pages both. JAXSERVE_RAGGED_COMPILED=1 (scripts/device_check.sh, on a
+machine with an NVIDIA GPU) runs the sweep on the GPU variant compiled by Triton instead."""
 
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -123,15 +125,22 @@ SWEEP = [
     (32, 4, 128, 32, 4, jnp.bfloat16, None, "mixed", 16, None),  # GQA 8
     (8, 1, 64, 16, 6, jnp.float32, 20, "prefill", 8, 1),  # GQA 8, one KV head, window
     (6, 2, 128, 16, 5, jnp.bfloat16, 40, "mixed", 16, 2),  # GQA 3, window over pages
+    # 8-bit pages (TPU tiles of 32 rows): int8 with exponents in the row, float8 per tensor.
+    (9, 3, 64, 32, 4, jnp.int8, None, "mixed", 8, 2),
+    (32, 4, 128, 32, 4, jnp.int8, 40, "decode", None, None),
+    (8, 2, 128, 32, 4, jnp.float8_e4m3fn, 40, "mixed", 16, None),
+    (6, 2, 128, 32, 3, jnp.float8_e5m2, None, "prefill", 16, 1),
 ]
-VARIANTS = {"tpu": ragged_tpu, "gpu": ragged_gpu}
+COMPILED = os.environ.get("JAXSERVE_RAGGED_COMPILED") == "1"
+VARIANTS = {"gpu": ragged_gpu} if COMPILED else {"tpu": ragged_tpu, "gpu": ragged_gpu}
 
 
-def _run_variant(variant, args, kw, sliding_window, block_q, per_chunk):
+def _run_variant(variant, args, kw, sliding_window, block_q, per_chunk, kv_scales=(1.0, 1.0)):
   dims = ragged_checks.check_args(*args, kw["layer"], sliding_window)
   return VARIANTS[variant].ragged_paged_attention(
       *args, kw["layer"], dims=dims, sm_scale=ragged_checks.scale(None, dims.head_dim),
-      sliding_window=sliding_window, block_q=block_q, pages_per_chunk=per_chunk, interpret=True)
+      sliding_window=sliding_window, kv_scales=kv_scales, block_q=block_q,
+      pages_per_chunk=per_chunk, interpret=not COMPILED)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -148,8 +157,8 @@ def test_kernel_matches_reference(variant, config):
   out, pages = _run_variant(variant, args, kw, window, block_q, per_chunk)
   ref_out, ref_pages = ragged_reference.ragged_paged_attention_reference(
       *args, **kw, sliding_window=window)
-  assert out.shape == args[0].shape and out.dtype == dtype and pages.dtype == dtype
-  tol = 2e-5 if dtype == jnp.float32 else 3e-2
+  assert out.shape == args[0].shape and out.dtype == shape.q_dtype and pages.dtype == dtype
+  tol = 2e-5 if shape.q_dtype == jnp.float32 else 3e-2
   real = sum(q for q, _ in batch)
   out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
   np.testing.assert_allclose(out[:real], ref_out[:real], atol=tol, rtol=tol)
@@ -159,7 +168,7 @@ def test_kernel_matches_reference(variant, config):
   np.testing.assert_array_equal(np.asarray(pages, np.float32), np.asarray(ref_pages, np.float32))
   owned = ragged_testing.owned_pages(args[4], args[6], len(batch), z)
   unowned = np.setdiff1d(np.arange(before.shape[1]), owned)
-  assert np.all(np.isnan(np.asarray(pages, np.float32)[:, unowned]))
+  assert np.all(ragged_testing.is_filler(pages[:, unowned]))
   np.testing.assert_array_equal(np.asarray(pages, np.float32)[0], before[0])
 
 
@@ -240,3 +249,44 @@ def test_a_step_of_only_padding_writes_nothing_and_gives_zeros(variant):
                                                      interpret=True)
   assert not np.any(np.asarray(out))
   np.testing.assert_array_equal(pages, args[3])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float8_per_tensor_scales_match_the_reference(variant):
+  """k_scale 4, v_scale 0.25: pages hold k / 4 and v * 4 (clipped to e4m3's 448), the outputs
+  are scaled back; kernel and reference agree on both."""
+  shape = ragged_testing.KernelShape(8, 2, 128, 32, 3, jnp.float8_e4m3fn)
+  args, kw = ragged_testing.step_inputs(np.random.default_rng(6), [(5, 40), (1, 7)], shape,
+                                        num_tokens=8, num_seqs_max=2)
+  out, pages = _run_variant(variant, args, kw, None, None, None, kv_scales=(4.0, 0.25))
+  ref_out, ref_pages = ragged_reference.ragged_paged_attention_reference(
+      *args, **kw, k_scale=4.0, v_scale=0.25)
+  np.testing.assert_allclose(np.asarray(out)[:6], np.asarray(ref_out)[:6], atol=2e-5, rtol=2e-5)
+  np.testing.assert_array_equal(np.asarray(pages, np.float32), np.asarray(ref_pages, np.float32))
+  written = np.asarray(ref_pages[1, args[4][1, 0], 7], np.float32)  # Sequence 1's new token.
+  k_new = np.asarray(args[1][5], np.float32).reshape(-1)
+  np.testing.assert_array_equal(written[:256], np.asarray(
+      jnp.asarray(k_new / 4, jnp.float8_e4m3fn), np.float32))
+
+
+def test_reference_int8_pages_hold_exponents_and_decode_exactly():
+  """One KV head of head_dim 2: K [1, -0.5] -> e = ceil(log2(1 / 127)) = -6, ints [64, -32];
+  V [3, 0] -> e = -5, ints [96, 0]; the row is K, V, then the exponents -6, -5. Attending to
+  that one key returns V exactly (its ints times 2^-5)."""
+  pages = jnp.zeros((2, 32, 128), jnp.int8)
+  q = jnp.ones((1, 1, 2), jnp.float32)
+  k_new, v_new = jnp.asarray([[[1.0, -0.5]]]), jnp.asarray([[[3.0, 0.0]]])
+  out, pages = ragged_reference.ragged_paged_attention_reference(
+      q, k_new, v_new, pages, jnp.asarray([[1]], jnp.int32), jnp.asarray([0, 1], jnp.int32),
+      jnp.asarray([1], jnp.int32), jnp.int32(1))
+  np.testing.assert_array_equal(np.asarray(pages[1, 0, :6]), [64, -32, 96, 0, -6, -5])
+  assert not np.any(np.asarray(pages[1, 0, 6:])) and not np.any(np.asarray(pages[1, 1:]))
+  np.testing.assert_array_equal(np.asarray(out[0, 0]), [3.0, 0.0])
+
+
+def test_scales_are_for_float8_pages_only():
+  shape = ragged_testing.KernelShape(4, 2, 64, 32, 2, jnp.int8)
+  args, kw = ragged_testing.step_inputs(np.random.default_rng(7), [(3, 0)], shape, num_tokens=8,
+                                        num_seqs_max=1)
+  with pytest.raises(ValueError, match="k_scale and v_scale are for float8"):
+    kernels_pallas.ragged_paged_attention(*args, **kw, k_scale=2.0, platform="gpu")

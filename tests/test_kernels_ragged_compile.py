@@ -21,10 +21,18 @@ import kernels_pallas
 # name, (N, K, H, Z, P, L, T, B, W), dtype, sliding_window, topology
 SMOLLM2 = (9, 3, 64, 16, 512, 30, 128, 16, 16)  # 180 MiB bf16 cache
 LLAMA3_8B = (32, 8, 128, 16, 4096, 32, 256, 64, 64)  # 8 GiB bf16 cache
+# 8-bit pages: TPU tiles of 32 rows, so pages of 32 tokens (half as many pages, same tokens).
+SMOLLM2_8BIT = (9, 3, 64, 32, 256, 30, 128, 16, 8)
+LLAMA3_8B_8BIT = (32, 8, 128, 32, 2048, 32, 256, 64, 32)
 TPU_CASES = [
     ("smollm2-v5e", SMOLLM2, jnp.bfloat16, None, "v5e:2x2"),
     ("llama3-8b-v6e", LLAMA3_8B, jnp.bfloat16, None, "v6e:2x2"),
     ("smollm2-f32-window-v5e", SMOLLM2, jnp.float32, 64, "v5e:2x2"),
+    ("llama3-8b-int8-v5e", LLAMA3_8B_8BIT, jnp.int8, None, "v5e:2x2"),
+    ("smollm2-int8-window-v6e", SMOLLM2_8BIT, jnp.int8, 64, "v6e:2x2"),
+    ("llama3-8b-e5m2-v6e", LLAMA3_8B_8BIT, jnp.float8_e5m2, None, "v6e:2x2"),
+    ("llama3-8b-e4m3-v5e", LLAMA3_8B_8BIT, jnp.float8_e4m3fn, None, "v5e:2x2"),
+    ("llama3-8b-e4m3-v6e", LLAMA3_8B_8BIT, jnp.float8_e4m3fn, None, "v6e:2x2"),
 ]
 
 
@@ -32,7 +40,8 @@ def _abstract_args(sizes, dtype, sharding=None):
   n, k, h, z, p, l, t, b, w = sizes
   layout = kernels_pallas.ragged_layout_for(k, h, dtype)
   sds = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=sharding)
-  args = (sds((t, n, h), dtype), sds((t, k, h), dtype), sds((t, k, h), dtype),
+  q_dtype = jnp.bfloat16 if jnp.dtype(dtype).itemsize == 1 else dtype  # 8-bit KV: bf16 queries.
+  args = (sds((t, n, h), q_dtype), sds((t, k, h), q_dtype), sds((t, k, h), q_dtype),
           sds(layout.page_shape(l, p, z), dtype), sds((b, w), jnp.int32),
           sds((b + 1,), jnp.int32), sds((b,), jnp.int32), sds((), jnp.int32), sds((), jnp.int32))
   return args, layout.num_bytes(l, p, z)
@@ -70,8 +79,10 @@ def test_tpu_compiles_with_the_cache_in_place(name, sizes, dtype, window, topolo
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
-@pytest.mark.parametrize("sizes,dtype", [(SMOLLM2, jnp.float32), (LLAMA3_8B, jnp.bfloat16)],
-                         ids=["smollm2-f32", "llama3-8b-bf16"])
+@pytest.mark.parametrize("sizes,dtype", [
+    (SMOLLM2, jnp.float32), (LLAMA3_8B, jnp.bfloat16), (SMOLLM2, jnp.int8),
+    (LLAMA3_8B, jnp.float8_e4m3fn), (LLAMA3_8B, jnp.float8_e5m2)],
+    ids=["smollm2-f32", "llama3-8b-bf16", "smollm2-int8", "llama3-8b-e4m3", "llama3-8b-e5m2"])
 def test_gpu_lowers_to_the_triton_kernel_with_the_cache_aliased(sizes, dtype):
   args, _ = _abstract_args(sizes, dtype)
   disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
+from jaxserve.config.engine import RAGGED_KV_DTYPES
 from jaxserve.engine.engine import Engine
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, slot_page_tables
@@ -29,10 +30,11 @@ GREEDY = SamplingParams(temperature=0, logprobs=20)  # The top-20 logprobs are c
 SMALL = EngineConfig(num_slots=3, page_size=4, num_pages=12, max_model_len=16,
                      compilation_cache_dir=None)
 # Worst-case round-trip error of one value of magnitude <= amax (here amax ~ 4 for N(0, 1) data):
-# bf16 keeps 8 bits of mantissa (relative 2^-8), int8 rounds to amax / 127 steps (half a step),
-# float8 e4m3 keeps 3 bits (relative 2^-4).
+# bf16 keeps 8 bits of mantissa (relative 2^-8), int8 rounds to steps of 2^e < 2 * amax / 127
+# (half a step), float8 e4m3 keeps 3 bits (relative 2^-4), e5m2 2 bits (2^-3).
 ROUND_TRIP_TOL = {KVDtype.FLOAT32: 0.0, KVDtype.BFLOAT16: 4 * 2**-8, KVDtype.FLOAT16: 4 * 2**-11,
-                  KVDtype.INT8: 4.5 / 254, KVDtype.FLOAT8_E4M3: 4.5 * 2**-4}
+                  KVDtype.INT8: 4.5 / 127, KVDtype.FLOAT8_E4M3: 4.5 * 2**-4,
+                  KVDtype.FLOAT8_E5M2: 4.5 * 2**-3}
 
 
 def _written_cache(layout, kv_dtype, rng):
@@ -55,15 +57,13 @@ def _written_cache(layout, kv_dtype, rng):
   return cache, tables, k, v
 
 
-RAGGED_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16)
+# Every pair but the ragged layout's float16, which it refuses (test_ragged_layout_refuses_float16).
+PAIRS = [(layout, kv_dtype) for layout in KVLayout for kv_dtype in KVDtype
+         if layout is not KVLayout.RAGGED or kv_dtype in RAGGED_KV_DTYPES]
 
 
-@pytest.mark.parametrize("kv_dtype", list(KVDtype))
-@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("layout, kv_dtype", PAIRS)
 def test_write_then_gather_round_trips(layout, kv_dtype):
-  if layout is KVLayout.RAGGED and kv_dtype not in RAGGED_DTYPES:
-    pytest.skip("the ragged layout stores float32 and bfloat16 only "
-                "(test_ragged_layout_stores_only_floats)")
   cache, tables, k, v = _written_cache(layout, kv_dtype, np.random.default_rng(0))
   tol = ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(k))
   gk, gv = cache.gather(1, jnp.asarray(tables))
@@ -72,25 +72,55 @@ def test_write_then_gather_round_trips(layout, kv_dtype):
                 <= ROUND_TRIP_TOL[kv_dtype] * np.maximum(1, np.abs(v)))
 
 
-def test_int8_scale_is_per_token_and_head():
-  """A head of values 0..127 * 0.5 stores as ints 0..127 with scale 0.5: exact."""
-  engine = dataclasses.replace(SMALL, kv_dtype=KVDtype.INT8)
-  cache = KVCache.create(TINY, engine)
+def _int8_head_values():
+  """Head 0: 0, 0.5, .., 7.5: amax 7.5, e = ceil(log2(7.5 / 127)) = -4, so ints 0, 8, .., 120.
+  Head 1: all -2.0: e = ceil(log2(2 / 127)) = -5, ints -64. Both exact."""
   k = np.zeros((1, 1, TINY.num_kv_heads, TINY.head_dim), np.float32)
-  k[0, 0, 0] = np.arange(16) * 127 / 15 * 0.5  # amax 63.5 -> scale 0.5
-  k[0, 0, 1] = -2.0  # amax 2 -> scale 2 / 127, value -127
+  k[0, 0, 0], k[0, 0, 1] = np.arange(16) * 0.5, -2.0
+  return k
+
+
+def test_int8_scale_is_per_token_and_head():
+  cache = KVCache.create(TINY, dataclasses.replace(SMALL, kv_dtype=KVDtype.INT8))
+  k = _int8_head_values()
   cache = cache.write(0, jnp.array([[5]]), k, k)  # Page 1, offset 1.
-  np.testing.assert_allclose(np.asarray(cache.k_scale[0, 1, 1, :, 0]), [0.5, 2 / 127], rtol=1e-6)
-  np.testing.assert_array_equal(np.asarray(cache.k[0, 1, 1, 1]), np.full(16, -127))
-  assert cache.k.dtype == jnp.int8
+  np.testing.assert_array_equal(np.asarray(cache.k_scale[0, 1, 1, :, 0]), [-4, -5])
+  np.testing.assert_array_equal(np.asarray(cache.k[0, 1, 1, 0]), np.arange(16) * 8)
+  np.testing.assert_array_equal(np.asarray(cache.k[0, 1, 1, 1]), np.full(16, -64))
+  assert cache.k.dtype == cache.k_scale.dtype == jnp.int8
+  gk, _ = cache.gather(0, jnp.array([[1]]))
+  np.testing.assert_array_equal(np.asarray(gk[0, 1]), k[0, 0])
+
+
+def test_ragged_int8_row_holds_values_then_exponents():
+  """TINY's ragged row: K heads (lanes 0-31), V heads (32-63), then the exponents of K heads 0,
+  1 and V heads 0, 1 (lanes 64-67), zeros to 128."""
+  engine = dataclasses.replace(SMALL, kv_dtype=KVDtype.INT8, kv_layout=KVLayout.RAGGED)
+  cache = KVCache.create(TINY, engine)
+  k = _int8_head_values()
+  cache = cache.write(0, jnp.array([[5]]), k, k / 4)  # V: exponents 2 lower, same ints.
+  row = np.asarray(cache.k[0, 1, 1])  # [Cr]
+  assert row.shape == (128,) and cache.k_scale is None
+  np.testing.assert_array_equal(row[:32], np.r_[np.arange(16) * 8, np.full(16, -64)])
+  np.testing.assert_array_equal(row[32:64], row[:32])
+  np.testing.assert_array_equal(row[64:], np.r_[[-4, -5, -6, -7], np.zeros(60)])
+  gk, gv = cache.gather(0, jnp.array([[1]]))
+  np.testing.assert_array_equal(np.asarray(gv[0, 1]), k[0, 0] / 4)
 
 
 def test_bytes_follow_the_capacity_arithmetic():
-  """Bytes per token slot: 2 (K, V) * L * K * (H * value bytes + scale bytes), as capacity.py."""
+  """Bytes per token slot: 2 (K, V) * L * K * (H * value bytes + scale bytes), as capacity.py;
+  the ragged layout's rows of 128 lanes (TINY: 64 values + int8's 4 exponents) as its
+  lane_groups count says, under tp too."""
   from jaxserve.planning import capacity
   for kv_dtype in KVDtype:
     cache = KVCache.create(TINY, dataclasses.replace(SMALL, kv_dtype=kv_dtype))
     assert cache.num_bytes == 12 * 4 * capacity.kv_bytes_per_token(TINY, kv_dtype)
+  for kv_dtype, tp in [(d, tp) for d in RAGGED_KV_DTYPES for tp in (1, 2)]:
+    engine = dataclasses.replace(SMALL, kv_dtype=kv_dtype, kv_layout=KVLayout.RAGGED, tp=tp)
+    cache = KVCache.create(TINY, engine)
+    assert cache.num_bytes == 12 * 4 * capacity.kv_bytes_per_token(TINY, kv_dtype, tp)
+    assert cache.num_bytes == 12 * 4 * 2 * 128 * tp * kv_dtype.value_bytes
   contiguous = KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.CONTIGUOUS))
   assert contiguous.num_bytes == 3 * 16 * capacity.kv_bytes_per_token(TINY, KVDtype.FLOAT32)
   assert contiguous.num_pages == 1 + 3 * 4
@@ -179,7 +209,7 @@ def test_pallas_backend_refuses_other_layouts(tiny_model, layout):
     prefill(engine, _chunk(0, [3, 4, 5], 0, [1], True, [3, 4, 5]))
 
 
-def test_ragged_layout_stores_only_floats():
-  with pytest.raises(ValueError, match="float32 or bfloat16"):
+def test_ragged_layout_refuses_float16():
+  with pytest.raises(ValueError, match="not float16"):
     KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.RAGGED,
-                                             kv_dtype=KVDtype.INT8))
+                                             kv_dtype=KVDtype.FLOAT16))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.cli import main as cli
-from jaxserve.config import AttentionBackend, EngineConfig
+from jaxserve.config import AttentionBackend, EngineConfig, KVDtype
 from jaxserve.engine import assembly, compile_plan, targets
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.step_args import StepShape
@@ -42,10 +42,16 @@ SMALL = dict(num_slots=1, max_model_len=128, prefill_buckets=(32,), dtype="bfloa
 GEMMA3_270M = capacity.KNOWN_MODELS["gemma-3-270m"]
 # Gemma 3 at 1,024 tokens, past its 512-token window: window pages, so two pools (every page of
 # the 3 global layers, a window's of the 15 local ones) and tables twice as wide.
+# Quantized KV (int8 with its exponents in the rows, float8 e5m2) in pages of 32: the kernels
+# write 8-bit pages in place on each chip, the pool aliased and temp within the same bound.
+INT8_KV, E5M2_KV = (dict(kv_dtype=d, page_size=32) for d in (KVDtype.INT8, KVDtype.FLOAT8_E5M2))
 CASES = {"smollm2-v5e": ("v5e", SMOLLM2, 512, {}),
          "llama-3-8b-v6e": ("v6e", LLAMA3_8B_2L, 4096, {}),
          "smollm2-h100": ("h100", SMOLLM2, 512, {}),
-         "gemma-3-270m-v5e": ("v5e", GEMMA3_270M, 512, dict(max_model_len=1024))}
+         "gemma-3-270m-v5e": ("v5e", GEMMA3_270M, 512, dict(max_model_len=1024)),
+         "llama-3-8b-int8-kv-v5e": ("v5e", LLAMA3_8B_2L, 2048, INT8_KV),
+         "smollm2-e5m2-kv-v6e": ("v6e", SMOLLM2, 256, E5M2_KV),
+         "smollm2-int8-kv-h100": ("h100", SMOLLM2, 256, INT8_KV)}
 
 
 def skip_without(target: str):
@@ -106,8 +112,9 @@ def test_neediest_are_the_largest_of_each_kind():
 @pytest.mark.parametrize("name", [case(n) for n in CASES])
 def test_every_program_compiles_with_its_memory_reported(name):
   reports, pool = compiled(name)
-  model = CASES[name][1]
-  W = 8 if name != "gemma-3-270m-v5e" else 2 * 64  # Both tables of 1,024 / 16 pages.
+  model, changes = CASES[name][1], CASES[name][3]
+  W = EngineConfig(**{**SMALL, **changes}).max_pages_per_seq
+  W = W if name != "gemma-3-270m-v5e" else 2 * W  # Both tables of 1,024 / 16 pages.
   assert [r["name"] for r in reports] == [f"step D=1 T=0 W={W}", f"step D=0 T=32 W={W}",
                                           f"step D=1 T=32 W={W}", f"step D=0 T=32 W={W} scored"]
   for r in reports:
@@ -122,8 +129,7 @@ def test_every_program_compiles_with_its_memory_reported(name):
 TEMP_BOUND = "temp <= 0.05 * kv + 256 MiB"
 
 
-@pytest.mark.parametrize("name", [case("smollm2-v5e"), case("llama-3-8b-v6e"), case("smollm2-h100"),
-                                  case("gemma-3-270m-v5e")])
+@pytest.mark.parametrize("name", [case(n) for n in CASES])
 def test_step_temp_is_small_beside_the_cache(name):
   reports, pool = compiled(name)
   for r in reports:

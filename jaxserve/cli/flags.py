@@ -16,6 +16,7 @@ from jaxserve.config import (
   SpeculativeConfig,
   default_attention_backend,
 )
+from jaxserve.planning import capacity
 
 CPU_PAGES = 512  # The CPU pool: its "device memory" is the host's, shared with everything else.
 
@@ -36,7 +37,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  help="parameters, activations and KV cache (float32 is fastest on CPU)")
   p.add_argument("--slots", type=int, default=d("num_slots"),
                  help="decode slots (the decode batch)")
-  p.add_argument("--page-size", type=int, default=d("page_size"), help="tokens per KV page")
+  p.add_argument("--page-size", type=int, default=None,
+                 help=f"tokens per KV page (default {d('page_size')}; 32 for int8 and float8 KV)")
   p.add_argument("--num-pages", type=int, default=None,
                  help="KV pages in the pool (default: sized from --memory-fraction on TPU/GPU; "
                  f"{CPU_PAGES} on CPU, whose memory is the host's, shared with everything else)")
@@ -48,8 +50,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--buckets", default=",".join(map(str, d("prefill_buckets"))),
                  help="prefill length buckets")
   p.add_argument("--kv-dtype", default=None, choices=[x.label for x in KVDtype],
-                 help="KV cache storage (default: --dtype); int8, float8_e4m3 and float16 need "
-                 "--attention reference")
+                 help="KV cache storage (default: --dtype); float16 needs --attention reference")
   p.add_argument("--attention", default=None, choices=[x.value for x in AttentionBackend],
                  help="attention backend (default: reference on CPU, pallas on TPU/GPU)")
   add_quantization_flag(p)
@@ -138,7 +139,8 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
     num_pages = CPU_PAGES
   kv_dtype = {x.label: x for x in KVDtype}[args.kv_dtype] if args.kv_dtype else None
   backend = AttentionBackend(args.attention) if args.attention else None
-  config = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=num_pages,
+  page_size = args.page_size or capacity.default_page_size(kv_dtype)
+  config = EngineConfig(num_slots=args.slots, page_size=page_size, num_pages=num_pages,
                         memory_fraction=fraction or _default(EngineConfig, "memory_fraction"),
                         max_model_len=args.max_model_len, dtype=Dtype(args.dtype),
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),

@@ -28,7 +28,8 @@ class KVLayout(enum.Enum):
   CONTIGUOUS = "contiguous"
   # [layers, pages, page_size, lanes]: one lane-dense row per token, its K heads then its V heads,
   # padded to a multiple of 128 lanes (kernels_pallas/ragged_layout.py): what the ragged kernel
-  # reads and writes in place, and what TPUs tile without padding. float32 / bfloat16 only.
+  # reads and writes in place, and what TPUs tile without padding. int8 rows hold their scale
+  # exponents after the V heads. Every KVDtype but float16.
   RAGGED = "ragged"
 
 
@@ -38,8 +39,11 @@ class KVDtype(enum.Enum):
   FLOAT32 = ("float32", 4, 0)
   BFLOAT16 = ("bfloat16", 2, 0)
   FLOAT16 = ("float16", 2, 0)
-  INT8 = ("int8", 1, 4)  # One float32 scale per token, per KV head, for K and for V.
-  FLOAT8_E4M3 = ("float8_e4m3", 1, 0)
+  # A power-of-two scale per token and KV head, for K and for V: its int8 exponent
+  # (kernels_pallas/kv_quant.py).
+  INT8 = ("int8", 1, 1)
+  FLOAT8_E4M3 = ("float8_e4m3", 1, 0)  # float8_e4m3fn, one scale per tensor (1.0).
+  FLOAT8_E5M2 = ("float8_e5m2", 1, 0)
 
   def __init__(self, label: str, value_bytes: int, scale_bytes: int):
     self.label = label
@@ -108,7 +112,8 @@ def default_attention_backend(platform: str) -> AttentionBackend:
 
 
 # What the Pallas backend's ragged KV layout (KVLayout.RAGGED) can store.
-RAGGED_KV_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16)
+RAGGED_KV_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16, KVDtype.INT8, KVDtype.FLOAT8_E4M3,
+                    KVDtype.FLOAT8_E5M2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +183,13 @@ class EngineConfig:
 
   def check_backend(self, backend: AttentionBackend) -> None:
     """Raises ValueError naming the problem when `backend` cannot run this config: the Pallas
-    kernel's ragged KV layout holds float32 or bfloat16 values only (no quantized KV)."""
+    kernel's ragged KV layout holds RAGGED_KV_DTYPES (not float16)."""
     if backend.is_pallas and self.kv_dtype is not None and self.kv_dtype not in RAGGED_KV_DTYPES:
+      stores = ", ".join(d.label for d in RAGGED_KV_DTYPES)
       raise ValueError(f"kv_dtype {self.kv_dtype.label} does not run on the Pallas attention "
-                       f"backend ({backend.value}): its ragged KV layout stores float32 or "
-                       f"bfloat16, not {self.kv_dtype.label}; use --attention reference "
-                       "(attention_backend=AttentionBackend.REFERENCE) for quantized KV")
+                       f"backend ({backend.value}): its ragged KV layout stores {stores}, not "
+                       f"{self.kv_dtype.label}; use --attention reference "
+                       "(attention_backend=AttentionBackend.REFERENCE)")
 
   @property
   def max_pages_per_seq(self) -> int:

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 from typing import Any, Callable, Collection
 
 import jax
@@ -182,9 +183,11 @@ def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
              * jnp.dtype(config.dtype.value).itemsize)
   weights -= experts - experts // config.ep
   # Today's engine sizes from the weights alone: the most pages there can be.
+  resolved = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
   ceiling = capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
                                    kv_cache.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
-                                   kv_cache.num_window_pages(model, config))
+                                   kv_cache.num_window_pages(model, config),
+                                   kv_cache.lane_groups(resolved))
   p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
   base = run(p0, neediest(target_programs(target, model, _with_pages(config, p0))[1]))
   tries = [(p0, base)]
@@ -259,13 +262,19 @@ def run_compile(args) -> int:
   """`jaxserve plan --compile TARGET`: prints the table (or JSON); 1 when the pool does not fit."""
   jax.config.update("jax_platforms", "cpu")  # Before anything starts a backend: see targets.py.
   model = capacity.load_model_config(args.model)
-  config = EngineConfig(num_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
+  kv_dtype = capacity.KV_DTYPES[args.kv_dtype]
+  page_size = args.page_size or capacity.default_page_size(kv_dtype)
+  config = EngineConfig(num_slots=args.slots, page_size=page_size, num_pages=args.num_pages,
                         memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
-                        dtype=args.dtype, tp=args.tp, ep=args.ep,
+                        dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp, ep=args.ep,
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         compilation_cache_dir=None, window_pages=args.window_pages,
                         speculative=args.speculative_config,
                         quantization=args.quantization)
-  result = compile_engine(args.compile, model, config)
+  try:
+    result = compile_engine(args.compile, model, config)
+  except ValueError as e:  # The pool cannot fit (weights beyond the memory): say so, no trace.
+    print(f"jaxserve plan --compile: {e}", file=sys.stderr)
+    return 1
   print(json.dumps(result, indent=1) if args.json else format_table(result))
   return 0 if result["fits"] else 1

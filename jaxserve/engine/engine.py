@@ -276,7 +276,8 @@ def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
   pages = capacity.num_kv_pages(model.cfg, memory * config.tp, config.memory_fraction,
                                   config.page_size, kv_cache.kv_dtype_of(config),
                                   weight_bytes * config.tp,
-                                  kv_cache.num_window_pages(model.cfg, config))
+                                  kv_cache.num_window_pages(model.cfg, config),
+                                  kv_cache.lane_groups(config))
   if jax.process_count() > 1:  # Every process must build the same cache shape: the smallest pool.
     pages = int(np.min(multihost_utils.process_allgather(np.int32(pages))))
   logging.info("KV pool: %d pages of %d tokens (%d tokens) from %.0f%% of %.2f GiB on %s, "

@@ -28,5 +28,6 @@ Kernel letters (kernels_pallas; A and R also in the query blocks of model/attent
   Tq: packed tokens of one query block    Gp: G padded for the hardware (GPU)
   A: a leading axis of query rows    E: lanes of the widest head window (TPU)
   Hv: lanes of Q, K and V one softmax step reads (H, or one TPU head window)
-  Cr: lanes of one ragged page row (its K heads, then its V heads: 2 * K * H, rounded up to 128)
+  Cr: lanes of one ragged page row (its K heads, then its V heads: 2 * K * H, then int8's 2 * K
+      scale exponents, rounded up to 128)
 """

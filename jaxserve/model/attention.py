@@ -193,8 +193,9 @@ def _attend_pallas(q, k, v, cache: KVCache, layer, meta: AttentionMetadata, plat
 
   if cache.layout is not KVLayout.RAGGED:
     raise ValueError(f"the Pallas backend runs on the ragged KV layout, not {cache.layout.value}")
+  # The kernel quantizes the new K/V to the pages' dtype itself (float8 at scale 1.0).
   out, pages = kernels_pallas.ragged_paged_attention(
-      q[0], k[0].astype(cache.k.dtype), v[0].astype(cache.k.dtype), cache.k, meta.page_tables,
+      q[0], k[0], v[0], cache.k, meta.page_tables,
       meta.cu_q_lens, meta.kv_lens, jnp.int32(meta.page_tables.shape[0]), layer=layer,
       sliding_window=window, platform=platform)
   return out[None], dataclasses.replace(cache, k=pages)

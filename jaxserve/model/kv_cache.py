@@ -13,9 +13,11 @@ table is the identity slice of its region and gathering it is one slice, not a p
 Page 0 is a scratch page: padding tokens write their K/V there (the contiguous layout drops those
 writes), and no page table points at it for a real position.
 
-Quantized storage (int8, float8) is decoded back to float32 on read. int8 keeps one float32
-scale per token and KV head (absmax / 127), stored in an array shaped like the values with the
-head dim replaced by 1, so the layout code is shared between values and scales.
+Quantized storage (int8, float8) is decoded back to float32 on read, as the kernels do
+(kernels_pallas/kv_quant.py, one definition). int8 keeps a power-of-two scale per token and KV
+head as its int8 exponent: in the token-major layouts in an array shaped like the values with
+the head dim replaced by 1 (so the layout code is shared between values and scales), in the
+RAGGED layout in the page row after the V heads (kernels_pallas/ragged_layout.py).
 """
 
 from __future__ import annotations
@@ -28,15 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import Dtype, EngineConfig, KVDtype, KVLayout, ModelConfig
-from jaxserve.config.engine import window_pages_per_seq
+from jaxserve.config.engine import RAGGED_KV_DTYPES, window_pages_per_seq
+from kernels_pallas import kv_quant, ragged_layout
 
 SCRATCH_PAGE = 0
 
 STORAGE_DTYPES = {KVDtype.FLOAT32: jnp.float32, KVDtype.BFLOAT16: jnp.bfloat16,
                   KVDtype.FLOAT16: jnp.float16, KVDtype.INT8: jnp.int8,
-                  KVDtype.FLOAT8_E4M3: jnp.float8_e4m3fn}
-_INT8_MAX = 127.0
-_FP8_MAX = 448.0  # Largest finite float8_e4m3fn: beyond it the cast gives NaN, so we clip.
+                  KVDtype.FLOAT8_E4M3: jnp.float8_e4m3fn, KVDtype.FLOAT8_E5M2: jnp.float8_e5m2}
 
 
 def kv_dtype_of(engine: EngineConfig) -> KVDtype:
@@ -46,26 +47,18 @@ def kv_dtype_of(engine: EngineConfig) -> KVDtype:
   return KVDtype.BFLOAT16 if engine.dtype is Dtype.BFLOAT16 else KVDtype.FLOAT32
 
 
-# Quantization: one token's K or V [..., K, H] in, (values, scale [..., K, 1] or None) out.
+# Quantization: one token's K or V [..., K, H] in, (values, exponents [..., K, 1] or None) out.
 
 def encode(x, kv_dtype: KVDtype):
-  if kv_dtype is KVDtype.INT8:
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)  # [..., K, 1]
-    scale = jnp.maximum(amax, 1e-8) / _INT8_MAX  # Never 0: an all-zero head decodes to 0.
-    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -_INT8_MAX, _INT8_MAX)
-    return q.astype(jnp.int8), scale
-  if kv_dtype is KVDtype.FLOAT8_E4M3:
-    return jnp.clip(x.astype(jnp.float32), -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn), None
-  return x.astype(STORAGE_DTYPES[kv_dtype]), None
+  values, exponents = kv_quant.quantize(x, STORAGE_DTYPES[kv_dtype])
+  return values, None if exponents is None else exponents[..., None]
 
 
-def dequantize(values, scale):
+def dequantize(values, exponents):
   """Stored values -> float32 (or the stored float type when no decoding is needed)."""
-  if scale is not None:
-    return values.astype(jnp.float32) * scale
-  if values.dtype in (jnp.float32, jnp.bfloat16):
+  if exponents is None and values.dtype in (jnp.float32, jnp.bfloat16):
     return values
-  return values.astype(jnp.float32)
+  return kv_quant.dequantize(values, None if exponents is None else exponents[..., 0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,28 +108,35 @@ def _contiguous_gather(a, b, layer, tables, Z):
   return _flat_gather(a[layer, slot, :w], B, Z), _flat_gather(b[layer, slot, :w], B, Z)
 
 
-def ragged_lanes(K, H, Kg=1):
-  """Cr: Kg groups of 2 * (K / Kg) * H lanes, each rounded up to 128 (kernels_pallas.ragged_layout).
-  Under tensor parallelism Kg = tp: a device's KV heads are one group, its own lane-dense rows."""
-  return Kg * (-(-2 * (K // Kg) * H // 128) * 128)
+def ragged_lanes(K, H, Kg=1, dtype="float32"):
+  """Cr: Kg groups of one ragged page row each (kernels_pallas.ragged_layout: 2 * (K / Kg) * H
+  lanes, int8's exponents after them, rounded up to 128). Under tensor parallelism Kg = tp: a
+  device's KV heads are one group, its own lane-dense rows."""
+  return Kg * ragged_layout.layout_for(K // Kg, H, dtype).lanes
 
 
-def _ragged_write(a, layer, page, offset, k, v, Z, Kg):
+def _ragged_write(a, layer, page, offset, k, v, exponents, Z, Kg):
+  """k, v [B, T, K, H] and exponents (int8: K's and V's, [B, T, K, 1] each) into page rows."""
   L, P, _, Cr = a.shape
-  group = lambda x: x.reshape(*x.shape[:-2], Kg, -1)  # [B, T, K, H] -> [B, T, Kg, K / Kg * H]
-  rows = jnp.concatenate([group(k), group(v)], -1)  # [B, T, Kg, 2 * K / Kg * H]
+  group = lambda x: x.reshape(*x.shape[:-2], Kg, -1)  # [B, T, K, X] -> [B, T, Kg, K / Kg * X]
+  parts = [group(k), group(v)] + [group(e).astype(k.dtype) for e in exponents if e is not None]
+  rows = jnp.concatenate(parts, -1)  # [B, T, Kg, 2 * K / Kg * H (+ 2 * K / Kg)]
   rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, Cr // Kg - rows.shape[-1])])
   rows = rows.reshape(*rows.shape[:-2], Cr)  # [B, T, Cr]
   flat = (layer * P + page) * Z + offset  # [B, T]: one scatter writes K and V of every token.
   return a.reshape(L * P * Z, Cr).at[flat].set(rows.astype(a.dtype)).reshape(a.shape)
 
 
-def _ragged_gather(a, layer, tables, Z, K, H, Kg):
+def _ragged_gather(a, layer, tables, Z, K, H, Kg, dtype):
+  """-> k, v [B, S, K, H] and their exponents [B, S, K, 1] (None but for int8)."""
   g = a[layer, tables]  # [B, W, Z, Cr]: each page's K and V of every head in one read.
-  B, n = tables.shape[0], K // Kg * H
+  B, n, m = tables.shape[0], K // Kg * H, K // Kg
   rows = g.reshape(B, g.shape[1] * Z, Kg, -1)  # [B, S, Kg, Cr / Kg]
-  heads = lambda x: x.reshape(B, -1, K, H)  # [B, S, Kg, K / Kg * H] -> [B, S, K, H]
-  return heads(rows[..., :n]), heads(rows[..., n:2 * n])
+  heads = lambda x, X: x.reshape(B, -1, K, X)  # [B, S, Kg, K / Kg * X] -> [B, S, K, X]
+  k, v = heads(rows[..., :n], H), heads(rows[..., n:2 * n], H)
+  if not kv_quant.is_int8(dtype):
+    return k, v, None, None
+  return k, v, heads(rows[..., 2 * n:2 * n + m], 1), heads(rows[..., 2 * n + m:2 * (n + m)], 1)
 
 
 _TOKEN_AXES = ("layers", "pages", "page_tokens", "kv_heads", "head_dim")
@@ -162,14 +162,14 @@ _KV_DTYPE_OF_STORAGE = {jnp.dtype(d): kv for kv, d in STORAGE_DTYPES.items()}
 class KVCache:
   k: jax.Array  # Values in `layout`'s shape; K and V together when the layout interleaves them.
   v: jax.Array | None  # None when k holds both.
-  k_scale: jax.Array | None = None  # int8 only: like k, with head_dim 1.
+  k_scale: jax.Array | None = None  # int8, not RAGGED: exponents, like k with head_dim 1.
   v_scale: jax.Array | None = None
   layout: KVLayout = dataclasses.field(default=KVLayout.PAGED_TOKEN_MAJOR,
                                        metadata=dict(static=True))
-  # (K, H, Kg) of a RAGGED cache, whose page rows do not show them: Kg lane groups of K / Kg
-  # heads.
-  ragged_heads: tuple[int, int, int] | None = dataclasses.field(default=None,
-                                                                 metadata=dict(static=True))
+  # (K, H, Kg, dtype name) of a RAGGED cache, whose page rows do not show them: Kg lane groups
+  # of K / Kg heads.
+  ragged_heads: tuple[int, int, int, str] | None = dataclasses.field(default=None,
+                                                                      metadata=dict(static=True))
 
   # The token-major layout's logical axis names; `axes` gives the running layout's.
   AXES = _TOKEN_AXES
@@ -186,20 +186,20 @@ class KVCache:
     dims = (model.num_layers if num_layers is None else num_layers,
             num_pages or engine.num_pages, engine.page_size, model.num_kv_heads)
     shape = lambda X: layout.shape(*dims, X, engine.num_slots, engine.max_pages_per_seq)
-    ragged = None
+    values, ragged = STORAGE_DTYPES[kv_dtype], None
     if kv_layout is KVLayout.RAGGED:
-      ragged = (model.num_kv_heads, model.head_dim, engine.tp)
+      if kv_dtype not in RAGGED_KV_DTYPES:
+        raise ValueError(f"the ragged KV layout stores "
+                         f"{', '.join(d.label for d in RAGGED_KV_DTYPES)}, not {kv_dtype.label}")
+      ragged = (model.num_kv_heads, model.head_dim, engine.tp, jnp.dtype(values).name)
       shape = lambda X: (*dims[:3], ragged_lanes(*ragged))
     zeros = lambda X, dtype: jnp.zeros(shape(X), dtype)
-    values = STORAGE_DTYPES[kv_dtype]
-    scaled = kv_dtype is KVDtype.INT8
-    if kv_layout is KVLayout.RAGGED and kv_dtype not in (KVDtype.FLOAT32, KVDtype.BFLOAT16):
-      raise ValueError(f"the ragged KV layout stores float32 or bfloat16, not {kv_dtype.label}")
+    scaled = kv_dtype is KVDtype.INT8 and kv_layout is not KVLayout.RAGGED  # Its rows hold them.
     # Separate zeros() calls: the cache is donated, and donated buffers must be distinct.
     return cls(k=zeros(model.head_dim, values),
                v=zeros(model.head_dim, values) if layout.separate else None,
-               k_scale=zeros(1, jnp.float32) if scaled else None,
-               v_scale=zeros(1, jnp.float32) if scaled and layout.separate else None,
+               k_scale=zeros(1, jnp.int8) if scaled else None,
+               v_scale=zeros(1, jnp.int8) if scaled and layout.separate else None,
                layout=kv_layout, ragged_heads=ragged)
 
   @property
@@ -231,8 +231,9 @@ class KVCache:
     page, offset = cache_index // Z, cache_index % Z  # [B, T]
     (k, k_scale), (v, v_scale) = encode(k, self.kv_dtype), encode(v, self.kv_dtype)
     if self.layout is KVLayout.RAGGED:
-      return dataclasses.replace(
-          self, k=_ragged_write(self.k, layer, page, offset, k, v, Z, self.ragged_heads[2]))
+      return dataclasses.replace(self, k=_ragged_write(self.k, layer, page, offset, k, v,
+                                                       (k_scale, v_scale), Z,
+                                                       self.ragged_heads[2]))
     new_k, new_v = lay.write(self.k, self.v, layer, page, offset, k, v, Z)
     new_ks, new_vs = self.k_scale, self.v_scale
     if k_scale is not None:
@@ -244,8 +245,8 @@ class KVCache:
     """The pages of each sequence, flattened and decoded: [B, W * Z, K, H] for k and for v."""
     lay, Z = _LAYOUTS[self.layout], self.page_size
     if self.layout is KVLayout.RAGGED:
-      k, v = _ragged_gather(self.k, layer, page_tables, Z, *self.ragged_heads)
-      return dequantize(k, None), dequantize(v, None)
+      k, v, ks, vs = _ragged_gather(self.k, layer, page_tables, Z, *self.ragged_heads)
+      return dequantize(k, ks), dequantize(v, vs)
     k, v = lay.gather(self.k, self.v, layer, page_tables, Z)
     if self.k_scale is None:
       return dequantize(k, None), dequantize(v, None)
@@ -306,6 +307,15 @@ def create(model: ModelConfig, engine: EngineConfig) -> KVCache | WindowedKV:
   if num_window_pages(model, engine):
     return WindowedKV.create(model, engine)
   return KVCache.create(model, engine)
+
+
+def lane_groups(engine: EngineConfig) -> int:
+  """The capacity planner's `lane_groups` for this engine's cache: tp for the RAGGED layout
+  (its rows are padded per device group), 0 for the token-major ones."""
+  layout = engine.kv_layout
+  if layout is None:
+    raise ValueError("the KV layout is picked with the backend (engine.engine_config_for)")
+  return engine.tp if layout is KVLayout.RAGGED else 0
 
 
 def slot_page_tables(engine: EngineConfig) -> np.ndarray | None:

@@ -87,9 +87,24 @@ def weight_bytes(cfg: ModelConfig, dtype: WeightDtype) -> int:
   return -(-cfg.num_params * dtype.numerator // dtype.denominator)  # Integer ceil: exact.
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: KVDtype) -> int:
-  per_head = cfg.head_dim * dtype.value_bytes + dtype.scale_bytes
-  return 2 * cfg.num_layers * cfg.num_kv_heads * per_head  # 2: K and V.
+def kv_bytes_per_token(cfg: ModelConfig, dtype: KVDtype, lane_groups: int = 0) -> int:
+  """K and V of one token in every layer, int8's scale exponents included. lane_groups 0: the
+  token-major layouts, exactly; g >= 1: the ragged kernels' layout (TPU/GPU), whose page row of
+  a layer is g groups (tp) of 2 * K / g * H values (+ int8's 2 * K / g exponent lanes, in whole
+  head-width groups), each rounded up to 128 lanes (kernels_pallas/ragged_layout.py)."""
+  if not lane_groups:
+    per_head = cfg.head_dim * dtype.value_bytes + dtype.scale_bytes
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head  # 2: K and V.
+  heads, h = cfg.num_kv_heads // lane_groups, cfg.head_dim
+  scale_lanes = h * -(-2 * heads * dtype.scale_bytes // h)  # One lane per 1-byte exponent.
+  lanes = -(-(2 * heads * h + scale_lanes) // 128) * 128
+  return cfg.num_layers * lane_groups * lanes * dtype.value_bytes
+
+
+def default_page_size(kv_dtype: KVDtype | None) -> int:
+  """Tokens per KV page when none is given: 16, or 32 for 1-byte KV (int8, float8), which TPUs
+  tile by 32 rows (a smaller page would be padded to 32 in memory, and the kernel refuses it)."""
+  return 32 if kv_dtype is not None and kv_dtype.value_bytes == 1 else 16
 
 
 def pages_per_conversation(context: int, page_size: int) -> int:
@@ -180,17 +195,19 @@ def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
 
 def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: float,
                  page_size: int, kv_dtype: KVDtype, weight_bytes: int,
-                 num_window_pages: int = 0) -> int:
+                 num_window_pages: int = 0, lane_groups: int = 0) -> int:
   """Pages in the engine's KV pool (scratch page 0 included) on `memory_bytes` of device memory.
 
   The engine may use `memory_fraction` of the memory for weights and KV cache; the rest is the
   reserve for activations and overhead. `weight_bytes` is what the loaded parameters really take.
   `num_window_pages`: the local layers keep their KV in a window pool of that many pages
-  (model/kv_cache.py), so the pool's pages hold the global layers' KV only.
+  (model/kv_cache.py), so the pool's pages hold the global layers' KV only. `lane_groups`: see
+  kv_bytes_per_token (the ragged layout's lane groups, 0 for the token-major ones).
   """
   if not 0 < memory_fraction <= 1:
     raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-  per_layer = page_size * kv_bytes_per_token(model_cfg, kv_dtype) // model_cfg.num_layers
+  per_layer = (page_size * kv_bytes_per_token(model_cfg, kv_dtype, lane_groups)
+               // model_cfg.num_layers)
   num_local = sum(model_cfg.local_layers) if num_window_pages else 0
   page = per_layer * (model_cfg.num_layers - num_local)
   budget = (int(memory_bytes * memory_fraction) - weight_bytes
@@ -298,8 +315,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       "(4-bit blocks unpacked to int8 + float32 scale and minimum per 32); none "
                       "and auto (a config has no blocks): --weight-dtype")
   parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bfloat16",
-                      help="int8 adds a float32 scale per token and KV head")
-  parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+                      help="int8 adds a 1-byte scale exponent per token and KV head")
+  parser.add_argument("--page-size", type=int, default=None,
+                      help="tokens per KV page (default 16; 32 for int8 and float8 KV)")
   parser.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS,
                       help="largest prefill chunk, for the activation estimate")
   parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GIB,
@@ -321,7 +339,8 @@ def run_plan(args: argparse.Namespace) -> int:
         cfg, round(args.memory_gib * GIB), args.context or cfg.max_seq_len,
         weight_dtype=stored_weight_dtype(Quantization(args.quantization), args.weight_dtype),
         kv_dtype=KV_DTYPES[args.kv_dtype],
-        page_size=args.page_size, prefill_tokens=args.prefill_tokens,
+        page_size=args.page_size or default_page_size(KV_DTYPES[args.kv_dtype]),
+        prefill_tokens=args.prefill_tokens,
         overhead_bytes=round(args.overhead_gib * GIB), window_only=window_only)
     today = plan(False)
   except ValueError as e:

@@ -2,7 +2,8 @@
 
 Each live sequence owns distinct pages, never page 0 (the engine's scratch page); page-table
 entries past a sequence's last page point at page 0. Every page no live sequence owns is filled
-with NaN, so a kernel that reads or writes where it should not shows up as NaN.
+with NaN (int8, which has none: -128, a value quantize never writes), so a kernel that reads or
+writes where it should not shows it.
 Shape letters: the key in jaxserve/model/__init__.py.
 """
 
@@ -13,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import ragged_layout
+from kernels_pallas import kv_quant, ragged_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +25,43 @@ class KernelShape:
   head_dim: int
   page_size: int
   pages_per_seq: int  # W
-  dtype: type = jnp.float32
+  dtype: type = jnp.float32  # The pages'; q, k_new, v_new are float32 for 8-bit pages.
   num_layers: int = 2
+
+  @property
+  def q_dtype(self):
+    return jnp.float32 if kv_quant.is_8bit(self.dtype) else self.dtype
+
+
+INT8_FILLER = -128
+
+
+def filler(dtype) -> float:
+  """What fills the pages no sequence owns."""
+  return INT8_FILLER if kv_quant.is_int8(dtype) else np.nan
+
+
+def is_filler(pages) -> np.ndarray:
+  pages = np.asarray(pages)
+  if pages.dtype == np.int8:
+    return pages == INT8_FILLER
+  return np.isnan(pages.astype(np.float32))
+
+
+def _random_pages(rng, shape: KernelShape, layout, num_pages: int, owned):
+  """[L, P, Z, Cr] pages: random values (int8: integers and exponents -7..-5) in owned pages."""
+  size = (shape.num_layers, len(owned), shape.page_size, layout.lanes)
+  pages = np.full((shape.num_layers, num_pages, shape.page_size, layout.lanes),
+                  filler(shape.dtype), np.float32)
+  if kv_quant.is_int8(shape.dtype):
+    pages[:, owned] = rng.integers(-127, 128, size)
+    lo = layout.value_lanes
+    pages[:, owned, :, lo:lo + 2 * shape.num_kv_heads] = rng.integers(
+        -7, -4, (*size[:3], 2 * shape.num_kv_heads))
+  else:
+    pages[:, owned] = rng.standard_normal(size)
+  pages[:, owned, :, layout.used_lanes:] = 0.0  # Padding lanes are zeros, as the cache makes them.
+  return jnp.asarray(pages, shape.dtype)
 
 
 def step_inputs(rng: np.random.Generator, batch, shape: KernelShape, *, num_tokens: int,
@@ -49,20 +85,18 @@ def step_inputs(rng: np.random.Generator, batch, shape: KernelShape, *, num_toke
     tables[b, :n] = owned[start:start + n]
     start += n
   layout = ragged_layout.layout_for(shape.num_kv_heads, shape.head_dim, shape.dtype)
-  pages = np.full((shape.num_layers, num_pages, z, layout.lanes), np.nan, np.float32)
-  pages[:, owned] = rng.standard_normal((shape.num_layers, len(owned), z, layout.lanes))
-  pages[:, :, :, layout.used_lanes:] = 0.0  # Padding lanes are zeros, as the cache makes them.
+  pages = _random_pages(rng, shape, layout, num_pages, owned)
   cu = np.zeros(num_seqs_max + 1, np.int32)
   cu[1:len(batch) + 1] = np.cumsum(q_lens)
   cu[len(batch) + 1:] = rng.integers(0, num_tokens + 1, num_seqs_max - len(batch))  # Ignored.
   lens = np.zeros(num_seqs_max, np.int32)
   lens[:len(batch)] = kv_lens
   lens[len(batch):] = rng.integers(0, z * w + 1, num_seqs_max - len(batch))  # Ignored.
-  normal = lambda *s: jnp.asarray(rng.standard_normal(s), shape.dtype)
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s), shape.q_dtype)
   args = [normal(num_tokens, shape.num_heads, shape.head_dim),
           normal(num_tokens, shape.num_kv_heads, shape.head_dim),
           normal(num_tokens, shape.num_kv_heads, shape.head_dim),
-          jnp.asarray(pages, shape.dtype), jnp.asarray(tables), jnp.asarray(cu),
+          pages, jnp.asarray(tables), jnp.asarray(cu),
           jnp.asarray(lens), jnp.int32(len(batch))]
   return args, {"layer": jnp.int32(layer)}
 

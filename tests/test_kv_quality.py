@@ -1,0 +1,31 @@
+"""Quantized KV against float32 KV on the default model: scripts/kv_quality.py at a size CI
+affords (4 README windows x 64 scored tokens; the full 32 x 64 run is in BENCHMARKS.md).
+
+Issue 24's bounds are top-1 agreement >= 98% and mean KL(float32 || quantized) <= 0.02. Measured
+here (2026-12-02): int8 95.3% / 0.0037, float8_e4m3 91.0% / 0.0146, float8_e5m2 83.6% / 0.051.
+So this test holds int8 and e4m3 to the KL bound, which they meet, and every dtype to floors a
+little under what it measures, so a regression shows; the top-1 bar is not met by a per-token
+(or per-tensor) scale on this model (BENCHMARKS.md, "Quantized KV")."""
+
+from __future__ import annotations
+
+from jaxserve.config import KVDtype
+from support import script_loader
+
+kv_quality = script_loader.load("kv_quality")
+# dtype: (lowest top-1 agreement, highest mean KL) at 4 windows.
+FLOORS = {KVDtype.INT8: (0.94, 0.02), KVDtype.FLOAT8_E4M3: (0.89, 0.02),
+          KVDtype.FLOAT8_E5M2: (0.80, 0.07)}
+
+
+def test_8bit_kv_keeps_most_float32_kv_predictions(default_model):
+  model, tokenizer = default_model
+  result = kv_quality.compare(model, kv_quality.readme_windows(tokenizer, 4), kv_quality.QUANTIZED)
+  for kv_dtype, (top1, kl) in FLOORS.items():
+    r = result[kv_dtype.label]
+    assert r["positions"] == 4 * 64
+    assert r["top1_agreement"] >= top1, (kv_dtype, r)
+    assert 0 < r["mean_kl"] <= kl, (kv_dtype, r)  # Not 0: the storage really rounds.
+  # The encodings' precision orders them: int8 (7 bits a head), e4m3 (3 bits), e5m2 (2 bits).
+  kl = [result[d.label]["mean_kl"] for d in kv_quality.QUANTIZED]
+  assert kl == sorted(kl)
