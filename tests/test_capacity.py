@@ -179,7 +179,8 @@ def test_load_model_config(tmp_path):
 
 def _args(**overrides):
   args = dict(model="llama-2-7b", memory_gib=80.0, context=8192, weight_dtype="bfloat16",
-              kv_dtype="bfloat16", page_size=16, prefill_tokens=512, overhead_gib=0.5)
+              kv_dtype="bfloat16", page_size=16, prefill_tokens=512, overhead_gib=0.5,
+              quantization="none")
   return argparse.Namespace(**{**args, **overrides})
 
 

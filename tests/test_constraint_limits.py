@@ -175,11 +175,13 @@ def test_allowed_token_ids_that_leave_no_token_are_refused(constraints, tokenize
   with pytest.raises(ValueError, match="allowed_token_ids and the choice constraint leave no "
                                        "token to start the output with"):
     constraints.grammar(choice, allowed_token_ids=far)
+  before = threading.active_count()  # Other modules' servers may have left threads of theirs.
   gate = ConstraintGate(constraints)  # The cached grammar is checked as well.
-  with pytest.raises(ApiError, match="leave no token") as e:
-    gate.compile("a", SamplingParams(constraint=choice, allowed_token_ids=far))
-  assert e.value.status is Status.INVALID_ARGUMENT
-  assert threading.active_count() < 50  # No compile thread left per call.
+  for _ in range(8):
+    with pytest.raises(ApiError, match="leave no token") as e:
+      gate.compile("a", SamplingParams(constraint=choice, allowed_token_ids=far))
+    assert e.value.status is Status.INVALID_ARGUMENT
+  assert threading.active_count() <= before + 4  # The gate's pool; no thread left per call.
 
 
 def test_a_grammar_that_overflows_the_parser_on_its_first_token_is_refused(constraints):
