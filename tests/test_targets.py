@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.cli import main as cli
-from jaxserve.config import AttentionBackend, EngineConfig, KVDtype
+from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, Quantization
 from jaxserve.engine import assembly, compile_plan, targets
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.step_args import StepShape
@@ -45,13 +45,21 @@ GEMMA3_270M = capacity.KNOWN_MODELS["gemma-3-270m"]
 # Quantized KV (int8 with its exponents in the rows, float8 e5m2) in pages of 32: the kernels
 # write 8-bit pages in place on each chip, the pool aliased and temp within the same bound.
 INT8_KV, E5M2_KV = (dict(kv_dtype=d, page_size=32) for d in (KVDtype.INT8, KVDtype.FLOAT8_E5M2))
+# Int8 weights (per output channel, dequantized inside the dot) beside int8 KV: the bytes issue.
+INT8_ALL = dict(INT8_KV, quantization=Quantization.INT8)
+# Qwen3-30B-A3B's layers (128 experts of 768, 8 routed a token, ragged_dot), 2 of its 48.
+QWEN3_MOE_2L = dataclasses.replace(capacity.KNOWN_MODELS["qwen3-30b-a3b"], num_layers=2,
+                                   vocab_size=512, name="qwen3-30b-a3b-2-layers")
 CASES = {"smollm2-v5e": ("v5e", SMOLLM2, 512, {}),
          "llama-3-8b-v6e": ("v6e", LLAMA3_8B_2L, 4096, {}),
          "smollm2-h100": ("h100", SMOLLM2, 512, {}),
          "gemma-3-270m-v5e": ("v5e", GEMMA3_270M, 512, dict(max_model_len=1024)),
          "llama-3-8b-int8-kv-v5e": ("v5e", LLAMA3_8B_2L, 2048, INT8_KV),
          "smollm2-e5m2-kv-v6e": ("v6e", SMOLLM2, 256, E5M2_KV),
-         "smollm2-int8-kv-h100": ("h100", SMOLLM2, 256, INT8_KV)}
+         "smollm2-int8-kv-h100": ("h100", SMOLLM2, 256, INT8_KV),
+         "llama-3-8b-int8-v5e": ("v5e", LLAMA3_8B_2L, 2048, INT8_ALL),
+         "llama-3-8b-int8-h100": ("h100", LLAMA3_8B_2L, 2048, INT8_ALL),
+         "qwen3-moe-h100": ("h100", QWEN3_MOE_2L, 1024, {})}
 
 
 def skip_without(target: str):
@@ -70,8 +78,8 @@ def compiled(name: str):
   return compile_plan.compile_programs(target, model, config), compile_plan.kv_pool(model, config)
 
 
-def weight_bytes(model) -> int:
-  params = compile_plan.abstract_weights(model, "bfloat16")[1]
+def weight_bytes(model, quantization=Quantization.NONE) -> int:
+  params = compile_plan.abstract_weights(model, "bfloat16", quantization)[1]
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
@@ -122,18 +130,32 @@ def test_every_program_compiles_with_its_memory_reported(name):
     assert all(isinstance(r[k], int) and r[k] >= 0 for k in
                ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")), r
   for r in reports:  # The steps take the weights and the whole cache, and update it in place.
-    assert r["argument_bytes"] >= weight_bytes(model) + pool["bytes"], r
+    stored = weight_bytes(model, changes.get("quantization", Quantization.NONE))
+    assert r["argument_bytes"] >= stored + pool["bytes"], r
     assert r["alias_bytes"] >= pool["bytes"], r
 
 
 TEMP_BOUND = "temp <= 0.05 * kv + 256 MiB"
 
 
-@pytest.mark.parametrize("name", [case(n) for n in CASES])
+@pytest.mark.parametrize("name", [case(n) for n in CASES if n != "qwen3-moe-h100"])
 def test_step_temp_is_small_beside_the_cache(name):
   reports, pool = compiled(name)
   for r in reports:
     assert r["temp_bytes"] <= 0.05 * pool["bytes"] + 256 * MIB, (TEMP_BOUND, r, pool)
+
+
+@pytest.mark.parametrize("name", [case("qwen3-moe-h100")])
+def test_moe_temp_on_gpu_holds_one_expert_projection(name):
+  """Measured (2026-12-02): XLA's GPU ragged_dot copies one projection's [Ex, D, Fe] expert
+  weights per call (384 MiB for Qwen3-30B-A3B's 128 x 2048 x 768 in bfloat16), so the MoE steps
+  exceed the bound above by that much; this holds them to it, no more, until the weights are laid
+  out as the GPU emitter wants them (issue 28's closing note)."""
+  reports, pool = compiled(name)
+  model = CASES[name][1]
+  projection = model.num_experts * model.dim * model.expert_hidden_dim * 2  # bfloat16
+  for r in reports:
+    assert r["temp_bytes"] <= 0.05 * pool["bytes"] + 256 * MIB + projection, (r, pool)
 
 
 @skip_without("v6e")
