@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from jaxserve.api import grpc_api, openai_request
 from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.batching.constrained import Constraints
 from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.stop import OutputText
 from jaxserve.config import SamplingParams
@@ -51,7 +52,10 @@ def service(smol):
   """The service's checks over the real tokenizer; no engine behind it (nothing is submitted)."""
   info = EngineInfo(num_slots=1, page_size=16, num_pages=2, max_model_len=MAX_MODEL_LEN,
                     max_prefill_len=16, can_share_pages=True, vocab_size=smol.vocab_size)
-  runner = types.SimpleNamespace(engine_info=info)
+  # The serving core's constraint gate compiles with the engine thread's real Constraints.
+  engine_thread = types.SimpleNamespace(
+      constraints=Constraints(smol, info.vocab_size, info.num_slots))
+  runner = types.SimpleNamespace(engine_info=info, runner=engine_thread)
   return Service(runner, smol, "tiny", gateway.Gateway(), Metrics())
 
 
