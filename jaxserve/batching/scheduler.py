@@ -120,13 +120,7 @@ class Scheduler:
     """A step's sampled tokens reached the host: (request, token, finished) for each live
     sample, in the step's order. Appends each token; a finished request leaves."""
     for req, token, finished in samples:
-      req.all_token_ids.append(token)
-      req.num_pending_tokens -= 1
-      self._cache_full_pages(req)
-      if finished:
-        self._release(req)
-        req.status = RequestStatus.FINISHED
-        req.epoch += 1
+      self._take(req, (token,), finished)
 
   def update_verified(self, req: Request, tokens: Sequence[int], num_accepted: int,
                       finished: bool) -> None:
@@ -142,6 +136,10 @@ class Scheduler:
     req.num_draft_tokens += num_drafts
     req.num_accepted_tokens += num_accepted
     self.num_decode_tokens += num_accepted
+    self._take(req, tokens, finished)
+
+  def _take(self, req: Request, tokens: Sequence[int], finished: bool) -> None:
+    """The tokens of one sample (one, or a verified run's) reached the host."""
     req.all_token_ids.extend(tokens)
     req.num_pending_tokens -= 1
     self._cache_full_pages(req)
