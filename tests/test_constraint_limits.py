@@ -148,9 +148,20 @@ def test_a_compile_that_never_started_in_time_is_busy_not_invalid(constraints):
 
 
 def test_the_event_loop_awaits_a_compile_without_blocking(constraints):
+  """The compile cannot finish until the event loop has ticked five times: a gate that blocked
+  the loop would leave it waiting out its 10 s and the test fails (no timing involved)."""
   import asyncio
 
-  gate = ConstraintGate(constraints, timeout_s=30.0)
+  ticked = threading.Event()
+
+  class AfterTheLoopRan:  # The real Constraints, whose compile starts once the loop has run on.
+    cached = staticmethod(constraints.cached)
+
+    def grammar(self, *args):
+      assert ticked.wait(10), "the event loop did not run while the compile was pending"
+      return constraints.grammar(*args)
+
+  gate = ConstraintGate(AfterTheLoopRan(), timeout_s=30.0)
 
   async def main():
     ticks = 0
@@ -159,6 +170,8 @@ def test_the_event_loop_awaits_a_compile_without_blocking(constraints):
     while not task.done():
       await asyncio.sleep(0.01)
       ticks += 1
+      if ticks == 5:
+        ticked.set()
     return await task, ticks
 
   grammar, ticks = asyncio.run(main())
