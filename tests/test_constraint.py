@@ -167,7 +167,9 @@ def test_second_compile_of_a_schema_is_a_cache_hit(tokenizer):
   assert (compiler.num_compiles, compiler.num_cache_hits) == (4, 1)
 
 
-def test_compiles_off_the_event_loop_once_per_constraint(tokenizer):
+def test_compiles_off_the_event_loop_in_parallel_without_a_lock(tokenizer):
+  """Compiles hold no lock (a long one must not stall the cache's readers), so threads that ask
+  at once may each compile: every one gets the constraint's grammar, and the cache keeps one."""
   compiler = ConstraintCompiler(tokenizer)
   constraint = Constraint.json_schema(NESTED_SCHEMA)
 
@@ -176,8 +178,9 @@ def test_compiles_off_the_event_loop_once_per_constraint(tokenizer):
                                   for _ in range(8)])
 
   grammars = asyncio.run(compile_many())
-  assert all(g is grammars[0] for g in grammars)
-  assert (compiler.num_compiles, compiler.num_cache_hits) == (1, 7)
+  assert all(g.constraint == constraint for g in grammars)
+  assert compiler.num_compiles + compiler.num_cache_hits == 8 and compiler.num_compiles >= 1
+  assert compiler.cached(constraint) in grammars
 
 
 # Matchers.

@@ -38,7 +38,8 @@ def gate():
 @pytest.fixture
 def srv(gate):
   # 2 slots, 4-token pages, 159 usable pages.
-  engine = MockEngine(num_slots=2, num_pages=160, max_model_len=256, next_token=gate)
+  engine = MockEngine(num_slots=2, num_pages=160, max_model_len=256, next_token=gate,
+                      vocab_size=mock_serving.VOCAB_SIZE)
   server = mock_serving.serve(engine)
   yield server
   gate.open()

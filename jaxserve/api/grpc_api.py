@@ -19,9 +19,9 @@ from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
 from jaxserve.config import Constraint, SamplingParams
 from jaxserve.serving import gateway
-from jaxserve.serving.gateway import ApiError, ApiKey, Status
+from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
 from jaxserve.serving.metrics import RequestRecord
-from jaxserve.serving.service import Chunk, FinishReason, GenerateInput, Prompt, Service
+from jaxserve.serving.service import Chunk, FinishReason, GenerateInput, Prompt, Run, Service
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
 
@@ -70,12 +70,17 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
   async def Generate(self, request: pb.GenerateRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
     try:
-      service, key = self._enter(context)
-      inp = generate_input(_decoded(request))
-      # Closing the stream at once, however the handler ends, aborts an unfinished request.
-      async with contextlib.aclosing(service.generate(key, inp)) as chunks:
-        async for chunk in chunks:
-          yield response(chunk)
+      service = self._host.current_service()
+      async with service.accept(bearer_token(context.invocation_metadata())) as acc:
+        run, = await acc.work(_prepare, service, acc.lease, request)
+        # Closing the stream at once, however the handler ends, aborts an unfinished request.
+        async with contextlib.aclosing(service.generate(acc, run)) as chunks:
+          async for chunk in chunks:
+            acc.answered = True
+            # Prompt logprobs (up to the context's length, each with its top ids) are built on
+            # a worker; the rest is a few tokens.
+            yield (await acc.work(response, chunk, owed=True) if chunk.prompt_logprobs
+                   else response(chunk))
     except ApiError as e:
       await self._abort(context, e)
     except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
@@ -85,11 +90,10 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
   async def Tokenize(self, request: pb.TokenizeRequest,
                      context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
     try:
-      service, _ = self._enter(context)
-      request = _decoded(request)
-      service.check_model(request.model)
-      ids = service.encode(_prompt(request))
-      return pb.TokenizeResponse(token_ids=ids, max_model_len=service.max_model_len)
+      service = self._host.current_service()
+      async with service.accept(bearer_token(context.invocation_metadata()),
+                                limited=False) as acc:
+        return await acc.work(_tokenize, service, request)
     except ApiError as e:
       await self._abort(context, e)
     except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
@@ -121,6 +125,18 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
 class _Undecodable:
   """What a method gets for bytes that do not parse as its request message."""
   error: str
+
+
+def _prepare(service: Service, lease: Lease, request: Any) -> list[Run]:
+  """A Generate request's work, on a worker thread."""
+  return service.prepare_runs(lease, [generate_input(_decoded(request))])
+
+
+def _tokenize(service: Service, request: Any) -> pb.TokenizeResponse:
+  request = _decoded(request)
+  service.check_model(request.model)
+  return pb.TokenizeResponse(token_ids=service.encode(_prompt(request)),
+                             max_model_len=service.max_model_len)
 
 
 def _decoder(message_type: Any) -> Callable[[bytes], Any]:

@@ -14,6 +14,7 @@ allowed_token_ids, priority, truncate_prompt (openai_request.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -27,9 +28,10 @@ from aiohttp import web
 from jaxserve.api import openai_choices, openai_request, openai_tokenize
 from jaxserve.api.grpc_api import ServiceHost
 from jaxserve.api.openai_format import ChatFormat, CompletionFormat
+from jaxserve.serving import work_pool
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.serving.metrics import CONTENT_TYPE, Metrics
-from jaxserve.serving.service import Service
+from jaxserve.serving.service import Accepted, Service
 
 HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.NOT_FOUND: 404, Status.UNAUTHENTICATED: 401,
                Status.RESOURCE_EXHAUSTED: 429, Status.UNAVAILABLE: 503, Status.INTERNAL: 500}
@@ -39,6 +41,7 @@ _ERROR_TYPES = {Status.INVALID_ARGUMENT: "invalid_request_error",
                 Status.RESOURCE_EXHAUSTED: "rate_limit_error",
                 Status.UNAVAILABLE: "service_unavailable", Status.INTERNAL: "internal_error"}
 MAX_BODY_BYTES = 8 * 2**20  # As gRPC's largest message (server.py).
+READ_TIMEOUT_S = 30.0  # For a request's headers, and for its body (ServerConfig's default).
 
 
 @dataclasses.dataclass
@@ -51,10 +54,16 @@ class Site:
 
 
 async def serve(app: web.Application, host: str, port: int,
-                ssl_context: ssl.SSLContext | None = None) -> Site:
+                ssl_context: ssl.SSLContext | None = None,
+                read_timeout_s: float = READ_TIMEOUT_S) -> Site:
   # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
-  # No access log: the per-request line of metrics.py says more.
-  runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+  # keepalive_timeout: aiohttp closes a connection whose request headers are not all in within
+  # it of its start or of its previous response: a header read timeout (a slowloris client holds
+  # a connection no longer), and how long an idle keep-alive connection stays open.
+  # shutdown_timeout: handlers left at close (after the drain: a client not reading its stream)
+  # hold the process no longer. No access log: the per-request line of metrics.py says more.
+  runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                         keepalive_timeout=read_timeout_s, shutdown_timeout=1.0)
   await runner.setup()
   await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
   return Site(runner, runner.addresses[0][1])
@@ -66,10 +75,12 @@ def build_metrics_app(metrics: Metrics) -> web.Application:
   return app
 
 
-def build_app(host: ServiceHost, metrics: Metrics | None) -> web.Application:
-  """The API; /metrics too when `metrics` is given."""
+def build_app(host: ServiceHost, metrics: Metrics | None,
+              read_timeout_s: float = READ_TIMEOUT_S) -> web.Application:
+  """The API; /metrics too when `metrics` is given. A request body must arrive within
+  `read_timeout_s` (else 408, and the connection is closed)."""
   app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
-  api = _Api(host)
+  api = _Api(host, read_timeout_s)
   app.router.add_get("/v1/models", api.models)
   app.router.add_get("/v1/models/{model:.+}", api.model)
   app.router.add_post("/v1/completions", api.completions)
@@ -105,7 +116,12 @@ async def _errors_as_json(request: web.Request, handler) -> web.StreamResponse:
     body = {"error": {"message": messages.get(e.status, e.text), "type": "invalid_request_error",
                       "param": None, "code": e.reason.lower().replace(" ", "_")}}
     allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # Of a 405.
-    return web.json_response(body, status=e.status, headers=allow)
+    resp = web.json_response(body, status=e.status, headers=allow)
+    if e.status == 408:  # The rest of a body that came too slowly is not waited for either.
+      await resp.prepare(request)
+      await resp.write_eof()
+      request.transport.close()
+    return resp
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -115,36 +131,41 @@ def error_response(e: ApiError) -> web.Response:
   return web.json_response(body, status=HTTP_STATUS[e.status])
 
 
+def _json(data: bytes) -> web.Response:
+  return web.Response(body=data, content_type="application/json")
+
+
 class _Api:
 
-  def __init__(self, host: ServiceHost):
+  def __init__(self, host: ServiceHost, read_timeout_s: float):
     self._host = host
+    self._read_timeout_s = read_timeout_s
 
   async def models(self, request: web.Request) -> web.Response:
-    async def run(service, key, body):
+    async def run(service, key):
       return web.json_response({"object": "list", "data": [_model_card(service)]})
-    return await self._handle(request, run, read_body=False)
+    return await self._handle(request, run)
 
   async def model(self, request: web.Request) -> web.Response:
-    async def run(service, key, body):
+    async def run(service, key):
       service.check_model(request.match_info["model"])
       return web.json_response(_model_card(service))
-    return await self._handle(request, run, read_body=False)
+    return await self._handle(request, run)
 
   async def tokenize(self, request: web.Request) -> web.Response:
-    async def run(service, key, body):
-      return web.json_response(openai_tokenize.tokenize(service, body))
-    return await self._handle(request, run)
+    async def run(service, acc, body):
+      return _json(await acc.work(_tokenizer_route, openai_tokenize.tokenize, service, body))
+    return await self._work(request, run, limited=False)
 
   async def detokenize(self, request: web.Request) -> web.Response:
-    async def run(service, key, body):
-      return web.json_response(openai_tokenize.detokenize(service, body))
-    return await self._handle(request, run)
+    async def run(service, acc, body):
+      return _json(await acc.work(_tokenizer_route, openai_tokenize.detokenize, service, body))
+    return await self._work(request, run, limited=False)
 
   async def tokenizer_info(self, request: web.Request) -> web.Response:
-    async def run(service, key, body):
+    async def run(service, key):
       return web.json_response(openai_tokenize.tokenizer_info(service))
-    return await self._handle(request, run, read_body=False)
+    return await self._handle(request, run)
 
   async def health(self, request: web.Request) -> web.Response:
     """200 only while requests are served: not warming up, draining or with a dead engine."""
@@ -160,67 +181,101 @@ class _Api:
     return web.json_response({"version": importlib.metadata.version("jaxserve")})
 
   async def completions(self, request: web.Request) -> web.StreamResponse:
-    async def run(service, key, body):
-      req = openai_request.completion_request(body)
-      return await self._respond(request, service, key, req, CompletionFormat(service, req))
-    return await self._handle(request, run)
+    return await self._generate(request, openai_request.completion_request, CompletionFormat)
 
   async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-    async def run(service, key, body):
-      req = openai_request.chat_request(body)
-      return await self._respond(request, service, key, req, ChatFormat(service, req))
-    return await self._handle(request, run)
+    return await self._generate(request, openai_request.chat_request, ChatFormat)
 
-  async def _handle(self, request: web.Request, run: Callable, read_body: bool = True):
-    try:
+  async def _generate(self, request: web.Request, parse: Callable, format_type: type):
+    async def run(service: Service, acc: Accepted, body: bytes):
+      req, runs = await acc.work(openai_choices.prepare, service, acc.lease, body, parse)
+      fmt = format_type(service, req)
+      async with openai_choices.Choices(service, acc, req, runs) as choices:
+        await choices.start()  # Errors before the first token are a plain error response.
+        if not req.stream:
+          return _json(await choices.whole(fmt))
+        return await _sse(request, acc, fmt, choices, req.include_usage)
+    return await self._work(request, run)
+
+  async def _handle(self, request: web.Request, run: Callable) -> web.StreamResponse:
+    """A route that reads no body and costs nothing: `run(service, key)`."""
+    async def answer():
       service = self._host.current_service()
-      key = service.gateway.authenticate(_bearer(request))
-      body = openai_request.parse_body(await request.read()) if read_body else {}
-      return await run(service, key, body)
+      return await run(service, service.gateway.authenticate(_bearer(request)))
+    return await self._answer(request, answer)
+
+  async def _work(self, request: web.Request, run: Callable,
+                  limited: bool = True) -> web.StreamResponse:
+    """A route that works on what the client sent: the service accepts the request (see
+    Service.accept; with `limited`, the key's rate limits) before its body is read, then
+    `run(service, accepted, body)`, which does its work on the pool."""
+    async def answer():
+      service = self._host.current_service()
+      async with service.accept(_bearer(request), limited) as acc:
+        return await run(service, acc, await acc.during(self._read(request)))
+    return await self._answer(request, answer)
+
+  async def _read(self, request: web.Request) -> bytes:
+    """The body, within the read timeout: a client that trickles it in holds nothing longer."""
+    try:
+      return await asyncio.wait_for(request.read(), self._read_timeout_s)
+    except asyncio.TimeoutError:
+      raise web.HTTPRequestTimeout(
+          text=f"the request body did not arrive within {self._read_timeout_s:g} s") from None
+
+  async def _answer(self, request: web.Request, answer: Callable) -> web.StreamResponse:
+    try:
+      return await answer()
     except ApiError as e:
       with contextlib.suppress(ApiError):
         self._host.current_service().metrics.rejected.labels(e.status.value).inc()
       return error_response(e)
-    except web.HTTPException:  # 413 from request.read(): _errors_as_json answers it.
+    except web.HTTPException:  # 413 from request.read(), a 408: _errors_as_json answers them.
       raise
     except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
       logging.exception("%s failed", request.path)
       return error_response(ApiError(Status.INTERNAL, "internal error; see the server log"))
 
-  async def _respond(self, request, service: Service, key, req: openai_request.Request, fmt):
-    async with openai_choices.Choices(service, key, req) as choices:
-      await choices.start()  # Errors before the first token are a plain error response.
-      if not req.stream:
-        return web.json_response(await choices.whole(fmt))
-      return await _sse(request, fmt, choices, req.include_usage)
+
+def _tokenizer_route(route: Callable, service: Service, body: bytes) -> bytes:
+  """A tokenizer route's whole work, on a worker thread."""
+  return work_pool.dumps(route(service, openai_request.parse_body(body)))
 
 
-async def _sse(request: web.Request, fmt, choices: openai_choices.Choices,
+async def _sse(request: web.Request, acc: Accepted, fmt, choices: openai_choices.Choices,
                include_usage: bool) -> web.StreamResponse:
   """Server-sent events, each choice's chunks as they come. A client that goes away makes a
   write fail; leaving the loop closes the choices (in the caller), which aborts the requests."""
   resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                      "Cache-Control": "no-cache"})
   await resp.prepare(request)
-  send = lambda event: resp.write(f"data: {json.dumps(event)}\n\n".encode())
+  send = lambda data: resp.write(b"data: " + data + b"\n\n")
+  event = lambda event: json.dumps(event).encode()
   try:
-    for event in fmt.start(range(len(choices))):
-      await send(event)
+    for start in fmt.start(range(len(choices))):
+      await send(event(start))
     records = {}
     async for index, chunk in choices.events():
-      await send(fmt.delta(chunk, index))
+      if chunk.prompt_logprobs is None:
+        await send(event(fmt.delta(chunk, index)))
+      else:  # Each prompt token's top logprobs: built on a worker.
+        await send(await acc.work(_delta, fmt, chunk, index, owed=True))
       if chunk.record is not None:
         records[index] = chunk.record
     if include_usage:
-      await send(fmt.usage_event(openai_choices.records_in_order(records)))
-  except ApiError as e:  # The engine failed mid-stream.
-    await send({"error": {"message": e.message, "type": _ERROR_TYPES[e.status],
-                          "code": e.status.value}})
+      await send(event(fmt.usage_event(openai_choices.records_in_order(records))))
+  except ApiError as e:  # The engine failed mid-stream, or the drain cut it.
+    await send(event({"error": {"message": e.message, "type": _ERROR_TYPES[e.status],
+                                "code": e.status.value}}))
   except (ConnectionError, StopAsyncIteration):
     return resp
   await resp.write(b"data: [DONE]\n\n")
   await resp.write_eof()
   return resp
+
+
+def _delta(fmt, chunk, index: int) -> bytes:
+  return work_pool.dumps(fmt.delta(chunk, index))
 
 
 def _model_card(service: Service) -> dict:

@@ -1,54 +1,47 @@
 """The choices of one OpenAI request: each (prompt, run) pair is a service.generate stream.
 
 A completions request may carry several prompts, and ask for n completions of each (best_of runs,
-of which the n with the highest cumulative logprob are returned). A prompt is tokenized (and
-templated, and its fields checked) once, for all its runs. The runs of one prompt are
-submitted together, so they share its KV pages through the prefix cache: the scheduler caches
-the first run's full pages as soon as their prefill is dispatched, and the runs admitted after it
-(the same step or later) prefill only the rest. Each run has its own seed stream: seed + run when
-the client gave a seed, else one drawn per run. Choice i*n + j is prompt i's j-th.
+of which the n with the highest cumulative logprob are returned). The whole request is prepared
+once, on a worker (`prepare`: its body parsed, each prompt tokenized, templated and checked once
+for all its runs, its constraint compiled, the request priced under its key's limits), however
+many runs it has. The runs of one prompt are submitted together, so they share its KV pages
+through the prefix cache: the scheduler caches the first run's full pages as soon as their
+prefill is dispatched, and the runs admitted after it (the same step or later) prefill only the
+rest. Each run has its own seed stream: seed + run when the client gave a seed, else one drawn
+per run. Choice i*n + j is prompt i's j-th.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
+from jaxserve.api import openai_request
 from jaxserve.api.openai_request import Request
-from jaxserve.config import SamplingParams
-from jaxserve.serving.gateway import ApiError, ApiKey
+from jaxserve.serving import work_pool
+from jaxserve.serving.gateway import ApiError, Lease
 from jaxserve.serving.metrics import RequestRecord
-from jaxserve.serving.service import Chunk, GenerateInput, Prepared, Service
-
-_SEEDS = 2**63  # SamplingParams' seed range: seed + run wraps inside it.
+from jaxserve.serving.service import Accepted, Chunk, Run, Service
 
 
-def runs(service: Service, req: Request) -> list[tuple[GenerateInput, Prepared]]:
-  """Every run's input and checked request, prompt by prompt. Raises a prompt's ApiError."""
-  out = []
-  for prompt in req.prompts or (req.input.prompt,):
-    inp = dataclasses.replace(req.input, prompt=prompt)
-    prepared = service.prepare(inp)  # Once per prompt: its runs share the ids.
-    out += [(inp, prepared._replace(sampling=_seeded(prepared.sampling, run)))
-            for run in range(req.num_runs)]
-  return out
-
-
-def _seeded(sampling: SamplingParams, run: int) -> SamplingParams:
-  if not run or sampling.seed is None:
-    return sampling
-  return dataclasses.replace(sampling, seed=(sampling.seed + run) % _SEEDS)
+def prepare(service: Service, lease: Lease, body: bytes,
+            parse: Callable[[Mapping[str, Any]], Request]) -> tuple[Request, list[Run]]:
+  """A request's whole preparation, on a worker thread: its body, then every prompt's runs.
+  Raises the first ApiError."""
+  req = parse(openai_request.parse_body(body))
+  inputs = [dataclasses.replace(req.input, prompt=p) for p in req.prompts or (req.input.prompt,)]
+  return req, service.prepare_runs(lease, inputs, req.num_runs)
 
 
 class Choices:
   """Opens every run's stream; closing it (async with) aborts those still running."""
 
-  def __init__(self, service: Service, key: ApiKey, req: Request):
-    """Checks and tokenizes every prompt (raising the first one's ApiError); the streams start
-    at start()."""
+  def __init__(self, service: Service, acc: Accepted, req: Request, runs: Sequence[Run]):
+    """The streams start at start()."""
     self._req = req
-    self._streams = [service.generate(key, inp, prepared) for inp, prepared in runs(service, req)]
+    self._acc = acc
+    self._streams = [service.generate(acc, run) for run in runs]
     self._firsts: list[Chunk] = []
 
   def __len__(self) -> int:
@@ -69,11 +62,16 @@ class Choices:
       if isinstance(first, BaseException):
         raise first
     self._firsts = firsts
+    self._acc.answered = True
 
-  async def whole(self, fmt) -> dict:
-    """The whole response: every run to its end, the n best of each prompt's returned."""
+  async def whole(self, fmt) -> bytes:
+    """The whole response's JSON: every run to its end, the n best of each prompt's returned,
+    built on a worker (with echo and logprobs, n choices of a long prompt make many MiB)."""
     runs = await asyncio.gather(*(_rest(f, s) for f, s in zip(self._firsts, self._streams)))
-    return fmt.whole(self._best(runs), [run[-1].record for run in runs])
+    return await self._acc.work(self._whole, fmt, runs, owed=True)
+
+  def _whole(self, fmt, runs: Sequence[list[Chunk]]) -> bytes:
+    return work_pool.dumps(fmt.whole(self._best(runs), [run[-1].record for run in runs]))
 
   async def events(self) -> AsyncIterator[tuple[int, Chunk]]:
     """(choice index, chunk) as the runs produce them (streaming has best_of = n: every run is a

@@ -46,9 +46,14 @@ class _Format:
     self._request = request or Request(None)
     self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
     self.created = int(time.time())
+    self._spellings: dict[int, str] = {}  # Logprobs name the same top tokens again and again.
 
   def _token(self, token_id: int) -> str:
-    return self._service.tokenizer.detokenize([token_id], skip_special_tokens=False)
+    text = self._spellings.get(token_id)
+    if text is None:
+      text = self._spellings[token_id] = self._service.tokenizer.detokenize(
+          [token_id], skip_special_tokens=False)
+    return text
 
   def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": self.id, "object": object_name, "created": self.created,
@@ -104,6 +109,9 @@ class CompletionFormat(_Format):
   def __init__(self, service: Service, request: Request | None = None):
     super().__init__(service, request)
     self._offsets: dict[int, int] = {}  # Per choice: the text_offset of its next token.
+    # Per prompt: its echo (text, logprobs) and the text_offset after it, built once for its n
+    # choices (their prompt logprobs are the same prompt's).
+    self._echoes: dict[int, tuple[str, Any, int]] = {}
 
   def whole_choice(self, index, chunks):
     head = self._echo(index, chunks[0])  # First: the prompt's tokens come first in text_offset.
@@ -129,6 +137,9 @@ class CompletionFormat(_Format):
     req = self._request
     if not req.echo:
       return None
+    if index // req.n in self._echoes:
+      text, logprobs, self._offsets[index] = self._echoes[index // req.n]
+      return text, logprobs
     prompt = req.prompts[index // req.n] if req.prompts else req.input.prompt
     text = prompt.text
     if text is None:
@@ -139,6 +150,7 @@ class CompletionFormat(_Format):
       logprobs = self._logprobs(index, first.prompt_token_ids, [
           lp and TokenLogprobs(lp.logprob, lp.top_ids[:num_top], lp.top_logprobs[:num_top], lp.rank)
           for lp in first.prompt_logprobs])
+    self._echoes[index // req.n] = text, logprobs, self._offsets.get(index, 0)
     return text, logprobs
 
   def _join(self, choice: dict, head: tuple[str, Any] | None, first: Chunk | None) -> dict:

@@ -15,13 +15,13 @@ Every function here is pure and raises only `ApiError` (INVALID_ARGUMENT) naming
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Mapping
 
 from jaxserve.api import openai_structured
 from jaxserve.api.openai_structured import GUIDED_FIELDS
 from jaxserve.config import Constraint, SamplingParams, is_int, json_type, short
-from jaxserve.serving.gateway import invalid
+from jaxserve.serving import work_pool
+from jaxserve.serving.gateway import MAX_MESSAGES, invalid
 from jaxserve.serving.service import GenerateInput, Prompt
 from jaxserve.text import tool_calls
 
@@ -74,13 +74,14 @@ class Request:
 
 
 def parse_body(data: bytes) -> dict[str, Any]:
-  """The body's JSON object. Non-standard NaN and Infinity parse (to be refused by name later)."""
+  """The body's JSON object. Non-standard NaN and Infinity parse (to be refused by name later).
+  On a worker thread: a body of megabytes takes a while (work_pool.loads)."""
   try:
     text = data.decode("utf-8")  # JSON is UTF-8 (RFC 8259), whatever the Content-Type says.
   except UnicodeDecodeError as e:
     raise invalid(f"the request body is not valid UTF-8: {e}") from e
   try:
-    body = json.loads(text)
+    body = work_pool.loads(text)
   except RecursionError as e:  # [[[[...]]]]: the decoder recurses once per level.
     raise invalid("the request body's JSON is nested too deeply") from e
   except ValueError as e:
@@ -231,6 +232,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise invalid(f"messages must be a non-empty list, got {short(messages)}")
+  if len(messages) > MAX_MESSAGES:  # Before reading them one by one.
+    raise invalid(f"messages: at most {MAX_MESSAGES} in one request, got {len(messages):,}")
   out = []
   for n, m in enumerate(messages):
     if not isinstance(m, dict):

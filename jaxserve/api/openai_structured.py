@@ -18,6 +18,7 @@ from jaxserve.serving.gateway import invalid
 
 # vLLM's constrained-decoding extras, each a way to give SamplingParams.constraint.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+MAX_TOOLS = 128  # OpenAI's limit on the functions one request offers.
 
 
 def output_constraint(body: dict[str, Any]) -> Constraint | None:
@@ -64,6 +65,8 @@ def parse_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str, str | 
   """(OpenAI's function definitions, tool_choice: none / auto / required / named, the named
   function)."""
   tools, choice = body.get("tools", []), body.get("tool_choice")
+  if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+    raise invalid(f"tools: at most {MAX_TOOLS} in one request (as OpenAI), got {len(tools):,}")
   if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
     raise invalid('tools must be a list of {"type": "function", "function": {"name": ..., '
                   f'"parameters": {{...}}}}}}, got {short(tools)}')

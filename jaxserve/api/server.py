@@ -7,9 +7,14 @@ Its life, as `jaxserve serve` runs it:
            a worker thread (the event loop keeps answering health checks meanwhile; Generate
            answers UNAVAILABLE)
   ready    health SERVING: requests flow through service.Service
-  drain()  on SIGTERM: health NOT_SERVING, new requests UNAVAILABLE, open streams run to their
-           end for at most drain_timeout_s (then they are aborted)
-  stop()   closes the ports and stops the engine thread; the process exits 0
+  SIGTERM  from this moment new requests get UNAVAILABLE (HTTP 503)
+  drain()  health NOT_SERVING; every request accepted before the signal (running, queued, still
+           being read or prepared) runs to its end, and what is still open shortly before
+           drain_timeout_s is cut: its client gets UNAVAILABLE ("the server shut down before
+           this request finished")
+  stop()   closes the ports and stops the engine thread; the process exits 0, within
+           drain_timeout_s of the signal (the work pool's threads are daemons: a compile left
+           running does not hold it)
 
 If the engine loop raises, the server does not try to recover in-process: the failed step was
 handed the donated KV cache and decode state, so nothing on the device can be trusted, and
@@ -21,7 +26,9 @@ and `jaxserve serve` exits with status 1 for its supervisor (Kubernetes, systemd
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import signal
 import ssl
 import threading
@@ -41,6 +48,7 @@ from jaxserve.serving import kv_publisher
 from jaxserve.serving.gateway import ApiError, Gateway, Status, load_keys
 from jaxserve.serving.metrics import Metrics
 from jaxserve.serving.service import Service
+from jaxserve.serving.work_pool import WorkPool
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -61,12 +69,21 @@ class ServerConfig:
   scheduler: SchedulerConfig = SchedulerConfig()
   kv_events: KVEventsConfig | None = None  # Publish the prefix cache's changes (vLLM's events).
   prefix_cache_scope: str | None = None  # "key" or "global"; None: "key" with keys, else global.
+  # Each request's CPU work (parsing, tokenizing, constraint compiles, large responses) runs on
+  # this many threads; a request that finds work_queue others waiting gets RESOURCE_EXHAUSTED.
+  work_threads: int = 4
+  work_queue: int = 1024
+  http_read_timeout_s: float = http_api.READ_TIMEOUT_S  # For a request's headers, and its body.
 
   def __post_init__(self):
     if (self.tls_cert is None) != (self.tls_key is None):
       raise ValueError("ServerConfig: give both tls_cert and tls_key, or neither")
-    if self.drain_timeout_s < 0:
-      raise ValueError(f"ServerConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+    for field in ("drain_timeout_s", "work_queue"):
+      if getattr(self, field) < 0:
+        raise ValueError(f"ServerConfig.{field} must be >= 0, got {getattr(self, field)}")
+    for field in ("work_threads", "http_read_timeout_s"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"ServerConfig.{field} must be > 0, got {getattr(self, field)}")
 
 
 class Server:
@@ -88,6 +105,8 @@ class Server:
     self._warmup: asyncio.Task | None = None
     self._runner: AsyncRunner | None = None
     self._kv_publisher: kv_publisher.ZmqPublisher | None = None
+    self._pool: WorkPool | None = None
+    self._shutdown_at: float | None = None  # The loop's time of the SIGTERM.
     self.engine_failed = asyncio.Event()  # Set on the event loop when the engine loop raised.
 
   def current_service(self) -> Service:
@@ -101,9 +120,10 @@ class Server:
     await self._start_grpc()
     if self.config.http_port is not None:
       metrics_here = self.config.metrics_port is None
+      timeout = self.config.http_read_timeout_s
       self._http.append(await http_api.serve(
-          http_api.build_app(self, self.metrics if metrics_here else None), self.config.host,
-          self.config.http_port, self._ssl_context()))
+          http_api.build_app(self, self.metrics if metrics_here else None, timeout),
+          self.config.host, self.config.http_port, self._ssl_context(), timeout))
       self.ports["http"] = self._http[-1].port
     if self.config.metrics_port is not None:
       self._http.append(await http_api.serve(http_api.build_metrics_app(self.metrics),
@@ -115,38 +135,64 @@ class Server:
     """Returns once the engine is compiled and health is SERVING; raises if loading failed."""
     await asyncio.shield(self._warmup)
 
+  def shut_down(self) -> None:
+    """SIGTERM's first step, at once (no await): every request from now on gets UNAVAILABLE."""
+    if self._shutdown_at is None:
+      self._shutdown_at = asyncio.get_running_loop().time()
+    if self.service is not None:
+      self.service.refusing = "the server is shutting down"
+
   async def drain(self) -> None:
-    """Stops taking requests and lets open ones finish, for at most drain_timeout_s."""
+    """Stops taking requests and lets the open ones finish, within drain_timeout_s of
+    shut_down(): those still open a little before then are cut (UNAVAILABLE), leaving stop()
+    the rest of the time."""
+    self.shut_down()
+    loop = asyncio.get_running_loop()
+    timeout = self.config.drain_timeout_s
+    cut_at = self._shutdown_at + timeout - min(1.0, timeout / 4)
     await self._health.enter_graceful_shutdown()
     service = self.service
     if service is None:
       return
-    service.refusing = "the server is shutting down"
-    logging.info("draining %d open requests (at most %.0f s)", service.num_active,
-                 self.config.drain_timeout_s)
-    if not await service.wait_idle(self.config.drain_timeout_s):
-      logging.warning("drain timeout: aborting %d requests", service.num_active)
+    logging.info("draining %d open requests (at most %.1f s)", service.num_active, timeout)
+    if not await service.wait_idle(cut_at - loop.time()):
+      logging.warning("drain timeout: cutting %d requests", service.num_active)
       service.abort_all()
-      await service.wait_idle(5.0)
+      await service.wait_idle(self._time_left() / 2)
 
   async def stop(self) -> None:
     if self._warmup is not None and not self._warmup.done():
       self._warmup.cancel()
-    if self._grpc is not None:
-      await self._grpc.stop(grace=1.0)
+    if self._grpc is not None:  # Every accepted call has ended (drain): grace for health watches.
+      await self._grpc.stop(grace=min(max(self._time_left(), 0.1), 1.0))
     for site in self._http:
-      await site.close()
+      with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(site.close(), max(self._time_left(), 0.1))
     if self._runner is not None:
       self._runner.stop()
     if self._kv_publisher is not None:
       self._kv_publisher.close()
+    if self._pool is not None:
+      self._pool.close()
+
+  def _time_left(self) -> float:
+    """Of the drain timeout, since the SIGTERM (all of it when there was none)."""
+    if self._shutdown_at is None:
+      return self.config.drain_timeout_s
+    elapsed = asyncio.get_running_loop().time() - self._shutdown_at
+    return max(self.config.drain_timeout_s - elapsed, 0.0)
 
   async def run_until_signal(self, announce: Callable[[str], None] = print) -> int:
     """`jaxserve serve`: start, serve until SIGTERM or SIGINT, drain, stop. The exit code."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal():
+      self.shut_down()
+      stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-      loop.add_signal_handler(sig, stop.set)
+      loop.add_signal_handler(sig, on_signal)
     await self.start()
     announce(f"jaxserve: listening on {self.config.host}: " +
              " ".join(f"{name}={port}" for name, port in self.ports.items()) + " (warming up)")
@@ -190,11 +236,22 @@ class Server:
     loaded = await _in_daemon_thread(self._load)
     runner = Runner(loaded.engine, loaded.tokenizer, self.config.scheduler)
     self._kv_publisher = kv_publisher.start(self.config.kv_events, runner.scheduler)
+    # The constraint compiler reads the vocabulary in C, holding the GIL for a few hundred ms:
+    # here, not on a serving server's first constrained request.
+    await _in_daemon_thread(lambda: runner.constraints.compiler)
+    # What is loaded by now (JAX, the model, the tokenizer: some 300k objects) lives as long as
+    # the server: out of the collector's sight, a full collection (which holds the GIL, whichever
+    # thread's allocation sets it off) scans only what requests made since, not 0.5 s of them.
+    gc.collect()
+    gc.freeze()
     self._runner = AsyncRunner(runner, on_failure=self._engine_died)
     self._runner.start()
     self.metrics.watch(runner.scheduler, loaded.model_name)
+    self._pool = WorkPool(self.config.work_threads, self.config.work_queue)
     self.service = Service(self._runner, loaded.tokenizer, loaded.model_name, self.gateway,
-                           self.metrics, self.config.log_prompts)
+                           self.metrics, self.config.log_prompts, self._pool)
+    if self._shutdown_at is not None:  # SIGTERM came while it warmed up.
+      self.service.refusing = "the server is shutting down"
     await self._set_health(_SERVING)
     logging.info("serving %s", loaded.model_name)
 

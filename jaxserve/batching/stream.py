@@ -94,14 +94,26 @@ class AsyncRunner:
              cache_salt: str | None = None, grammar: Grammar | None = None) -> RequestStream:
     """Queues a request; raises at once (RequestRejected, ValueError) if it cannot be taken.
     `grammar`: sampling.constraint compiled already, which the event loop must not do."""
+    self._check_id(request_id)
+    return self._queue(self.runner.new_request(prompt_ids, sampling, request_id, priority,
+                                               cache_salt, grammar))
+
+  def submit_request(self, req: Request) -> RequestStream:
+    """Queues a request Runner.new_request built (on any thread: the serving core builds them
+    on its workers); raises EngineDead, or ValueError for a request id in use."""
+    self._check_id(req.request_id)
+    return self._queue(req)
+
+  def _queue(self, req: Request) -> RequestStream:
+    stream = self._streams[req.request_id] = RequestStream(req, self)
+    self._inbox.put((self._add, req))
+    return stream
+
+  def _check_id(self, request_id: str | None) -> None:
     if self._error is not None:
       raise EngineDead("the engine loop failed") from self._error
     if request_id is not None and request_id in self._streams:
       raise ValueError(f"request id {request_id!r} is already in use")
-    req = self.runner.new_request(prompt_ids, sampling, request_id, priority, cache_salt, grammar)
-    stream = self._streams[req.request_id] = RequestStream(req, self)
-    self._inbox.put((self._add, req))
-    return stream
 
   def abort(self, request_id: str) -> None:
     self._inbox.put((self.runner.abort, request_id))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -93,7 +94,12 @@ def run_serve(args) -> int:
   # the followers may be mid-step instead: process 0's exit ends them.
   if code == 0 and leaders:
     leaders[0].stop()
-  return code
+  # The server has stopped all it owns (its ports, the engine thread). The interpreter's own
+  # teardown (JAX's backends: 0.4 s for the tiny model on CPU) would run past the drain timeout,
+  # which whoever sent SIGTERM (Kubernetes' grace period) counts on: exit now.
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def _follow(args, engine_cfg) -> int:
@@ -120,7 +126,9 @@ def _server_config(args):
       http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
       keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
       tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler,
-      kv_events=args.kv_events_config, prefix_cache_scope=args.prefix_cache_scope)
+      kv_events=args.kv_events_config, prefix_cache_scope=args.prefix_cache_scope,
+      work_threads=args.work_threads, work_queue=args.work_queue,
+      http_read_timeout_s=args.http_read_timeout)
 
 
 def _kv_events_config(text: str):
@@ -149,7 +157,8 @@ def _add_serve_parser(sub) -> None:
   s.add_argument("--keys-file", default=None, help='JSON API keys and their limits, {"keys": '
                  '[{"key", "name", "requests_per_minute", "tokens_per_minute"}]}; unset: no keys')
   s.add_argument("--drain-timeout", type=float, default=30.0,
-                 help="seconds SIGTERM lets running requests finish before aborting them")
+                 help="seconds from SIGTERM to exit: requests accepted before it finish within "
+                 "it, or are cut shortly before its end (UNAVAILABLE)")
   s.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
   s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
   s.add_argument("--max-queue-len", type=int, default=SchedulerConfig.max_queue_len,
@@ -165,6 +174,13 @@ def _add_serve_parser(sub) -> None:
   s.add_argument("--prefix-cache-scope", choices=("key", "global"), default=None,
                  help="who shares cached prompt pages: each API key only its own (key; the "
                  "default with --keys-file), or every request (global; the default without)")
+  s.add_argument("--work-threads", type=int, default=4,
+                 help="threads for requests' CPU work (tokenizing, templates, constraint "
+                 "compiles, large responses), off the event loop")
+  s.add_argument("--work-queue", type=int, default=1024,
+                 help="requests waiting for those threads beyond this get RESOURCE_EXHAUSTED")
+  s.add_argument("--http-read-timeout", type=float, default=30.0,
+                 help="seconds an HTTP request's headers, and then its body, may take to arrive")
   s.set_defaults(run=run_serve)
 
 

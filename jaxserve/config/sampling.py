@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Mapping, Sequence
 
@@ -129,6 +130,19 @@ class SamplingParams:
       for n, i in enumerate(ids):
         check(is_int(i) and i >= 0, f"allowed_token_ids[{n}]", "must be an int >= 0", i)
       object.__setattr__(self, "allowed_token_ids", tuple(ids))
+
+  def for_run(self, seed: int | None, max_tokens: int) -> SamplingParams:
+    """A copy with its own seed and max_tokens, as one of a request's n runs, checking only
+    those two: the other fields (a vocabulary-long allowed_token_ids among them) were checked
+    when this one was made, and are not checked again for each run."""
+    self._check(seed is None or (is_int(seed) and -2**63 <= seed < 2**63), "seed",
+                "must be None or a signed 64-bit int, in [-2**63, 2**63)", seed)
+    self._check(is_int(max_tokens) and 1 <= max_tokens <= self.max_tokens, "max_tokens",
+                f"of a run must be in [1, {self.max_tokens}]", max_tokens)
+    run = copy.copy(self)
+    object.__setattr__(run, "seed", seed)
+    object.__setattr__(run, "max_tokens", max_tokens)
+    return run
 
   @classmethod
   def _is_finite(cls, x: Any) -> bool:

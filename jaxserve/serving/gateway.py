@@ -9,11 +9,17 @@ Keys file (JSON); a limit left out or 0 is no limit:
   {"keys": [{"key": "sk-alice-...", "name": "alice",
              "requests_per_minute": 60, "tokens_per_minute": 20000}]}
 
-Tokens per minute count prompt plus completion tokens. Admission reserves prompt + max_tokens
-over a sliding minute, and the unused part is handed back when the request ends, so a key never
-goes over its limit, even with many long requests in flight. A request that did not set
-max_tokens (it would run to the end of the context window) is not refused for the window it
-might use: its max_tokens shrinks to what the key has left (finish reason "length" there).
+A request counts once, however many choices (`n`, `best_of`, several prompts) it asks for, and
+it is counted before any work is done on it: a key over its requests per minute is refused
+before its body is even read. Tokens per minute count prompt plus completion tokens, as usage
+reports them: each prompt once, every choice's completion. Once the prompts are tokenized, the
+request reserves its prompts plus every choice's max_tokens over a sliding minute, and each
+choice hands back what it did not use when it ends, so a key never goes over its limit, even
+with many long requests in flight. A request refused before it is answered (a bad field, a full
+queue, its own tokens over the limit) is refunded: it counts as no request. A request that did
+not set max_tokens (chat's default: the rest of the context window, as in vLLM) is not refused
+for the window it might use: each of its choices is cut to an equal share of what the key has
+left (finish reason "length" there).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import hashlib
 import hmac
 import json
 import pathlib
+import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,6 +41,7 @@ WINDOW_S = 60.0  # The limits are per minute.
 MAX_CHUNK_TOKENS = 4096
 MAX_REQUEST_ID_CHARS = 256
 MAX_MESSAGE_CHARS = 1000  # gRPC sends the message in a trailer, which has a size limit.
+MAX_MESSAGES = 2048  # Chat messages in one request (each costs template and tokenizer work).
 # What a client may set; max_tokens and logprobs are checked on their own, against the context.
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
     "max_tokens", "logprobs"}
@@ -107,30 +115,61 @@ def load_keys(path: str | pathlib.Path) -> list[ApiKey]:
 class _Charge:
   """One admitted request's share of its key's last minute."""
   time: float
-  tokens: int  # Reserved at admission; corrected to the tokens used when it ends.
+  tokens: int  # Reserved at admission; corrected to the tokens used as its runs end.
 
 
 class Lease:
-  """A request's reservation: `settle` it with the completion tokens it produced, or `refund`
-  it if the request never ran. Only the first call counts."""
+  """One request's share of its key's minute, however many choices (runs) it has: one request,
+  its prompts' tokens once, and each run's max_tokens until that run ends and `settle`s what it
+  used. A request refused before its answer began is taken out whole (`refund`): it counts as
+  no request and no tokens. Thread-safe: a worker reserves, the event loop settles."""
 
-  def __init__(self, usage: collections.deque[_Charge] | None, charge: _Charge | None,
-               num_prompt_tokens: int, max_tokens: int):
-    self._usage = usage
+  def __init__(self, gateway: Gateway | None, key: ApiKey, charge: _Charge | None = None):
+    self._gateway = gateway  # None: the key has no limits.
+    self.key = key
     self._charge = charge
-    self._num_prompt_tokens = num_prompt_tokens
-    self.max_tokens = max_tokens  # What the request may generate: admit may have shortened it.
+    self._num_open_runs = 1
+    self.max_tokens = 0  # The first run's, after admit or reserve: either may have cut it.
 
-  def settle(self, num_completion_tokens: int) -> None:
-    if self._charge is not None:
-      self._charge.tokens = self._num_prompt_tokens + num_completion_tokens
-      self._charge = None
+  def reserve(self, num_prompt_tokens: int, max_tokens: Sequence[int],
+              can_shorten: bool = False) -> list[int]:
+    """Prices the request at its prompts' tokens plus every run's max_tokens, now that they are
+    known; returns each run's max_tokens. Raises RESOURCE_EXHAUSTED naming the limit (the
+    request stays charged until `refund`). `can_shorten`: the client never set max_tokens, so
+    each run is cut to an equal share of the tokens the key has left (at least 1), rather than
+    the request being refused for a window it may never use."""
+    max_tokens = list(max_tokens)
+    if self._charge is None:
+      self.max_tokens = max_tokens[0]
+      return max_tokens
+    with self._gateway.lock:
+      max_tokens = self._gateway.price(self.key, self._charge, num_prompt_tokens, max_tokens,
+                                       can_shorten)
+      self._num_open_runs = len(max_tokens)
+    self.max_tokens = max_tokens[0]
+    return max_tokens
+
+  def settle(self, num_completion_tokens: int, max_tokens: int | None = None) -> None:
+    """One run ended having produced `num_completion_tokens` of its `max_tokens` (None: the
+    first run's): the rest goes back to the key. Calls past the number of runs count for
+    nothing."""
+    if self._charge is None:
+      return
+    with self._gateway.lock:
+      if self._num_open_runs > 0:
+        self._charge.tokens -= (self.max_tokens if max_tokens is None else max_tokens) - \
+            num_completion_tokens
+        self._num_open_runs -= 1
 
   def refund(self) -> None:
     """Takes the request back out of its key's minute (it counts as no request)."""
-    if self._charge is not None and self._charge in self._usage:  # Not yet a minute old.
-      self._usage.remove(self._charge)
-    self._charge = None
+    if self._charge is None:
+      return
+    with self._gateway.lock:
+      usage = self._gateway.usage(self.key)
+      if self._charge in usage:  # Not yet a minute old.
+        usage.remove(self._charge)
+      self._charge = None
 
 
 class Gateway:
@@ -144,6 +183,7 @@ class Gateway:
     if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
       raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, "
                        f"got {short(prefix_cache_scope)}")
+    self.lock = threading.Lock()  # Over `_usage`: leases are priced on worker threads.
     self._clock = clock
     self._usage: dict[str, collections.deque[_Charge]] = collections.defaultdict(collections.deque)
 
@@ -170,42 +210,70 @@ class Gateway:
       raise ApiError(Status.UNAUTHENTICATED, "invalid API key")
     return match
 
-  def admit(self, key: ApiKey, num_prompt_tokens: int, max_tokens: int,
+  def admit(self, key: ApiKey, num_prompt_tokens: int | None = None, max_tokens: int = 0,
             can_shorten: bool = False) -> Lease:
     """Charges one request to `key`; raises RESOURCE_EXHAUSTED naming the limit it would pass.
 
-    `can_shorten`: the client never set max_tokens, so the request is cut to the tokens the key
-    has left (at least 1) rather than refused for a window it may never use.
+    `num_prompt_tokens` None: the request's tokens are not known yet (it is admitted before any
+    work is done on it): it is refused only when the key has no request or no token left this
+    minute, and `Lease.reserve` prices it once they are known. Otherwise it is priced at once,
+    as one run of `max_tokens` (see Lease.reserve for `can_shorten`).
     """
+    lease = Lease(None, key)
     if not (key.requests_per_minute or key.tokens_per_minute):
-      return Lease(None, None, num_prompt_tokens, max_tokens)
-    now = self._clock()
-    usage = self._usage[key.name]
-    while usage and usage[0].time <= now - WINDOW_S:
-      usage.popleft()
-    rpm, tpm = key.requests_per_minute, key.tokens_per_minute
-    if rpm and len(usage) >= rpm:
-      raise ApiError(Status.RESOURCE_EXHAUSTED,
-                     f"key {key.name!r} is over its limit of {rpm} requests per minute; retry in "
-                     f"{usage[0].time + WINDOW_S - now:.0f} s")
-    used = sum(c.tokens for c in usage)
+      lease.reserve(num_prompt_tokens or 0, [max_tokens])
+      return lease
+    with self.lock:
+      now = self._clock()
+      usage = self.usage(key)
+      while usage and usage[0].time <= now - WINDOW_S:
+        usage.popleft()
+      rpm, tpm = key.requests_per_minute, key.tokens_per_minute
+      if rpm and len(usage) >= rpm:
+        raise ApiError(Status.RESOURCE_EXHAUSTED,
+                       f"key {key.name!r} is over its limit of {rpm} requests per minute; retry "
+                       f"in {usage[0].time + WINDOW_S - now:.0f} s")
+      if num_prompt_tokens is None and tpm and sum(c.tokens for c in usage) >= tpm:
+        raise ApiError(Status.RESOURCE_EXHAUSTED,
+                       f"key {key.name!r} has no tokens left of its limit of {tpm} tokens per "
+                       f"minute; retry in {usage[0].time + WINDOW_S - now:.0f} s")
+      charge = _Charge(now, 0)
+      if num_prompt_tokens is not None:
+        max_tokens = self.price(key, charge, num_prompt_tokens, [max_tokens], can_shorten)[0]
+      usage.append(charge)
+    lease = Lease(self, key, charge)
+    lease.max_tokens = max_tokens
+    return lease
+
+  def usage(self, key: ApiKey) -> collections.deque[_Charge]:
+    """The charges of `key`'s last minute, oldest first (hold `lock`)."""
+    return self._usage[key.name]
+
+  def price(self, key: ApiKey, charge: _Charge, num_prompt_tokens: int, max_tokens: list[int],
+            can_shorten: bool) -> list[int]:
+    """Sets `charge` to the prompt plus every run's max_tokens, within the key's tokens per
+    minute; returns the runs' max_tokens (hold `lock`)."""
+    tpm, num_runs = key.tokens_per_minute, len(max_tokens)
+    used = sum(c.tokens for c in self.usage(key) if c is not charge)
     left = max(tpm - used, 0)
     if tpm and can_shorten:
-      max_tokens = min(max_tokens, left - num_prompt_tokens)
-      if max_tokens < 1:
+      share = (left - num_prompt_tokens) // num_runs
+      if share < 1:
+        runs = f" for each of its {num_runs} choices" if num_runs > 1 else ""
         raise ApiError(Status.RESOURCE_EXHAUSTED,
-                       f"the prompt ({num_prompt_tokens} tokens) and one output token do not fit "
-                       f"in the {left} tokens key {key.name!r} has left of its limit of {tpm} "
-                       "tokens per minute")
-    need = num_prompt_tokens + max_tokens
+                       f"the prompt ({num_prompt_tokens} tokens) and one output token{runs} do "
+                       f"not fit in the {left} tokens key {key.name!r} has left of its limit of "
+                       f"{tpm} tokens per minute")
+      max_tokens = [min(m, share) for m in max_tokens]
+    need = num_prompt_tokens + sum(max_tokens)
     if tpm and used + need > tpm:
+      runs = f"{num_runs} x " if num_runs > 1 else ""
       raise ApiError(Status.RESOURCE_EXHAUSTED,
-                     f"prompt ({num_prompt_tokens}) plus max_tokens ({max_tokens}) is {need} "
-                     "tokens; "
-                     f"key {key.name!r} has {left} of its limit of {tpm} tokens per minute left")
-    charge = _Charge(now, need)
-    usage.append(charge)
-    return Lease(usage, charge, num_prompt_tokens, max_tokens)
+                     f"prompt ({num_prompt_tokens}) plus {runs}max_tokens ({max(max_tokens)}) "
+                     f"is {need} tokens; key {key.name!r} has {left} of its limit of {tpm} "
+                     "tokens per minute left")
+    charge.tokens = need
+    return max_tokens
 
 
 # Request fields -> what the engine runs.
@@ -240,13 +308,23 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
 
 
 def check_bias_ids(sampling: SamplingParams, vocab_size: int) -> None:
-  """logit_bias' and allowed_token_ids' ids against the vocabulary (SamplingParams checked
-  their types and counts)."""
+  """logit_bias' ids against the vocabulary (SamplingParams checked their types and count)."""
   for token, _ in sampling.logit_bias:
     if token >= vocab_size:
       raise invalid(f"logit_bias has token id {token}, outside the vocabulary [0, {vocab_size})")
-  if sampling.allowed_token_ids is not None:
-    check_token_ids(sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
+
+
+def allowed_token_ids(ids: Any, vocab_size: int) -> Any:
+  """vLLM's allowed_token_ids, deduplicated (sorted): at most the vocabulary's size of them,
+  counted before any is read, each an id in it. Not a list: as given, for SamplingParams to
+  refuse by name."""
+  if not isinstance(ids, (list, tuple)):
+    return ids
+  if len(ids) > vocab_size:
+    raise invalid(f"allowed_token_ids: at most {vocab_size:,} ids (the vocabulary's size), got "
+                  f"{len(ids):,}")
+  check_token_ids(ids, vocab_size, "allowed_token_ids")
+  return tuple(sorted(set(ids)))
 
 
 def check_stop_token_ids(ids: Any, vocab_size: int) -> None:

@@ -2,23 +2,31 @@
 
 One request, in the order it happens:
 
-  Service.generate: tokenize -> check fields (gateway) -> admit (the key's rate limits)
-    -> AsyncRunner.submit (the engine thread takes it before its next step)
-    -> outputs, grouped into chunks of `chunk_tokens` tokens -> a RequestRecord at the end
-       (metrics, the log line, usage and timings for the client, the key's token count)
+  Service.accept: refused while draining, its API key, its key's requests per minute: cheap
+    checks on the event loop, before any work is done on it; from here the drain counts it
+    -> Service.prepare_runs, on a worker (work_pool.py), once however many choices it has:
+       tokenize, template and check each prompt (gateway), compile its constraint, price it
+       under the key's tokens per minute, build the engine requests of its n runs
+    -> Service.generate, per run: AsyncRunner.submit_request (the engine thread takes it
+       before its next step) -> outputs, grouped into chunks of `chunk_tokens` tokens -> a
+       RequestRecord at the end (metrics, the log line, usage and timings for the client, the
+       key's tokens settled)
 
-A front end authenticates the caller first and maps `ApiError.status` to its own codes. Every
-error is raised before the first chunk, except an engine failure. When the consumer stops early
-(a client cancels or disconnects), the generator's cleanup aborts the request: the engine thread
-drops it before its next step, and its slot and pages are free again.
+The event loop only routes: whatever costs CPU in proportion to what a client sent runs on the
+work pool, whose queue is bounded (a request over it gets RESOURCE_EXHAUSTED at once). A front
+end maps `ApiError.status` to its own codes. Every error is raised before the first chunk,
+except an engine failure. When the consumer stops early (a client cancels or disconnects), the
+generator's cleanup aborts the run: the engine thread drops it before its next step, and its
+slot and pages are free again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from typing import Any, AsyncIterator, Mapping, NamedTuple, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, NamedTuple, Sequence
 
 from absl import logging
 
@@ -35,9 +43,11 @@ from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
 from jaxserve.config import SamplingParams
 from jaxserve.serving import gateway
 from jaxserve.serving.constraint_gate import ConstraintGate
-from jaxserve.serving.gateway import ApiError, ApiKey, Status
+from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
+from jaxserve.serving.work_pool import WorkPool
 from jaxserve.text import tool_calls
+from jaxserve.text.constraint import Grammar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +93,7 @@ class Chunk:
 
 
 class Prepared(NamedTuple):
-  """A checked request, ready to queue."""
+  """A checked prompt, ready to run."""
 
   prompt_ids: Sequence[int]
   sampling: SamplingParams
@@ -91,26 +101,83 @@ class Prepared(NamedTuple):
   chunk_tokens: int
 
 
+class Run(NamedTuple):
+  """One engine request of a prepared request (one of its n choices), ready to queue."""
+
+  input: GenerateInput
+  request: Request
+  tokenize_s: float
+  chunk_tokens: int
+
+
+_SEEDS = 2**63  # SamplingParams' seed range: seed + run wraps inside it.
+
+
+class Accepted:
+  """One request from the moment the service takes it to the end of its handler, whatever it
+  is doing meanwhile (reading its body, being prepared on a worker, running): the drain waits
+  for it, and at its timeout cuts it (UNAVAILABLE at once, whatever it was waiting for)."""
+
+  def __init__(self, service: Service, key: ApiKey, lease: Lease):
+    self.key = key
+    self.lease = lease
+    self.received = time.monotonic()
+    self.submitted = False  # A run reached the engine.
+    self.answered = False  # The client got the start of its answer (the front end says when).
+    self.streams: set[RequestStream] = set()  # Its runs in the engine: the cut aborts them.
+    self._pool = service.pool
+    self._cut = asyncio.get_running_loop().create_future()
+
+  @property
+  def is_cut(self) -> bool:
+    return self._cut.done()
+
+  async def work(self, fn: Callable[..., Any], *args: Any, owed: bool = False) -> Any:
+    """fn(*args) on the work pool (see WorkPool.run for `owed`)."""
+    return await self.during(self._pool.run(fn, *args, owed=owed))
+
+  async def during(self, awaitable: Awaitable[Any]) -> Any:
+    """What `awaitable` gives, unless the drain cuts the request first (UNAVAILABLE)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+      await asyncio.wait((task, self._cut), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # The handler was cancelled: its client went away.
+      task.cancel()
+      raise
+    if not task.done():
+      task.cancel()
+      raise ApiError(Status.UNAVAILABLE, "the server shut down before this request was "
+                     "answered; retry on another replica")
+    return task.result()
+
+  def cut(self) -> None:
+    if not self._cut.done():
+      self._cut.set_result(None)
+    for stream in self.streams:
+      stream.abort()
+
+
 class Service:
 
   def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str,
-               gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False):
+               gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False,
+               pool: WorkPool | None = None):
     self.runner = runner
     self.tokenizer = tokenizer
     self.model_name = model_name
     self.gateway = gateway_
     self.metrics = metrics
     self.log_prompts = log_prompts
+    self.pool = pool or WorkPool()
     self.refusing: str | None = None  # Why new requests get UNAVAILABLE (draining, a dead engine).
-    self._active: set[RequestStream] = set()
-    self._cut: set[str] = set()  # Requests abort_all ended: their clients get UNAVAILABLE.
+    self._open: set[Accepted] = set()
     self._idle = asyncio.Event()
     self._idle.set()
     self.engine_info = info = runner.engine_info
     self.vocab_size = info.vocab_size
     self.max_model_len = info.max_model_len
     # Longer text cannot fit the context whatever its tokens: it is refused (or cut) before the
-    # tokenizer spends seconds on it, on the event loop every other request shares.
+    # tokenizer spends seconds on it.
     self.max_prompt_chars = self.max_model_len * tokenizer.max_token_chars
     self.constraint_gate = ConstraintGate(runner.runner.constraints)
 
@@ -128,6 +195,36 @@ class Service:
       raise ApiError(Status.NOT_FOUND,
                      f"model {model!r} is not served here; this server runs {self.model_name!r}")
 
+  @contextlib.asynccontextmanager
+  async def accept(self, presented_key: str | None,
+                   limited: bool = True) -> AsyncIterator[Accepted]:
+    """Takes one request, with the checks that cost nothing, before any work is done on it:
+    UNAVAILABLE while draining, the API key (bearer token) `presented_key`, and with `limited`
+    the key's requests per minute (RESOURCE_EXHAUSTED). A request refused later, before its
+    answer began, is refunded: it counts as no request; so is one whose client leaves before it
+    reached the engine."""
+    self._check_accepting()
+    key = self.gateway.authenticate(presented_key)
+    acc = Accepted(self, key, self.gateway.admit(key) if limited else Lease(None, key))
+    self._open.add(acc)
+    self._idle.clear()
+    try:
+      yield acc
+    except ApiError:
+      if not acc.answered:
+        acc.lease.refund()
+      raise
+    except BaseException:
+      if not acc.submitted:
+        acc.lease.refund()
+      raise
+    finally:
+      self._open.discard(acc)
+      if not self._open:
+        self._idle.set()
+
+  # The work of one request, on a worker thread.
+
   def encode(self, prompt: Prompt, truncate: bool = False, add_special_tokens: bool | None = None,
              add_generation_prompt: bool = True) -> list[int]:
     """The prompt's ids; `truncate`: text too long for the context is cut to its tail first.
@@ -144,6 +241,9 @@ class Service:
         raise gateway.invalid("prompt is empty once tokenized: the tokenizer drops every "
                               "character of it")
       return ids
+    if len(prompt.messages) > gateway.MAX_MESSAGES:
+      raise gateway.invalid(f"messages: at most {gateway.MAX_MESSAGES} in one request, got "
+                            f"{len(prompt.messages):,}")
     # OpenAI's new name for the system role, from either front end.
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in prompt.messages]
     if prompt.tools and not self.tokenizer.takes_tools:
@@ -162,8 +262,8 @@ class Service:
     return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
 
   def _checked_ids(self, ids: Sequence[int], truncate: bool) -> list[int]:
-    # The length first: checking 2M ids one by one holds the event loop for 0.2 s, and ids that
-    # cannot fit are refused (or cut) whatever they are.
+    # The length first: ids that cannot fit are refused (or cut) whatever they are, and 2M ids
+    # are not checked one by one first.
     room = self.max_model_len - 1  # At least one output token.
     if len(ids) > room:
       if not truncate:
@@ -186,89 +286,95 @@ class Service:
         "tokenizer); shorten it, or set truncate_prompt to keep its end")
 
   def prepare(self, inp: GenerateInput) -> Prepared:
-    """Every check of one request, whichever front end parsed it: the one entry point. Raises an
+    """Every check of one prompt, whichever front end parsed it: the one entry point. Raises an
     ApiError naming the bad field (the scheduler still refuses what the KV pool cannot hold)."""
-    self._check_accepting()
     self.check_model(inp.model)
     gateway.check_request_id(inp.request_id or "")
     chunk_tokens = gateway.check_chunk_tokens(inp.chunk_tokens)
     gateway.check_stop_token_ids(inp.sampling.get("stop_token_ids"), self.vocab_size)
+    fields = inp.sampling
+    if "allowed_token_ids" in fields:
+      fields = {**fields, "allowed_token_ids": gateway.allowed_token_ids(
+          fields["allowed_token_ids"], self.vocab_size)}
     start = time.monotonic()
     ids = self.encode(inp.prompt, inp.truncate_prompt)
     tokenize = time.monotonic() - start
     ids, max_tokens = gateway.fit_to_context(ids, inp.max_tokens, self.max_model_len,
                                              inp.truncate_prompt, inp.default_max_tokens)
-    sampling = gateway.sampling_params(inp.sampling, max_tokens, inp.logprobs)
+    sampling = gateway.sampling_params(fields, max_tokens, inp.logprobs)
     gateway.check_bias_ids(sampling, self.vocab_size)
     return Prepared(ids, sampling, tokenize, chunk_tokens)
 
-  async def compile_constraint(self, key: ApiKey, sampling: SamplingParams):
-    """The last check of a constrained request, off the event loop: its grammar is compiled (or
-    found in the cache) within the key's compile budget (serving/constraint_gate.py), and a
-    schema, regex or grammar the engine refuses is INVALID_ARGUMENT naming the problem, before
-    anything is queued. Returns the grammar (None without a constraint)."""
-    return await self.constraint_gate.compile_async(key.name, sampling)
+  def compile_constraint(self, key: ApiKey, sampling: SamplingParams) -> Grammar | None:
+    """A constrained request's grammar, on a worker: compiled (or found in the cache) within the
+    key's compile budget (serving/constraint_gate.py); a schema, regex or grammar the engine
+    refuses is INVALID_ARGUMENT naming the problem, before anything is queued. None without a
+    constraint."""
+    return self.constraint_gate.compile(key.name, sampling)
 
-  async def generate(self, key: ApiKey, inp: GenerateInput,
-                     prepared: Prepared | None = None) -> AsyncIterator[Chunk]:
-    """`prepared`: `prepare(inp)`'s result when the caller has it already (the n runs of one
-    prompt share one: its tokenization, template and checks are done once)."""
-    received = time.monotonic()
-    ids, sampling, tokenize, chunk_tokens = prepared or self.prepare(inp)
-    stream, lease = await self._submit(key, inp, ids, sampling)
-    self._active.add(stream)
-    self._idle.clear()
+  def prepare_runs(self, lease: Lease, inputs: Sequence[GenerateInput],
+                   num_runs: int = 1) -> list[Run]:
+    """A request's whole preparation, on a worker: each prompt (input) checked, tokenized and its
+    constraint compiled once; the request priced under its key's tokens per minute (each prompt
+    once, each run's max_tokens); `num_runs` engine requests built from each prompt, run r
+    seeded seed + r when the client gave a seed (else each draws its own). Prompt p's run r is
+    run p * num_runs + r."""
+    prepared = [self.prepare(inp) for inp in inputs]
+    grammars = [self.compile_constraint(lease.key, p.sampling) for p in prepared]
+    max_tokens = iter(lease.reserve(
+        sum(len(p.prompt_ids) for p in prepared),
+        [p.sampling.max_tokens for p in prepared for _ in range(num_runs)],
+        can_shorten=inputs[0].max_tokens is None))
+    runs = []
+    cache_salts = [self.gateway.cache_salt(lease.key, inp.cache_salt) for inp in inputs]
+    for inp, p, grammar, salt in zip(inputs, prepared, grammars, cache_salts):
+      for run in range(num_runs):
+        seed = p.sampling.seed if p.sampling.seed is None else (p.sampling.seed + run) % _SEEDS
+        sampling = p.sampling.for_run(seed, next(max_tokens))
+        try:
+          request = self.runner.runner.new_request(p.prompt_ids, sampling, inp.request_id,
+                                                   inp.priority, salt, grammar)
+        except (RequestRejected, ValueError) as e:  # Too big for the KV pool.
+          raise gateway.invalid(str(e)) from e
+        runs.append(Run(inp, request, p.tokenize_s, p.chunk_tokens))
+    return runs
+
+  # Running, on the event loop.
+
+  async def generate(self, acc: Accepted, run: Run) -> AsyncIterator[Chunk]:
+    """One run's chunks. Its tokens are settled with the key when it ends."""
+    try:
+      stream = self.runner.submit_request(run.request)
+    except ValueError as e:  # A request id in use.
+      raise gateway.invalid(str(e)) from e
+    except EngineDead as e:  # It died a moment ago; `refusing` is about to say so.
+      raise ApiError(Status.UNAVAILABLE, "the engine failed; the server is restarting") from e
+    acc.submitted = True
+    acc.streams.add(stream)
     num_out, reason, failed = 0, None, False
     try:
-      async for outputs in self._chunks(stream, chunk_tokens, lease):
+      async for outputs in self._chunks(stream, run.chunk_tokens):
         num_out += sum(len(o.token_ids) for o in outputs)
         reason = outputs[-1].finish_reason
         record = None
         if reason is not None:
-          record = self._record(stream, key, reason, received, tokenize, num_out, lease)
-        if reason is FinishReason.ABORT and stream.request_id in self._cut:
+          record = self._record(stream, acc, run, reason, num_out)
+        if reason is FinishReason.ABORT and acc.is_cut:
           raise ApiError(Status.UNAVAILABLE, "the server shut down before this request finished "
                          f"({num_out} tokens generated); retry on another replica")
-        yield _chunk(stream.request, outputs, inp.logprobs, record)
+        yield _chunk(stream.request, outputs, run.input.logprobs, record)
     except ApiError:
       failed = True
       raise
     finally:
-      self._release(stream)
+      acc.streams.discard(stream)
       if reason is None:  # The consumer left before the end (a cancel, a disconnect).
         stream.abort()
         if not failed:
-          self._record(stream, key, FinishReason.ABORT, received, tokenize, num_out, lease)
+          self._record(stream, acc, run, FinishReason.ABORT, num_out)
 
-  async def _submit(self, key: ApiKey, inp: GenerateInput, ids: Sequence[int],
-                    sampling: SamplingParams) -> tuple[RequestStream, gateway.Lease]:
-    """Admits the request under the key's limits, then hands it to the engine thread; a request
-    the engine refuses gives the key its tokens back."""
-    grammar = await self.compile_constraint(key, sampling)
-    lease = self.gateway.admit(key, len(ids), sampling.max_tokens,
-                               can_shorten=inp.max_tokens is None)
-    if lease.max_tokens < sampling.max_tokens:  # Cut to the key's tokens left this minute.
-      sampling = dataclasses.replace(sampling, max_tokens=lease.max_tokens)
-    try:
-      stream = self.runner.submit(ids, sampling, inp.request_id or None, inp.priority,
-                                  self.gateway.cache_salt(key, inp.cache_salt), grammar)
-    except (RequestRejected, ValueError) as e:  # Too big for the KV pool; a request id in use.
-      lease.refund()
-      raise gateway.invalid(str(e)) from e
-    except EngineDead as e:  # It died a moment ago; `refusing` is about to say so.
-      lease.refund()
-      raise ApiError(Status.UNAVAILABLE, "the engine failed; the server is restarting") from e
-    return stream, lease
-
-  def _release(self, stream: RequestStream) -> None:
-    """Forgets an ended (or abandoned) stream; the last one out wakes `wait_idle`."""
-    self._active.discard(stream)
-    self._cut.discard(stream.request_id)
-    if not self._active:
-      self._idle.set()
-
-  async def _chunks(self, stream: RequestStream, chunk_tokens: int,
-                    lease: gateway.Lease) -> AsyncIterator[list[RequestOutput]]:
+  async def _chunks(self, stream: RequestStream,
+                    chunk_tokens: int) -> AsyncIterator[list[RequestOutput]]:
     """The stream's outputs in groups of `chunk_tokens` tokens (the last group may be short)."""
     group, num_tokens, first = [], 0, True
     try:
@@ -283,17 +389,16 @@ class Service:
           yield group
           group, num_tokens = [], 0
     except QueueFull as e:
-      lease.refund()
       raise ApiError(Status.RESOURCE_EXHAUSTED, f"the queue is full: {e}") from e
     except RuntimeError as e:
       logging.exception("request %s failed in the engine", stream.request_id)
       raise ApiError(Status.INTERNAL, "the engine failed; see the server log") from e
 
-  def _record(self, stream: RequestStream, key: ApiKey, reason: FinishReason, received: float,
-              tokenize: float, num_out: int, lease: gateway.Lease) -> RequestRecord:
-    record = RequestRecord.of(stream.request, key.name, reason, received, tokenize,
+  def _record(self, stream: RequestStream, acc: Accepted, run: Run, reason: FinishReason,
+              num_out: int) -> RequestRecord:
+    record = RequestRecord.of(stream.request, acc.key.name, reason, acc.received, run.tokenize_s,
                               time.monotonic())
-    lease.settle(num_out)
+    acc.lease.settle(num_out, run.request.sampling.max_tokens)
     self.metrics.observe(record)
     if self.log_prompts:
       logging.info("request %s prompt: %r", stream.request_id,
@@ -308,21 +413,21 @@ class Service:
 
   @property
   def num_active(self) -> int:
-    return len(self._active)
+    """Requests accepted and not yet ended, in whatever stage (being prepared included)."""
+    return len(self._open)
 
   async def wait_idle(self, timeout: float) -> bool:
     """Waits for every open request to end; False if some are still open after `timeout`."""
     try:
-      await asyncio.wait_for(self._idle.wait(), timeout)
+      await asyncio.wait_for(self._idle.wait(), max(timeout, 0))
       return True
     except asyncio.TimeoutError:
       return False
 
   def abort_all(self) -> None:
-    """Ends every open request, running or waiting: each client gets UNAVAILABLE."""
-    for stream in list(self._active):
-      self._cut.add(stream.request_id)
-      stream.abort()
+    """Ends every open request, whatever its stage: each client gets UNAVAILABLE."""
+    for acc in list(self._open):
+      acc.cut()
 
 
 def _chunk(request: Request, outputs: Sequence[RequestOutput], num_top: int | None,

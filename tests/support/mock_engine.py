@@ -53,7 +53,8 @@ class MockEngine:
   def __init__(self, num_slots: int = 4, page_size: int = 4, num_pages: int = 64,
                max_model_len: int = 128, max_prefill_len: int = 16,
                next_token: Callable[[Sequence[int]], int] = next_plus_one,
-               window: int | None = None, num_window_pages: int = 0):
+               window: int | None = None, num_window_pages: int = 0,
+               vocab_size: int = 2**31 - 1):
     """`window`: the engine has window pages (EngineInfo.window): every position is written
     through the window table too, and every step checks that the last `window` positions of
     each query read back through it as through the page table."""
@@ -64,7 +65,7 @@ class MockEngine:
     self.max_prefill_len = max_prefill_len
     self.can_share_pages = True
     self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len, max_prefill_len,
-                           can_share_pages=True, vocab_size=2**31 - 1,
+                           can_share_pages=True, vocab_size=vocab_size,
                            window=window, num_window_pages=num_window_pages)
     self.window = window
     self.window_pages = np.full((max(num_window_pages, 1), page_size), -1, np.int64)

@@ -11,9 +11,15 @@ from support import server_harness as h
 from support.mock_engine import MockEngine, MockTokenizer, next_plus_one
 
 
-class CharTokenizer(MockTokenizer):
-  """MockTokenizer with what the server needs: one token a character, no chat template."""
+VOCAB_SIZE = 1000
 
+
+class CharTokenizer(MockTokenizer):
+  """MockTokenizer with what the server needs: one token a character (ASCII), a vocabulary for
+  the constraint compiler the server builds as it warms up, no chat template."""
+
+  vocab_size = VOCAB_SIZE
+  bos_id = None
   max_token_chars = 1
   chat_template = None
   takes_tools = False
@@ -50,5 +56,6 @@ class Gate:
 def serve(engine: MockEngine | None = None, keys_file: str | None = None,
           **config) -> h.ServerThread:
   """A started server of `engine` (by default 4 slots, 4-token pages, 63 usable pages)."""
-  return h.serve(engine or MockEngine(max_model_len=64), CharTokenizer(), name="mock",
+  engine = engine or MockEngine(max_model_len=64, vocab_size=VOCAB_SIZE)
+  return h.serve(engine, CharTokenizer(), name="mock",
                  keys_file=keys_file, **config)
