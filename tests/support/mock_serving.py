@@ -10,7 +10,6 @@ from typing import Callable, Sequence
 from support import server_harness as h
 from support.mock_engine import MockEngine, MockTokenizer, next_plus_one
 
-
 VOCAB_SIZE = 1000
 
 
