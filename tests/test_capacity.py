@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jaxserve.config import ModelConfig
-from jaxserve.planning import capacity
+from jaxserve.planning import capacity, plan_cli
 from jaxserve.planning.capacity import GIB, KVDtype, WeightDtype
 
 LLAMA2_7B = capacity.KNOWN_MODELS["llama-2-7b"]
@@ -120,7 +120,7 @@ def test_zero_conversations_fit():
   # SmolLM2 weights 269,030,016 B; one 8192-token conversation 188,743,680 B; 0.25 GiB total.
   plan = capacity.plan_capacity(SMOLLM2, GIB // 4, 8192, prefill_tokens=0, overhead_bytes=0)
   assert plan.max_conversations == 0
-  assert "no full-length conversation fits" in capacity.format_plan(plan)
+  assert "no full-length conversation fits" in plan_cli.format_plan(plan)
 
 
 def test_num_kv_pages():
@@ -185,7 +185,7 @@ def _args(**overrides):
 
 
 def test_run_plan_prints_the_worked_example(capsys):
-  assert capacity.run_plan(_args()) == 0
+  assert plan_cli.run_plan(_args()) == 0
   out = capsys.readouterr().out
   assert "12.55 GiB (bfloat16)" in out  # 13,476,831,232 / 2**30
   assert "512.00 KiB" in out  # 524,288 B per token
@@ -198,30 +198,30 @@ def test_run_plan_from_a_config_file_matches_the_known_name(tmp_path, capsys):
   hf = tmp_path / "Llama-2-7b-hf" / "config.json"
   hf.parent.mkdir()
   hf.write_text(json.dumps(_hf_llama2_7b_config()))
-  assert capacity.run_plan(_args(model=str(hf))) == 0
+  assert plan_cli.run_plan(_args(model=str(hf))) == 0
   from_file = capsys.readouterr().out
-  capacity.run_plan(_args())
+  plan_cli.run_plan(_args())
   assert from_file.replace("Llama-2-7b-hf", "llama-2-7b") == capsys.readouterr().out
 
 
 def test_run_plan_when_nothing_fits(capsys):
-  assert capacity.run_plan(_args(model="llama-2-13b", memory_gib=24.0)) == 1
+  assert plan_cli.run_plan(_args(model="llama-2-13b", memory_gib=24.0)) == 1
   out = capsys.readouterr().out
   assert "conversations       0" in out
   assert "no full-length conversation fits" in out
 
 
 def test_run_plan_rejects_an_unknown_model(capsys):
-  assert capacity.run_plan(_args(model="gpt-9")) == 1
+  assert plan_cli.run_plan(_args(model="gpt-9")) == 1
   assert "neither a known model" in capsys.readouterr().err
 
 
 def test_plan_subcommand_parses_and_defaults_to_the_models_context(capsys):
   parser = argparse.ArgumentParser(prog="jaxserve")
-  capacity.add_plan_parser(parser.add_subparsers(dest="command"))
+  plan_cli.add_plan_parser(parser.add_subparsers(dest="command"))
   args = parser.parse_args(["plan", "--model", "smollm2-135m", "--memory-gib", "16",
                             "--kv-dtype", "int8", "--weight-dtype", "q4_1", "--page-size", "32"])
-  assert capacity.run_plan(args) == 0
+  assert plan_cli.run_plan(args) == 0
   out = capsys.readouterr().out
   # SmolLM2's context is 8192 = 256 pages of 32; int8 KV per token 2 * 30 * 3 * (64 + 1) = 11,700 B.
   assert "(8192 tokens in 256 pages of 32)" in out
@@ -346,7 +346,7 @@ def test_plan_reads_a_multimodal_gemma3_config_as_its_text_model(tmp_path, capsy
   path.write_text(json.dumps(GEMMA3_4B_IT))
   assert capacity.load_model_config(str(path.parent)) == dataclasses.replace(
       GEMMA3_4B, name="gemma-3-4b-it")
-  assert capacity.run_plan(_args(model=str(path), memory_gib=16.0, context=8192,
+  assert plan_cli.run_plan(_args(model=str(path), memory_gib=16.0, context=8192,
                                  prefill_tokens=0, overhead_gib=0.0)) == 0
   out = capsys.readouterr().out
   assert "conversations       8 at 8192 tokens" in out
@@ -356,5 +356,5 @@ def test_plan_reads_a_multimodal_gemma3_config_as_its_text_model(tmp_path, capsy
 
 
 def test_plan_of_a_model_without_local_layers_prints_no_window_lines(capsys):
-  assert capacity.run_plan(_args()) == 0
+  assert plan_cli.run_plan(_args()) == 0
   assert "window-only" not in capsys.readouterr().out

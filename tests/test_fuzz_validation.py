@@ -4,7 +4,7 @@ Validation, whatever a client sends: either a request the engine can run (every 
 its range, the prompt and max_tokens within the context window, the sampling row buildable), or
 an INVALID_ARGUMENT `ApiError` naming the bad field; never any other exception. Each case spoils
 one field of a valid request (the rest stay in range), so a refusal must name that field, and a
-spoilt value that is in range after all must run. Checked for `gateway.sampling_params`, the
+spoilt value that is in range after all must run. Checked for `client_fields.sampling_params`, the
 OpenAI body parser (openai_request.py) and the gRPC request conversion, each followed by the
 service's own checks (`Service.prepare`) on the real SmolLM2 tokenizer; and for raw bytes.
 
@@ -32,10 +32,11 @@ from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.stop import OutputText
 from jaxserve.config import SamplingParams
 from jaxserve.engine.sampling_state import SamplingRow
-from jaxserve.serving import gateway
+from jaxserve.serving import client_fields, gateway
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.serving.metrics import Metrics
-from jaxserve.serving.service import Prompt, Service
+from jaxserve.serving.requests import Prompt
+from jaxserve.serving.service import Service
 from jaxserve.text.detokenizer import IncrementalDetokenizer
 
 MAX_MODEL_LEN = 128
@@ -146,7 +147,7 @@ def test_property_sampling_params_are_in_range_or_refused_by_name(case, max_toke
   target, value, in_range, fields = case
   fields[target] = value
   try:
-    sp = gateway.sampling_params(fields, max_tokens, logprobs)
+    sp = client_fields.sampling_params(fields, max_tokens, logprobs)
   except ApiError as e:
     assert not in_range, e.message
     _expect_invalid(e, [target])
@@ -336,7 +337,7 @@ def test_property_grpc_requests_run_or_are_refused_by_name(service, data):
     # A prompt is named as the prompt, its token ids or its chat messages.
     _expect_invalid(e, [target, *(["prompt", "messages"] if target in _PROMPTS else [])])
     return
-  assert 1 <= chunk_tokens <= gateway.MAX_CHUNK_TOKENS
+  assert 1 <= chunk_tokens <= client_fields.MAX_CHUNK_TOKENS
   _assert_prepared(service, prepared)
 
 

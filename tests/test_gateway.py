@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxserve.serving import gateway
+from jaxserve.serving import client_fields, gateway
 from jaxserve.serving.gateway import ANONYMOUS, ApiError, Gateway, Status
 
 
@@ -151,39 +151,41 @@ def test_a_refund_after_the_minute_is_harmless(keys):
 
 def test_fit_to_context():
   ids = list(range(10))
-  assert gateway.fit_to_context(ids, None, 128, False) == (ids, 118)
-  assert gateway.fit_to_context(ids, 118, 128, False) == (ids, 118)
-  e = status_of(gateway.fit_to_context, ids, 119, 128, False)
+  assert client_fields.fit_to_context(ids, None, 128, False) == (ids, 118)
+  assert client_fields.fit_to_context(ids, 118, 128, False) == (ids, 118)
+  e = status_of(client_fields.fit_to_context, ids, 119, 128, False)
   assert e.status is Status.INVALID_ARGUMENT and "context window of 128" in e.message
-  assert gateway.fit_to_context(ids, 120, 128, True) == (ids[2:], 120)
-  assert "max_tokens" in status_of(gateway.fit_to_context, ids, 128, 128, True).message
-  assert "max_tokens" in status_of(gateway.fit_to_context, ids, 0, 128, False).message
-  assert "empty" in status_of(gateway.fit_to_context, [], None, 128, False).message
+  assert client_fields.fit_to_context(ids, 120, 128, True) == (ids[2:], 120)
+  assert "max_tokens" in status_of(client_fields.fit_to_context, ids, 128, 128, True).message
+  assert "max_tokens" in status_of(client_fields.fit_to_context, ids, 0, 128, False).message
+  assert "empty" in status_of(client_fields.fit_to_context, [], None, 128, False).message
   long = list(range(300))
-  assert gateway.fit_to_context(long, None, 128, True) == (long[-127:], 1)
-  assert gateway.fit_to_context(ids, None, 128, False, default=16) == (ids, 16)  # Completions.
-  assert gateway.fit_to_context(list(range(120)), None, 128, False, default=16)[1] == 8
+  assert client_fields.fit_to_context(long, None, 128, True) == (long[-127:], 1)
+  # Completions' default of 16 tokens.
+  assert client_fields.fit_to_context(ids, None, 128, False, default=16) == (ids, 16)
+  assert client_fields.fit_to_context(list(range(120)), None, 128, False, default=16)[1] == 8
 
 
 def test_sampling_params():
-  sp = gateway.sampling_params({"temperature": 0.5, "stop": ["x"]}, 7, None)
+  sp = client_fields.sampling_params({"temperature": 0.5, "stop": ["x"]}, 7, None)
   assert (sp.temperature, sp.stop, sp.max_tokens, sp.logprobs) == (0.5, ("x",), 7, 0)
-  assert gateway.sampling_params({}, 1, 0).logprobs == 1  # The chosen token's needs a top row.
-  assert gateway.sampling_params({}, 1, 20).logprobs == 20
+  # The chosen token's logprob needs a top row.
+  assert client_fields.sampling_params({}, 1, 0).logprobs == 1
+  assert client_fields.sampling_params({}, 1, 20).logprobs == 20
   for fields, logprobs, named in [({"temprature": 1.0}, None, "temprature"),
                                   ({"top_p": 2.0}, None, "top_p"),
                                   ({"top_k": "5"}, None, "top_k"),
                                   ({"stop": "x"}, None, "stop"),
                                   ({}, 21, "logprobs"), ({}, -1, "logprobs"),
                                   ({}, True, "logprobs")]:
-    e = status_of(gateway.sampling_params, fields, 4, logprobs)
+    e = status_of(client_fields.sampling_params, fields, 4, logprobs)
     assert e.status is Status.INVALID_ARGUMENT and named in e.message
 
 
 def test_token_ids_and_chunk_tokens():
-  gateway.check_token_ids([0, 5, 9], 10, "ids")
+  client_fields.check_token_ids([0, 5, 9], 10, "ids")
   for bad in ([10], [-1], [True], [1.0]):
-    assert "ids[0]" in status_of(gateway.check_token_ids, bad, 10, "ids").message
-  assert gateway.check_chunk_tokens(0) == gateway.check_chunk_tokens(1) == 1
-  assert gateway.check_chunk_tokens(8) == 8
-  assert "chunk_tokens" in status_of(gateway.check_chunk_tokens, -1).message
+    assert "ids[0]" in status_of(client_fields.check_token_ids, bad, 10, "ids").message
+  assert client_fields.check_chunk_tokens(0) == client_fields.check_chunk_tokens(1) == 1
+  assert client_fields.check_chunk_tokens(8) == 8
+  assert "chunk_tokens" in status_of(client_fields.check_chunk_tokens, -1).message

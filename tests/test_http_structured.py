@@ -136,6 +136,40 @@ def test_bad_constraints_are_a_400_naming_the_problem(client, srv, body, message
   assert not srv.scheduler.waiting and not srv.scheduler.running  # Nothing was queued.
 
 
+def test_a_grammar_engine_error_mid_output_is_an_error_not_a_short_answer(client, srv,
+                                                                           monkeypatch):
+  """llguidance's row and size limits are met at compile (a 400 before anything runs); one met
+  later leaves its matcher in error, where only an end of sequence is allowed. That end must not
+  pass for the answer's: the client gets a 400 naming it. The matcher is put in that state for
+  real, by feeding llguidance a token its grammar refuses after the first token."""
+  from jaxserve.text.constraint import Matcher
+
+  accept, refused = Matcher.accept, client_token(srv, "x")
+
+  def accept_then_fail(self, token_id):
+    ok = accept(self, token_id)
+    if ok and not self.error:
+      assert not accept(self, refused)  # llguidance is now in its error state.
+    return ok
+
+  monkeypatch.setattr(Matcher, "accept", accept_then_fail)
+  late, digits = "could not go on after 1 tokens", {"guided_regex": "[0-9]{6}"}
+  with pytest.raises(openai.BadRequestError, match=late):
+    client.completions.create(model="tiny", prompt="x", max_tokens=8, extra_body=digits)
+  with pytest.raises(openai.APIError, match=late):
+    list(client.completions.create(model="tiny", prompt="x", max_tokens=8, stream=True,
+                                   extra_body=digits))
+  with grpc.insecure_channel(srv.grpc_address) as ch, pytest.raises(grpc.RpcError) as e:
+    list(h.generate(h.stub(ch), pb.GenerateRequest(text="x", max_tokens=8, regex="[0-9]{6}"),
+                    timeout=120))
+  assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and late in e.value.details()
+
+
+def client_token(srv, text: str) -> int:
+  (token,) = srv.server.service.tokenizer.encode(text, add_bos=False)
+  return token
+
+
 def test_tool_choice_required_returns_tool_calls_whose_arguments_validate(client):
   params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
   for seed in range(3):

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from jaxserve.api.proto import jaxserve_pb2 as pb
-from jaxserve.serving import gateway
+from jaxserve.serving import client_fields
 from support import server_harness as h
 from support.openai_http import call
 
@@ -191,4 +191,4 @@ def test_allowed_token_ids_are_deduplicated(srv):
   status, out = post(srv, "free", {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True,
                                    "allowed_token_ids": [7] * 40_000 + [5, 7, 5]})
   assert status == 200, out
-  assert gateway.allowed_token_ids([7] * 40_000 + [5, 7, 5], 49_152) == (5, 7)
+  assert client_fields.allowed_token_ids([7] * 40_000 + [5, 7, 5], 49_152) == (5, 7)

@@ -83,7 +83,7 @@ def test_a_chat_stream_with_tools_sends_content_as_it_comes_and_the_call_at_the_
 
   from jaxserve.api.openai_format import ChatFormat
   from jaxserve.api.openai_request import Request
-  from jaxserve.serving.service import Chunk, FinishReason, GenerateInput, Prompt
+  from jaxserve.serving.requests import Chunk, FinishReason, GenerateInput, Prompt
 
   request = Request(GenerateInput(Prompt(text="x")), stream=True, tool_choice="auto",
                     tool_names=("get_weather",))

@@ -21,7 +21,8 @@ from jaxserve.config import Constraint, SamplingParams
 from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
 from jaxserve.serving.metrics import RequestRecord
-from jaxserve.serving.service import Chunk, FinishReason, GenerateInput, Prompt, Run, Service
+from jaxserve.serving.requests import Chunk, FinishReason, GenerateInput, Prompt, Run
+from jaxserve.serving.service import Service
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Jaxserve"].full_name
 

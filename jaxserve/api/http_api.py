@@ -31,7 +31,8 @@ from jaxserve.api.openai_format import ChatFormat, CompletionFormat
 from jaxserve.serving import work_pool
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.serving.metrics import CONTENT_TYPE, Metrics
-from jaxserve.serving.service import Accepted, Service
+from jaxserve.serving.requests import Accepted
+from jaxserve.serving.service import Service
 
 HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.NOT_FOUND: 404, Status.UNAUTHENTICATED: 401,
                Status.RESOURCE_EXHAUSTED: 429, Status.UNAVAILABLE: 503, Status.INTERNAL: 500}

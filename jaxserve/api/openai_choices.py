@@ -22,7 +22,8 @@ from jaxserve.api.openai_request import Request
 from jaxserve.serving import work_pool
 from jaxserve.serving.gateway import ApiError, Lease
 from jaxserve.serving.metrics import RequestRecord
-from jaxserve.serving.service import Accepted, Chunk, Run, Service
+from jaxserve.serving.requests import Accepted, Chunk, Run
+from jaxserve.serving.service import Service
 
 
 def prepare(service: Service, lease: Lease, body: bytes,

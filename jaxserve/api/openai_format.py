@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 from jaxserve.api.openai_request import Request
 from jaxserve.serving.metrics import RequestRecord
-from jaxserve.serving.service import Chunk, FinishReason, Service, TokenLogprobs
+from jaxserve.serving.requests import Chunk, FinishReason, TokenLogprobs
+from jaxserve.serving.service import Service
 from jaxserve.text import tool_calls
 from jaxserve.text.constraint_vocab import spelling_bytes
 

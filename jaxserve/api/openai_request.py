@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> service.GenerateInput, for /v1/completions and /v1/chat/completions.
+"""OpenAI request bodies -> requests.GenerateInput, for /v1/completions and /v1/chat/completions.
 
 What is checked here is what the gateway and SamplingParams cannot see: the body's bytes and
 JSON, OpenAI's field names and JSON types, and fields the endpoint does not know. A field sent as
@@ -21,8 +21,9 @@ from jaxserve.api import openai_structured
 from jaxserve.api.openai_structured import GUIDED_FIELDS
 from jaxserve.config import Constraint, SamplingParams, is_int, json_type, short
 from jaxserve.serving import work_pool
-from jaxserve.serving.gateway import MAX_MESSAGES, invalid
-from jaxserve.serving.service import GenerateInput, Prompt
+from jaxserve.serving.client_fields import MAX_MESSAGES
+from jaxserve.serving.gateway import invalid
+from jaxserve.serving.requests import GenerateInput, Prompt
 from jaxserve.text import tool_calls
 
 # OpenAI's sampling fields and vLLM's extras, passed on to SamplingParams as they are.

@@ -16,9 +16,10 @@ from typing import Any, Mapping
 
 from jaxserve.api import openai_request
 from jaxserve.config import short
-from jaxserve.serving import gateway
+from jaxserve.serving import client_fields
 from jaxserve.serving.gateway import invalid
-from jaxserve.serving.service import Prompt, Service
+from jaxserve.serving.requests import Prompt
+from jaxserve.serving.service import Service
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
                               "add_generation_prompt", "return_token_strs"})
@@ -59,7 +60,7 @@ def detokenize(service: Service, body: Mapping[str, Any]) -> dict[str, Any]:
   if len(tokens) > service.max_model_len:  # Before reading them one by one.
     raise invalid(f"tokens: at most {service.max_model_len} ids (the context window), "
                   f"got {len(tokens):,}")
-  gateway.check_token_ids(tokens, service.vocab_size, "tokens")
+  client_fields.check_token_ids(tokens, service.vocab_size, "tokens")
   return {"prompt": service.tokenizer.detokenize(tokens)}
 
 

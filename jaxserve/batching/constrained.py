@@ -82,6 +82,11 @@ class Constraints:
   def end(self, req: Request) -> None:
     self._matchers.pop(req.request_id, None)
 
+  def error(self, req: Request) -> str | None:
+    """Why `req`'s matcher stopped (a grammar limit reached, a refused token); None if it did
+    not."""
+    return self._matchers[req.request_id].error or None
+
   def accept(self, req: Request, token: int) -> None:
     matcher = self._matchers[req.request_id]
     if not matcher.accept(token):  # The mask allowed it, so this is a bug, not bad input.

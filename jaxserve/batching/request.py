@@ -117,6 +117,9 @@ class Request:
       default_factory=lambda: RequestTimings(time.monotonic()))
   # sampling.constraint compiled for the vocabulary (a text.constraint.Grammar); None: free text.
   grammar: Any = None
+  # Why the grammar engine ended the output early (a limit reached after the first token): the
+  # output is a valid prefix, not a finished answer, and the serving core reports it as an error.
+  constraint_error: str | None = None
   # Shares prefix-cache pages only with requests of the same salt (vLLM's cache_salt).
   cache_salt: str | None = None
   # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.

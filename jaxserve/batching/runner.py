@@ -232,6 +232,8 @@ class Runner:
     out = self._texts[req.request_id]
     if token in out.stop_token_ids:  # Its text is never shown.
       req.stop_reason = token
+      if req.grammar is not None:  # An end the grammar engine forced is not an answer's end.
+        req.constraint_error = self.constraints.error(req)
       return self._last(req, FinishReason.STOP, out.finish(), now, (token,), logprobs, ahead)
     if req.grammar is not None:
       self.constraints.accept(req, token)

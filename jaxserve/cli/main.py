@@ -10,7 +10,7 @@ import time
 
 from jaxserve.cli import flags
 from jaxserve.config import Quantization
-from jaxserve.planning import capacity
+from jaxserve.planning import plan_cli
 
 
 def engine_config(args):
@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
   c = client.add_parser(sub)
   flags.add_sampling_flags(c)
   c.set_defaults(run=lambda args: client.run(args, flags.sampling_fields(args)))
-  _add_compile_flags(capacity.add_plan_parser(sub))
+  _add_compile_flags(plan_cli.add_plan_parser(sub))
   return parser
 
 
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     from jaxserve.engine import compile_plan
     return compile_plan.run_compile(args)
   if args.command == "plan":
-    return capacity.run_plan(args)
+    return plan_cli.run_plan(args)
   try:
     return args.run(args)
   except (ValueError, FileNotFoundError) as e:

@@ -25,20 +25,18 @@ local layers' pages are a pool of their own, num_slots * window_pages_per_seq(wi
 pages, enough for every slot's window plus the T - 1 more positions a prefill chunk of T tokens
 briefly needs; the rest of the memory is the global layers' pool (`num_kv_pages`).
 The engine sizes its page pool with the same arithmetic (`num_kv_pages`); `jaxserve plan`
-prints a plan (`add_plan_parser`, `run_plan`).
+prints a plan (plan_cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
 import json
 import pathlib
-import sys
 import types
 
-from jaxserve.config import KVDtype, ModelConfig, Quantization, readers
+from jaxserve.config import KVDtype, ModelConfig, readers
 from jaxserve.config.engine import window_pages_per_seq
 from jaxserve.planning.known_models import KNOWN_MODELS
 
@@ -216,10 +214,11 @@ def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: flo
   # as many as one layer's pages would fill the memory left.
   pages = max(0, budget) // (page or per_layer)
   if pages < 2:
+    fmt = format_bytes
     raise ValueError(
-        f"KV cache does not fit: {memory_fraction:.0%} of {_fmt(memory_bytes)} minus weights of "
-        f"{_fmt(weight_bytes)} leaves {_fmt(budget)}, but the pool needs two pages of "
-        f"{_fmt(page)} (one is the scratch page); raise the memory fraction or shrink the model")
+        f"KV cache does not fit: {memory_fraction:.0%} of {fmt(memory_bytes)} minus weights of "
+        f"{fmt(weight_bytes)} leaves {fmt(budget)}, but the pool needs two pages of "
+        f"{fmt(page)} (one is the scratch page); raise the memory fraction or shrink the model")
   return pages
 
 
@@ -242,111 +241,8 @@ def load_model_config(spec: str) -> ModelConfig:
   return ModelConfig.from_dict(d)
 
 
-def _fmt(num_bytes: int) -> str:
+def format_bytes(num_bytes: int) -> str:
   for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
     if abs(num_bytes) >= size:
       return f"{num_bytes / size:.2f} {unit}"
   return f"{num_bytes} B"
-
-
-def format_plan(p: CapacityPlan) -> str:
-  m = p.model
-  # A mixture of experts runs only its top-k experts a token: its active parameters.
-  active = (f" ({m.num_active_params / 1e9:.2f}B active: {m.experts_per_token} of "
-            f"{m.num_experts} experts a token)" if m.num_experts else "")
-  lines = [
-      f"model               {m.name}: {m.num_params / 1e9:.2f}B params{active}, "
-      f"{m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}",
-      f"accelerator memory  {_fmt(p.memory_bytes)}",
-      f"weights             {_fmt(p.weight_bytes)} ({p.weight_dtype.label})",
-      f"KV per token        {_fmt(p.kv_bytes_per_token)} ({p.kv_dtype.label})",
-      f"KV per conversation {_fmt(p.kv_bytes_per_conversation)} ({p.context} tokens in "
-      f"{pages_per_conversation(p.context, p.page_size)} pages of {p.page_size})",
-      f"minimum reserve     {_fmt(p.min_reserve_bytes)} (activations of a prefill chunk + "
-      "overhead)",
-      f"conversations       {p.max_conversations} at {p.context} tokens",
-      f"reserve left        {_fmt(p.reserve_bytes)} for activations and overhead",
-  ]
-  if p.context > m.max_seq_len:
-    lines.append(f"note: {p.context} tokens is beyond the model's trained context "
-                 f"({m.max_seq_len})")
-  if p.max_conversations == 0:
-    need = p.weight_bytes + p.kv_bytes_per_conversation + p.min_reserve_bytes
-    lines.append(f"no full-length conversation fits: weights + one conversation + minimum reserve "
-                 f"= {_fmt(need)} > {_fmt(p.memory_bytes)}; use more memory, a shorter context, "
-                 "smaller dtypes or a smaller --prefill-tokens / --overhead-gib")
-  return "\n".join(lines)
-
-
-def format_window_gain(today: CapacityPlan, windowed: CapacityPlan) -> str:
-  """The lines that set the window-only plan (what the engine holds by default) beside `today`'s,
-  every layer keeping every page (EngineConfig.window_pages=False)."""
-  m, z = windowed.model, windowed.page_size
-  num_local = sum(m.local_layers)
-  kept = min(window_pages(m, z), pages_per_conversation(windowed.context, z))
-  gain = (f"{windowed.max_conversations / today.max_conversations:.2f}x"
-          if today.max_conversations else "none fit without")
-  return "\n".join([
-      f"window-only pages   {num_local} of {m.num_layers} layers are local "
-      f"({m.sliding_window}-token "
-      f"window): each keeps {kept} pages, the {m.num_layers - num_local} global layers every page",
-      f"  KV per conversation {_fmt(windowed.kv_bytes_per_conversation)} (every layer every page: "
-      f"{_fmt(today.kv_bytes_per_conversation)})",
-      f"  conversations       {windowed.max_conversations} at {windowed.context} tokens ({gain}); "
-      "what the engine holds (window_pages=False: every page)",
-  ])
-
-
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-  parser = subparsers.add_parser(
-      "plan", help="how many full-length conversations fit on one accelerator",
-      description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", default="smollm2-135m",
-                      help=f"a known name ({', '.join(KNOWN_MODELS)}), a config.json, or a "
-                      "checkpoint directory holding model_config.json")
-  parser.add_argument("--memory-gib", type=float, default=80.0,
-                      help="accelerator memory, GiB (default 80)")
-  parser.add_argument("--context", type=int, default=None,
-                      help="tokens per conversation (default: the model's max context)")
-  parser.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="bfloat16",
-                      help="int8, int4, q4_1: GGUF Q8_0, Q4_0, Q4_1 pages of 32")
-  parser.add_argument("--quantization", choices=[q.value for q in Quantization], default="none",
-                      help="weights as the engine stores them: int8 (per output channel), gguf "
-                      "(4-bit blocks unpacked to int8 + float32 scale and minimum per 32); none "
-                      "and auto (a config has no blocks): --weight-dtype")
-  parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bfloat16",
-                      help="int8 adds a 1-byte scale exponent per token and KV head")
-  parser.add_argument("--page-size", type=int, default=None,
-                      help="tokens per KV page (default 16; 32 for int8 and float8 KV)")
-  parser.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS,
-                      help="largest prefill chunk, for the activation estimate")
-  parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GIB,
-                      help="runtime overhead kept free beside the activations, GiB")
-  return parser
-
-
-def stored_weight_dtype(mode: Quantization, weight_dtype: str) -> WeightDtype:
-  """The bytes per weight the engine holds in `mode` (none, auto: the float `weight_dtype`)."""
-  stored = {Quantization.INT8: WeightDtype.INT8_CHANNEL, Quantization.GGUF: WeightDtype.GGUF_STORED}
-  return stored.get(mode, WEIGHT_DTYPES[weight_dtype])
-
-
-def run_plan(args: argparse.Namespace) -> int:
-  """Prints the plan; returns 1 when no full-length conversation fits (or the input is bad)."""
-  try:
-    cfg = load_model_config(args.model)
-    plan = lambda window_only: plan_capacity(
-        cfg, round(args.memory_gib * GIB), args.context or cfg.max_seq_len,
-        weight_dtype=stored_weight_dtype(Quantization(args.quantization), args.weight_dtype),
-        kv_dtype=KV_DTYPES[args.kv_dtype],
-        page_size=args.page_size or default_page_size(KV_DTYPES[args.kv_dtype]),
-        prefill_tokens=args.prefill_tokens,
-        overhead_bytes=round(args.overhead_gib * GIB), window_only=window_only)
-    today = plan(False)
-  except ValueError as e:
-    print(f"jaxserve plan: {e}", file=sys.stderr)
-    return 1
-  print(format_plan(today))
-  if any(cfg.local_layers):
-    print(format_window_gain(today, plan(True)))
-  return 0 if today.max_conversations else 1

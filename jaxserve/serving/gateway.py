@@ -1,5 +1,5 @@
-"""What a request passes before it reaches the queue: its API key, its key's rate limits, and the
-checks that turn client fields into a prompt and `SamplingParams`.
+"""What a request passes before it reaches the queue: its API key and its key's rate limits (the
+checks that turn client fields into a prompt and `SamplingParams` are in client_fields.py).
 
 Both front ends (gRPC in api/grpc_api.py, HTTP in api/http_api.py) raise `ApiError`s from here and
 map the one `Status` to their own codes, so a bad field reads the same in either.
@@ -33,18 +33,12 @@ import json
 import pathlib
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
-from jaxserve.config import SamplingParams, is_int, short
+from jaxserve.config import short
 
 WINDOW_S = 60.0  # The limits are per minute.
-MAX_CHUNK_TOKENS = 4096
-MAX_REQUEST_ID_CHARS = 256
 MAX_MESSAGE_CHARS = 1000  # gRPC sends the message in a trailer, which has a size limit.
-MAX_MESSAGES = 2048  # Chat messages in one request (each costs template and tokenizer work).
-# What a client may set; max_tokens and logprobs are checked on their own, against the context.
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
-    "max_tokens", "logprobs"}
 
 
 class Status(enum.Enum):
@@ -274,98 +268,3 @@ class Gateway:
                      "tokens per minute left")
     charge.tokens = need
     return max_tokens
-
-
-# Request fields -> what the engine runs.
-
-
-def sampling_params(fields: Mapping[str, Any], max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
-  """SamplingParams from the fields a client set (all but max_tokens and logprobs, which come
-  apart); ValueError/TypeError become INVALID_ARGUMENT with SamplingParams' own message, which
-  names the field and its value."""
-  unknown = set(fields) - _SAMPLING_FIELDS
-  if unknown:
-    raise invalid(f"unknown sampling fields {sorted(map(str, unknown))}")
-  if logprobs is not None and not (is_int(logprobs)
-                                   and 0 <= logprobs <= SamplingParams.MAX_LOGPROBS):
-    raise invalid(f"logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {short(logprobs)}")
-  # The engine reports logprobs for requests that ask for at least one top token; the front end
-  # drops the alternatives of a request that asked for the chosen token's logprob only.
-  num_top = 0 if logprobs is None else max(logprobs, 1)
-  try:
-    return SamplingParams(**fields, max_tokens=max_tokens, logprobs=num_top)
-  except (ValueError, TypeError) as e:
-    raise invalid(str(e)) from e
-
-
-def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
-  for n, i in enumerate(ids):
-    if not is_int(i):
-      raise invalid(f"{field}[{n}] must be a token id (an int), got {short(i)}")
-    if not 0 <= i < vocab_size:
-      raise invalid(f"{field}[{n}] is {short(i)}, outside the vocabulary [0, {vocab_size})")
-
-
-def check_bias_ids(sampling: SamplingParams, vocab_size: int) -> None:
-  """logit_bias' ids against the vocabulary (SamplingParams checked their types and count)."""
-  for token, _ in sampling.logit_bias:
-    if token >= vocab_size:
-      raise invalid(f"logit_bias has token id {token}, outside the vocabulary [0, {vocab_size})")
-
-
-def allowed_token_ids(ids: Any, vocab_size: int) -> Any:
-  """vLLM's allowed_token_ids, deduplicated (sorted): at most the vocabulary's size of them,
-  counted before any is read, each an id in it. Not a list: as given, for SamplingParams to
-  refuse by name."""
-  if not isinstance(ids, (list, tuple)):
-    return ids
-  if len(ids) > vocab_size:
-    raise invalid(f"allowed_token_ids: at most {vocab_size:,} ids (the vocabulary's size), got "
-                  f"{len(ids):,}")
-  check_token_ids(ids, vocab_size, "allowed_token_ids")
-  return tuple(sorted(set(ids)))
-
-
-def check_stop_token_ids(ids: Any, vocab_size: int) -> None:
-  """The vocabulary bound SamplingParams cannot know; it checks the rest (the type, the count)."""
-  if isinstance(ids, (list, tuple)) and len(ids) <= SamplingParams.MAX_STOP_TOKEN_IDS:
-    check_token_ids(ids, vocab_size, "stop_token_ids")
-
-
-def check_request_id(request_id: str) -> None:
-  # It is written in the request's log lines: keep it a name, not a payload.
-  if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-    raise invalid(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters, "
-                  f"got {short(request_id)}")
-
-
-def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: int,
-                   truncate: bool, default: int | None = None) -> tuple[Sequence[int], int]:
-  """(prompt ids, max_tokens) that fit the context window.
-
-  max_tokens None takes what the window leaves after the prompt, or at most `default` when one
-  is given. A prompt that leaves no room is refused, or with `truncate`, loses its first tokens.
-  """
-  if not ids:
-    raise invalid("prompt is empty")
-  if max_tokens is not None and not 1 <= max_tokens < max_model_len:
-    raise invalid(f"max_tokens must be in [1, {max_model_len}) (the context window), "
-                  f"got {max_tokens}")
-  room = max_model_len - (max_tokens or 1)
-  if len(ids) > room:
-    if not truncate:
-      raise invalid(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens or 1}) is more than "
-                    f"the context window of {max_model_len} tokens; shorten it or set "
-                    "truncate_prompt")
-    ids = ids[len(ids) - room:]
-  if max_tokens is None:
-    max_tokens = (max_model_len - len(ids) if default is None
-                  else min(default, max_model_len - len(ids)))
-  return ids, max_tokens
-
-
-def check_chunk_tokens(chunk_tokens: int) -> int:
-  if not is_int(chunk_tokens) or not 0 <= chunk_tokens <= MAX_CHUNK_TOKENS:
-    raise invalid(f"chunk_tokens must be in [0, {MAX_CHUNK_TOKENS}], got {chunk_tokens!r}")
-  return max(chunk_tokens, 1)

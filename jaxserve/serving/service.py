@@ -26,135 +26,29 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from absl import logging
 
-# FinishReason and TokenLogprobs are fields of a Chunk: the front ends take them from here.
 from jaxserve.batching.request import (
   FinishReason,
   QueueFull,
   Request,
   RequestOutput,
   RequestRejected,
-  TokenLogprobs,
 )
 from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
 from jaxserve.config import SamplingParams
-from jaxserve.serving import gateway
+from jaxserve.serving import client_fields, gateway
 from jaxserve.serving.constraint_gate import ConstraintGate
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
+from jaxserve.serving.requests import Accepted, Chunk, GenerateInput, Prepared, Prompt, Run
 from jaxserve.serving.work_pool import WorkPool
 from jaxserve.text import tool_calls
 from jaxserve.text.constraint import Grammar
 
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-  """Exactly one of: text (encoded as is), token ids, or chat messages."""
-
-  text: str | None = None
-  token_ids: Sequence[int] | None = None
-  messages: Sequence[Mapping[str, Any]] | None = None
-  # With messages: the functions offered to the model (OpenAI's definitions), through the chat
-  # template when it takes them, else in a system message (text/tool_calls.py).
-  tools: Sequence[Mapping[str, Any]] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateInput:
-  prompt: Prompt
-  sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # SamplingParams fields.
-  max_tokens: int | None = None  # None: what the context window leaves, or default_max_tokens.
-  # At most this many when max_tokens is None (OpenAI's completions: 16); None: no such cap.
-  default_max_tokens: int | None = None
-  logprobs: int | None = None  # None: none; n: the chosen token's and the top n.
-  chunk_tokens: int = 1
-  request_id: str | None = None
-  priority: int = 0
-  model: str = ""  # Empty, or the served model's name.
-  truncate_prompt: bool = False
-  cache_salt: str | None = None  # vLLM's: only requests of one salt share cached pages.
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-  request_id: str
-  text: str
-  token_ids: Sequence[int]
-  logprobs: Sequence[TokenLogprobs] | None  # Cut to the top n the client asked for.
-  finish_reason: FinishReason | None
-  record: RequestRecord | None  # On the last chunk: usage and timings.
-  prompt_token_ids: Sequence[int] = ()  # The ids the request ran (for echo).
-  # On the first chunk, when the sampling asked for prompt_logprobs: one per prompt token
-  # (None for the first), cut to that many top entries.
-  prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
-
-
-class Prepared(NamedTuple):
-  """A checked prompt, ready to run."""
-
-  prompt_ids: Sequence[int]
-  sampling: SamplingParams
-  tokenize_s: float  # Seconds spent tokenizing.
-  chunk_tokens: int
-
-
-class Run(NamedTuple):
-  """One engine request of a prepared request (one of its n choices), ready to queue."""
-
-  input: GenerateInput
-  request: Request
-  tokenize_s: float
-  chunk_tokens: int
-
-
 _SEEDS = 2**63  # SamplingParams' seed range: seed + run wraps inside it.
-
-
-class Accepted:
-  """One request from the moment the service takes it to the end of its handler, whatever it
-  is doing meanwhile (reading its body, being prepared on a worker, running): the drain waits
-  for it, and at its timeout cuts it (UNAVAILABLE at once, whatever it was waiting for)."""
-
-  def __init__(self, service: Service, key: ApiKey, lease: Lease):
-    self.key = key
-    self.lease = lease
-    self.received = time.monotonic()
-    self.submitted = False  # A run reached the engine.
-    self.answered = False  # The client got the start of its answer (the front end says when).
-    self.streams: set[RequestStream] = set()  # Its runs in the engine: the cut aborts them.
-    self._pool = service.pool
-    self._cut = asyncio.get_running_loop().create_future()
-
-  @property
-  def is_cut(self) -> bool:
-    return self._cut.done()
-
-  async def work(self, fn: Callable[..., Any], *args: Any, owed: bool = False) -> Any:
-    """fn(*args) on the work pool (see WorkPool.run for `owed`)."""
-    return await self.during(self._pool.run(fn, *args, owed=owed))
-
-  async def during(self, awaitable: Awaitable[Any]) -> Any:
-    """What `awaitable` gives, unless the drain cuts the request first (UNAVAILABLE)."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-      await asyncio.wait((task, self._cut), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # The handler was cancelled: its client went away.
-      task.cancel()
-      raise
-    if not task.done():
-      task.cancel()
-      raise ApiError(Status.UNAVAILABLE, "the server shut down before this request was "
-                     "answered; retry on another replica")
-    return task.result()
-
-  def cut(self) -> None:
-    if not self._cut.done():
-      self._cut.set_result(None)
-    for stream in self.streams:
-      stream.abort()
 
 
 class Service:
@@ -205,7 +99,7 @@ class Service:
     reached the engine."""
     self._check_accepting()
     key = self.gateway.authenticate(presented_key)
-    acc = Accepted(self, key, self.gateway.admit(key) if limited else Lease(None, key))
+    acc = Accepted(self.pool, key, self.gateway.admit(key) if limited else Lease(None, key))
     self._open.add(acc)
     self._idle.clear()
     try:
@@ -241,8 +135,8 @@ class Service:
         raise gateway.invalid("prompt is empty once tokenized: the tokenizer drops every "
                               "character of it")
       return ids
-    if len(prompt.messages) > gateway.MAX_MESSAGES:
-      raise gateway.invalid(f"messages: at most {gateway.MAX_MESSAGES} in one request, got "
+    if len(prompt.messages) > client_fields.MAX_MESSAGES:
+      raise gateway.invalid(f"messages: at most {client_fields.MAX_MESSAGES} in one request, got "
                             f"{len(prompt.messages):,}")
     # OpenAI's new name for the system role, from either front end.
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in prompt.messages]
@@ -272,7 +166,7 @@ class Service:
             f"{self.max_model_len} tokens; shorten it, or set truncate_prompt to keep its end")
       ids = ids[len(ids) - room:]
     ids = list(ids)
-    gateway.check_token_ids(ids, self.vocab_size, "prompt token_ids")
+    client_fields.check_token_ids(ids, self.vocab_size, "prompt token_ids")
     return ids
 
   def _within_reach(self, text: str, truncate: bool) -> str:
@@ -289,20 +183,20 @@ class Service:
     """Every check of one prompt, whichever front end parsed it: the one entry point. Raises an
     ApiError naming the bad field (the scheduler still refuses what the KV pool cannot hold)."""
     self.check_model(inp.model)
-    gateway.check_request_id(inp.request_id or "")
-    chunk_tokens = gateway.check_chunk_tokens(inp.chunk_tokens)
-    gateway.check_stop_token_ids(inp.sampling.get("stop_token_ids"), self.vocab_size)
+    client_fields.check_request_id(inp.request_id or "")
+    chunk_tokens = client_fields.check_chunk_tokens(inp.chunk_tokens)
+    client_fields.check_stop_token_ids(inp.sampling.get("stop_token_ids"), self.vocab_size)
     fields = inp.sampling
     if "allowed_token_ids" in fields:
-      fields = {**fields, "allowed_token_ids": gateway.allowed_token_ids(
+      fields = {**fields, "allowed_token_ids": client_fields.allowed_token_ids(
           fields["allowed_token_ids"], self.vocab_size)}
     start = time.monotonic()
     ids = self.encode(inp.prompt, inp.truncate_prompt)
     tokenize = time.monotonic() - start
-    ids, max_tokens = gateway.fit_to_context(ids, inp.max_tokens, self.max_model_len,
+    ids, max_tokens = client_fields.fit_to_context(ids, inp.max_tokens, self.max_model_len,
                                              inp.truncate_prompt, inp.default_max_tokens)
-    sampling = gateway.sampling_params(fields, max_tokens, inp.logprobs)
-    gateway.check_bias_ids(sampling, self.vocab_size)
+    sampling = client_fields.sampling_params(fields, max_tokens, inp.logprobs)
+    client_fields.check_bias_ids(sampling, self.vocab_size)
     return Prepared(ids, sampling, tokenize, chunk_tokens)
 
   def compile_constraint(self, key: ApiKey, sampling: SamplingParams) -> Grammar | None:
@@ -362,6 +256,11 @@ class Service:
         if reason is FinishReason.ABORT and acc.is_cut:
           raise ApiError(Status.UNAVAILABLE, "the server shut down before this request finished "
                          f"({num_out} tokens generated); retry on another replica")
+        if stream.request.constraint_error is not None:
+          raise gateway.invalid(  # num_out counts the end-of-sequence token it forced.
+              f"the {stream.request.sampling.constraint.kind.value} constraint could not go on "
+              f"after {num_out - 1} tokens ({stream.request.constraint_error}): the output "
+              "would be cut short; make the constraint smaller or simpler")
         yield _chunk(stream.request, outputs, run.input.logprobs, record)
     except ApiError:
       failed = True
