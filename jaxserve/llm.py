@@ -28,7 +28,8 @@ class LLM:
     mesh = placement.mesh_for(engine_config)
     self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype.value, mesh,
                                                        engine_config.quantization)
-    self.engine = Engine(self.model, engine_config, stop_ids=self.tokenizer.stop_ids)
+    self.engine = Engine(self.model, engine_config, stop_ids=self.tokenizer.stop_ids,
+                         draft=load_draft(engine_config, model, self.model, self.tokenizer))
     if warmup:
       self.engine.warmup()
     self.runner = Runner(self.engine, self.tokenizer, scheduler_config)
@@ -73,6 +74,35 @@ def load_engine(model: str | None, engine_config: EngineConfig,
   transformer, tokenizer = checkpoint.load_model(model, engine_config.dtype.value,
                                                  placement.mesh_for(engine_config),
                                                  engine_config.quantization)
-  engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids)
+  engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids,
+                  draft=load_draft(engine_config, model, transformer, tokenizer))
   engine.warmup()
   return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name)
+
+
+def load_draft(engine_config: EngineConfig, model: str | None, transformer, tokenizer):
+  """The speculative draft model (SpeculativeConfig(method="draft")), or None. Named as the
+  target is (`model`), it is the target itself: its weights are not loaded twice. Raises
+  ValueError when its tokenizer is not the target's (a draft proposes the target's token ids)."""
+  spec = engine_config.speculative
+  if spec is None or spec.method != "draft":
+    return None
+  if spec.draft_model == model:
+    return transformer
+  draft, draft_tokenizer = checkpoint.load_model(spec.draft_model, engine_config.dtype.value,
+                                                 None, engine_config.quantization)
+  differs = vocabulary_difference(tokenizer, draft_tokenizer)
+  if differs:
+    raise ValueError(f"draft model {spec.draft_model!r}: its tokenizer is not the target's "
+                     f"({differs}); a draft must share the target's tokenizer")
+  return draft
+
+
+def vocabulary_difference(a, b) -> str | None:
+  """Where tokenizers a and b first differ (size, a token's spelling), or None: the same."""
+  if a.vocab_size != b.vocab_size:
+    return f"{a.vocab_size} tokens against {b.vocab_size}"
+  for i in range(a.vocab_size):
+    if a.id_to_token(i) != b.id_to_token(i):
+      return f"token {i} is {a.id_to_token(i)!r} against {b.id_to_token(i)!r}"
+  return None

@@ -1,9 +1,11 @@
-"""Speculative decoding (n-gram prompt lookup) against none, each side in a fresh process.
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against none, each side in a
+fresh process.
 
   python scripts/bench_speculative.py                     # both workloads, k = 4
   python scripts/bench_speculative.py --quick             # a few short requests: proves it runs
   python scripts/bench_speculative.py --workloads copy \
       --speculative-config '{"num_speculative_tokens": 3}'
+  python scripts/bench_speculative.py --draft smollm2-135m-instruct   # the draft-model method
 
 Two workloads, both greedy on the default model:
 - copy: single stream, one request at a time, prompts whose answers copy spans of them (edit
@@ -113,6 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--num-pages", type=int, default=16 * 512 // 16 + 1)
   p.add_argument("--buckets", type=lambda s: tuple(int(b) for b in s.split(",")),
                  default=(64, 128, 256))
+  p.add_argument("--draft", default=None, metavar="MODEL",
+                 help="the draft-model method with MODEL (a name or path) as the draft, k from "
+                 "--speculative-config (the default model as its own draft accepts everything: "
+                 "it shows the method's overhead, not a speed-up)")
   p.add_argument("--quick", action="store_true",
                  help="a few short requests, one prefill bucket (64), max_model_len 512")
   p.add_argument("--json", type=pathlib.Path, default=None, help="write the runs here")
@@ -126,6 +132,10 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   if args.quick and not args.child:  # One prefill bucket: a few programs to compile per process.
     args.buckets, args.max_model_len = (64,), 512
+  if args.draft and not args.child:
+    k = json.loads(args.speculative_config).get("num_speculative_tokens", 4)
+    args.speculative_config = json.dumps({"method": "draft", "draft_model": args.draft,
+                                          "num_speculative_tokens": k})
   if args.child:
     print(json.dumps(child(args)))
     return 0

@@ -47,6 +47,7 @@ class PrefillChunk:
   # Speculative decoding: the last num_drafts of token_ids are proposed, not known. The chunk
   # (is_last, the sequence's last known token first) is verified: the engine keeps the longest
   # run of proposals the model agrees with plus one token of its own (TokenFuture.verified).
+  # With a draft model they are placeholders the engine writes its draft's proposals over.
   num_drafts: int = 0
 
 

@@ -1,5 +1,7 @@
 """Speculative decoding on the host: n-gram proposals (prompt lookup), when a request may
-speculate, and the counts of what was proposed and accepted.
+speculate, and the counts of what was proposed and accepted. With a draft model (method
+"draft") the proposals are made on the device, in the step that verifies them
+(engine/draft.py): the host sends placeholders, and sizes the run as for n-gram ones.
 
 A request speculates only with all its tokens on the host (the proposal continues its last
 one), so it sits out the step after each verification while the tokens come back; a request
@@ -19,6 +21,10 @@ import numpy as np
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.batching.request import Request
 from jaxserve.config import SamplingParams, SpeculativeConfig
+
+# What a verified chunk holds in place of the draft model's proposals, which the step writes
+# over it: any token id (>= 0, which engine/draft.py counts as a proposal).
+DRAFT_PLACEHOLDER = 0
 
 
 def can_speculate(sampling: SamplingParams) -> bool:
@@ -64,6 +70,8 @@ def proposal(req: Request, spec: SpeculativeConfig | None, step: int, num_tokens
   limit = min(req.max_num_tokens - num_tokens - 1, budget[0] - 1)
   if budget[1] <= 0 or limit <= 0:  # No room this step: no failure of the proposer's.
     return []
+  if spec.method == "draft":
+    return [DRAFT_PLACEHOLDER] * min(limit, spec.num_speculative_tokens)
   drafts = propose_ngram(req.all_token_ids, spec, limit)
   if not drafts:
     req.backoff.record(step, 0)

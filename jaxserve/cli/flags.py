@@ -63,7 +63,9 @@ def add_speculative_flag(p: argparse.ArgumentParser) -> None:
   p.add_argument("--speculative-config", type=speculative_config, default=None,
                  help='speculative decoding, as vLLM spells it: a JSON object, e.g. \'{"method": '
                  '"ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                 '"prompt_lookup_max": 4}\' (default: off)')
+                 '"prompt_lookup_max": 4}\', or \'{"method": "draft", "draft_model": '
+                 '"<name or path>", "num_speculative_tokens": 3}\' (a smaller model with the same '
+                 'tokenizer; default: off)')
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

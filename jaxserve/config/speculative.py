@@ -7,7 +7,9 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram",)  # The proposers built so far; vLLM also spells "draft" (a smaller model).
+# "ngram": prompt lookup on the host; "draft": a smaller model with the target's tokenizer, run
+# k times inside the step (engine/draft.py).
+METHODS = ("ngram", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,14 +21,19 @@ class SpeculativeConfig:
   num_speculative_tokens: int = 4
   prompt_lookup_min: int = 2  # The shortest n-gram that may match.
   prompt_lookup_max: int = 4  # The longest, tried first.
-  draft_model: str | None = None  # For method "draft", which is not built yet.
+  # Method "draft": the draft model (a packaged model's name or a path, as --model takes).
+  draft_model: str | None = None
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"SpeculativeConfig.method must be one of {list(METHODS)}, got "
-                       f"{self.method!r} (the draft-model method is not built yet)")
-    if self.draft_model is not None:
-      raise ValueError("SpeculativeConfig.draft_model: the draft-model method is not built yet")
+                       f"{self.method!r}")
+    if self.method == "draft" and not (isinstance(self.draft_model, str) and self.draft_model):
+      raise ValueError('SpeculativeConfig(method="draft") needs draft_model: the name or path '
+                       f"of a smaller model with the same tokenizer, got {self.draft_model!r}")
+    if self.method != "draft" and self.draft_model is not None:
+      raise ValueError(f"SpeculativeConfig.draft_model is for method \"draft\", not "
+                       f"{self.method!r}")
     for field in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
 from jaxserve.engine import placement
+from jaxserve.engine.draft import check_draft, create_cache
 from jaxserve.engine.step import DecodeState, step
 from jaxserve.engine.step_args import Packer, StepArgs, StepShape
 from jaxserve.model import kv_cache
@@ -64,6 +65,7 @@ class Assembly:
   cache: Any  # The KV cache's ShapeDtypeStructs (KVCache or WindowedKV).
   state: DecodeState  # The decode state's ShapeDtypeStructs.
   shardings: placement.EngineShardings | None  # Over a mesh; None on one device.
+  draft: ModelConfig | None = None  # The speculative draft model's (engine/draft.py).
 
   def out_shardings(self, scored: bool):
     """Where a step's results live: (cache, state, out[, prompt or verified]) (`scored`: the
@@ -102,7 +104,7 @@ class Assembly:
       return (s.place(params, s.params), s.create_cache(self.model, self.config),
               s.place(state, s.state), s.place(stop_ids, s.replicated))
     device = jax.local_devices()[0]
-    cache = jax.device_put(kv_cache.create(self.model, self.config), device)
+    cache = jax.device_put(create_cache(self.model, self.config, self.draft), device)
     return params, cache, jax.device_put(state, device), stop_ids
 
   def programs(self) -> list[Program]:
@@ -119,14 +121,18 @@ class Assembly:
 
 
 def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
-             backend: AttentionBackend, mesh: Mesh | None = None) -> Assembly:
+             backend: AttentionBackend, mesh: Mesh | None = None,
+             draft: tuple | None = None) -> Assembly:
   """The engine's steps for `config` (after engine.engine_config_for, with its num_pages);
-  `mesh`: the tensor-parallel mesh, or None on one device."""
-  cache = jax.eval_shape(lambda: kv_cache.create(model, config))
+  `mesh`: the tensor-parallel mesh, or None on one device. `draft`: (graphdef, ModelConfig) of
+  the speculative draft model (method "draft"): `params` is then (the target's, the draft's)."""
+  draft_graphdef, draft_model = draft or (None, None)
+  check_draft(config, model, draft_model)
+  cache = jax.eval_shape(lambda: create_cache(model, config, draft_model))
   state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
   shardings = None
   if mesh is not None:
     shardings = placement.EngineShardings.create(mesh, model, config, params, state)
   packer = Packer(config, model.vocab_size, kv_cache.slot_page_tables(config), cache.PAGE_GROUPS)
-  fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh))
-  return Assembly(model, config, fn, packer, cache, state, shardings)
+  fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef)
+  return Assembly(model, config, fn, packer, cache, state, shardings, draft_model)

@@ -29,6 +29,7 @@ from flax import nnx
 
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, Quantization
 from jaxserve.engine import assembly, placement, targets
+from jaxserve.engine.draft import create_cache
 from jaxserve.engine.engine import engine_config_for
 from jaxserve.engine.step_args import StepShape
 from jaxserve.model import kv_cache, quant
@@ -87,13 +88,26 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   mesh = None
   if config.tp * config.ep > 1:
     mesh = placement.make_mesh(config.tp, 1, devices=list(devices), ep=config.ep)
-  asm = assembly.assemble(graphdef, params, model, config, backend, mesh)
+  draft, draft_spec = draft_model(config), None
+  if draft is not None:  # Both models' weights, as the engine's steps take them.
+    draft_graphdef, draft_params = abstract_weights(draft, config.dtype.value, config.quantization)
+    params, draft_spec = (params, draft_params), (draft_graphdef, draft)
+  asm = assembly.assemble(graphdef, params, model, config, backend, mesh, draft_spec)
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
   return [Program(p.name, p.shape, p.scored, asm.step,
                   (params, asm.cache, asm.state, abstract(p.args), stop_ids), assembly.DONATE,
                   asm.arg_shardings(p.args), asm.out_shardings(p.extra_output), p.verified)
           for p in asm.programs()]
+
+
+def draft_model(config: EngineConfig) -> ModelConfig | None:
+  """The speculative draft model's config (method "draft": a known name, a config.json or a
+  checkpoint directory, as `plan --model` takes), or None."""
+  spec = config.speculative
+  if spec is None or spec.method != "draft":
+    return None
+  return capacity.load_model_config(spec.draft_model)
 
 
 def need_bytes(report: dict[str, Any]) -> int:
@@ -143,7 +157,7 @@ def kv_pool(model: ModelConfig, config: EngineConfig) -> dict[str, int]:
   sequence can use (the scratch page holds none), bytes (all devices'; `device_bytes`: each
   one's, under tp). The layout is the kernels' unless the config names one."""
   config = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
-  cache = jax.eval_shape(lambda: kv_cache.create(model, config))
+  cache = jax.eval_shape(lambda: create_cache(model, config, draft_model(config)))
   pages, size = cache.num_pages, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
   window = cache.window.num_pages if isinstance(cache, kv_cache.WindowedKV) else 0
   return {"pages": pages, "page_size": config.page_size, "tokens": (pages - 1) * config.page_size,
@@ -182,12 +196,16 @@ def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
   experts = (model.num_layers * model.num_experts * 3 * model.dim * model.expert_hidden_dim
              * jnp.dtype(config.dtype.value).itemsize)
   weights -= experts - experts // config.ep
+  draft = draft_model(config)
+  if draft is not None:
+    weights += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        abstract_weights(draft, config.dtype.value, config.quantization)[1]))
   # Today's engine sizes from the weights alone: the most pages there can be.
   resolved = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
   ceiling = capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
                                    kv_cache.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
                                    kv_cache.num_window_pages(model, config),
-                                   kv_cache.lane_groups(resolved))
+                                   kv_cache.lane_groups(resolved), draft)
   p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
   base = run(p0, neediest(target_programs(target, model, _with_pages(config, p0))[1]))
   tries = [(p0, base)]

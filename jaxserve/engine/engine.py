@@ -27,6 +27,7 @@ from jaxserve.config import (
   default_attention_backend,
 )
 from jaxserve.engine import assembly, placement
+from jaxserve.engine.draft import check_draft
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.model import kv_cache
@@ -136,11 +137,15 @@ def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> Engine
 
 
 class Engine:
-  def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = ()):
+  def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = (),
+               draft: Transformer | None = None):
+    """`draft`: the speculative draft model, for SpeculativeConfig(method="draft")
+    (engine/draft.py); its vocabulary must be the model's."""
     backend = config.attention_backend or default_backend()
     config = within_model(engine_config_for(config, backend), model.cfg)
+    check_draft(config, model.cfg, None if draft is None else draft.cfg)
     if config.num_pages is None:
-      config = size_kv_pool(config, model)
+      config = size_kv_pool(config, model, draft)
     self.model_config: ModelConfig = model.cfg
     self.config = config
     self.num_slots = config.num_slots
@@ -150,10 +155,14 @@ class Engine:
     enable_compilation_cache(config.compilation_cache_dir)
 
     graphdef, params = nnx.split(model)
+    draft_spec = None
+    if draft is not None:  # The step takes both models' params (engine/step.py).
+      draft_graphdef, draft_params = nnx.split(draft)
+      params, draft_spec = (params, draft_params), (draft_graphdef, draft.cfg)
     # The steps, their shardings and the programs warm-up compiles: one assembly, shared with
     # `plan --compile` (engine/assembly.py).
     self.assembly = assembly.assemble(graphdef, params, model.cfg, config, backend,
-                                      placement.mesh_for(config))
+                                      placement.mesh_for(config), draft_spec)
     self.shardings = self.assembly.shardings
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
@@ -266,18 +275,22 @@ def device_memory_bytes(device: jax.Device) -> int:
   raise ValueError("cannot find the device's memory size: give EngineConfig.num_pages instead")
 
 
-def size_kv_pool(config: EngineConfig, model: Transformer) -> EngineConfig:
+def size_kv_pool(config: EngineConfig, model: Transformer,
+                 draft: Transformer | None = None) -> EngineConfig:
   """`config` with `num_pages` filling `memory_fraction` of one device, less the weights that
-  device holds. Under tensor parallelism each device holds 1/tp of every page (its KV heads)."""
+  device holds (a speculative draft model's too, whose KV each page also holds). Under tensor
+  parallelism each device holds 1/tp of every page (its KV heads)."""
   device = jax.local_devices()[0]  # jax.devices()[0] is process 0's: other hosts cannot query it.
-  weight_bytes = sum(shard.data.nbytes for x in jax.tree.leaves(nnx.state(model))
+  models = (model,) if draft is None or draft is model else (model, draft)
+  weight_bytes = sum(shard.data.nbytes for m in models for x in jax.tree.leaves(nnx.state(m))
                      for shard in x.addressable_shards if shard.device == device)
   memory = device_memory_bytes(device)
   pages = capacity.num_kv_pages(model.cfg, memory * config.tp, config.memory_fraction,
                                   config.page_size, kv_cache.kv_dtype_of(config),
                                   weight_bytes * config.tp,
                                   kv_cache.num_window_pages(model.cfg, config),
-                                  kv_cache.lane_groups(config))
+                                  kv_cache.lane_groups(config),
+                                  None if draft is None else draft.cfg)
   if jax.process_count() > 1:  # Every process must build the same cache shape: the smallest pool.
     pages = int(np.min(multihost_utils.process_allgather(np.int32(pages))))
   logging.info("KV pool: %d pages of %d tokens (%d tokens) from %.0f%% of %.2f GiB on %s, "

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.engine.draft import DraftedKV, follow, propose
 from jaxserve.engine.prompt_logprobs import score_prompt
 from jaxserve.engine.sample import sample
 from jaxserve.engine.sampling_state import SamplingState
@@ -39,11 +40,13 @@ class DecodeState:
     return cls(zeros(), zeros(), SamplingState.create(num_slots, vocab_size))
 
 
-def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args, stop_ids, *,
-         attn: AttentionSpec):
+def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: DecodeState, args,
+         stop_ids, *, attn: AttentionSpec, draft=None):
   """args: engine.step_args.StepArgs of device arrays -> (cache, state, out [B, 2 + 2 * n]), and
   PromptLogprobs [Tp] last when args.prefill_targets is set, or verify.Verified.packed when
-  args.verify_rows is (a verifying step, engine/verify.py).
+  args.verify_rows is (a verifying step, engine/verify.py). draft: the draft model's graphdef
+  (speculative method "draft", engine/draft.py); params is then (the target's, the draft's)
+  and cache a DraftedKV.
 
   out packs the Sampled values of every sequence into one int32 array, so one transfer brings
   them to the host (engine.TokenFuture unpacks it)."""
@@ -52,13 +55,23 @@ def step(graphdef, params, cache: KVCache | WindowedKV, state: DecodeState, args
   live = slots < Bs
   mine = jnp.minimum(slots, Bs - 1)  # [B]: safe to gather with.
   starts, q_lens, kv_lens, tables, tokens = _sequences(state, args, live, mine)
+  samples = live & _cat(jnp.ones(Bd, bool), args.prefill_samples)  # [B]
+  sampling = _take_new_settings(state.sampling, args, live, Bs)
+  rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
+  if draft is not None:
+    (params, draft_params), (cache, draft_cache) = params, (cache.target, cache.draft)
+    drafter = nnx.merge(draft, draft_params)
+    if args.verify_rows is not None:  # The proposals, in place of the host's placeholders.
+      at_prefill = lambda x: x[Bd:]
+      tokens, args, draft_cache = propose(drafter, draft_cache, jax.tree.map(at_prefill, rows),
+                                          tokens, starts[Bd:], live[Bd:], tables[Bd:], args,
+                                          stop_ids, attn)
   meta = _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, cache.page_size,
                    cache.PAGE_GROUPS)
   model = nnx.merge(graphdef, params)
   logits, cache, prompt, every = _forward(model, tokens, cache, meta, attn, args)
-  samples = live & _cat(jnp.ones(Bd, bool), args.prefill_samples)  # [B]
-  sampling = _take_new_settings(state.sampling, args, live, Bs)
-  rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
+  if draft is not None:  # The draft sees every token the target sees.
+    cache = DraftedKV(cache, follow(drafter, draft_cache, tokens, meta, attn))
   sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
   next_tokens, next_lens, targets = sampled.tokens, kv_lens, jnp.where(samples, slots, Bs)
   if every is not None:  # A verifying step: a verified chunk's sequence moves past its run.

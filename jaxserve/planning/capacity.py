@@ -172,7 +172,9 @@ def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
                   kv_dtype: KVDtype = KVDtype.BFLOAT16, page_size: int = 16,
                   prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
                   overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
-                  window_only: bool = False) -> CapacityPlan:
+                  window_only: bool = False, draft: ModelConfig | None = None) -> CapacityPlan:
+  """`draft`: a speculative draft model beside `cfg`: its weights, and its KV of every token
+  (engine/draft.py), count too."""
   if memory_bytes <= 0 or context <= 0 or page_size <= 0:
     raise ValueError(f"memory ({memory_bytes}), context ({context}) and page size "
                      f"({page_size}) must be positive")
@@ -180,27 +182,36 @@ def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
     raise ValueError("prefill_tokens and overhead_bytes must be >= 0")
   weights = weight_bytes(cfg, weight_dtype)
   conversation = kv_bytes_per_conversation(cfg, context, page_size, kv_dtype, window_only)
+  per_token = kv_bytes_per_token(cfg, kv_dtype)
+  if draft is not None:
+    weights += weight_bytes(draft, weight_dtype)
+    conversation += kv_bytes_per_conversation(draft, context, page_size, kv_dtype)
+    per_token += kv_bytes_per_token(draft, kv_dtype)
   min_reserve = activation_bytes(cfg, min(prefill_tokens, context), context,
                                  weight_dtype) + overhead_bytes
   fits = max(0, (memory_bytes - weights - min_reserve) // conversation)
   return CapacityPlan(
       model=cfg, memory_bytes=memory_bytes, context=context, page_size=page_size,
       weight_dtype=weight_dtype, kv_dtype=kv_dtype, weight_bytes=weights,
-      kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype), kv_bytes_per_conversation=conversation,
+      kv_bytes_per_token=per_token, kv_bytes_per_conversation=conversation,
       min_reserve_bytes=min_reserve, max_conversations=fits,
       reserve_bytes=memory_bytes - weights - fits * conversation, window_only=window_only)
 
 
 def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: float,
                  page_size: int, kv_dtype: KVDtype, weight_bytes: int,
-                 num_window_pages: int = 0, lane_groups: int = 0) -> int:
+                 num_window_pages: int = 0, lane_groups: int = 0,
+                 draft: ModelConfig | None = None) -> int:
   """Pages in the engine's KV pool (scratch page 0 included) on `memory_bytes` of device memory.
 
   The engine may use `memory_fraction` of the memory for weights and KV cache; the rest is the
   reserve for activations and overhead. `weight_bytes` is what the loaded parameters really take.
   `num_window_pages`: the local layers keep their KV in a window pool of that many pages
   (model/kv_cache.py), so the pool's pages hold the global layers' KV only. `lane_groups`: see
-  kv_bytes_per_token (the ragged layout's lane groups, 0 for the token-major ones).
+  kv_bytes_per_token (the ragged layout's lane groups, 0 for the token-major ones). `draft`:
+  a speculative draft model whose KV sits in arrays of its own indexed by the same page tables
+  (engine/draft.py), so each page also holds the draft's KV of its tokens (its weights are in
+  `weight_bytes`).
   """
   if not 0 < memory_fraction <= 1:
     raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -208,6 +219,8 @@ def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: flo
                // model_cfg.num_layers)
   num_local = sum(model_cfg.local_layers) if num_window_pages else 0
   page = per_layer * (model_cfg.num_layers - num_local)
+  if draft is not None:
+    page += page_size * kv_bytes_per_token(draft, kv_dtype, lane_groups)
   budget = (int(memory_bytes * memory_fraction) - weight_bytes
             - num_window_pages * num_local * per_layer)
   # Every layer local (Mistral): the full pool's pages hold no KV, they only number positions;

@@ -110,13 +110,15 @@ def run_plan(args: argparse.Namespace) -> int:
   """Prints the plan; returns 1 when no full-length conversation fits (or the input is bad)."""
   try:
     cfg = load_model_config(args.model)
+    spec = getattr(args, "speculative_config", None)
+    draft = load_model_config(spec.draft_model) if spec and spec.method == "draft" else None
     plan = lambda window_only: plan_capacity(
         cfg, round(args.memory_gib * GIB), args.context or cfg.max_seq_len,
         weight_dtype=stored_weight_dtype(Quantization(args.quantization), args.weight_dtype),
         kv_dtype=KV_DTYPES[args.kv_dtype],
         page_size=args.page_size or default_page_size(KV_DTYPES[args.kv_dtype]),
         prefill_tokens=args.prefill_tokens,
-        overhead_bytes=round(args.overhead_gib * GIB), window_only=window_only)
+        overhead_bytes=round(args.overhead_gib * GIB), window_only=window_only, draft=draft)
     today = plan(False)
   except ValueError as e:
     print(f"jaxserve plan: {e}", file=sys.stderr)
