@@ -106,35 +106,34 @@ def test_greedy_tokens_equal_when_preempted(engine, default_model, prompts):
 
 
 def first_layers(model, n: int):
-  """The model cut to its first n layers: a smaller draft with the same tokenizer."""
-  import jax
+  """The model with its layers from n on made identities (their output projections zeroed):
+  in effect its first n layers, a smaller draft with the same tokenizer, in the model's own
+  shapes, so its programs are those compiled for `engine` (the persistent compilation cache
+  has them)."""
   from flax import nnx
-
-  from jaxserve.model.llama import Transformer
-  cfg = dataclasses.replace(model.cfg, num_layers=n, name=f"{model.cfg.name}-first-{n}")
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  shapes = nnx.to_pure_dict(state)
-  full = nnx.to_pure_dict(nnx.state(model))
-  nnx.replace_by_pure_dict(state, jax.tree.map(
-      lambda x, s: x if x.shape == s.shape else x[:s.shape[0]], full, shapes))
+  graphdef, state = nnx.split(model)
+  weights = nnx.to_pure_dict(state)
+  for name in ("wo", "w_down"):  # [L, ...]: each layer's output into the residual stream.
+    weights["layers"][name] = weights["layers"][name].at[n:].set(0)
+  nnx.replace_by_pure_dict(state, weights)
   return nnx.merge(graphdef, state)
 
 
-def test_a_smaller_draft_keeps_the_output_with_rejections(default_model, prompts):
-  """A draft that disagrees with the model (its first 8 layers): proposals are rejected and
-  rolled back, in both caches, and the tokens are still those without speculation, greedy and
-  sampled. Not warmed up: this engine compiles only the shapes it runs."""
+def test_a_smaller_draft_keeps_the_output_with_rejections(engine, default_model, prompts):
+  """A draft that disagrees with the model (its first 8 of 30 layers): proposals are rejected
+  and rolled back, in both caches, and the tokens are still those without speculation, greedy
+  and sampled (where this draft is rarely right)."""
   from jaxserve.engine.engine import Engine
   model, tok = default_model
-  config = dataclasses.replace(ENGINE, num_pages=64)
-  engine = Engine(model, config, stop_ids=tok.stop_ids, draft=first_layers(model, 8))
+  engine = Engine(model, ENGINE, stop_ids=tok.stop_ids, draft=first_layers(model, 8))
   for sampling in (SamplingParams(temperature=0, max_tokens=32),
                    SamplingParams(temperature=1.0, max_tokens=24, seed=3)):
     want, _ = run(engine, tok, prompts, dataclasses.replace(sampling, speculative=False))
     got, s_on = run(engine, tok, prompts, sampling)
     assert tokens(got) == tokens(want), sampling
     s = s_on.spec_stats
-    assert 0 < s.num_accepted_tokens < s.num_draft_tokens, sampling  # Some, not all.
+    assert s.num_accepted_tokens < s.num_draft_tokens, sampling  # Rejections happened.
+    assert s.num_accepted_tokens > 0 or sampling.temperature, sampling  # Greedy: some accepted.
 
 
 def test_refusals(default_model, tiny_model):
