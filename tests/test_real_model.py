@@ -125,17 +125,18 @@ def test_auto_serves_the_ggufs_blocks_with_the_float_models_logits(llm, default_
 
 
 def test_int8_weights_keep_the_float_models_predictions(llm, default_model):
-  """int8 per output channel against float32, teacher-forced on the model's own greedy
-  continuations of 8 README prompts x 64 tokens (scripts/quant_quality.py measures the issue's
-  full 32 x 64): mean KL <= 0.02 (the issue's bound; measured 0.005) and top-1 agreement >= 95%.
-  The issue asks 98%: per-channel int8 reaches 95.5% here (8 x 64), short of it (BENCHMARKS.md:
-  finer groups are the lever), so this asserts what it reaches and the shortfall is reported."""
+  """`--quantization int8` (a float32 scale per 32 inputs) against float32, teacher-forced on the
+  model's own greedy continuations of 8 README prompts x 64 tokens (scripts/quant_quality.py
+  measures the issue's full 32 x 64: 99.1%, KL 0.0008): issue 24's bounds, top-1 agreement
+  >= 98% and mean KL <= 0.02. (One scale per output channel reached 97.4%: BENCHMARKS.md.)"""
   from support import script_loader
 
   qq = script_loader.load("quant_quality")
   model, tokenizer = default_model
   prompts = [w[:qq.CONTEXT] for w in qq.windows(tokenizer, 8, 0)]
   sequences = qq.continue_greedily(llm, prompts, 64)  # llm: the same numbers (1e-4, above).
-  result = qq.compare(model, qq.int8_model(model), sequences, dense_logits)
+  int8 = qq.int8_model(model)
+  assert int8.layers.w_up.scale[...].shape[1] == model.cfg.dim // 32  # [L, D / 32, F]
+  result = qq.compare(model, int8, sequences, dense_logits)
   assert result["positions"] == 8 * 64
-  assert result["top1_agreement"] >= 0.95 and result["mean_kl"] <= 0.02, result
+  assert result["top1_agreement"] >= 0.98 and result["mean_kl"] <= 0.02, result
