@@ -124,19 +124,42 @@ def test_auto_serves_the_ggufs_blocks_with_the_float_models_logits(llm, default_
     assert np.abs(np.asarray(ours) - np.asarray(ref)).max() < 1e-4
 
 
-def test_int8_weights_keep_the_float_models_predictions(llm, default_model):
-  """`--quantization int8` (a float32 scale per 32 inputs) against float32, teacher-forced on the
-  model's own greedy continuations of 8 README prompts x 64 tokens (scripts/quant_quality.py
-  measures the issue's full 32 x 64: 99.1%, KL 0.0008): issue 24's bounds, top-1 agreement
-  >= 98% and mean KL <= 0.02. (One scale per output channel reached 97.4%: BENCHMARKS.md.)"""
+@pytest.fixture(scope="module")
+def continuations(llm, default_model) -> list[list[int]]:
+  """Issue 24's measure at a CI size: 8 README prompts of 16 tokens, each followed by the float
+  model's own 64 greedy tokens (llm: the same numbers within 1e-4, above), on which a quantized
+  form and float32 are both teacher-forced (scripts/quant_quality.py, quant_sweep.py: 32 x 64)."""
   from support import script_loader
 
   qq = script_loader.load("quant_quality")
-  model, tokenizer = default_model
-  prompts = [w[:qq.CONTEXT] for w in qq.windows(tokenizer, 8, 0)]
-  sequences = qq.continue_greedily(llm, prompts, 64)  # llm: the same numbers (1e-4, above).
+  prompts = [w[:qq.CONTEXT] for w in qq.windows(default_model[1], 8, 0)]
+  return qq.continue_greedily(llm, prompts, 64)
+
+
+def test_int8_weights_keep_the_float_models_predictions(default_model, continuations):
+  """`--quantization int8` (a float32 scale per 32 inputs) against float32: issue 24's bounds,
+  top-1 agreement >= 98% and mean KL <= 0.02 (at 32 x 64: 99.1%, KL 0.0008; one scale per
+  output channel reached 97.4%: BENCHMARKS.md)."""
+  from support import script_loader
+
+  qq = script_loader.load("quant_quality")
+  model = default_model[0]
   int8 = qq.int8_model(model)
   assert int8.layers.w_up.scale[...].shape[1] == model.cfg.dim // 32  # [L, D / 32, F]
-  result = qq.compare(model, int8, sequences, dense_logits)
+  result = qq.compare(model, int8, continuations, dense_logits)
   assert result["positions"] == 8 * 64
   assert result["top1_agreement"] >= 0.98 and result["mean_kl"] <= 0.02, result
+
+
+def test_int8_kv_keeps_the_float_models_predictions(default_model, continuations):
+  """int8 KV (kernels_pallas/kv_quant.py) against float32 KV in the ragged layout, on the same
+  teacher-forced continuations: issue 24's bounds (at 32 x 64: 99.0%, KL 0.0011). float8 KV
+  does not meet them (BENCHMARKS.md): tests/test_kv_quality.py holds it to floors."""
+  from jaxserve.config import KVDtype
+  from support import script_loader
+
+  kv_quality = script_loader.load("kv_quality")
+  result = kv_quality.compare(default_model[0], np.asarray(continuations), (KVDtype.INT8,))
+  r = result["int8"]
+  assert r["positions"] == 8 * 64
+  assert r["top1_agreement"] >= 0.98 and 0 < r["mean_kl"] <= 0.02, r
