@@ -108,10 +108,8 @@ def test_contiguous_cache_splits_by_slot_over_data(tiny_runs):
 
 def test_int8_weights_split_with_their_scales(tmp_path):
   """int8 weights under tp 2 and 4: each device holds its heads' and MLP columns' values and
-  scales (a scale per 32 inputs), and greedy tokens equal one device's. The MLP is 128 wide, so
-  w_down's groups of 32 inputs split over 4 devices (96 would leave 3 groups for 2 or 4)."""
-  model = dict(TINY8, hidden_dim=128)
-  runs = run_worker(dict(devices=4, model=model, prompts=PROMPTS, steps=6, quantization="int8",
+  scales (per output channel), and greedy tokens equal one device's."""
+  runs = run_worker(dict(devices=4, model=TINY8, prompts=PROMPTS, steps=6, quantization="int8",
                          layouts=[[1, 1], [2, 1], [4, 1]], cache_dir=str(tmp_path)))["layouts"]
   for layout in ("2x1", "4x1"):
     assert runs[layout]["tokens"] == runs["1x1"]["tokens"]

@@ -45,7 +45,7 @@ GEMMA3_270M = capacity.KNOWN_MODELS["gemma-3-270m"]
 # Quantized KV (int8 with its exponents in the rows, float8 e5m2) in pages of 32: the kernels
 # write 8-bit pages in place on each chip, the pool aliased and temp within the same bound.
 INT8_KV, E5M2_KV = (dict(kv_dtype=d, page_size=32) for d in (KVDtype.INT8, KVDtype.FLOAT8_E5M2))
-# Int8 weights (a scale per 32 inputs, dequantized inside the dot) beside int8 KV: the bytes issue.
+# Int8 weights (per output channel, dequantized inside the dot) beside int8 KV: the bytes issue.
 INT8_ALL = dict(INT8_KV, quantization=Quantization.INT8)
 # Qwen3-30B-A3B's layers (128 experts of 768, 8 routed a token, ragged_dot), 2 of its 48.
 QWEN3_MOE_2L = dataclasses.replace(capacity.KNOWN_MODELS["qwen3-30b-a3b"], num_layers=2,

@@ -77,8 +77,8 @@ def speculative_config(text: str) -> SpeculativeConfig:
 def add_quantization_flag(p: argparse.ArgumentParser) -> None:
   d = _default(EngineConfig, "quantization").value
   p.add_argument("--quantization", default=d, choices=[q.value for q in Quantization],
-                 help="how weights are stored: none (float), int8 (a scale per 32 inputs, from "
-                 "any source), gguf (a GGUF source's own blocks), auto (gguf for a GGUF source on "
+                 help="how weights are stored: none (float), int8 (per output channel, from any "
+                 "source), gguf (a GGUF source's own blocks), auto (gguf for a GGUF source on "
                  f"CPU, where it is faster; else none) (default {d})")
 
 

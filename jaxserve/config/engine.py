@@ -55,7 +55,7 @@ class Quantization(enum.Enum):
   """How the weights are stored on the device (model/quant.py)."""
 
   NONE = "none"  # Float, in the engine's dtype.
-  INT8 = "int8"  # Weight-only int8, a float32 scale per 32 inputs, from any source.
+  INT8 = "int8"  # Weight-only int8, one float32 scale per output channel, from any source.
   GGUF = "gguf"  # A GGUF file's own blocks (or a checkpoint that stores quantized weights).
   # GGUF for a source that holds blocks where that is at least as fast as float (measured: CPU),
   # else NONE: `pick_quantization`.

@@ -86,7 +86,7 @@ def read_quantized(src, mode: Quantization, platform: str
 
 def convert(src, dst, mode: Quantization = Quantization.NONE, platform: str = "cpu") -> None:
   """`jaxserve convert SRC DST [--quantization MODE]`: the checkpoint stores the weights as
-  `mode` has them (gguf: a GGUF source's blocks; int8: a scale per 32 inputs)."""
+  `mode` has them (gguf: a GGUF source's blocks; int8: per output channel)."""
   cfg, params, tokenizer, _ = read_quantized(src, mode, platform)
   save(dst, cfg, params, tokenizer)
 

@@ -1,5 +1,5 @@
 """Turning a parameter pytree (numpy, `weights.to_params`' layout) into the stored form a
-quantization mode asks for, and back: int8 (a scale per 32 inputs) from float weights, and float
+quantization mode asks for, and back: int8 per output channel from float weights, and float
 weights from quantized ones (for `--quantization none` on a quantized source).
 
 A quantized weight is {"values": int8, "scale": float32[, "minimum": float32]}, the arrays of
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from jaxserve.loading.gguf_blocks import Blocks
-from jaxserve.model.quant import IN_AXES, INT8_LAYOUTS, STACKED, Layout
+from jaxserve.model.quant import IN_AXES, STACKED, Layout
 
 
 def _weights(params: dict):
@@ -53,15 +53,14 @@ def int8(w: np.ndarray, in_axes: tuple[int, ...], layout: Layout = PER_CHANNEL) 
 
 
 def to_int8(params: dict, layouts: Mapping[str, Layout] | None = None) -> dict:
-  """Every matrix int8 in its layout of `layouts` (default: INT8_LAYOUTS, what `--quantization
-  int8` stores; a weight absent from it stays float32); a quantized one dequantized first."""
-  layouts = INT8_LAYOUTS if layouts is None else layouts
+  """Every matrix int8 (a quantized one dequantized first): per output channel, what
+  `--quantization int8` stores, or in its layout of `layouts` (a weight absent stays float32;
+  scripts/quant_sweep.py measures the other layouts)."""
+  layouts = {name: PER_CHANNEL for name in IN_AXES} if layouts is None else layouts
   params = to_float(params)
   for holder, name, lead in _weights(params):
     if name in layouts:
-      in_axes = tuple(a + lead for a in IN_AXES[name])
-      w = holder[name]
-      holder[name] = int8(w, in_axes, layouts[name].fit(w.shape, in_axes))
+      holder[name] = int8(holder[name], tuple(a + lead for a in IN_AXES[name]), layouts[name])
   return params
 
 

@@ -7,16 +7,15 @@ A weight keeps its float layout (wq [D, N, H], embed [V, D], ...) for its int8 `
 and `minimum` have the same rank, each input axis shortened to its number of groups (the last
 input axis split into groups of `group`; per output channel: every input axis 1). So a weight is
 `values * scale + minimum` with each scale broadcast over its group: GGUF's blocks exactly
-(loading/gguf_blocks.py), or int8 with a scale per 32 inputs (loading/quantize.py). Decode reads
-every weight each step, so reading 8 bits instead of 32 (or 16) is the speed; the float weight
-exists only inside the step, one layer at a time (XLA fuses the dequantization into the dot's
-operand).
+(loading/gguf_blocks.py), or int8 per output channel (loading/quantize.py). Decode reads every
+weight each step, so reading 8 bits instead of 32 (or 16) is the speed; the float weight exists
+only inside the step, one layer at a time (XLA fuses the dequantization into the dot's operand).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from typing import Mapping
 
 import jax.numpy as jnp
 from flax import nnx
@@ -43,13 +42,6 @@ class Layout:
 
   group: int | None = None
   has_min: bool = False
-
-  def fit(self, shape: tuple[int, ...], in_axes: tuple[int, ...]) -> Layout:
-    """This layout, or per output channel where its group does not divide the grouped axis
-    (int8's groups of 32 on a head dim of 16: tiny test models)."""
-    if self.group is None or shape[in_axes[-1]] % self.group == 0:
-      return self
-    return Layout(None, self.has_min)
 
   def scale_shape(self, shape: tuple[int, ...], in_axes: tuple[int, ...]) -> tuple[int, ...]:
     out = list(shape)
@@ -86,7 +78,7 @@ def weight(name: str, layouts: Layouts | None, make_float, shape, names) -> nnx.
   layout = (layouts or {}).get(name)
   if layout is None:
     return make_float()
-  return Quantized(shape, names, layout.fit(tuple(shape), IN_AXES[name]), IN_AXES[name])
+  return Quantized(shape, names, layout, IN_AXES[name])
 
 
 def dequant(w: Quantized, dtype):
@@ -142,20 +134,12 @@ def _group(w: Quantized) -> int:
 GGUF_LAYOUT = Layout(32, has_min=True)
 
 
-# What `--quantization int8` stores (loading/quantize.py's `to_int8`): every weight, embedding and
-# LM head included, symmetric int8 with a float32 scale per 32 inputs (llama.cpp's Q8_0 blocks,
-# with a float32 scale). On the default model it keeps 99.1% of float32's top-1 tokens where one
-# scale per output channel kept 97.4% (BENCHMARKS.md, scripts/quant_sweep.py).
-INT8_GROUP = 32
-INT8_LAYOUTS = {name: Layout(INT8_GROUP) for name in IN_AXES}
-
-
 def layouts_for(mode: Quantization) -> dict[str, Layout] | None:
-  """The layouts of a model built from a config alone (`plan --compile`): INT8_LAYOUTS, or every
-  weight in GGUF_LAYOUT; None (float) for none and auto (a config has no blocks)."""
-  if mode is Quantization.INT8:
-    return dict(INT8_LAYOUTS)
-  return {name: GGUF_LAYOUT for name in IN_AXES} if mode is Quantization.GGUF else None
+  """Every weight in one layout, for a model built from a config alone (`plan --compile`):
+  int8 per output channel, or GGUF_LAYOUT; None (float) for none and auto (a config has no
+  blocks)."""
+  layout = {Quantization.INT8: Layout(None), Quantization.GGUF: GGUF_LAYOUT}.get(mode)
+  return None if layout is None else {name: layout for name in IN_AXES}
 
 
 def layouts_of(params: Mapping) -> dict[str, Layout]:

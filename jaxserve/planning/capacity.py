@@ -56,10 +56,10 @@ class WeightDtype(enum.Enum):
   BFLOAT16 = ("bfloat16", 2, 1)
   FLOAT16 = ("float16", 2, 1)
   INT8 = ("int8", 34, 32)  # Q8_0: 32 int8 + one f16 scale = 34 bytes per 32 weights.
-  # What the engine stores (model/quant.py): `--quantization int8`'s int8 values with a float32
-  # scale per 32 inputs (36 bytes per 32), and GGUF 4-bit blocks unpacked to int8 values with a
-  # float32 scale and minimum per 32 (a Q6_K layer's 16: 48/32).
-  INT8_STORED = ("int8-stored", 36, 32)
+  # What the engine stores (model/quant.py): int8 per output channel, a float32 scale per row of
+  # at least 1,024 inputs on the models planned for (less than 1/256 more), and GGUF 4-bit blocks
+  # unpacked to int8 values with a float32 scale and minimum per 32 (a Q6_K layer's 16: 48/32).
+  INT8_CHANNEL = ("int8-channel", 257, 256)
   GGUF_STORED = ("gguf-stored", 40, 32)
   INT4 = ("int4", 18, 32)  # Q4_0: 32 nibbles + one f16 scale = 18 bytes per 32 weights.
   Q4_1 = ("q4_1", 20, 32)  # Q4_1: 32 nibbles + f16 scale + f16 min = 20 bytes per 32 weights.
@@ -311,7 +311,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
   parser.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="bfloat16",
                       help="int8, int4, q4_1: GGUF Q8_0, Q4_0, Q4_1 pages of 32")
   parser.add_argument("--quantization", choices=[q.value for q in Quantization], default="none",
-                      help="weights as the engine stores them: int8 (a float32 scale per 32), gguf "
+                      help="weights as the engine stores them: int8 (per output channel), gguf "
                       "(4-bit blocks unpacked to int8 + float32 scale and minimum per 32); none "
                       "and auto (a config has no blocks): --weight-dtype")
   parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bfloat16",
@@ -327,7 +327,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 def stored_weight_dtype(mode: Quantization, weight_dtype: str) -> WeightDtype:
   """The bytes per weight the engine holds in `mode` (none, auto: the float `weight_dtype`)."""
-  stored = {Quantization.INT8: WeightDtype.INT8_STORED, Quantization.GGUF: WeightDtype.GGUF_STORED}
+  stored = {Quantization.INT8: WeightDtype.INT8_CHANNEL, Quantization.GGUF: WeightDtype.GGUF_STORED}
   return stored.get(mode, WEIGHT_DTYPES[weight_dtype])
 
 
