@@ -70,7 +70,8 @@ def measure(mode: str, args) -> dict:
 
 def matmul_scan() -> None:
   """30 SmolLM2-shaped [M, 576] x [576, 1536] layers under one scan, weights float32, int8 per
-  output channel, or int8 + float32 scale and minimum per 32 (the gguf form): min of 7 runs."""
+  output channel, int8 + a float32 scale per 32 inputs, or int8 + float32 scale and minimum per
+  32 (the gguf form): min of 7 runs, each form back to back in this one process."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -83,6 +84,8 @@ def matmul_scan() -> None:
   weights = {
       "float32": (lambda h, w: h @ w, jnp.asarray(rng.standard_normal((L, D, F), np.float32))),
       "int8": (lambda h, w: h @ (w[0].astype(h.dtype) * w[1]), (q, per_channel)),
+      "int8 per 32": (lambda h, w: h @ (w[0].reshape(D // g, g, F).astype(h.dtype) * w[1])
+                      .reshape(D, F), (q, group())),
       "gguf": (lambda h, w: h @ (w[0].reshape(D // g, g, F).astype(h.dtype) * w[1] + w[2])
                .reshape(D, F), (q, group(), group())),
   }

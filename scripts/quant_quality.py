@@ -56,7 +56,7 @@ def compare(reference, candidate, sequences, logits_fn) -> dict:
 
 
 def int8_model(model):
-  """The same weights, int8 per output channel (loading/quantize.py)."""
+  """The same weights as `--quantization int8` stores them (loading/quantize.py)."""
   import jax
   from flax import nnx
 

@@ -4,8 +4,10 @@ affords (4 README windows x 64 scored tokens; the full 32 x 64 run is in BENCHMA
 Issue 24's bounds are top-1 agreement >= 98% and mean KL(float32 || quantized) <= 0.02. Measured
 here (2026-12-02): int8 95.3% / 0.0037, float8_e4m3 91.0% / 0.0146, float8_e5m2 83.6% / 0.051.
 So this test holds int8 and e4m3 to the KL bound, which they meet, and every dtype to floors a
-little under what it measures, so a regression shows; the top-1 bar is not met by a per-token
-(or per-tensor) scale on this model (BENCHMARKS.md, "Quantized KV")."""
+little under what it measures on this harsher raw-text measure, so a regression shows. On the
+issue's own measure (the float model's greedy continuations) int8 meets both bounds, asserted by
+tests/test_real_model.py; float8 misses top-1 there too, with calibrated scales as well
+(BENCHMARKS.md, "Quality bounds of the 8-bit forms")."""
 
 from __future__ import annotations
 

@@ -93,6 +93,30 @@ def test_int8_per_output_channel():
   assert layouts == {"wo": quant.Layout(None, False)}
 
 
+def test_int8_groups_with_and_without_a_minimum():
+  """A scale per 32 inputs: each group's largest |weight| maps to +-127 (symmetric), or its
+  minimum to -128 and its maximum to 127 (with a minimum); the error is at most half a step, and
+  the step dequantizes the stored form to the host's numbers (to float32 rounding)."""
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((2, 64, 5)).astype(np.float32)  # [L, D, F]: input axis D.
+  for layout in (quant.Layout(32), quant.Layout(32, has_min=True)):
+    q = quantize.int8(w, (1,), layout)
+    assert q["values"].shape == w.shape and q["scale"].shape == (2, 2, 5)
+    groups = q["values"].reshape(2, 2, 32, 5)
+    if layout.has_min:
+      assert (groups.min(2) == -128).all() and (groups.max(2) == 127).all()
+    else:
+      assert (np.abs(groups).max(2) == 127).all() and "minimum" not in q
+    back = quantize.dequantize(q)
+    step = np.repeat(q["scale"], 32, axis=1)
+    assert (np.abs(back - w) <= step / 2 * (1 + 1e-5)).all()
+    assert quant.layouts_of({"layers": {"w_up": q}}) == {"w_up": layout}
+    blocks = gguf_blocks.Blocks(q["values"][0].T, q["scale"][0].T,
+                                None if "minimum" not in q else q["minimum"][0].T)
+    # Within float32 rounding: the step may fuse values * scale + minimum into one FMA.
+    np.testing.assert_allclose(device_dequant(blocks), back[0].T, rtol=1e-6, atol=1e-7)
+
+
 def test_auto_picks_float_where_blocks_were_measured_slower():
   # XLA:CPU: the default model's decode step took 1.5x float's time with its GGUF blocks.
   auto = Quantization.AUTO

@@ -124,18 +124,42 @@ def test_auto_serves_the_ggufs_blocks_with_the_float_models_logits(llm, default_
     assert np.abs(np.asarray(ours) - np.asarray(ref)).max() < 1e-4
 
 
-def test_int8_weights_keep_the_float_models_predictions(llm, default_model):
-  """int8 per output channel against float32, teacher-forced on the model's own greedy
-  continuations of 8 README prompts x 64 tokens (scripts/quant_quality.py measures the issue's
-  full 32 x 64): mean KL <= 0.02 (the issue's bound; measured 0.005) and top-1 agreement >= 95%.
-  The issue asks 98%: per-channel int8 reaches 95.5% here (8 x 64), short of it (BENCHMARKS.md:
-  finer groups are the lever), so this asserts what it reaches and the shortfall is reported."""
+@pytest.fixture(scope="module")
+def continuations(llm, default_model) -> list[list[int]]:
+  """Issue 24's measure at a CI size: 8 README prompts of 16 tokens, each followed by the float
+  model's own 64 greedy tokens (llm: the same numbers within 1e-4, above), on which a quantized
+  form and float32 are both teacher-forced (scripts/quant_quality.py, quant_sweep.py: 32 x 64)."""
   from support import script_loader
 
   qq = script_loader.load("quant_quality")
-  model, tokenizer = default_model
-  prompts = [w[:qq.CONTEXT] for w in qq.windows(tokenizer, 8, 0)]
-  sequences = qq.continue_greedily(llm, prompts, 64)  # llm: the same numbers (1e-4, above).
-  result = qq.compare(model, qq.int8_model(model), sequences, dense_logits)
+  prompts = [w[:qq.CONTEXT] for w in qq.windows(default_model[1], 8, 0)]
+  return qq.continue_greedily(llm, prompts, 64)
+
+
+def test_int8_weights_keep_the_float_models_predictions(default_model, continuations):
+  """`--quantization int8` (one scale per output channel) against float32: mean KL <= 0.02 (the
+  issue's bound) and top-1 agreement >= 95%. The issue asks 98%: per channel reaches 97.4% at
+  32 x 64 (95.5% at this 8 x 64), short of it. A scale per 32 inputs reaches 99.1% but XLA:TPU
+  then writes each layer's float weights out (test_targets' temp bound fails on v5e), so it is
+  not what int8 stores; BENCHMARKS.md, "Quality bounds of the 8-bit forms"."""
+  from support import script_loader
+
+  qq = script_loader.load("quant_quality")
+  model = default_model[0]
+  result = qq.compare(model, qq.int8_model(model), continuations, dense_logits)
   assert result["positions"] == 8 * 64
   assert result["top1_agreement"] >= 0.95 and result["mean_kl"] <= 0.02, result
+
+
+def test_int8_kv_keeps_the_float_models_predictions(default_model, continuations):
+  """int8 KV (kernels_pallas/kv_quant.py) against float32 KV in the ragged layout, on the same
+  teacher-forced continuations: issue 24's bounds (at 32 x 64: 99.0%, KL 0.0011). float8 KV
+  does not meet them (BENCHMARKS.md): tests/test_kv_quality.py holds it to floors."""
+  from jaxserve.config import KVDtype
+  from support import script_loader
+
+  kv_quality = script_loader.load("kv_quality")
+  result = kv_quality.compare(default_model[0], np.asarray(continuations), (KVDtype.INT8,))
+  r = result["int8"]
+  assert r["positions"] == 8 * 64
+  assert r["top1_agreement"] >= 0.98 and 0 < r["mean_kl"] <= 0.02, r

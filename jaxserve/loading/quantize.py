@@ -8,12 +8,12 @@ model/quant.py's `Quantized` (its docstring has the layout).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from jaxserve.loading.gguf_blocks import Blocks
-from jaxserve.model.quant import IN_AXES, STACKED
+from jaxserve.model.quant import IN_AXES, STACKED, Layout
 
 
 def _weights(params: dict):
@@ -25,21 +25,42 @@ def _weights(params: dict):
       yield holder, name, lead
 
 
-def int8(w: np.ndarray, in_axes: tuple[int, ...]) -> dict:
-  """Symmetric int8 per output channel: scale = max |w| over the input axes / 127, so every
-  channel uses the whole int8 range (round to nearest)."""
+PER_CHANNEL = Layout(None)
+
+
+def int8(w: np.ndarray, in_axes: tuple[int, ...], layout: Layout = PER_CHANNEL) -> dict:
+  """int8 in `layout`: per output channel (group None) or per `layout.group` elements of the last
+  input axis. Symmetric, scale = max |w| / 127, so the largest weight maps to +-127; with a
+  minimum (asymmetric), scale = (max - min) / 255 and the group's minimum maps to -128."""
   w = np.asarray(w, np.float32)
-  scale = np.max(np.abs(w), axis=in_axes, keepdims=True) / 127
-  scale = np.where(scale == 0, 1, scale).astype(np.float32)
-  values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-  return {"values": values, "scale": scale}
+  x, axes = w, in_axes
+  if layout.group is not None:  # [..., In, ...] -> [..., In / g, g, ...]: reduce over the g.
+    a = in_axes[-1]
+    x = w.reshape(w.shape[:a] + (w.shape[a] // layout.group, layout.group) + w.shape[a + 1:])
+    axes = (a + 1,)
+  sshape = layout.scale_shape(w.shape, in_axes)
+  if layout.has_min:
+    lo, hi = x.min(axes, keepdims=True), x.max(axes, keepdims=True)
+    scale = np.where(hi > lo, (hi - lo) / 255, 1).astype(np.float32)
+    values = np.clip(np.rint((x - lo) / scale) - 128, -128, 127).astype(np.int8)
+    minimum = (lo + 128 * scale).astype(np.float32)
+    return {"values": values.reshape(w.shape), "scale": scale.reshape(sshape),
+            "minimum": minimum.reshape(sshape)}
+  amax = np.max(np.abs(x), axis=axes, keepdims=True)
+  scale = np.where(amax == 0, 1, amax / 127).astype(np.float32)
+  values = np.clip(np.rint(x / scale), -127, 127).astype(np.int8)
+  return {"values": values.reshape(w.shape), "scale": scale.reshape(sshape)}
 
 
-def to_int8(params: dict) -> dict:
-  """Every matrix int8 per output channel (a quantized one dequantized first)."""
+def to_int8(params: dict, layouts: Mapping[str, Layout] | None = None) -> dict:
+  """Every matrix int8 (a quantized one dequantized first): per output channel, what
+  `--quantization int8` stores, or in its layout of `layouts` (a weight absent stays float32;
+  scripts/quant_sweep.py measures the other layouts)."""
+  layouts = {name: PER_CHANNEL for name in IN_AXES} if layouts is None else layouts
   params = to_float(params)
   for holder, name, lead in _weights(params):
-    holder[name] = int8(holder[name], tuple(a + lead for a in IN_AXES[name]))
+    if name in layouts:
+      holder[name] = int8(holder[name], tuple(a + lead for a in IN_AXES[name]), layouts[name])
   return params
 
 
