@@ -1,6 +1,7 @@
 """Prefill of long prompts against short ones, as `LLM()` chunks them, and the FLOPs floor.
 
   python scripts/bench_prefill.py [--lengths 500,6000] [--repeats 2] [--model NAME]
+  python scripts/bench_prefill.py --chunk-at 0,2048,5632   # one 512-token chunk step at each
 
 Each prompt (random token ids, a fresh one every run, so the prefix cache never hits) goes through
 `LLM.generate` with max_tokens=1 on an engine of the default settings but for a context that holds
@@ -26,7 +27,9 @@ import numpy as np
 from bench_decode import gemm_rate
 
 import jaxserve
+from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.config import ModelConfig
+from jaxserve.engine.engine import Engine
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> int:
@@ -48,6 +51,26 @@ def prefill_seconds(llm: jaxserve.LLM, length: int, rng: np.random.Generator) ->
   return elapsed
 
 
+def chunk_step_ms(model, starts: list[int], n: int = 512) -> None:
+  """Prints the best of 3 times of one n-token prefill chunk step whose sequence already holds
+  `start` positions (zeros: their values change no time), on an engine of one slot."""
+  config = jaxserve.EngineConfig(num_slots=1, num_pages=520, max_model_len=8192,
+                                 prefill_buckets=(n,), compilation_cache_dir=None,
+                                 window_pages=False)
+  engine = Engine(model, config)
+  for start in starts:
+    pages = list(range(1, -(-(start + n) // 16) + 1))
+    chunk = PrefillChunk("p", 0, list(range(100, 100 + n)), start, pages, True,
+                         jaxserve.SamplingParams(temperature=0), 0, (), ())
+    engine.step(StepPlan(prefills=(chunk,))).result()
+    times = []
+    for _ in range(3):
+      t = time.perf_counter()
+      engine.step(StepPlan(prefills=(chunk,))).result()
+      times.append(time.perf_counter() - t)
+    print(f"{n}-token chunk at {start}: {1000 * min(times):.0f} ms", flush=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +79,13 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--max-model-len", type=int, default=8192)
   parser.add_argument("--num-pages", type=int, default=1024)
+  parser.add_argument("--chunk-at", default=None,
+                      help="comma-separated starts: time one 512-token chunk step at each")
   args = parser.parse_args()
+  if args.chunk_at:
+    from jaxserve.loading import checkpoint
+    chunk_step_ms(checkpoint.load_model(args.model)[0], [int(s) for s in args.chunk_at.split(",")])
+    return
   lengths = [int(n) for n in args.lengths.split(",")]
   config = jaxserve.EngineConfig(max_model_len=args.max_model_len, num_pages=args.num_pages)
   llm = jaxserve.LLM(args.model, engine_config=config)
