@@ -134,3 +134,23 @@ def test_blockwise_argmax_is_jnp_argmax_of_the_banned_logits(vocab):
   want = jnp.argmax(jnp.where(ignore[:, None] & eos, -jnp.inf, jnp.asarray(x)), -1)
   np.testing.assert_array_equal(got, want)
   assert int(got[1]) != 7 and int(got[2]) == 7
+
+
+def test_gumbel_draw_is_the_first_argmax_of_the_perturbed_row():
+  """The whole-vocabulary draw (a max and a min, not XLA's argmax) picks jnp.argmax's token:
+  ties at the top, rows all -inf but one token, a row all -inf."""
+  vocab = 1001
+  rng = np.random.default_rng(4)
+  x = np.round(rng.normal(size=(6, vocab)) * 2).astype(np.float32)
+  x[1, :] = -np.inf
+  x[1, 17] = 3.0
+  x[2, :] = -np.inf
+  x[3, 5] = x[3, 900] = np.inf  # two tokens tied at +inf: the first wins
+  seeds = jnp.asarray(rng.integers(0, 2**32, (6, 2)), jnp.uint32)
+  positions = jnp.arange(6, dtype=jnp.int32)
+  got = jax.jit(gumbel.gumbel_draw)(jnp.asarray(x), seeds, positions)
+  noise = jax.vmap(lambda s, p: jax.random.gumbel(gumbel.noise_key(s, p), (vocab,)))(seeds,
+                                                                                     positions)
+  want = jnp.argmax(jnp.asarray(x) + noise, -1)
+  np.testing.assert_array_equal(got, want)
+  assert int(got[1]) == 17 and int(got[2]) == 0 and int(got[3]) == 5

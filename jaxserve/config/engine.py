@@ -210,16 +210,6 @@ class EngineConfig:
     return tuple(sizes) + (self.num_slots,)
 
 
-def width_buckets(max_pages: int, smallest: int = 8) -> tuple[int, ...]:
-  """Page-table widths: attention reads only as many pages as the longest running sequence
-  needs, rounded up to a power of two (`smallest` pages at least), capped at `max_pages`."""
-  widths, w = [], smallest
-  while w < max_pages:
-    widths.append(w)
-    w *= 2
-  return tuple(widths) + (max_pages,)
-
-
 def window_pages_per_seq(window: int, page_size: int, chunk: int = 1) -> int:
   """Pages a local layer's window can touch in one step of `chunk` new tokens: their keys span
   window - 1 + chunk consecutive positions, one page more than they fill when they straddle a

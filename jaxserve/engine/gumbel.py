@@ -42,12 +42,14 @@ def noise_key(seed, position):
 def gumbel_draw(scaled, seeds, positions):
   """Gumbel-max over the whole row: scaled [B, V] (temperature-scaled logits, -inf where
   filtered out), seeds [B, 2], positions [B] -> tokens [B]."""
-
-  def one(row, seed, position):
-    noise = jax.random.gumbel(noise_key(seed, position), row.shape)
-    return jnp.argmax(row + noise).astype(positions.dtype)
-
-  return jax.vmap(one)(scaled, seeds, positions)
+  noise = lambda seed, position: jax.random.gumbel(noise_key(seed, position), scaled.shape[1:])
+  perturbed = scaled + jax.vmap(noise)(seeds, positions)  # [B, V]
+  # jnp.argmax's first maximum, as a max and a min: XLA:CPU's variadic argmax reduction is
+  # many times slower. (A NaN row, a broken model's, gets some token, not its first NaN.)
+  V = scaled.shape[-1]
+  best = jnp.max(perturbed, -1, keepdims=True)
+  first = jnp.min(jnp.where(perturbed == best, jnp.arange(V), V), -1)
+  return jnp.minimum(first, V - 1).astype(positions.dtype)
 
 
 def gumbel_at(seeds, positions, ids, V: int):

@@ -8,7 +8,6 @@ decides how the pages are read.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import AttentionBackend, KVLayout
-from jaxserve.config.engine import width_buckets
 from jaxserve.model import axes
 from jaxserve.model.kv_cache import KVCache, WindowedKV
 
@@ -130,55 +128,86 @@ def attend_per_shard(attend, q, k, v, cache: KVCache, layer, meta: AttentionMeta
 
 def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=None):
   """q [1, T, N, H] -> [1, T, N, H], the step's K/V already in `cache`. Simple, and fast on CPU:
-  each decode row reads its own sequence's pages, each prefill query block of Tb tokens its
-  sequence's pages once. Every query takes one softmax over its sequence's positions as the
-  pages hold them, so a token's output does not depend on how its prompt was chunked, cached or
-  batched. Only the table columns the step's longest sequence needs are read (`_by_width`)."""
+  each decode row and each prefill query block of Tb tokens reads its sequence's pages, a chunk
+  of them at a time (`_attend_blocks`), only as far as the step's longest sequence reaches.
+  Every query runs the same online softmax over its sequence's positions in chunks at fixed
+  positions, so a token's output does not depend on how its prompt was chunked, cached or
+  batched."""
   q = q[0]
   out = jnp.zeros_like(q)
   D, pos = meta.num_decode_rows, meta.positions[0]
   if D:
-    out = _by_width(out, q, cache, layer, jnp.arange(D)[:, None], meta.page_tables[:D],
-                    meta.kv_lens[:D], pos, window)
+    out = _attend_blocks(out, q, cache, layer, jnp.arange(D)[:, None], meta.page_tables[:D],
+                         meta.kv_lens[:D], pos, window)
   if meta.block_rows.shape[0]:
     seq = meta.block_seq
-    out = _by_width(out, q, cache, layer, meta.block_rows, meta.page_tables[seq],
-                    meta.kv_lens[seq], pos, window)
+    out = _attend_blocks(out, q, cache, layer, meta.block_rows, meta.page_tables[seq],
+                         meta.kv_lens[seq], pos, window)
   return out[None]
 
 
-def _by_width(out, q, cache: KVCache, layer, rows, tables, kv_lens, positions, window):
-  """`_attend_blocks` over the narrowest of the table widths `width_buckets` lists that holds
-  every block's positions: one branch per width, picked on the device, in one program."""
-  widths = width_buckets(tables.shape[1])
-  need = (jnp.max(kv_lens) + cache.page_size - 1) // cache.page_size
-  index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
-  branches = [functools.partial(_attend_blocks, width=w) for w in widths]
-  return jax.lax.switch(index, branches, out, q, cache, layer, rows, tables, kv_lens, positions,
-                        window)
+# C: KV positions one online-softmax step reads (rounded to whole pages). Every query's softmax
+# runs over chunks at these fixed positions, so it must be the same for decode and prefill.
+KV_CHUNK = 128
 
 
-def _attend_blocks(out, q, cache: KVCache, layer, rows, tables, kv_lens, positions, window, *,
-                   width):
+def _attend_blocks(out, q, cache: KVCache, layer, rows, tables, kv_lens, positions, window):
   """out, q [T, N, H]; rows [A, R] packed rows (T: none), tables [A, W] and kv_lens [A] of each
-  block's one sequence -> out with the blocks' rows set, reading the first `width` pages."""
+  block's one sequence -> out with the blocks' rows set.
+
+  A flash-style online softmax over the context, Q pages (C positions) at a time, from the
+  first chunk a window can see to the last one the longest sequence holds: the cost follows the
+  positions attended, and no [rows x table width] score matrix or whole-context gather is ever
+  materialized. A chunk that masks a query entirely leaves its running max, sum and output
+  exactly as they were, so how many chunks a step runs changes no query's result."""
   T, N, H = q.shape
-  safe = jnp.minimum(rows, T - 1)
-  qb, pos = q[safe], positions[safe]  # [A, R, N, H], [A, R]
-  k, v = cache.gather(layer, tables[:, :width])  # [A, S, K, H] each
   A, R = rows.shape
-  S, K = k.shape[1], k.shape[2]
-  qb = qb.reshape(A, R, K, N // K, H)
-  scores = jnp.einsum("ARKGH,ASKH->AKGRS", qb, k, preferred_element_type=jnp.float32)
-  scores = scores * (H ** -0.5)
-  kv_pos = jnp.arange(S)
-  mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
-  if window is not None:  # [A, R, S]: positions older than the window are out.
-    mask &= kv_pos[None, None, :] > pos[:, :, None] - window
-  scores = jnp.where(mask[:, None, None], scores, _MASKED)  # [A, K, G, R, S]
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  ob = jnp.einsum("AKGRS,ASKH->ARKGH", probs, v).reshape(A, R, N, H)
+  Z = cache.page_size
+  Q = max(1, KV_CHUNK // Z)
+  C = Q * Z
+  safe = jnp.minimum(rows, T - 1)
+  pos = positions[safe]  # [A, R]
+  tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % Q)))  # Whole chunks; SCRATCH_PAGE.
+  first = 0
+  if window is not None:  # Chunks wholly before every query's window are skipped.
+    first = jnp.maximum(jnp.min(pos) - window + 1, 0) // C
+  last = (jnp.max(kv_lens) + C - 1) // C
+
+  def chunk(j, carry):
+    k, v = cache.gather(layer, jax.lax.dynamic_slice_in_dim(tables, j * Q, Q, axis=1))
+    return _online_step(carry, qb, k, v, _mask(j * C + jnp.arange(C), pos, kv_lens, window))
+
+  K = cache.num_kv_heads
+  qb = q[safe].reshape(A, R, K, N // K, H)  # [A, R, K, G, H]
+  stats = jnp.full((A, K, N // K, R), _MASKED, jnp.float32)  # [A, K, G, R]
+  init = (stats, jnp.zeros_like(stats), jnp.zeros((A, K, N // K, R, H), jnp.float32))
+  _, total, acc = jax.lax.fori_loop(first, last, chunk, init)
+  ob = acc / jnp.where(total > 0, total, 1.0)[..., None]  # An idle row (nothing seen): zeros.
+  ob = ob.transpose(0, 3, 1, 2, 4).reshape(A, R, N, H)
   return out.at[rows].set(ob.astype(out.dtype), mode="drop")
+
+
+def _mask(kv_pos, pos, kv_lens, window):
+  """[A, 1, 1, R, C]: which of the chunk's positions kv_pos [C] each query (at pos [A, R])
+  sees: its own and earlier ones its sequence holds, inside its window."""
+  mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
+  if window is not None:  # Positions older than the window are out.
+    mask &= kv_pos[None, None, :] > pos[:, :, None] - window
+  return mask[:, None, None]
+
+
+def _online_step(carry, qb, k, v, mask):
+  """One chunk of the online softmax: carry (running max [A, K, G, R], sum [A, K, G, R], output
+  [A, K, G, R, H]), qb [A, R, K, G, H], k, v [A, C, K, H], mask [A, 1, 1, R, C]."""
+  m, total, acc = carry
+  H = qb.shape[-1]
+  scores = jnp.einsum("ARKGH,ACKH->AKGRC", qb, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(mask, scores * (H ** -0.5), _MASKED)  # [A, K, G, R, C]
+  m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+  scale = jnp.exp(m - m_new)  # 1 exactly where the chunk shows a query nothing new.
+  p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+  pv = jnp.einsum("AKGRC,ACKH->AKGRH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return m_new, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
 
 
 _KERNEL_PLATFORM = {AttentionBackend.PALLAS: None, AttentionBackend.PALLAS_TPU: "tpu",

@@ -9,7 +9,7 @@ layout in place, inside its kernel.
 Addressing is the same for all layouts: a token's K/V goes to flat slot `page * Z + offset`, and a
 sequence's positions are listed by its page table. The contiguous layout keeps that addressing:
 slot s owns pages 1 + s * W .. (s + 1) * W (`slot_page_tables`), laid out back to back, so its page
-table is the identity slice of its region and gathering it is one slice, not a per-page gather.
+table is the identity slice of its region.
 Page 0 is a scratch page: padding tokens write their K/V there (the contiguous layout drops those
 writes), and no page table points at it for a real position.
 
@@ -102,10 +102,13 @@ def _contiguous_write(a, b, layer, page, offset, k, v, Z):
 
 def _contiguous_gather(a, b, layer, tables, Z):
   Bs, W = a.shape[1:3]
-  slot = jnp.clip((tables[:, 0] - 1) // W, 0, Bs - 1)  # [B]: the tables are identity slices.
-  w, B = tables.shape[1], tables.shape[0]
-  # [B, w, Z, K, X]: one contiguous slice per sequence, no per-page gather.
-  return _flat_gather(a[layer, slot, :w], B, Z), _flat_gather(b[layer, slot, :w], B, Z)
+  # Page p >= 1 is page p - 1 of the slots' regions laid end to end; scratch entries (past a
+  # sequence's positions, masked) read page 0. Any run of a table's columns works, so attention
+  # may read a sequence a chunk at a time.
+  page = jnp.maximum(tables - 1, 0)  # [B, w]
+  B = tables.shape[0]
+  take = lambda x: _flat_gather(x[layer].reshape(Bs * W, *x.shape[3:])[page], B, Z)
+  return take(a), take(b)
 
 
 def ragged_lanes(K, H, Kg=1, dtype="float32"):
@@ -213,6 +216,12 @@ class KVCache:
   @property
   def kv_dtype(self) -> KVDtype:
     return _KV_DTYPE_OF_STORAGE[jnp.dtype(self.k.dtype)]
+
+  @property
+  def num_kv_heads(self) -> int:
+    if self.layout is KVLayout.RAGGED:
+      return self.ragged_heads[0]
+    return self.k.shape[self.axes.index("kv_heads")]
 
   @property
   def num_pages(self) -> int:
