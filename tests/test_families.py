@@ -190,7 +190,6 @@ def test_planner_knows_the_published_sizes(name, total, active, kv_per_token):
 
 
 @pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "longrope"),
     ({"rope_type": "default", "partial_rotary_factor": 0.75}, "partial_rotary_factor")])
 def test_phi3_rope_it_cannot_run_is_refused_by_name(rope, message):
   hf = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 64,

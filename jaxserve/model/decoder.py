@@ -24,6 +24,7 @@ from jaxserve.model.llama import (
     _weight,
     apply_rope,
     rms_norm,
+    rope_scale,
     stacked_layers,
 )
 
@@ -76,8 +77,8 @@ class Block(nnx.Module):
     if cfg.qk_norm:  # Per head, before RoPE (Qwen3).
       q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
       k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
-    q = apply_rope(q, meta.positions, inv_freq)
-    k = apply_rope(k, meta.positions, inv_freq)
+    q = apply_rope(q, meta.positions, inv_freq, rope_scale(cfg))
+    k = apply_rope(k, meta.positions, inv_freq, rope_scale(cfg))
     # Every layer local (Mistral) or none: the window is static, one value for all layers.
     window = cfg.sliding_window if any(cfg.local_layers) else None
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,

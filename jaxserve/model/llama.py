@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import LongRope, ModelConfig
 from jaxserve.model import attention, quant
 from jaxserve.model.kv_cache import KVCache
 
@@ -40,11 +40,14 @@ def rms_norm(x, scale, eps: float):
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig):
-  """[H/2] inverse frequencies, with Llama-3 scaling when the config asks for it."""
-  inv_freq = 1.0 / (cfg.rope_theta
-                    ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+def rope_frequencies(cfg: ModelConfig, meta: attention.AttentionMetadata):
+  """[H/2] inverse frequencies, with Llama-3 scaling when the config asks for it; with LongRoPE,
+  [1, T, H/2]: each token's own (_longrope)."""
+  exponents = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
   s = cfg.rope_scaling
+  if isinstance(s, LongRope):
+    return _longrope(s, cfg.rope_theta ** exponents, meta)
+  inv_freq = 1.0 / (cfg.rope_theta ** exponents)
   if s is None:
     return inv_freq
   # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
@@ -58,11 +61,33 @@ def rope_frequencies(cfg: ModelConfig):
                    jnp.where(wavelen > low_wavelen, inv_freq / s.factor, mid))
 
 
-def apply_rope(x, positions, inv_freq):
-  """x [B, T, heads, H], positions [B, T]. Hugging Face's rotate-half layout."""
+def _longrope(s: LongRope, wavelengths, meta: attention.AttentionMetadata):
+  """[1, T, H/2]: a token's frequencies are the long ones when its sequence is longer than
+  s.original_max_position once this step's tokens are in (transformers picks the set by a
+  forward's largest position, for all its tokens; here each sequence of a step picks its own, so
+  a token's output does not depend on its batch). Keys cached before keep the set they had, as
+  in transformers' generate."""
+  T, B = meta.positions.shape[1], meta.kv_lens.shape[0]
+  seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens, jnp.arange(T), side="right") - 1, 0, B - 1)
+  long = (meta.kv_lens[seq] > s.original_max_position)[None, :, None]  # [1, T, 1]
+  short_freq = 1.0 / (jnp.asarray(s.short_factor, jnp.float32) * wavelengths)  # [H/2]
+  long_freq = 1.0 / (jnp.asarray(s.long_factor, jnp.float32) * wavelengths)
+  return jnp.where(long, long_freq, short_freq)
+
+
+def rope_scale(cfg: ModelConfig) -> float:
+  """What q and k are multiplied by after rotation: LongRoPE's attention factor, else 1."""
+  return cfg.rope_scaling.attention_factor if isinstance(cfg.rope_scaling, LongRope) else 1.0
+
+
+def apply_rope(x, positions, inv_freq, scale: float = 1.0):
+  """x [B, T, heads, H], positions [B, T], inv_freq [H/2] or [B, T, H/2]. Hugging Face's
+  rotate-half layout; cos and sin times `scale`, as transformers applies an attention factor."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
   sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
   cos = jnp.cos(angles)[:, :, None, :]
+  if scale != 1.0:
+    sin, cos = sin * scale, cos * scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, heads, H/2] each
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -111,8 +136,8 @@ class DecoderLayer(nnx.Module):
     v = quant.linear("BTD,DKH->BTKH", h, self.wv)
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-    q = apply_rope(q, meta.positions, inv_freq)
-    k = apply_rope(k, meta.positions, inv_freq)
+    q = apply_rope(q, meta.positions, inv_freq, rope_scale(cfg))
+    k = apply_rope(k, meta.positions, inv_freq, rope_scale(cfg))
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn)  # [B, T, N, H]
     out = out.astype(x.dtype)
     x = x + quant.linear("BTNH,NHD->BTD", out, self.wo)
@@ -144,7 +169,7 @@ class Transformer(nnx.Module):
     [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
     the cache."""
     x = quant.embed(tokens, self.embed, self.final_norm[...].dtype)  # [B, T, D]
-    inv_freq = rope_frequencies(self.cfg)
+    inv_freq = rope_frequencies(self.cfg, meta)
     graphdef, layer_state = nnx.split(self.layers)
 
     def body(carry, xs):
