@@ -13,7 +13,7 @@ class ModelFamily(enum.Enum):
 
   LLAMA = "llama"  # SmolLM2, Llama 2/3, Mistral, Qwen2: model/llama.py.
   GEMMA3 = "gemma3"  # Gemma 3 text models: model/gemma3.py (configs read by config/gemma3.py).
-  # The Llama block's variants, model/decoder.py (configs read by config/readers.py):
+  # The Llama block's variants, switches of model/llama.py (configs read by config/readers.py):
   QWEN3 = "qwen3"  # RMSNorm on each query and key head, no QKV bias.
   QWEN3_MOE = "qwen3_moe"  # Qwen3's attention, a mixture of experts for the MLP.
   MISTRAL = "mistral"  # A sliding window on every layer (Mistral 7B v0.1); without one, LLAMA.

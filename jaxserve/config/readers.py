@@ -16,7 +16,7 @@ from jaxserve.config.model import LongRope, ModelConfig, ModelFamily, RopeScalin
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
 
-# Architecture -> family of the Llama block and its variants (model/llama.py, model/decoder.py).
+# Architecture -> family of the Llama block and its variants (model/llama.py).
 HF_FAMILIES = {
     "LlamaForCausalLM": ModelFamily.LLAMA, "Qwen2ForCausalLM": ModelFamily.LLAMA,
     "MistralForCausalLM": ModelFamily.MISTRAL, "Qwen3ForCausalLM": ModelFamily.QWEN3,

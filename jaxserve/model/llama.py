@@ -1,4 +1,7 @@
-"""A Llama-family decoder in Flax NNX, reading and writing a paged KV cache.
+"""A Llama-family decoder in Flax NNX, reading and writing a paged KV cache: Llama, Qwen2, and the
+Llama block's variants, each a switch of the config (DecoderLayer): Qwen3 (RMSNorm on each query
+and key head), Mistral and Phi-3 (a sliding window on every layer), and the mixtures of experts
+Qwen3-MoE and Mixtral (moe.py's MLP).
 
 Shape letters: the key in jaxserve/model/__init__.py.
 
@@ -14,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import LongRope, ModelConfig
-from jaxserve.model import attention, quant
+from jaxserve.model import attention, moe, quant
 from jaxserve.model.kv_cache import KVCache
 
 
@@ -105,10 +108,16 @@ def stacked_layers(cfg: ModelConfig, make_layer, rngs: nnx.Rngs):
 
 
 class DecoderLayer(nnx.Module):
-  """One decoder layer: pre-norm attention, then a pre-norm SwiGLU MLP."""
+  """One decoder layer: pre-norm attention, then a pre-norm SwiGLU MLP or mixture of experts.
+
+  What each family adds to the Llama block is a switch of its config, static, so every layer is
+  alike and one scan runs them all: RMSNorm on each query and key head (`cfg.qk_norm`: Qwen3,
+  Qwen3-MoE), a sliding window on every layer (`cfg.local_layers`: Mistral, and Phi-3 or
+  Mixtral when their config sets one), and experts for the MLP (`cfg.num_experts`: Qwen3-MoE,
+  Mixtral; moe.py)."""
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant_layouts=None):
-    D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+    D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.cfg = cfg
     w = lambda name, shape, names, fan_in: _weight(name, quant_layouts, rngs, shape, names, dtype,
                                                    fan_in)
@@ -121,10 +130,22 @@ class DecoderLayer(nnx.Module):
       self.bq = _param(rngs, (N, H), ("heads", "head_dim"), dtype, fan_in=D)
       self.bk = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
       self.bv = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
+    if cfg.qk_norm:
+      self.q_norm = _param(rngs, (H,), ("head_dim",), dtype)
+      self.k_norm = _param(rngs, (H,), ("head_dim",), dtype)
     self.mlp_norm = _param(rngs, (D,), ("embed",), dtype)
-    self.w_gate = w("w_gate", (D, F), ("embed", "mlp"), D)
-    self.w_up = w("w_up", (D, F), ("embed", "mlp"), D)
-    self.w_down = w("w_down", (F, D), ("mlp", "embed"), F)
+    if cfg.num_experts:
+      Ex, Fe = cfg.num_experts, cfg.expert_hidden_dim
+      self.router = _param(rngs, (D, Ex), ("embed", None), dtype, fan_in=D)
+      self.we_gate = _param(rngs, (Ex, D, Fe), ("expert", "embed", "expert_mlp"), dtype, fan_in=D)
+      self.we_up = _param(rngs, (Ex, D, Fe), ("expert", "embed", "expert_mlp"), dtype, fan_in=D)
+      self.we_down = _param(rngs, (Ex, Fe, D), ("expert", "expert_mlp", "embed"), dtype,
+                            fan_in=Fe)
+    else:
+      F = cfg.hidden_dim
+      self.w_gate = w("w_gate", (D, F), ("embed", "mlp"), D)
+      self.w_up = w("w_up", (D, F), ("embed", "mlp"), D)
+      self.w_down = w("w_down", (F, D), ("mlp", "embed"), F)
 
   def __call__(self, x, layer, cache: KVCache, meta: attention.AttentionMetadata, inv_freq,
                attn: attention.AttentionSpec):
@@ -136,19 +157,38 @@ class DecoderLayer(nnx.Module):
     v = quant.linear("BTD,DKH->BTKH", h, self.wv)
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+    if cfg.qk_norm:  # Per head, before RoPE (Qwen3).
+      q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
+      k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
     q = apply_rope(q, meta.positions, inv_freq, rope_scale(cfg))
     k = apply_rope(k, meta.positions, inv_freq, rope_scale(cfg))
-    out, cache = attention.attend(q, k, v, cache, layer, meta, attn)  # [B, T, N, H]
+    # Every layer local (Mistral) or none: the window is static, one value for all layers.
+    window = cfg.sliding_window if any(cfg.local_layers) else None
+    out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
+                                  local_window=window)  # [B, T, N, H]
     out = out.astype(x.dtype)
     x = x + quant.linear("BTNH,NHD->BTD", out, self.wo)
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-    gate = jax.nn.silu(quant.linear("BTD,DF->BTF", h, self.w_gate))
-    up = quant.linear("BTD,DF->BTF", h, self.w_up)
-    return x + quant.linear("BTF,FD->BTD", gate * up, self.w_down), cache
+    return x + self._mlp(h, attn), cache
+
+  def _mlp(self, h_BTD, attn: attention.AttentionSpec):
+    cfg = self.cfg
+    if not cfg.num_experts:
+      gate = jax.nn.silu(quant.linear("BTD,DF->BTF", h_BTD, self.w_gate))
+      up = quant.linear("BTD,DF->BTF", h_BTD, self.w_up)
+      return quant.linear("BTF,FD->BTD", gate * up, self.w_down)
+    B, T, D = h_BTD.shape
+    h_TD = h_BTD.reshape(B * T, D)
+    weights, experts = moe.route(h_TD, self.router[...], cfg.experts_per_token, cfg.norm_topk)
+    out = moe.experts_mlp(h_TD, weights, experts, self.we_gate[...], self.we_up[...],
+                          self.we_down[...], attn.mesh)
+    return out.reshape(B, T, D)
 
 
 class Transformer(nnx.Module):
-  """`quant_layouts` (quant.layouts_of a parameter pytree): the weights stored quantized."""
+  """`quant_layouts` (quant.layouts_of a parameter pytree): the weights stored quantized. The
+  experts and the router stay float under every `quantization` (loading/quantize.py quantizes
+  the named matrices only)."""
 
   def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
                quant_layouts: quant.Layouts | None = None):
