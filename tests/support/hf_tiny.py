@@ -72,6 +72,14 @@ def greedy(hf, prompt: list[int], n: int) -> list[int]:
   return out[0, len(prompt):].tolist()
 
 
+def argmax_tokens(hf, prompt: list[int], n: int) -> list[int]:
+  """n greedy tokens after `prompt`, each the argmax of a full forward (no KV cache)."""
+  ids = list(prompt)
+  for _ in range(n):
+    ids.append(int(np.argmax(logits(hf, ids)[-1])))
+  return ids[len(prompt):]
+
+
 def write_gguf(hf, path, arch: str, window: int | None = None):
   """`hf` as a float32 GGUF of architecture `arch` ("llama", "qwen3" or "phi3"), with the
   metadata and tensors llama.cpp's converter writes for it: gguf's own HF -> GGUF tensor-name
