@@ -23,48 +23,26 @@ from jaxserve.config import (
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, weights
 from jaxserve.model.kv_cache import WindowedKV
+from support import hf_tiny
 from support.mock_engine import MockTokenizer
-from support.tiny import count_compiles, dense_logits
+from support.tiny import count_compiles
 from support.workers import PROMPTS, run_worker
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 256
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=False)
-# Each family's real config.json shape, scaled down: Qwen3's qk-norm; Mistral 7B v0.1's window
-# (here 8 positions, shorter than every prompt); Qwen3-MoE's 128 experts, top 8, unnormalised
-# (here 8, top 3, as Qwen3-30B-A3B's norm_topk_prob: true, and one unnormalised); Mixtral's 8,
-# top 2.
-FAMILIES = {
-    "qwen3": (transformers.Qwen3Config, dict(SMALL, tie_word_embeddings=True)),
-    "mistral": (transformers.MistralConfig, dict(SMALL, sliding_window=8)),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(SMALL, num_experts=8, num_experts_per_tok=3,
-                                                    moe_intermediate_size=32,
-                                                    norm_topk_prob=True)),
-    "mixtral": (transformers.MixtralConfig, dict(SMALL, num_local_experts=4,
-                                                 num_experts_per_tok=2)),
-    # Phi-3-mini-4k's window (2047 of 4096), here 8; its fused QKV and gate/up.
-    "phi3": (transformers.Phi3Config, dict(SMALL, sliding_window=8, pad_token_id=0)),
-}
+VOCAB = hf_tiny.VOCAB
+FAMILIES = hf_tiny.FAMILIES
 # Its router's weights not renormalised (Qwen3-MoE's default): only the logits test needs it.
-UNNORMED = (transformers.Qwen3MoeConfig, dict(FAMILIES["qwen3_moe"][1], norm_topk_prob=False))
+UNNORMED = ("Qwen3MoeConfig", dict(FAMILIES["qwen3_moe"][1], norm_topk_prob=False))
 ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=17, max_model_len=64,
                       prefill_buckets=(16,), compilation_cache_dir=None,
                       attention_backend=AttentionBackend.REFERENCE)
 
 
 def save_tiny(name: str, path):
-  """The transformers model of family `name`, random weights (norms too), saved in `path`."""
-  config_class, kwargs = FAMILIES.get(name, UNNORMED)
-  torch.manual_seed(0)
-  hf = transformers.AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
-  with torch.no_grad():
-    for param_name, p in hf.named_parameters():
-      if param_name.endswith("norm.weight"):
-        p.uniform_(0.5, 1.5)
+  """The transformers model of family `name` (or "unnormed"), saved in `path`."""
+  hf = hf_tiny.build(*FAMILIES.get(name, UNNORMED))
   hf.save_pretrained(path)
   return hf
 
@@ -80,13 +58,6 @@ def load_tiny(name: str, tmp_path_factory):
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
   return load_tiny(request.param, tmp_path_factory)
-
-
-def greedy(hf, prompt: list[int], n: int) -> list[int]:
-  with torch.no_grad():
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, pad_token_id=0)
-  return out[0, len(prompt):].tolist()
 
 
 def test_config_and_parameter_count(family):
@@ -108,22 +79,14 @@ def test_config_and_parameter_count(family):
 def test_logits_match_transformers_at_every_position(family):
   """40 tokens: Mistral's positions past its 8-token window see only their window; the experts
   see every routing the 40 tokens pick."""
-  assert_logits_match(*family[1:])
+  hf_tiny.assert_logits_match(*family[1:])
 
 
 def test_unnormalised_router_logits_match_transformers(tmp_path_factory):
   """Qwen3-MoE with norm_topk_prob false: the top-k softmax weights are used as they are."""
   _, hf, model = load_tiny("unnormed", tmp_path_factory)
   assert not model.cfg.norm_topk
-  assert_logits_match(hf, model)
-
-
-def assert_logits_match(hf, model):
-  ids = [int(i) for i in np.random.default_rng(0).integers(0, VOCAB, 40)]
-  with torch.no_grad():
-    ref = hf(torch.tensor([ids])).logits[0].numpy()
-  ours = np.asarray(dense_logits(model, ids, page_size=4))
-  assert np.abs(ours - ref).max() < 1e-4
+  hf_tiny.assert_logits_match(hf, model)
 
 
 def test_greedy_through_the_scheduler_match_transformers(family, checked):
@@ -147,7 +110,7 @@ def test_greedy_through_the_scheduler_match_transformers(family, checked):
   assert runner.scheduler.num_preemptions >= 1
   assert runner.scheduler.num_cached_tokens > 0
   for prompt, result in zip(prompts + [shared], first + second):
-    assert list(result.token_ids) == greedy(hf, prompt, 12)
+    assert list(result.token_ids) == hf_tiny.greedy(hf, prompt, 12)
 
 
 def test_unknown_family_is_refused_by_name():
@@ -190,7 +153,6 @@ def test_planner_knows_the_published_sizes(name, total, active, kv_per_token):
 
 
 @pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "longrope"),
     ({"rope_type": "default", "partial_rotary_factor": 0.75}, "partial_rotary_factor")])
 def test_phi3_rope_it_cannot_run_is_refused_by_name(rope, message):
   hf = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 64,

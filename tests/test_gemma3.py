@@ -31,6 +31,7 @@ from jaxserve.loading import checkpoint, pull, weights
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import SCRATCH_PAGE, WindowedKV
+from support import hf_tiny
 from support.engine_calls import decode, prefill
 from support.mock_engine import MockTokenizer, assert_all_free
 from support.tiny import dense_logits
@@ -59,13 +60,7 @@ TINY_ENGINE = EngineConfig(num_slots=2, page_size=4, num_pages=40, max_model_len
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
   """(transformers model, its saved directory): random weights, norms included (they init to 0)."""
-  torch.manual_seed(0)
-  config = transformers.Gemma3TextConfig(**TINY_HF)
-  model = transformers.Gemma3ForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.uniform_(-0.5, 0.5)
+  model = hf_tiny.build("Gemma3TextConfig", TINY_HF, norms=(-0.5, 0.5))
   path = tmp_path_factory.mktemp("tiny_gemma3")
   model.save_pretrained(path)
   return model, path
@@ -91,11 +86,7 @@ def test_tiny_config_from_transformers_dir(tiny):
 
 def test_tiny_logits_match_transformers_at_every_position(tiny, tiny_hf):
   """40 tokens over pages of 4: positions past the 8-token window see only their window."""
-  ids = list(np.random.default_rng(0).integers(0, 256, 40))
-  with torch.no_grad():
-    ref = tiny_hf[0](torch.tensor([ids])).logits[0].numpy()
-  ours = np.asarray(dense_logits(tiny, ids, page_size=4))
-  assert np.abs(ours - ref).max() < 1e-4
+  hf_tiny.assert_logits_match(tiny_hf[0], tiny)
 
 
 def test_tiny_chunked_prefill_and_decode_match_transformers(tiny, tiny_hf):
@@ -111,11 +102,7 @@ def test_tiny_chunked_prefill_and_decode_match_transformers(tiny, tiny_hf):
   ours = [int(future.result()[0])]
   for _ in range(11):
     ours.append(int(decode(engine, [0], np.array([table], np.int32)).result()[0]))
-  ids = list(prompt)
-  with torch.no_grad():
-    for _ in range(12):
-      ids.append(int(tiny_hf[0](torch.tensor([ids])).logits[0, -1].argmax()))
-  assert ours == ids[len(prompt):]
+  assert ours == hf_tiny.argmax_tokens(tiny_hf[0], prompt, 12)
 
 
 def test_config_in_transformers_4_spelling():
@@ -168,11 +155,7 @@ def test_tiny_window_pages_through_the_scheduler_match_transformers(tiny, tiny_h
   prompts = [[int(i) for i in rng.integers(0, 256, n)] for n in (45, 6, 19)]
   results = runner.generate([(p, SamplingParams(temperature=0, max_tokens=8)) for p in prompts])
   for prompt, result in zip(prompts, results):
-    ids = list(prompt)
-    with torch.no_grad():
-      for _ in range(8):
-        ids.append(int(tiny_hf[0](torch.tensor([ids])).logits[0, -1].argmax()))
-    assert list(result.token_ids) == ids[len(prompt):]
+    assert list(result.token_ids) == hf_tiny.argmax_tokens(tiny_hf[0], prompt, 8)
 
 
 # ---------------------------------------------------------------------------------------------

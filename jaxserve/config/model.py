@@ -13,7 +13,7 @@ class ModelFamily(enum.Enum):
 
   LLAMA = "llama"  # SmolLM2, Llama 2/3, Mistral, Qwen2: model/llama.py.
   GEMMA3 = "gemma3"  # Gemma 3 text models: model/gemma3.py (configs read by config/gemma3.py).
-  # The Llama block's variants, model/decoder.py (configs read by config/readers.py):
+  # The Llama block's variants, switches of model/llama.py (configs read by config/readers.py):
   QWEN3 = "qwen3"  # RMSNorm on each query and key head, no QKV bias.
   QWEN3_MOE = "qwen3_moe"  # Qwen3's attention, a mixture of experts for the MLP.
   MISTRAL = "mistral"  # A sliding window on every layer (Mistral 7B v0.1); without one, LLAMA.
@@ -32,6 +32,18 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LongRope:
+  """Phi-3's LongRoPE (the 128k models, Phi-3.5-mini), as transformers runs it: each frequency
+  divided by its factor, the short ones while a sequence is at most `original_max_position`
+  long and the long ones past it; q and k both scaled by `attention_factor` after rotation."""
+
+  short_factor: tuple[float, ...]  # [H/2]
+  long_factor: tuple[float, ...]  # [H/2]
+  original_max_position: int
+  attention_factor: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder of one of the `ModelFamily`s. The fields after `name` are some families' only:
   a window (Gemma 3, Mistral), Gemma 3's RoPE and scalings, and the mixture of experts."""
@@ -45,7 +57,7 @@ class ModelConfig:
   hidden_dim: int
   norm_eps: float = 1e-5
   rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | None = None
+  rope_scaling: RopeScaling | LongRope | None = None
   max_seq_len: int = 2048
   tie_embeddings: bool = True
   qkv_bias: bool = False
@@ -81,6 +93,10 @@ class ModelConfig:
                        f"1..num_experts ({self.num_experts})")
     if self.num_experts and self.expert_hidden_dim <= 0:
       raise ValueError("ModelConfig.expert_hidden_dim must be positive for a mixture of experts")
+    s, half = self.rope_scaling, self.head_dim // 2
+    if isinstance(s, LongRope) and not len(s.short_factor) == len(s.long_factor) == half:
+      raise ValueError(f"LongRope needs head_dim / 2 = {half} short and long "
+                       f"factors, got {len(s.short_factor)} and {len(s.long_factor)}")
 
   @property
   def qk_norm(self) -> bool:
@@ -117,7 +133,12 @@ class ModelConfig:
   def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
     d = dict(d)
     if d.get("rope_scaling"):
-      d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+      s = dict(d["rope_scaling"])
+      if "short_factor" in s:  # JSON gives lists; jit wants a hashable config.
+        d["rope_scaling"] = LongRope(**{**s, "short_factor": tuple(s["short_factor"]),
+                                        "long_factor": tuple(s["long_factor"])})
+      else:
+        d["rope_scaling"] = RopeScaling(**s)
     d["family"] = ModelFamily(d.get("family", ModelFamily.LLAMA.value))
     d["local_layers"] = tuple(d.get("local_layers", ()))  # JSON gives a list; jit wants hashable.
     return cls(**d)

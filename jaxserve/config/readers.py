@@ -6,16 +6,17 @@ Llama-family readers here; Gemma 3's in config/gemma3.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 from jaxserve.config import gemma3
-from jaxserve.config.model import ModelConfig, ModelFamily, RopeScaling
+from jaxserve.config.model import LongRope, ModelConfig, ModelFamily, RopeScaling
 
 # The text-only model, and the multimodal one (4B, 12B, 27B), read as its text model.
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
 
-# Architecture -> family of the Llama block and its variants (model/llama.py, model/decoder.py).
+# Architecture -> family of the Llama block and its variants (model/llama.py).
 HF_FAMILIES = {
     "LlamaForCausalLM": ModelFamily.LLAMA, "Qwen2ForCausalLM": ModelFamily.LLAMA,
     "MistralForCausalLM": ModelFamily.MISTRAL, "Qwen3ForCausalLM": ModelFamily.QWEN3,
@@ -51,34 +52,49 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
       qkv_bias=arch == "Qwen2ForCausalLM" or hf.get("attention_bias", False),
       name=name,
       family=family,
-      **_hf_rope(hf),
+      **_hf_rope(hf, hf.get("max_position_embeddings", 2048)),
   )
   return dataclasses.replace(cfg, **_hf_window(hf, cfg), **_hf_experts(hf, family))
 
 
-def _hf_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+def _hf_rope(hf: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
   # transformers >= 5 writes `rope_parameters` (theta included) instead of rope_theta/rope_scaling.
   rope = hf.get("rope_parameters") or {}
   theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
   scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                        else None)
-  if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+  kind = scaling and scaling.get("rope_type", scaling.get("type"))
+  if kind == "llama3":
     scaling = RopeScaling(scaling["factor"], scaling["low_freq_factor"],
                           scaling["high_freq_factor"],
                           scaling["original_max_position_embeddings"])
+  elif kind in ("longrope", "su"):  # transformers reads Phi-3's early "su" as longrope.
+    # A top-level original_max_position_embeddings (Phi-3's) wins, as in transformers.
+    original = hf.get("original_max_position_embeddings",
+                      scaling.get("original_max_position_embeddings", max_positions))
+    scaling = longrope(scaling["short_factor"], scaling["long_factor"], original, max_positions,
+                       scaling.get("factor"), scaling.get("attention_factor"))
   elif scaling:
     raise ValueError(f"unsupported rope_scaling {scaling!r}")
   return {"rope_theta": theta, "rope_scaling": scaling}
 
 
+def longrope(short, long, original: int, max_positions: int, factor: float | None = None,
+             attention_factor: float | None = None) -> LongRope:
+  """transformers' LongRoPE parameters: without an attention factor, sqrt(1 + ln(factor) /
+  ln(original)), where the factor defaults to max_positions / original (Phi-3's configs name
+  none); 1 when the factor is at most 1."""
+  if attention_factor is None:
+    factor = factor or max_positions / original
+    attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+  return LongRope(tuple(float(x) for x in short), tuple(float(x) for x in long), int(original),
+                  float(attention_factor))
+
+
 def _check_phi3(hf: Mapping[str, Any]) -> None:
-  """Phi-3 mini/medium 4k run as they are; the 128k ones and Phi-3.5-mini scale RoPE with
-  `longrope` (two factor lists, short and long), which jaxserve does not implement."""
+  """Phi-3 rotates every dimension of a head, as jaxserve does (RoPE as it is, or LongRoPE:
+  the 128k models, Phi-3.5-mini); Phi-4-mini rotates a part only."""
   scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-  kind = scaling.get("rope_type", scaling.get("type", "default"))
-  if kind != "default":
-    raise ValueError(f"phi3 with {kind!r} RoPE scaling (Phi-3 128k, Phi-3.5-mini): jaxserve "
-                     "does not implement it; the 4k Phi-3 models run")
   if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
     raise ValueError("phi3 with partial_rotary_factor != 1 (Phi-4-mini): jaxserve rotates "
                      "every dimension of a head")
@@ -117,23 +133,31 @@ def _hf_experts(hf: Mapping[str, Any], family: ModelFamily) -> dict[str, Any]:
           "norm_topk": hf.get("norm_topk_prob", False)}
 
 
-def from_gguf(meta: Mapping[str, Any], has_output: bool, name: str = "model") -> ModelConfig:
-  """Builds a config from GGUF metadata (`meta` maps key -> python value)."""
+# GGUF architecture -> family of the Llama block and its variants. A Mistral GGUF is `llama`
+# (llama.cpp's converter writes MistralForCausalLM as a Llama); its window makes it MISTRAL.
+GGUF_FAMILIES = {"llama": ModelFamily.LLAMA, "mistral": ModelFamily.LLAMA,
+                 "qwen2": ModelFamily.LLAMA, "qwen3": ModelFamily.QWEN3, "phi3": ModelFamily.PHI3}
+
+
+def from_gguf(meta: Mapping[str, Any], has_output: bool, name: str = "model",
+              rope_factors=None) -> ModelConfig:
+  """Builds a config from GGUF metadata (`meta` maps key -> python value); `rope_factors`: a
+  Phi-3 file's LongRoPE factors (short, long), which it stores as tensors."""
   arch = meta["general.architecture"]
   if arch == "gemma3":
     return gemma3.from_gguf(meta, has_output, name)
-  if arch not in ("llama", "mistral", "qwen2"):
-    raise ValueError(f"unsupported GGUF architecture {arch!r}: jaxserve runs Llama-family models")
+  if arch not in GGUF_FAMILIES:
+    raise ValueError(f"unsupported GGUF architecture {arch!r}: jaxserve serves "
+                     f"{', '.join((*GGUF_FAMILIES, 'gemma3'))}")
   p = arch + "."
+  if meta.get(p + "expert_count"):
+    raise ValueError(f"{arch} GGUF with experts (Mixtral, Qwen3-MoE): jaxserve reads mixtures "
+                     "of experts from Hugging Face safetensors only")
   num_heads = meta[p + "attention.head_count"]
   dim = meta[p + "embedding_length"]
-  scaling = None
-  if meta.get(p + "rope.scaling.type") == "llama3" or (p + "rope.scaling.low_freq_factor") in meta:
-    scaling = RopeScaling(meta[p + "rope.scaling.factor"], meta[p + "rope.scaling.low_freq_factor"],
-                          meta[p + "rope.scaling.high_freq_factor"],
-                          meta[p + "rope.scaling.original_context_length"])
+  context = meta.get(p + "context_length", 2048)
   vocab = meta.get(p + "vocab_size") or len(meta["tokenizer.ggml.tokens"])
-  return ModelConfig(
+  cfg = ModelConfig(
       vocab_size=vocab,
       dim=dim,
       num_layers=meta[p + "block_count"],
@@ -143,9 +167,36 @@ def from_gguf(meta: Mapping[str, Any], has_output: bool, name: str = "model") ->
       hidden_dim=meta[p + "feed_forward_length"],
       norm_eps=meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5),
       rope_theta=meta.get(p + "rope.freq_base", 10000.0),
-      rope_scaling=scaling,
-      max_seq_len=meta.get(p + "context_length", 2048),
+      rope_scaling=_gguf_rope_scaling(meta, p, context, rope_factors),
+      max_seq_len=context,
       tie_embeddings=not has_output,
       qkv_bias=arch == "qwen2",
       name=name,
+      family=GGUF_FAMILIES[arch],
   )
+  window = meta.get(p + "attention.sliding_window")
+  return dataclasses.replace(cfg, **_gguf_window(arch, window, cfg))
+
+
+def _gguf_rope_scaling(meta: Mapping[str, Any], p: str, context: int, rope_factors):
+  """Llama 3.1's scaling, from its keys; LongRoPE, from a Phi-3 file's factor tensors (with the
+  attention factor llama.cpp's converter computed as transformers does)."""
+  if rope_factors is not None:
+    return longrope(*rope_factors, meta[p + "rope.scaling.original_context_length"], context,
+                    attention_factor=meta.get(p + "rope.scaling.attn_factor"))
+  if meta.get(p + "rope.scaling.type") == "llama3" or (p + "rope.scaling.low_freq_factor") in meta:
+    return RopeScaling(meta[p + "rope.scaling.factor"], meta[p + "rope.scaling.low_freq_factor"],
+                       meta[p + "rope.scaling.high_freq_factor"],
+                       meta[p + "rope.scaling.original_context_length"])
+  return None
+
+
+def _gguf_window(arch: str, window: int | None, cfg: ModelConfig) -> dict[str, Any]:
+  """A Llama (Mistral) or Phi-3 GGUF with a window shorter than its context attends to the last
+  `window` positions on every layer, as its Hugging Face config says (_hf_window). llama.cpp's
+  converter writes 0 for a Phi-3 without one, and no key for Mistral 7B v0.1, which it (and so
+  jaxserve) then runs as a Llama."""
+  if arch not in ("llama", "mistral", "phi3") or not window or window >= cfg.max_seq_len:
+    return {}
+  family = ModelFamily.MISTRAL if cfg.family is ModelFamily.LLAMA else cfg.family
+  return {"family": family, "sliding_window": window, "local_layers": (True,) * cfg.num_layers}

@@ -32,8 +32,14 @@ def gguf_config(path, reader=None) -> ModelConfig:
 
   reader = reader or gguf.GGUFReader(str(path))
   has_output = any(t.name == "output.weight" for t in reader.tensors)
+  # Phi-3's LongRoPE factors are tensors, not metadata.
+  factors = {t.name: dequantize(t) for t in reader.tensors
+             if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")}
+  rope_factors = None
+  if factors:
+    rope_factors = (factors["rope_factors_short.weight"], factors["rope_factors_long.weight"])
   return readers.from_gguf(gguf_metadata.read_gguf_metadata(path), has_output,
-                               name=pathlib.Path(path).stem)
+                           name=pathlib.Path(path).stem, rope_factors=rope_factors)
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -56,8 +62,8 @@ def read_matrix(tensor, blocks: bool):
 
 
 def load_gguf(path, blocks: bool = False) -> tuple[ModelConfig, dict]:
-  """Reads a GGUF file (the Llama family, or Gemma 3): dequantized, or (`blocks`) with each
-  quantized matrix kept as its blocks."""
+  """Reads a GGUF file (the Llama family, Qwen3, Mistral, Phi-3, or Gemma 3): dequantized, or
+  (`blocks`) with each quantized matrix kept as its blocks."""
   import gguf
 
   reader = gguf.GGUFReader(str(path))
@@ -65,29 +71,13 @@ def load_gguf(path, blocks: bool = False) -> tuple[ModelConfig, dict]:
   tensors = {t.name: t for t in reader.tensors}
   cfg = gguf_config(path, reader)
 
-  matrices = {"token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-              "ffn_up", "ffn_down"}
+  matrices = {"token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
+              "ffn_gate", "ffn_up", "ffn_down"}
   get = lambda name: (read_matrix(tensors[name], blocks)
                       if name.split(".")[-2] in matrices else dequantize(tensors[name]))
 
-  # llama.cpp's converter permutes Q/K rows of Llama models for its interleaved RoPE; Qwen2
-  # is converted unpermuted (it uses NeoX-style RoPE, like us).
-  permuted = meta["general.architecture"] in ("llama", "mistral")
-  q_rows = lambda w: _unpermute(w, cfg.num_heads) if permuted else w
-  k_rows = lambda w: _unpermute(w, cfg.num_kv_heads) if permuted else w
-  layers = [{
-      "attn_norm": get(f"blk.{i}.attn_norm.weight"),
-      "q": q_rows(get(f"blk.{i}.attn_q.weight")),
-      "k": k_rows(get(f"blk.{i}.attn_k.weight")),
-      "v": get(f"blk.{i}.attn_v.weight"),
-      "o": get(f"blk.{i}.attn_output.weight"),
-      "mlp_norm": get(f"blk.{i}.ffn_norm.weight"),
-      "gate": get(f"blk.{i}.ffn_gate.weight"),
-      "up": get(f"blk.{i}.ffn_up.weight"),
-      "down": get(f"blk.{i}.ffn_down.weight"),
-      **({"bq": q_rows(get(f"blk.{i}.attn_q.bias")), "bk": k_rows(get(f"blk.{i}.attn_k.bias")),
-          "bv": get(f"blk.{i}.attn_v.bias")} if cfg.qkv_bias else {}),
-  } for i in range(cfg.num_layers)]
+  layers = [_gguf_layer(cfg, meta["general.architecture"], get, tensors, f"blk.{i}.")
+            for i in range(cfg.num_layers)]
   final_norm = get("output_norm.weight")
   if cfg.family is ModelFamily.GEMMA3:
     # llama.cpp stores Gemma's norm weights as the scale itself, 1 + w; ours (and Hugging
@@ -99,6 +89,53 @@ def load_gguf(path, blocks: bool = False) -> tuple[ModelConfig, dict]:
     final_norm = final_norm - 1
   head = get("output.weight") if "output.weight" in tensors else None
   return cfg, to_params(cfg, get("token_embd.weight"), layers, final_norm, head)
+
+
+def _gguf_layer(cfg: ModelConfig, arch: str, get, tensors, p: str) -> dict:
+  """One layer's torch-layout tensors, by our names (`p`: the layer's prefix); Gemma 3's extra
+  norms are load_gguf's."""
+  layer = {"attn_norm": get(p + "attn_norm.weight"), "o": get(p + "attn_output.weight"),
+           "mlp_norm": get(p + "ffn_norm.weight"), "down": get(p + "ffn_down.weight"),
+           **_gguf_qkv(cfg, get, tensors, p), **_gguf_gate_up(get, tensors, p)}
+  if cfg.qkv_bias:
+    layer.update({"b" + key: get(f"{p}attn_{key}.bias") for key in "qkv"})
+  # llama.cpp's converter permutes Q/K rows of Llama models for its interleaved RoPE; Qwen2/3
+  # and Phi-3 are converted unpermuted (they use NeoX-style RoPE, like us).
+  if arch in ("llama", "mistral"):
+    for key, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads),
+                       ("bq", cfg.num_heads), ("bk", cfg.num_kv_heads)):
+      if key in layer:
+        layer[key] = _unpermute(layer[key], heads)
+  if cfg.qk_norm and cfg.family is not ModelFamily.GEMMA3:  # Qwen3: [H] each.
+    layer.update(q_norm=get(p + "attn_q_norm.weight"), k_norm=get(p + "attn_k_norm.weight"))
+  return layer
+
+
+def _gguf_qkv(cfg: ModelConfig, get, tensors, p: str) -> dict:
+  """Q, K and V of layer prefix `p`: three tensors, or Phi-3's one fused [(N + 2K) * H, D]."""
+  if p + "attn_qkv.weight" not in tensors:
+    return {key: get(f"{p}attn_{key}.weight") for key in "qkv"}
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  return dict(zip("qkv", _split_rows(get(p + "attn_qkv.weight"), [q, q + kv])))
+
+
+def _gguf_gate_up(get, tensors, p: str) -> dict:
+  """Gate and up of layer prefix `p`: two tensors, or Phi-3's ffn_up holding gate then up
+  ([2F, D]; llama.cpp's converter keeps gate_up_proj whole)."""
+  if p + "ffn_gate.weight" in tensors:
+    return {"gate": get(p + "ffn_gate.weight"), "up": get(p + "ffn_up.weight")}
+  fused = get(p + "ffn_up.weight")
+  rows = fused.values.shape[0] if isinstance(fused, gguf_blocks.Blocks) else fused.shape[0]
+  return dict(zip(("gate", "up"), _split_rows(fused, [rows // 2])))
+
+
+def _split_rows(w, at: list[int]) -> list:
+  """A torch-layout matrix (float, or Blocks: their scales follow their rows) cut into runs of
+  rows (output features) at `at`."""
+  if isinstance(w, gguf_blocks.Blocks):
+    ends = [*at, w.values.shape[0]]
+    return [w.map(lambda a, s=s, e=e: a[s:e]) for s, e in zip([0, *at], ends)]
+  return np.split(w, at)
 
 
 def load_hf_dir(path) -> tuple[ModelConfig, dict]:

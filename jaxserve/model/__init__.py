@@ -1,6 +1,6 @@
-"""The models: the Llama-family and Gemma 3 decoders, and the Llama block's variants (Qwen3,
-Mistral, and the mixtures of experts Qwen3-MoE and Mixtral; families.py picks one per ModelFamily),
-their attention over the paged KV cache, and the logical axes they are sharded by.
+"""The models: the Llama-family decoder with its block's variants (Qwen3, Mistral, Phi-3, and the
+mixtures of experts Qwen3-MoE and Mixtral) and Gemma 3's (families.py picks one per
+ModelFamily), their attention over the paged KV cache, and the logical axes they are sharded by.
 
 Shape letters, the one key for every comment, einsum and `x_BTD` name of jaxserve and of
 kernels_pallas:

@@ -4,17 +4,15 @@ compile planner share, so a new family is added here once."""
 from __future__ import annotations
 
 from jaxserve.config import ModelConfig, ModelFamily
-from jaxserve.model.decoder import Decoder
 from jaxserve.model.gemma3 import Gemma3
 from jaxserve.model.llama import Transformer
 
-Model = Transformer | Gemma3 | Decoder
+Model = Transformer | Gemma3
 
-CLASSES = {ModelFamily.LLAMA: Transformer, ModelFamily.GEMMA3: Gemma3,
-           ModelFamily.QWEN3: Decoder, ModelFamily.QWEN3_MOE: Decoder,
-           ModelFamily.MISTRAL: Decoder, ModelFamily.MIXTRAL: Decoder, ModelFamily.PHI3: Decoder}
+# Every family but Gemma 3 is the Llama block with its config's switches (llama.DecoderLayer).
+CLASSES = {family: Transformer for family in ModelFamily} | {ModelFamily.GEMMA3: Gemma3}
 
 
-def model_class(cfg: ModelConfig) -> type[Transformer] | type[Gemma3] | type[Decoder]:
+def model_class(cfg: ModelConfig) -> type[Transformer] | type[Gemma3]:
   """The module that builds a model of `cfg`'s family."""
   return CLASSES[cfg.family]

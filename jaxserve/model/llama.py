@@ -1,4 +1,7 @@
-"""A Llama-family decoder in Flax NNX, reading and writing a paged KV cache.
+"""A Llama-family decoder in Flax NNX, reading and writing a paged KV cache: Llama, Qwen2, and the
+Llama block's variants, each a switch of the config (DecoderLayer): Qwen3 (RMSNorm on each query
+and key head), Mistral and Phi-3 (a sliding window on every layer), and the mixtures of experts
+Qwen3-MoE and Mixtral (moe.py's MLP).
 
 Shape letters: the key in jaxserve/model/__init__.py.
 
@@ -13,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import ModelConfig
-from jaxserve.model import attention, quant
+from jaxserve.config import LongRope, ModelConfig
+from jaxserve.model import attention, moe, quant
 from jaxserve.model.kv_cache import KVCache
 
 
@@ -40,11 +43,14 @@ def rms_norm(x, scale, eps: float):
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig):
-  """[H/2] inverse frequencies, with Llama-3 scaling when the config asks for it."""
-  inv_freq = 1.0 / (cfg.rope_theta
-                    ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+def rope_frequencies(cfg: ModelConfig, meta: attention.AttentionMetadata):
+  """[H/2] inverse frequencies, with Llama-3 scaling when the config asks for it; with LongRoPE,
+  [1, T, H/2]: each token's own (_longrope)."""
+  exponents = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
   s = cfg.rope_scaling
+  if isinstance(s, LongRope):
+    return _longrope(s, cfg.rope_theta ** exponents, meta)
+  inv_freq = 1.0 / (cfg.rope_theta ** exponents)
   if s is None:
     return inv_freq
   # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
@@ -58,11 +64,33 @@ def rope_frequencies(cfg: ModelConfig):
                    jnp.where(wavelen > low_wavelen, inv_freq / s.factor, mid))
 
 
-def apply_rope(x, positions, inv_freq):
-  """x [B, T, heads, H], positions [B, T]. Hugging Face's rotate-half layout."""
+def _longrope(s: LongRope, wavelengths, meta: attention.AttentionMetadata):
+  """[1, T, H/2]: a token's frequencies are the long ones when its sequence is longer than
+  s.original_max_position once this step's tokens are in (transformers picks the set by a
+  forward's largest position, for all its tokens; here each sequence of a step picks its own, so
+  a token's output does not depend on its batch). Keys cached before keep the set they had, as
+  in transformers' generate."""
+  T, B = meta.positions.shape[1], meta.kv_lens.shape[0]
+  seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens, jnp.arange(T), side="right") - 1, 0, B - 1)
+  long = (meta.kv_lens[seq] > s.original_max_position)[None, :, None]  # [1, T, 1]
+  short_freq = 1.0 / (jnp.asarray(s.short_factor, jnp.float32) * wavelengths)  # [H/2]
+  long_freq = 1.0 / (jnp.asarray(s.long_factor, jnp.float32) * wavelengths)
+  return jnp.where(long, long_freq, short_freq)
+
+
+def rope_scale(cfg: ModelConfig) -> float:
+  """What q and k are multiplied by after rotation: LongRoPE's attention factor, else 1."""
+  return cfg.rope_scaling.attention_factor if isinstance(cfg.rope_scaling, LongRope) else 1.0
+
+
+def apply_rope(x, positions, inv_freq, scale: float = 1.0):
+  """x [B, T, heads, H], positions [B, T], inv_freq [H/2] or [B, T, H/2]. Hugging Face's
+  rotate-half layout; cos and sin times `scale`, as transformers applies an attention factor."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
   sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
   cos = jnp.cos(angles)[:, :, None, :]
+  if scale != 1.0:
+    sin, cos = sin * scale, cos * scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, heads, H/2] each
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -80,10 +108,16 @@ def stacked_layers(cfg: ModelConfig, make_layer, rngs: nnx.Rngs):
 
 
 class DecoderLayer(nnx.Module):
-  """One decoder layer: pre-norm attention, then a pre-norm SwiGLU MLP."""
+  """One decoder layer: pre-norm attention, then a pre-norm SwiGLU MLP or mixture of experts.
+
+  What each family adds to the Llama block is a switch of its config, static, so every layer is
+  alike and one scan runs them all: RMSNorm on each query and key head (`cfg.qk_norm`: Qwen3,
+  Qwen3-MoE), a sliding window on every layer (`cfg.local_layers`: Mistral, and Phi-3 or
+  Mixtral when their config sets one), and experts for the MLP (`cfg.num_experts`: Qwen3-MoE,
+  Mixtral; moe.py)."""
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quant_layouts=None):
-    D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+    D, N, K, H = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.cfg = cfg
     w = lambda name, shape, names, fan_in: _weight(name, quant_layouts, rngs, shape, names, dtype,
                                                    fan_in)
@@ -96,10 +130,22 @@ class DecoderLayer(nnx.Module):
       self.bq = _param(rngs, (N, H), ("heads", "head_dim"), dtype, fan_in=D)
       self.bk = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
       self.bv = _param(rngs, (K, H), ("kv_heads", "head_dim"), dtype, fan_in=D)
+    if cfg.qk_norm:
+      self.q_norm = _param(rngs, (H,), ("head_dim",), dtype)
+      self.k_norm = _param(rngs, (H,), ("head_dim",), dtype)
     self.mlp_norm = _param(rngs, (D,), ("embed",), dtype)
-    self.w_gate = w("w_gate", (D, F), ("embed", "mlp"), D)
-    self.w_up = w("w_up", (D, F), ("embed", "mlp"), D)
-    self.w_down = w("w_down", (F, D), ("mlp", "embed"), F)
+    if cfg.num_experts:
+      Ex, Fe = cfg.num_experts, cfg.expert_hidden_dim
+      self.router = _param(rngs, (D, Ex), ("embed", None), dtype, fan_in=D)
+      self.we_gate = _param(rngs, (Ex, D, Fe), ("expert", "embed", "expert_mlp"), dtype, fan_in=D)
+      self.we_up = _param(rngs, (Ex, D, Fe), ("expert", "embed", "expert_mlp"), dtype, fan_in=D)
+      self.we_down = _param(rngs, (Ex, Fe, D), ("expert", "expert_mlp", "embed"), dtype,
+                            fan_in=Fe)
+    else:
+      F = cfg.hidden_dim
+      self.w_gate = w("w_gate", (D, F), ("embed", "mlp"), D)
+      self.w_up = w("w_up", (D, F), ("embed", "mlp"), D)
+      self.w_down = w("w_down", (F, D), ("mlp", "embed"), F)
 
   def __call__(self, x, layer, cache: KVCache, meta: attention.AttentionMetadata, inv_freq,
                attn: attention.AttentionSpec):
@@ -111,19 +157,38 @@ class DecoderLayer(nnx.Module):
     v = quant.linear("BTD,DKH->BTKH", h, self.wv)
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-    q = apply_rope(q, meta.positions, inv_freq)
-    k = apply_rope(k, meta.positions, inv_freq)
-    out, cache = attention.attend(q, k, v, cache, layer, meta, attn)  # [B, T, N, H]
+    if cfg.qk_norm:  # Per head, before RoPE (Qwen3).
+      q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
+      k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
+    q = apply_rope(q, meta.positions, inv_freq, rope_scale(cfg))
+    k = apply_rope(k, meta.positions, inv_freq, rope_scale(cfg))
+    # Every layer local (Mistral) or none: the window is static, one value for all layers.
+    window = cfg.sliding_window if any(cfg.local_layers) else None
+    out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
+                                  local_window=window)  # [B, T, N, H]
     out = out.astype(x.dtype)
     x = x + quant.linear("BTNH,NHD->BTD", out, self.wo)
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-    gate = jax.nn.silu(quant.linear("BTD,DF->BTF", h, self.w_gate))
-    up = quant.linear("BTD,DF->BTF", h, self.w_up)
-    return x + quant.linear("BTF,FD->BTD", gate * up, self.w_down), cache
+    return x + self._mlp(h, attn), cache
+
+  def _mlp(self, h_BTD, attn: attention.AttentionSpec):
+    cfg = self.cfg
+    if not cfg.num_experts:
+      gate = jax.nn.silu(quant.linear("BTD,DF->BTF", h_BTD, self.w_gate))
+      up = quant.linear("BTD,DF->BTF", h_BTD, self.w_up)
+      return quant.linear("BTF,FD->BTD", gate * up, self.w_down)
+    B, T, D = h_BTD.shape
+    h_TD = h_BTD.reshape(B * T, D)
+    weights, experts = moe.route(h_TD, self.router[...], cfg.experts_per_token, cfg.norm_topk)
+    out = moe.experts_mlp(h_TD, weights, experts, self.we_gate[...], self.we_up[...],
+                          self.we_down[...], attn.mesh)
+    return out.reshape(B, T, D)
 
 
 class Transformer(nnx.Module):
-  """`quant_layouts` (quant.layouts_of a parameter pytree): the weights stored quantized."""
+  """`quant_layouts` (quant.layouts_of a parameter pytree): the weights stored quantized. The
+  experts and the router stay float under every `quantization` (loading/quantize.py quantizes
+  the named matrices only)."""
 
   def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
                quant_layouts: quant.Layouts | None = None):
@@ -144,7 +209,7 @@ class Transformer(nnx.Module):
     [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
     the cache."""
     x = quant.embed(tokens, self.embed, self.final_norm[...].dtype)  # [B, T, D]
-    inv_freq = rope_frequencies(self.cfg)
+    inv_freq = rope_frequencies(self.cfg, meta)
     graphdef, layer_state = nnx.split(self.layers)
 
     def body(carry, xs):
