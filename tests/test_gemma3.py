@@ -168,7 +168,7 @@ COLORS = ("red", "blue", "green", "amber", "violet", "silver", "teal")
 LONG = " ".join(f"Box {i} is {COLORS[i % 7]} and holds {(i * 7) % 13} apples." for i in range(130))
 REAL_ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=400, max_model_len=2048,
                            prefill_buckets=(64, 512), compilation_cache_dir=None,
-                           attention_backend=AttentionBackend.REFERENCE)
+                           attention_backend=AttentionBackend.REFERENCE, quantization="gguf")
 NUM_TOKENS = 32
 
 
@@ -312,7 +312,7 @@ def test_checkpoint_round_trip(tiny, llm, tmp_path):
 
 @pytest.mark.real_model
 def test_real_gguf_blocks_give_the_float_models_logits(llm, gguf_path, prompts):
-  """`auto` on CPU serves the Q4_K_M file's own blocks (Q4_K and Q6_K ffn_down layers in one
+  """--quantization gguf serves the Q4_K_M file's own blocks (Q4_K and Q6_K ffn_down layers in one
   array, Q5_0 and Q8_0 attn_v, the Q8_0 embedding as the tied head): the logits are the float32
   dequantized model's within 1e-4."""
   from jaxserve.config import Quantization

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.real_model
 
 RAW = "What is a mortgage rate? A mortgage rate is"
 CHAT = [{"role": "user", "content": "What is a mortgage rate?"}]
+# The GGUF's own blocks (`auto` serves float since they measured slower on CPU): greedy tokens
+# equal transformers' on the same GGUF, and the logits the float model's, in this mode too.
 ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=64, max_model_len=256,
-                      prefill_buckets=(32, 64), compilation_cache_dir=None)
+                      prefill_buckets=(32, 64), compilation_cache_dir=None, quantization="gguf")
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +113,8 @@ def test_http_echo_prompt_logprobs_match_transformers(llm, hf_model, prompts):
     srv.close()
 
 
-def test_auto_serves_the_ggufs_blocks_with_the_float_models_logits(llm, default_model, prompts):
-  """LLM() defaults on CPU: `auto` serves the GGUF's own Q4_1/Q8_0 blocks (int8 values and their
+def test_gguf_mode_serves_the_blocks_with_the_float_models_logits(llm, default_model, prompts):
+  """--quantization gguf serves the GGUF's own Q4_1/Q8_0 blocks (int8 values and their
   scales on the device, dequantized in the step), and the logits at every position are the
   float32 dequantized model's within 1e-4: the same numbers."""
   from jaxserve.model import quant
