@@ -128,20 +128,20 @@ def test_gguf_mode_serves_the_blocks_with_the_float_models_logits(llm, default_m
 
 @pytest.fixture(scope="module")
 def continuations(llm, default_model) -> list[list[int]]:
-  """Issue 24's measure at a CI size: 8 README prompts of 16 tokens, each followed by the float
+  """Issue 24's measure, at its size: 32 README prompts of 16 tokens, each followed by the float
   model's own 64 greedy tokens (llm: the same numbers within 1e-4, above), on which a quantized
   form and float32 are both teacher-forced (scripts/quant_quality.py, quant_sweep.py: 32 x 64)."""
   from support import script_loader
 
   qq = script_loader.load("quant_quality")
-  prompts = [w[:qq.CONTEXT] for w in qq.windows(default_model[1], 8, 0)]
+  prompts = [w[:qq.CONTEXT] for w in qq.windows(default_model[1], 32, 0)]
   return qq.continue_greedily(llm, prompts, 64)
 
 
 def test_int8_weights_keep_the_float_models_predictions(default_model, continuations):
   """`--quantization int8` (one scale per output channel) against float32: mean KL <= 0.02 (the
   issue's bound) and top-1 agreement >= 95%. The issue asks 98%: per channel reaches 97.4% at
-  32 x 64 (95.5% at this 8 x 64), short of it. A scale per 32 inputs reaches 99.1% but XLA:TPU
+  32 x 64, short of it. A scale per 32 inputs reaches 99.1% but XLA:TPU
   then writes each layer's float weights out (test_targets' temp bound fails on v5e), so it is
   not what int8 stores; BENCHMARKS.md, "Quality bounds of the 8-bit forms"."""
   from support import script_loader
@@ -149,13 +149,14 @@ def test_int8_weights_keep_the_float_models_predictions(default_model, continuat
   qq = script_loader.load("quant_quality")
   model = default_model[0]
   result = qq.compare(model, qq.int8_model(model), continuations, dense_logits)
-  assert result["positions"] == 8 * 64
+  assert result["positions"] == 32 * 64
   assert result["top1_agreement"] >= 0.95 and result["mean_kl"] <= 0.02, result
 
 
 def test_int8_kv_keeps_the_float_models_predictions(default_model, continuations):
   """int8 KV (kernels_pallas/kv_quant.py) against float32 KV in the ragged layout, on the same
-  teacher-forced continuations: issue 24's bounds (at 32 x 64: 99.0%, KL 0.0011). float8 KV
+  teacher-forced continuations: issue 24's bounds (98.8%, KL 0.0011 with the chunked attention;
+  at 8 x 64 alone 97.7%: too few positions for a 98% bound). float8 KV
   does not meet them (BENCHMARKS.md): tests/test_kv_quality.py holds it to floors."""
   from jaxserve.config import KVDtype
   from support import script_loader
@@ -163,5 +164,5 @@ def test_int8_kv_keeps_the_float_models_predictions(default_model, continuations
   kv_quality = script_loader.load("kv_quality")
   result = kv_quality.compare(default_model[0], np.asarray(continuations), (KVDtype.INT8,))
   r = result["int8"]
-  assert r["positions"] == 8 * 64
+  assert r["positions"] == 32 * 64
   assert r["top1_agreement"] >= 0.98 and 0 < r["mean_kl"] <= 0.02, r

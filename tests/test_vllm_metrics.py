@@ -82,6 +82,9 @@ def test_names_types_and_values_follow_the_server(srv, gate):
   sched = srv.scheduler
   three_in = lambda: len(sched.running) == 2 and len(sched.waiting) == 1
   gate.close(when=three_in)
+  # The first two must still run when the third has been prepared (on the work pool) and queued:
+  # 200 tokens take 0.2 s, not the 20 ms in which a cold server's third request could miss them.
+  gate.token_s = 0.001
   streams = [start(stub, list(range(10 * i + 1, 10 * i + 11)), 200) for i in range(3)]
   assert h.wait_until(three_in)
   _, samples = scrape(srv)

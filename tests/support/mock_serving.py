@@ -5,6 +5,7 @@ token (its code point), so a test knows how many pages a prompt fills."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Sequence
 
 from support import server_harness as h
@@ -38,8 +39,10 @@ class Gate:
     self._open = threading.Event()
     self._open.set()
     self.when: Callable[[], bool] = lambda: True
+    self.token_s = 0.0  # Seconds each token takes: long enough for later requests to arrive.
 
   def __call__(self, context: Sequence[int]) -> int:
+    time.sleep(self.token_s)
     if self.when():
       assert self._open.wait(30), "the gate stayed closed"
     return next_plus_one(context) % 900  # Never the end-of-sequence id.
