@@ -8,6 +8,7 @@ import pytest
 
 from jaxserve.cli import main as cli
 from jaxserve.loading import checkpoint, weights
+from support import hf_tiny
 from support.tiny import dense_logits
 
 torch = pytest.importorskip("torch")
@@ -45,54 +46,11 @@ def test_hf_directory_matches_transformers(tmp_path, kind):
   np.testing.assert_allclose(np.asarray(ours), torch_logits(model, IDS), atol=1e-4)
 
 
-def _llama_cpp_row_order(w, num_heads):
-  """llama.cpp's converter reorders Q/K rows per head for its interleaved RoPE:
-  (2, pairs) -> (pairs, 2) within each head."""
-  return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2)
-          .reshape(w.shape))
-
-
-def write_gguf(model, path):
-  import gguf
-
-  c = model.config
-  sd = {k: v.numpy() for k, v in model.state_dict().items()}
-  w = gguf.GGUFWriter(str(path), "llama")
-  w.add_block_count(c.num_hidden_layers)
-  w.add_context_length(c.max_position_embeddings)
-  w.add_embedding_length(c.hidden_size)
-  w.add_feed_forward_length(c.intermediate_size)
-  w.add_head_count(c.num_attention_heads)
-  w.add_head_count_kv(c.num_key_value_heads)
-  w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-  w.add_layer_norm_rms_eps(c.rms_norm_eps)
-  w.add_vocab_size(c.vocab_size)
-  w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-  w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-  w.add_tensor("output.weight", sd["lm_head.weight"])
-  names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
-           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-           "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-  for i in range(c.num_hidden_layers):
-    for hf, ours in names.items():
-      t = sd[f"model.layers.{i}.{hf}.weight"]
-      if ours == "attn_q":
-        t = _llama_cpp_row_order(t, c.num_attention_heads)
-      if ours == "attn_k":
-        t = _llama_cpp_row_order(t, c.num_key_value_heads)
-      w.add_tensor(f"blk.{i}.{ours}.weight", np.ascontiguousarray(t))
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-
-
 def test_gguf_with_llama_cpp_row_order_matches_transformers(tmp_path):
   """Un-permuting llama.cpp's Q/K rows is what makes the logits agree."""
   model = transformers.LlamaForCausalLM(
       transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)).eval()
-  write_gguf(model, tmp_path / "tiny.gguf")
+  hf_tiny.write_gguf(model, tmp_path / "tiny.gguf", "llama")
   cfg, params = weights.load_gguf(tmp_path / "tiny.gguf")
   ours = dense_logits(checkpoint.build_model(cfg, params), IDS)
   np.testing.assert_allclose(np.asarray(ours), torch_logits(model, IDS), atol=1e-4)

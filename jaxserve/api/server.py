@@ -48,7 +48,7 @@ from jaxserve.serving import kv_publisher
 from jaxserve.serving.gateway import ApiError, Gateway, Status, load_keys
 from jaxserve.serving.metrics import Metrics
 from jaxserve.serving.service import Service
-from jaxserve.serving.work_pool import WorkPool
+from jaxserve.serving.work_pool import WorkPool, settle
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -285,19 +285,11 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
   loop = asyncio.get_running_loop()
   future = loop.create_future()
 
-  def settle(result: Any, error: BaseException | None) -> None:
-    if future.done():  # Cancelled: the server stopped first.
-      return
-    if error is None:
-      future.set_result(result)
-    else:
-      future.set_exception(error)
-
   def run():
     try:
-      loop.call_soon_threadsafe(settle, fn(), None)
+      loop.call_soon_threadsafe(settle, future, fn(), None)
     except BaseException as e:  # pylint: disable=broad-except
-      loop.call_soon_threadsafe(settle, None, e)
+      loop.call_soon_threadsafe(settle, future, None, e)
 
   threading.Thread(target=run, name="jaxserve-warmup", daemon=True).start()
   return await future

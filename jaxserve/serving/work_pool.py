@@ -84,12 +84,18 @@ class WorkPool:
 
   def _settle(self, future: asyncio.Future, result: Any, error: BaseException | None) -> None:
     self.num_pending -= 1
-    if future.done():  # Cancelled: its request went away.
-      return
-    if error is None:
-      future.set_result(result)
-    else:
-      future.set_exception(error)
+    settle(future, result, error)
+
+
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+  """A worker thread's outcome into `future`, on its loop; nothing if it was cancelled (its
+  caller went away)."""
+  if future.done():
+    return
+  if error is None:
+    future.set_result(result)
+  else:
+    future.set_exception(error)
 
 
 def dumps(obj: Any) -> bytes:
