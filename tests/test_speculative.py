@@ -12,6 +12,8 @@ from jaxserve.batching.request import Backoff
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.speculative import propose_ngram
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from support import speculation
+from support.speculation import tokens
 from support.tiny import count_compiles
 
 K = 4
@@ -42,15 +44,9 @@ def prompts(default_model):
 
 
 def run(engine, tokenizer, prompts, sampling, k=K, config=SchedulerConfig()):
-  """Completions of `prompts` on a fresh runner whose proposals are at most k long (the engine
-  verifies up to K: shorter runs are padded), and its scheduler."""
-  runner = Runner(engine, tokenizer, config)
-  runner.scheduler.speculative = dataclasses.replace(ENGINE.speculative, num_speculative_tokens=k)
-  return runner.generate([(p, sampling) for p in prompts]), runner.scheduler
-
-
-def tokens(completions):
-  return [list(c.token_ids) for c in completions]
+  """speculation.run with this module's engine's speculation, at most k tokens proposed."""
+  spec = dataclasses.replace(ENGINE.speculative, num_speculative_tokens=k)
+  return speculation.run(engine, tokenizer, prompts, sampling, spec, config)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

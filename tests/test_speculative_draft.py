@@ -12,8 +12,9 @@ import dataclasses
 
 import pytest
 
-from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from support import speculation
+from support.speculation import tokens
 from support.tiny import count_compiles
 
 K = 3
@@ -40,15 +41,9 @@ def prompts(default_model):
 
 
 def run(engine, tokenizer, prompts, sampling, k=K, config=SchedulerConfig()):
-  """Completions of `prompts` on a fresh runner whose runs are at most k long (the engine
-  verifies up to K: shorter runs are padded), and its scheduler."""
-  runner = Runner(engine, tokenizer, config)
-  runner.scheduler.speculative = dataclasses.replace(ENGINE.speculative, num_speculative_tokens=k)
-  return runner.generate([(p, sampling) for p in prompts]), runner.scheduler
-
-
-def tokens(completions):
-  return [list(c.token_ids) for c in completions]
+  """speculation.run with this module's engine's speculation, at most k tokens proposed."""
+  spec = dataclasses.replace(ENGINE.speculative, num_speculative_tokens=k)
+  return speculation.run(engine, tokenizer, prompts, sampling, spec, config)
 
 
 def all_accepted(scheduler, completions):
