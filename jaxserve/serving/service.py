@@ -5,7 +5,7 @@ One request, in the order it happens:
   Service.accept: refused while draining, its API key, its key's requests per minute: cheap
     checks on the event loop, before any work is done on it; from here the drain counts it
     -> Service.prepare_runs, on a worker (work_pool.py), once however many choices it has:
-       tokenize, template and check each prompt (gateway), compile its constraint, price it
+       tokenize, template and check each prompt (client_fields), compile its constraint, price it
        under the key's tokens per minute, build the engine requests of its n runs
     -> Service.generate, per run: AsyncRunner.submit_request (the engine thread takes it
        before its next step) -> outputs, grouped into chunks of `chunk_tokens` tokens -> a
@@ -15,7 +15,7 @@ One request, in the order it happens:
 The event loop only routes: whatever costs CPU in proportion to what a client sent runs on the
 work pool, whose queue is bounded (a request over it gets RESOURCE_EXHAUSTED at once). A front
 end maps `ApiError.status` to its own codes. Every error is raised before the first chunk,
-except an engine failure. When the consumer stops early (a client cancels or disconnects), the
+except an engine failure, a drain's cut, and a grammar-engine error after the first token. When the consumer stops early (a client cancels or disconnects), the
 generator's cleanup aborts the run: the engine thread drops it before its next step, and its
 slot and pages are free again.
 """
