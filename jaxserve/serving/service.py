@@ -15,7 +15,8 @@ One request, in the order it happens:
 The event loop only routes: whatever costs CPU in proportion to what a client sent runs on the
 work pool, whose queue is bounded (a request over it gets RESOURCE_EXHAUSTED at once). A front
 end maps `ApiError.status` to its own codes. Every error is raised before the first chunk,
-except an engine failure, a drain's cut, and a grammar-engine error after the first token. When the consumer stops early (a client cancels or disconnects), the
+except an engine failure, a drain's cut, and a grammar-engine error after the first token.
+When the consumer stops early (a client cancels or disconnects), the
 generator's cleanup aborts the run: the engine thread drops it before its next step, and its
 slot and pages are free again.
 """
