@@ -14,11 +14,20 @@ import jax
 import pytest
 from flax import nnx
 
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import enable_compilation_cache
 from jaxserve.model.llama import Transformer
 from support.mock_engine import assert_all_free
 from support.tiny import TINY
 
 pytest_plugins = ("support.skip_allowlist",)  # --allowed-skips, which .ci/run passes.
+
+# The persistent XLA cache on from the first compile, in the directory `jaxserve serve` uses:
+# every engine's programs are saved (those of configs with compilation_cache_dir=None too, which
+# only keep an engine from turning the cache on), so a later engine of the same shapes, in
+# another module or a server subprocess, loads them instead of compiling. A load still counts
+# as a compile in support.tiny.count_compiles, so no recompile goes unseen.
+enable_compilation_cache(EngineConfig.compilation_cache_dir)
 
 
 @pytest.fixture(scope="session")

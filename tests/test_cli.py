@@ -9,7 +9,9 @@ from jaxserve.cli import main as cli
 from jaxserve.config import AttentionBackend, KVDtype, SamplingParams
 from jaxserve.llm import LLM
 
-FLAGS = ["--max-tokens", "6", "--buckets", "16,32", "--slots", "2", "--num-pages", "32",
+# The shapes of support/server_harness.py's ENGINE (pages of 16, the default): the programs of
+# the tiny checkpoint's session engine, which the persistent compilation cache already holds.
+FLAGS = ["--max-tokens", "6", "--buckets", "32", "--slots", "4", "--num-pages", "40",
          "--max-model-len", "128"]
 
 

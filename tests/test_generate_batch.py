@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 gb = script_loader.load("generate_batch")
 
 ENGINE_FLAGS = ["--slots", "2", "--page-size", "8", "--num-pages", "40", "--max-model-len", "128",
-                "--buckets", "16,32", "--progress-interval", "0"]
+                "--buckets", "32", "--progress-interval", "0"]
 
 
 def write_jsonl(path, rows):

@@ -160,7 +160,7 @@ def _logprobs(llm, out, params):
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint):
   return jaxserve.LLM(str(tiny_checkpoint), engine_config=EngineConfig(
-      num_slots=8, num_pages=24, page_size=16, max_model_len=256, prefill_buckets=(32, 64)))
+      num_slots=8, num_pages=24, page_size=16, max_model_len=256, prefill_buckets=(32,)))
 
 
 def test_preempted_constrained_requests_rebuild_their_matchers_and_stay_valid(tiny):
