@@ -103,6 +103,31 @@ def test_a_request_verifies_in_consecutive_steps_and_sits_none_out(engine, defau
   assert all(busy[:last + 1]), busy
 
 
+def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(engine,
+                                                                           default_model, prompts):
+  """SpeculativeConfig.disable_by_batch_size: a step plans no verified chunk while more
+  requests run than it allows; with fewer the requests speculate; the tokens are unchanged."""
+  tok = default_model[1]
+  on = SamplingParams(temperature=0, max_tokens=48)
+  want, _ = run(engine, tok, prompts, dataclasses.replace(on, speculative=False))
+  runner = Runner(engine, tok)
+  runner.scheduler.speculative = dataclasses.replace(ENGINE.speculative, disable_by_batch_size=2)
+  seen, schedule = [], runner.scheduler.schedule
+
+  def recorded():
+    num_running = len(runner.scheduler.running)
+    step = schedule()
+    seen.append((num_running, sum(ch.num_drafts > 0 for ch in step.plan.prefills)))
+    return step
+  runner.scheduler.schedule = recorded
+  got = runner.generate([(p, on) for p in prompts])
+  assert tokens(got) == tokens(want)
+  assert all(n <= 2 for n, verified in seen if verified)
+  assert any(verified for _, verified in seen) and max(n for n, _ in seen) == len(prompts)
+  with pytest.raises(ValueError, match="disable_by_batch_size"):
+    SpeculativeConfig(disable_by_batch_size=0)
+
+
 def test_max_tokens_stops_and_logprobs_inside_verified_runs(engine, default_model, prompts):
   tok = default_model[1]
   base = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
