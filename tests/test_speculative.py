@@ -68,15 +68,64 @@ def test_greedy_tokens_equal_without_speculation_alone_and_batched(engine, defau
 
 
 def test_greedy_tokens_equal_when_preempted(engine, default_model, prompts):
-  """23 pages of 16 tokens cannot hold four 130-token sequences: requests are preempted and
+  """23 pages of 16 tokens cannot hold four 160-token sequences: requests are preempted and
   recomputed, verified runs in flight included."""
-  on = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+  on = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)
   want, s_off = run(engine, default_model[1], prompts, dataclasses.replace(on, speculative=False))
   got, s_on = run(engine, default_model[1], prompts, on)
   assert s_off.num_preemptions > 0 and s_on.num_preemptions > 0
   assert s_on.spec_stats.num_accepted_tokens > 0
   assert tokens(got) == tokens(want)
   assert s_on.pages.num_free_pages == s_on.pages.num_usable_pages  # Every page came back.
+
+
+def test_a_request_verifies_in_consecutive_steps_and_sits_none_out(engine, default_model,
+                                                                   prompts):
+  """The step reads a verified chunk's first token and position from the slot's decode state,
+  so a request verifies again in the step after its run, before the host has the run's tokens.
+  Alone, it is in every plan from its prompt's last chunk to its end: no step waits for it."""
+  tok = default_model[1]
+  on = SamplingParams(temperature=0, max_tokens=48)
+  want, _ = run(engine, tok, prompts[:1], dataclasses.replace(on, speculative=False))
+  runner = Runner(engine, tok)
+  steps, schedule = [], runner.scheduler.schedule
+
+  def recorded():
+    steps.append(schedule())
+    return steps[-1]
+  runner.scheduler.schedule = recorded
+  got = runner.generate([(prompts[0], on)])
+  assert tokens(got) == tokens(want)
+  verified = [any(ch.num_drafts for ch in s.plan.prefills) for s in steps]
+  assert any(a and b for a, b in zip(verified, verified[1:]))
+  busy = [not s.plan.is_empty for s in steps]
+  last = max(i for i, b in enumerate(busy) if b)
+  assert all(busy[:last + 1]), busy
+
+
+def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(engine,
+                                                                           default_model, prompts):
+  """SpeculativeConfig.disable_by_batch_size: a step plans no verified chunk while more
+  requests run than it allows; with fewer the requests speculate; the tokens are unchanged."""
+  tok = default_model[1]
+  on = SamplingParams(temperature=0, max_tokens=48)
+  want, _ = run(engine, tok, prompts, dataclasses.replace(on, speculative=False))
+  runner = Runner(engine, tok)
+  runner.scheduler.speculative = dataclasses.replace(ENGINE.speculative, disable_by_batch_size=2)
+  seen, schedule = [], runner.scheduler.schedule
+
+  def recorded():
+    num_running = len(runner.scheduler.running)
+    step = schedule()
+    seen.append((num_running, sum(ch.num_drafts > 0 for ch in step.plan.prefills)))
+    return step
+  runner.scheduler.schedule = recorded
+  got = runner.generate([(p, on) for p in prompts])
+  assert tokens(got) == tokens(want)
+  assert all(n <= 2 for n, verified in seen if verified)
+  assert any(verified for _, verified in seen) and max(n for n, _ in seen) == len(prompts)
+  with pytest.raises(ValueError, match="disable_by_batch_size"):
+    SpeculativeConfig(disable_by_batch_size=0)
 
 
 def test_max_tokens_stops_and_logprobs_inside_verified_runs(engine, default_model, prompts):

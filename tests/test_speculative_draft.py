@@ -68,7 +68,7 @@ def test_greedy_tokens_equal_and_every_proposal_accepted(engine, default_model, 
       assert s_off.spec_stats.num_draft_tokens == 0
       all_accepted(s_on, got)
       assert max(s_on.spec_stats.accepted_per_pos[k:], default=0) == 0
-      if k > 1:  # A verified run gives k + 1 tokens, then the request sits a step out.
+      if k > 1:  # A verified run gives k + 1 tokens a step.
         assert s_on.num_steps < s_off.num_steps
   assert counts == {"trace": 0, "compile": 0}
 

@@ -45,9 +45,11 @@ class PrefillChunk:
   # no query of this chunk or later can see are 0 (the scratch page).
   window_table: Sequence[int] = ()
   # Speculative decoding: the last num_drafts of token_ids are proposed, not known. The chunk
-  # (is_last, the sequence's last known token first) is verified: the engine keeps the longest
-  # run of proposals the model agrees with plus one token of its own (TokenFuture.verified).
-  # With a draft model they are placeholders the engine writes its draft's proposals over.
+  # (is_last) is verified: the engine keeps the longest run of proposals the model agrees with
+  # plus one token of its own (TokenFuture.verified). Its first token and start_pos are read
+  # from the slot's decode state, as a decode's are: the host's (its latest token, its worst
+  # case start) may be a step behind. With a draft model the proposals are placeholders the
+  # engine writes its draft's proposals over. The sampling settings are the slot's too.
   num_drafts: int = 0
 
 

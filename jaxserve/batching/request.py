@@ -5,9 +5,10 @@ owns its KV counters and appends the sampled tokens the runner hands back (`Sche
 Token counters:
 
   all_token_ids        prompt + the output tokens that have reached the host
-  num_pending_tokens   sampled on the device, not read back yet (the overlap keeps one step in
-                       flight)
-  num_computed_tokens  positions whose KV write has been dispatched
+  num_pending_tokens   samples on the device, not read back yet (the overlap keeps one step in
+                       flight); a verified chunk's is one sample of up to k + 1 tokens
+  num_computed_tokens  positions whose KV write has been dispatched (a verified chunk in flight
+                       counts all its proposals until it lands)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ MAX_BACKOFF_STEPS = 64  # The longest a request whose proposals fail goes withou
 @dataclasses.dataclass
 class Backoff:
   """Speculative decoding (speculative.py): one request's proposing schedule. After f failures
-  in a row (no proposal, or none of it accepted) it waits min(2**f, MAX_BACKOFF_STEPS) steps
+  in a row (proposals of which none was accepted) it waits min(2**f, MAX_BACKOFF_STEPS) steps
   before proposing again."""
 
   failures: int = 0
@@ -40,6 +41,17 @@ class Backoff:
       return
     self.failures += 1
     self.resume_step = step + min(2 ** self.failures, MAX_BACKOFF_STEPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlightRun:
+  """A verified chunk on the device (speculative.py): its proposals, and what they assumed."""
+
+  drafts: tuple[int, ...]
+  num_known: int  # len(all_token_ids) when it was proposed.
+  # The tokens the proposals assumed would come after those (the outcome of the request's
+  # sample then in flight); None: no assumption (a draft model proposes on the device).
+  guess: tuple[int, ...] | None
 
 
 class RequestStatus(enum.Enum):
@@ -103,7 +115,8 @@ class Request:
   num_computed_tokens: int = 0
   num_pending_tokens: int = 0
   num_cached_pages: int = 0  # Leading pages of page_table registered in the prefix cache.
-  num_drafts_in_flight: int = 0  # Proposals of the verified chunk in flight (speculative.py).
+  # Verified chunks in flight, oldest first (speculative.py).
+  runs_in_flight: list[InFlightRun] = dataclasses.field(default_factory=list)
   num_draft_tokens: int = 0  # Proposals verified, over the request's life.
   num_accepted_tokens: int = 0  # Of those, the ones the model agreed with.
   backoff: Backoff = dataclasses.field(default_factory=Backoff)
@@ -133,6 +146,12 @@ class Request:
   @property
   def num_prompt_tokens(self) -> int:
     return len(self.prompt_token_ids)
+
+  @property
+  def num_tokens_in_flight(self) -> int:
+    """The most tokens its samples in flight may bring: one each, and a verified chunk's
+    proposals if all are accepted."""
+    return self.num_pending_tokens + sum(len(run.drafts) for run in self.runs_in_flight)
 
   @property
   def output_token_ids(self) -> list[int]:

@@ -36,7 +36,7 @@ from typing import Sequence
 from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
-from jaxserve.batching.speculative import SpecStats, proposal, verify_chunk
+from jaxserve.batching.speculative import SpecStats, holds, proposal, verify_chunk
 from jaxserve.batching.window_pages import PagePools
 from jaxserve.config import SamplingParams, SchedulerConfig
 
@@ -128,10 +128,11 @@ class Scheduler:
     the model's own tokens. `tokens`: what the runner keeps of them and the model's next token
     (fewer when a stop cut the run). The positions past the accepted ones roll back: their KV
     is never read, and rewritten by the tokens that do come there."""
-    num_drafts = req.num_drafts_in_flight
-    req.num_drafts_in_flight = 0
+    run = req.runs_in_flight.pop(0)
+    num_drafts = len(run.drafts)
     req.num_computed_tokens -= num_drafts - num_accepted
-    req.backoff.record(self.num_steps, num_accepted)
+    if holds(req, run):  # Proposals made on a wrong guess say nothing of the proposer.
+      req.backoff.record(self.num_steps, num_accepted)
     self.spec_stats.record(num_drafts, num_accepted)
     req.num_draft_tokens += num_drafts
     req.num_accepted_tokens += num_accepted
@@ -190,20 +191,18 @@ class Scheduler:
   def _schedule_decodes(self) -> tuple[list[Request], list[tuple[PrefillChunk, Request]], int]:
     """(decodes, verified chunks with their requests, preemptions)."""
     decodes, verifies, num_preempted = [], [], 0
-    budget = [self._budget, self._max_prefill_seqs]  # Verified chunks share the prefill's.
+    spec, budget = self._speculation()
     queue = collections.deque(self.running)  # Best first, so victims come off the far end.
     while queue:
       req = queue.popleft()
-      num_tokens = len(req.all_token_ids) + req.num_pending_tokens
+      num_tokens = len(req.all_token_ids) + req.num_tokens_in_flight  # At most.
       # Still prefilling, or every token it may have is sampled already, or constrained and its
-      # last token (which its next mask needs) is still in flight (constrained.py), or waiting
-      # for its tokens to propose from (speculative.py).
+      # last token (which its next mask needs) is still in flight (constrained.py).
       if (req.num_computed_tokens < req.num_prefill_tokens or num_tokens >= req.max_num_tokens
           or (req.grammar is not None and req.num_pending_tokens)):
         continue
-      drafts = proposal(req, self.speculative, self.num_steps, num_tokens, budget)
-      if drafts is None:
-        continue
+      run = proposal(req, spec, self.num_steps, num_tokens, budget)
+      drafts = run.drafts if run else ()
       while not self.pools.grow(req, num_tokens + len(drafts)):
         victim = queue.pop() if queue else req
         self._preempt(victim)
@@ -211,12 +210,13 @@ class Scheduler:
         if victim is req:
           break
       else:
-        # Decode writes the KV of position num_tokens - 1 and samples the next token; a
-        # verified chunk also writes its proposals' and samples after each.
+        # Decode writes the KV of its last token's position (num_tokens - 1 at most) and
+        # samples the next token; a verified chunk also writes its proposals' and samples
+        # after each.
         req.num_computed_tokens = num_tokens + len(drafts)
         req.num_pending_tokens += 1
-        if drafts:
-          verifies.append((verify_chunk(req, drafts), req))
+        if run:
+          verifies.append((verify_chunk(req, run, num_tokens), req))
           budget[0] -= len(drafts) + 1
           budget[1] -= 1
         else:
@@ -224,12 +224,23 @@ class Scheduler:
     self.num_decode_tokens += len(decodes) + len(verifies)
     return decodes, verifies, num_preempted
 
+  def _speculation(self):
+    """(the step's SpeculativeConfig, None for none; [prefill tokens, prefill sequences] its
+    verified chunks may take). They share the prefill's budget, less one prompt's room while
+    prompts wait: a request may verify in every step, so they would take it all, every step."""
+    spec = self.speculative
+    if spec is not None and len(self.running) > (spec.disable_by_batch_size or len(self.running)):
+      spec = None  # A large batch: every request decodes (SpeculativeConfig).
+    prompts_wait = bool(self.waiting) or any(r.is_prefilling for r in self.running)
+    return spec, [self._budget, self._max_prefill_seqs - prompts_wait]
+
   def _preempt(self, req: Request) -> None:
     self._cache_full_pages(req)  # Its own prefix may still be cached when it comes back.
     self._release(req)
     req.status = RequestStatus.WAITING
     req.num_prefill_tokens = req.num_computed_tokens = req.num_pending_tokens = 0
-    req.num_cached_pages = req.num_drafts_in_flight = 0
+    req.num_cached_pages = 0
+    req.runs_in_flight = []
     req.epoch += 1  # Its token in flight is dropped; the recompute samples it again.
     req.num_preemptions += 1
     self.num_preemptions += 1

@@ -3,12 +3,18 @@ speculate, and the counts of what was proposed and accepted. With a draft model 
 "draft") the proposals are made on the device, in the step that verifies them
 (engine/draft.py): the host sends placeholders, and sizes the run as for n-gram ones.
 
-A request speculates only with all its tokens on the host (the proposal continues its last
-one), so it sits out the step after each verification while the tokens come back; a request
-whose proposals keep failing stops proposing for a while (request.Backoff) and decodes every
-step, as without speculation. Verification (engine/verify.py) keeps each request's tokens
-exactly those of decoding one at a time, sampled ones included; a constrained request never
-speculates.
+A request may verify in every step. The step reads a verified chunk's first token and position
+from the slot's decode state (engine/step.py), so the host plans it while the request's last
+sample (a decode or a verified run) is still in flight, reserving pages and max_tokens room as
+if every proposal in flight were accepted. An n-gram proposal then continues a guess of that
+sample: its proposals, if they were made for the tokens that did come, and one more token
+looked up like the proposals. A wrong guess costs only the proposals: verification keeps the
+model's own tokens at the positions that are really there (engine/verify.py). A request whose
+proposals keep being rejected stops proposing for a while (request.Backoff) and decodes every
+step, as without speculation; proposals made on a wrong guess do not count, nor a lookup that
+finds nothing (it costs the device nothing, and is tried again the next step).
+Verification keeps each request's tokens exactly those of decoding one at a time, sampled ones
+included; a constrained request never speculates.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.batching.plan import PrefillChunk
-from jaxserve.batching.request import Request
+from jaxserve.batching.request import InFlightRun, Request
 from jaxserve.config import SamplingParams, SpeculativeConfig
 
 # What a verified chunk holds in place of the draft model's proposals, which the step writes
@@ -35,11 +41,12 @@ def can_speculate(sampling: SamplingParams) -> bool:
   return sampling.speculative and sampling.constraint is None
 
 
-def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int) -> list[int]:
+def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int,
+                  ahead: int = 0) -> list[int]:
   """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
   last n tokens, for the longest n in [prompt_lookup_min, prompt_lookup_max] that occurs; at
-  most min(k, limit) of them, [] when no n-gram recurs."""
-  limit = min(limit, config.num_speculative_tokens)
+  most min(k, limit) + ahead of them, [] when no n-gram recurs."""
+  limit = min(limit, config.num_speculative_tokens) + ahead
   L = len(tokens)
   if limit <= 0 or L <= config.prompt_lookup_min:
     return []
@@ -55,38 +62,49 @@ def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int) 
 
 
 def proposal(req: Request, spec: SpeculativeConfig | None, step: int, num_tokens: int,
-             budget: list[int]) -> list[int] | None:
-  """The proposals to verify for `req` in scheduler step `step` ([]: decode one token as
-  usual), or None: sit this step out, so that its tokens in flight reach the host to propose
-  from. budget: [prefill tokens, prefill sequences] left in the step."""
-  if req.num_drafts_in_flight:  # Its length after the run is known only when it lands.
-    return None
+             budget: list[int]) -> InFlightRun | None:
+  """The run to verify for `req` in scheduler step `step`, or None: decode one token as usual.
+  num_tokens: the most tokens it may have once its samples in flight land; budget: [prefill
+  tokens, prefill sequences] left in the step."""
   if spec is None or not can_speculate(req.sampling) or not req.backoff.may_propose(step):
-    return []
-  if req.num_pending_tokens:
     return None
   # Each accepted proposal and the model's next token are outputs: never past max_tokens (nor
   # the context window, which holds every request's max_tokens).
   limit = min(req.max_num_tokens - num_tokens - 1, budget[0] - 1)
-  if budget[1] <= 0 or limit <= 0:  # No room this step: no failure of the proposer's.
-    return []
+  if budget[1] <= 0 or limit <= 0 or req.num_pending_tokens > 1:  # No room: not a failure.
+    return None
   if spec.method == "draft":
-    return [DRAFT_PLACEHOLDER] * min(limit, spec.num_speculative_tokens)
-  drafts = propose_ngram(req.all_token_ids, spec, limit)
-  if not drafts:
-    req.backoff.record(step, 0)
-  return drafts
+    drafts = (DRAFT_PLACEHOLDER,) * min(limit, spec.num_speculative_tokens)
+    return InFlightRun(drafts, len(req.all_token_ids), None)
+  context, assumed = req.all_token_ids, ()
+  if req.num_pending_tokens:  # Guess its sample in flight: one token, after its proposals
+    # if those were made for the tokens that did come (then most are accepted).
+    if req.runs_in_flight and holds(req, req.runs_in_flight[-1]):
+      assumed = req.runs_in_flight[-1].drafts
+    context = context + list(assumed)
+  ahead = 1 if req.num_pending_tokens else 0
+  drafts = propose_ngram(context, spec, limit, ahead)
+  if len(drafts) <= ahead:  # No device work lost: the lookup is tried again next step.
+    return None
+  return InFlightRun(tuple(drafts[ahead:]), len(req.all_token_ids),
+                     (*assumed, *drafts[:ahead]))
 
 
-def verify_chunk(req: Request, drafts: list[int]) -> PrefillChunk:
-  """The chunk that verifies `drafts`: the last known token, then the proposals, with the
-  whole sequence for the sampling settings (plan.PrefillChunk)."""
-  req.num_drafts_in_flight = len(drafts)
+def holds(req: Request, run: InFlightRun) -> bool:
+  """Whether the tokens `run`'s proposals assumed are those that came; asked once every sample
+  before the run has landed."""
+  return run.guess is None or req.all_token_ids[run.num_known:] == list(run.guess)
+
+
+def verify_chunk(req: Request, run: InFlightRun, num_tokens: int) -> PrefillChunk:
+  """The chunk that verifies `run`'s proposals after the request's last token. The step reads
+  that token and its position from the slot's decode state (engine/step.py): the host may not
+  have them yet, so the chunk's first token and start are the host's latest and worst case."""
+  req.runs_in_flight.append(run)
   return PrefillChunk(
-      req.request_id, req.slot, (req.all_token_ids[-1], *drafts), len(req.all_token_ids) - 1,
+      req.request_id, req.slot, (req.all_token_ids[-1], *run.drafts), num_tokens - 1,
       tuple(req.page_table), True, req.sampling, req.seed,
-      prompt_token_ids=req.prompt_token_ids, output_token_ids=tuple(req.output_token_ids),
-      window_table=tuple(req.window_table), num_drafts=len(drafts))
+      window_table=tuple(req.window_table), num_drafts=len(run.drafts))
 
 
 @dataclasses.dataclass

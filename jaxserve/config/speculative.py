@@ -23,6 +23,10 @@ class SpeculativeConfig:
   prompt_lookup_max: int = 4  # The longest, tried first.
   # Method "draft": the draft model (a packaged model's name or a path, as --model takes).
   draft_model: str | None = None
+  # No proposals in a step while more than this many requests run (vLLM's key): where a step's
+  # cost grows with its rows (CPU), verified runs cost more than they save in a large batch.
+  # None: speculate at any batch size.
+  disable_by_batch_size: int | None = None
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -38,6 +42,10 @@ class SpeculativeConfig:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"SpeculativeConfig.{field} must be an int >= 1, got {value!r}")
+    size = self.disable_by_batch_size
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+      raise ValueError(f"SpeculativeConfig.disable_by_batch_size must be an int >= 1 or None, "
+                       f"got {size!r}")
     if self.num_speculative_tokens > 16:
       raise ValueError("SpeculativeConfig.num_speculative_tokens must be at most 16, got "
                        f"{self.num_speculative_tokens}")

@@ -88,18 +88,36 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
 
 def _sequences(state: DecodeState, args, live, mine):
   """-> (starts, q_lens, kv_lens [B], tables [B, G * W], tokens [T]): the step's sequences,
-  decode rows (their input token and position read from the state) then prefill chunks."""
+  decode rows (their input token and position read from the state) then prefill chunks.
+
+  A verified chunk starts from its slot's state too: the token and position there are the
+  outcome of its request's last step, which the host may not have yet, so a request can verify
+  again in the step right after its last run (batching/speculative.py)."""
   Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
-  dec_mine = mine[:Bd]
-  # Read through one-hot rows, not a gather: under dp the state is split by slot over `data`.
-  read = lambda x: jnp.sum(jnp.where(dec_mine[:, None] == jnp.arange(Bs)[None, :], x[None, :], 0),
-                           1)
-  starts = _cat(jnp.where(live[:Bd], read(state.positions), 0), args.prefill_starts)
+  read = lambda x, rows: _read(x, mine[rows], Bs)
+  decode = slice(0, Bd)
+  starts = _cat(jnp.where(live[:Bd], read(state.positions, decode), 0), args.prefill_starts)
+  tokens = _cat(read(state.tokens, decode), args.prefill_tokens)  # [T]
+  if args.verify_drafts is not None:
+    fed, prefill = _fed(args, live), slice(Bd, None)  # [Bp]
+    starts = _cat(starts[:Bd], jnp.where(fed, read(state.positions, prefill), starts[Bd:]))
+    first = jnp.where(fed, args.verify_rows[:, 0], tokens.shape[0])  # Past T: dropped.
+    tokens = tokens.at[first].set(read(state.tokens, prefill), mode="drop")
   q_lens = _cat(jnp.ones(Bd, jnp.int32), args.prefill_lens)  # [B]
   kv_lens = starts + q_lens  # [B]: where each sequence's sampled token will sit.
   tables = _cat(args.decode_tables, args.prefill_tables)  # [B, G * W]
-  tokens = _cat(read(state.tokens), args.prefill_tokens)  # [T]
   return starts, q_lens, kv_lens, tables, tokens
+
+
+def _read(x, slots, Bs: int):
+  """x [Bs] at `slots` [n], read through one-hot rows, not a gather: under dp the state is
+  split by slot over `data`."""
+  return jnp.sum(jnp.where(slots[:, None] == jnp.arange(Bs)[None, :], x[None, :], 0), 1)
+
+
+def _fed(args, live):
+  """[Bp]: the prefill part's verified chunks, which start from their slot's decode state."""
+  return live[args.decode_slots.shape[0]:] & (args.verify_drafts[:, 0] >= 0)
 
 
 def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
@@ -156,12 +174,15 @@ def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, t
 
 
 def _take_new_settings(sampling: SamplingState, args, live, Bs: int) -> SamplingState:
-  """A prompt that ends here brings its request's sampling settings."""
+  """A prompt that ends here brings its request's sampling settings (a verified chunk does
+  not: its slot's, on the device, count the tokens the host may not have yet)."""
   if not args.prefill_slots.shape[0]:
     return sampling
   Bd = args.decode_slots.shape[0]
-  new_row, has_new = _writer(jnp.where(args.prefill_samples & live[Bd:], args.prefill_slots, Bs),
-                             Bs)
+  new = args.prefill_samples & live[Bd:]
+  if args.verify_drafts is not None:  # A verified chunk's slot keeps its settings and counts.
+    new = new & ~_fed(args, live)
+  new_row, has_new = _writer(jnp.where(new, args.prefill_slots, Bs), Bs)
   return jax.tree.map(lambda x, r: _put(x, r[new_row], has_new), sampling, args.rows)
 
 

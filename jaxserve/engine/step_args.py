@@ -15,7 +15,8 @@ never two sequences. The jnp attention (model/attention.py) reads each prefill s
 once per query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed
 rows (T for none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
 nb = ceil(Tp / Tb) + Bp - 1 holds any packing. A verified chunk (speculative decoding,
-engine/verify.py) is packed like a prompt's chunk; `verify_rows` names its positions.
+engine/verify.py) is packed like a prompt's chunk; `verify_rows` names its positions, and
+the step puts the slot's own token and position (its decode state) at the first.
 Shape letters: the key in jaxserve/model/__init__.py.
 """
 
@@ -271,7 +272,7 @@ class Packer:
         block_rows[block, :hi - lo] = Bd + at + np.arange(lo, hi)
         block_seq[block] = Bd + j
         block += 1
-      if ch.is_last:
+      if ch.is_last and not ch.num_drafts:  # A verified chunk's slot keeps its own (step.py).
         new_rows[j] = SamplingRow.from_params(ch.sampling, ch.seed, ch.prompt_token_ids,
                                               ch.output_token_ids, self.vocab_size)
       at += n

@@ -1,10 +1,11 @@
 """Speculative decoding on the device: verify each proposed run in the step that computes it.
 
-A verified chunk is the sequence's last known token followed by its k' <= k proposals, packed
-like a prefill chunk (engine/step_args.py). The step keeps the last layer's output at every
-position and, for each verified chunk, picks the model's own token after each of its k' + 1
-positions with the sequence's settings (engine/sample.py, greedy: batching/speculative.py
-speculates only where greedy is exact). The proposals are accepted up to the first one that is
+A verified chunk is the sequence's last token followed by its k' <= k proposals, packed like a
+prefill chunk (engine/step_args.py); the step reads that token and its position from the slot's
+decode state (engine/step.py), so they may be the outcome of a run the host has not read yet.
+The step keeps the last layer's output at every position and, for each verified chunk, picks
+the model's own token after each of its k' + 1 positions with the sequence's settings
+(engine/sample.py). The proposals are accepted up to the first one that is
 not the model's token; the token the model picks at that point comes on top, so a run gives
 a + 1 tokens for a accepted proposals, and at least the one a decode would have given.
 
