@@ -223,27 +223,6 @@ def test_plan_compile_sizes_a_pool_that_fits():
 
 
 @skip_without("v5e")
-def test_plan_compile_probes_the_neediest_then_compiles_every_program_once(monkeypatch):
-  """The pool from one probe (the neediest program of each kind) and one confirm (every program
-  at the pool): no compile besides (one of a 0.5B model's programs costs 10 to 30 s of a core)."""
-  batches, compile_reports = [], targets.compile_reports
-
-  def recording(lowerings, workers=1):
-    lowerings = list(lowerings)
-    batches.append([name for name, _ in lowerings])
-    return compile_reports(lowerings, workers)
-
-  monkeypatch.setattr(targets, "compile_reports", recording)
-  config = EngineConfig(**SMALL, num_pages=None)  # None: sized to fit.
-  result = compile_plan.compile_engine("v5e", SMOLLM2, config)
-  programs = compile_plan.engine_programs(SMOLLM2, EngineConfig(**SMALL),  # Names, any pool.
-                                         AttentionBackend.PALLAS_TPU)
-  assert result["fits"] and len(result["tries"]) == 2
-  names, probed = [p.name for p in programs], set(compile_plan.neediest(programs))
-  assert batches == [[n for n in names if n in probed], names]
-
-
-@skip_without("v5e")
 def test_gemma3_compiles_with_both_pools_updated_in_place():
   """Gemma 3's programs (its own model class, on abstract weights) with window pages: 512 pages
   of 16 tokens * 3 KiB (the 3 global layers: 2 * 3 * 1 KV head * 256 * 2 B) and a window pool
