@@ -7,11 +7,11 @@ prefill tokens x table width, and the scoring variants); `compile_engine` compil
 target (`targets.py`) and sizes the KV pool the way a chip must: weights + cache + the largest
 program's other needs (temp, and outputs not aliased to a donated input) within
 `memory_fraction` of the chip. The pool is found by compiling, and each need is a line in the
-page count (its slope the cache's own bytes a page, now that the kernels write the cache in
-place): the neediest program of each kind (`neediest`: picked by shape) compiled at a small probe
-pool gives each line's height; the lines give the pool, and compiling every program once at it
-confirms it (or refits the lines and shrinks it). The compiler's verdict is the final word.
-Compiles run `COMPILE_WORKERS` at a time.
+page count (its slope about the cache's own bytes a page, now that the kernels write it in
+place): the neediest program of each kind (`neediest`: picked by shape) at a small probe pool,
+the neediest of those again at a second one, give the lines; the lines give the pool, and
+compiling every program once at it confirms it (or refits the lines and shrinks it). The
+compiler's verdict is the final word. Compiles run `COMPILE_WORKERS` at a time.
 """
 
 from __future__ import annotations
@@ -196,9 +196,14 @@ def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
   base = run(p0, neediest)
   if not _compiled(base):
     return [(p0, base)]  # Not a matter of size: the reports carry the compiler's messages.
-  # Each need grows with the pool by the cache's own bytes a page (the kernels write the cache
-  # in place, so it is an aliased argument, and no temp grows with it): no second probe.
-  slope = _cache_bytes_per_page(model, config, p0)
+  # How fast the largest need grows with the pool, from that program at a second pool (the
+  # cache's bytes a page alone fell short: Qwen2.5-0.5B then needed a second confirm).
+  worst = max(base, key=need_bytes)
+  p1 = max(p0 + 1, ceiling // 8)
+  probe = run(p1, worst["name"])[0]
+  if not probe["compiled"]:
+    return [(p0, base), (p1, [probe])]
+  slope = (need_bytes(probe) - need_bytes(worst)) / (p1 - p0)
   pages = _pool_within([(need_bytes(r), slope) for r in base], p0, budget, ceiling)
   return [(p0, base)] + _confirm(run, base, p0, pages, slope, budget, ceiling)
 
@@ -221,12 +226,6 @@ def _most_pages(model, config, budget) -> int:
                                kv_cache.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
                                kv_cache.num_window_pages(model, config),
                                kv_cache.lane_groups(resolved), draft)
-
-
-def _cache_bytes_per_page(model, config, p0: int) -> float:
-  """What one more page of the pool costs each device (both models' caches, as kv_pool)."""
-  at = lambda pages: kv_pool(model, _with_pages(config, pages))["device_bytes"]
-  return (at(2 * p0) - at(p0)) / p0
 
 
 def _confirm(run, base, p0, pages, slope, budget, ceiling) -> list[tuple[int, list]]:
