@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jax_core
 
 from jaxserve.config import SamplingParams
 from jaxserve.engine.sample import sample as _sample
@@ -209,3 +210,26 @@ def test_rows_that_sample_nothing_are_made_plain_greedy():
   assert not bool(plain.want_logprobs[0]) and not bool(plain.has_bias[0])
   for name in ("temperature", "top_p"):  # The sampling row keeps its settings.
     assert float(getattr(plain, name)[1]) == float(getattr(st, name)[1])
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+  """Equations of primitive `name` in `jaxpr` and every jaxpr nested in it (cond branches too)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == name
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      n += _count_primitive(sub, name)
+  return n
+
+
+def test_the_sampler_is_traced_once_whatever_the_penalties():
+  """The penalty / logit-bias branch feeds one sampler: XLA compiles every branch of a cond, so a
+  sampler in each branch doubled the sampler's compile (issue 23)."""
+  from jaxserve.engine import sample as sample_module
+  st = state([SamplingParams(temperature=0.7, top_p=0.9)], 300)
+  args = (jnp.zeros((1, 300), jnp.float32), st, jnp.arange(1), STOP)
+  whole = jax.make_jaxpr(_sample)(*args).jaxpr
+  alone = jax.make_jaxpr(lambda x, s, p, e: sample_module._sample(x, x, s, p, e))(*args).jaxpr
+  # threefry hashes the draws' noise: the fast path's candidates and the whole-row fallback.
+  assert _count_primitive(alone, "threefry2x32") > 0
+  assert _count_primitive(whole, "threefry2x32") == _count_primitive(alone, "threefry2x32")

@@ -140,8 +140,6 @@ def _kv_events_config(text: str):
 
 
 def _add_serve_parser(sub) -> None:
-  from jaxserve.config import QueuePolicy, SchedulerConfig
-
   s = sub.add_parser("serve", help="serve a model over gRPC and an OpenAI-compatible HTTP API",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   flags.add_engine_flags(s)
@@ -161,6 +159,14 @@ def _add_serve_parser(sub) -> None:
                  "it, or are cut shortly before its end (UNAVAILABLE)")
   s.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
   s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+  _add_serve_queue_flags(s)
+  s.set_defaults(run=run_serve)
+
+
+def _add_serve_queue_flags(s) -> None:
+  """`serve`'s flags for the queue, logging, KV events, prefix sharing and the work threads."""
+  from jaxserve.config import QueuePolicy, SchedulerConfig
+
   s.add_argument("--max-queue-len", type=int, default=SchedulerConfig.max_queue_len,
                  help="waiting requests beyond this get RESOURCE_EXHAUSTED")
   s.add_argument("--policy", default=SchedulerConfig.policy.value,
@@ -181,7 +187,6 @@ def _add_serve_parser(sub) -> None:
                  help="requests waiting for those threads beyond this get RESOURCE_EXHAUSTED")
   s.add_argument("--http-read-timeout", type=float, default=30.0,
                  help="seconds an HTTP request's headers, and then its body, may take to arrive")
-  s.set_defaults(run=run_serve)
 
 
 def run_pull(args) -> int:

@@ -7,11 +7,11 @@ prefill tokens x table width, and the scoring variants); `compile_engine` compil
 target (`targets.py`) and sizes the KV pool the way a chip must: weights + cache + the largest
 program's other needs (temp, and outputs not aliased to a donated input) within
 `memory_fraction` of the chip. The pool is found by compiling, and each need is a line in the
-page count (its slope the cache's own bytes, now that the kernels write the cache in place):
-the neediest program of each kind (`neediest`: picked by shape) at a small probe pool, the
-neediest of those again at a second one, give the lines; the lines give the pool, and compiling
-every program once at it confirms it (or refits the lines and shrinks it). The compiler's
-verdict is the final word. Compiles run `COMPILE_WORKERS` at a time.
+page count (its slope about the cache's own bytes a page, now that the kernels write it in
+place): the neediest program of each kind (`neediest`: picked by shape) at a small probe pool,
+the neediest of those again at a second one, give the lines; the lines give the pool, and
+compiling every program once at it confirms it (or refits the lines and shrinks it). The
+compiler's verdict is the final word. Compiles run `COMPILE_WORKERS` at a time.
 """
 
 from __future__ import annotations
@@ -118,12 +118,13 @@ def need_bytes(report: dict[str, Any]) -> int:
 
 
 def compile_programs(target: str, model: ModelConfig, config: EngineConfig,
-                     only: str | Collection[str] | None = None,
+                     only: str | Collection[str] | Callable | None = None,
                      workers: int = COMPILE_WORKERS) -> list[dict[str, Any]]:
-  """The reports of every warm-up program (or of the one named `only`, or of those named in it)
-  compiled for `target`, in warm-up order, `workers` compiles at a time."""
+  """The reports of every warm-up program (or of the one named `only`, of those named in it, or of
+  those it names when called with the programs) compiled for `target`, in warm-up order,
+  `workers` compiles at a time."""
   devices, programs = target_programs(target, model, config)
-  names = {only} if isinstance(only, str) else only
+  names = {only} if isinstance(only, str) else only(programs) if callable(only) else only
   return targets.compile_reports([(p.name, p.lowering(devices[0])) for p in programs
                                   if names is None or p.name in names], workers)
 
@@ -190,6 +191,26 @@ def compile_engine(target: str, model: ModelConfig, config: EngineConfig,
 def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
   """[(pages, reports), ...]: the neediest programs at a probe pool, then every program at pools
   computed to fit, the first of those fitting (or the last one tried)."""
+  ceiling = _most_pages(model, config, budget)
+  p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
+  base = run(p0, neediest)
+  if not _compiled(base):
+    return [(p0, base)]  # Not a matter of size: the reports carry the compiler's messages.
+  # How fast the largest need grows with the pool, from that program at a second pool (the
+  # cache's bytes a page alone fell short: Qwen2.5-0.5B then needed a second confirm).
+  worst = max(base, key=need_bytes)
+  p1 = max(p0 + 1, ceiling // 8)
+  probe = run(p1, worst["name"])[0]
+  if not probe["compiled"]:
+    return [(p0, base), (p1, [probe])]
+  slope = (need_bytes(probe) - need_bytes(worst)) / (p1 - p0)
+  pages = _pool_within([(need_bytes(r), slope) for r in base], p0, budget, ceiling)
+  return [(p0, base)] + _confirm(run, base, p0, pages, slope, budget, ceiling)
+
+
+def _most_pages(model, config, budget) -> int:
+  """The pool that the weights alone leave room for (today's engine sizes so): the most pages
+  there can be."""
   params = abstract_weights(model, config.dtype.value, config.quantization)[1]
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   # Under ep each device holds 1/ep of the experts (and all of the rest, 1/tp of it split).
@@ -200,27 +221,19 @@ def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
   if draft is not None:
     weights += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
         abstract_weights(draft, config.dtype.value, config.quantization)[1]))
-  # Today's engine sizes from the weights alone: the most pages there can be.
   resolved = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
-  ceiling = capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
-                                   kv_cache.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
-                                   kv_cache.num_window_pages(model, config),
-                                   kv_cache.lane_groups(resolved), draft)
-  p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
-  base = run(p0, neediest(target_programs(target, model, _with_pages(config, p0))[1]))
-  tries = [(p0, base)]
-  if not _compiled(base):
-    return tries  # Not a matter of size: the reports carry the compiler's messages.
-  # How fast the largest need grows with the pool, from that program at a second pool.
-  worst = max(base, key=need_bytes)
-  p1 = max(p0 + 1, ceiling // 8)
-  probe = run(p1, worst["name"])[0]
-  if not probe["compiled"]:
-    return tries + [(p1, [probe])]
-  slope = (need_bytes(probe) - need_bytes(worst)) / (p1 - p0)
-  lines = [(need_bytes(r), slope) for r in base]  # need = a + slope * (pages - p0)
-  pages = _pool_within(lines, p0, budget, ceiling)
-  for _ in range(_MAX_CONFIRMS):  # One, unless the compiler disagrees with the lines.
+  return capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
+                               kv_cache.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
+                               kv_cache.num_window_pages(model, config),
+                               kv_cache.lane_groups(resolved), draft)
+
+
+def _confirm(run, base, p0, pages, slope, budget, ceiling) -> list[tuple[int, list]]:
+  """Every program compiled at `pages`: once, unless the compiler disagrees with the lines
+  (need = a + slope * (pages - p0), a from the probe's `base` reports); then refitted, or
+  halfway back to the probe when a program did not compile, at most _MAX_CONFIRMS times."""
+  tries = []
+  for _ in range(_MAX_CONFIRMS):
     reports = run(pages)
     tries.append((pages, reports))
     if _fits(reports, budget) or pages <= p0:
@@ -257,11 +270,12 @@ def format_table(result: dict[str, Any]) -> str:
   """The result of `compile_engine` as a table, one program a row, sizes in MiB."""
   mib = lambda n: "-" if n is None else f"{n / 2**20:,.1f}"
   rows = [f"{'program':<28} {'compiled':>8} {'argument':>10} {'temp':>10} {'output':>10} "
-          f"{'alias':>10}  (MiB) {'compile':>8}"]
+          f"{'alias':>10}  (MiB) {'lower':>6} {'compile':>8}"]
   for r in result["programs"]:
     sizes = [mib(r[k]) for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")]
     rows.append(f"{r['name']:<28} {'yes' if r['compiled'] else 'NO':>8} "
-                + " ".join(f"{x:>10}" for x in sizes) + f"  {r['seconds']:>13.1f}s")
+                + " ".join(f"{x:>10}" for x in sizes)
+                + f"  {r['lower_seconds']:>11.1f}s {r['seconds']:>7.1f}s")
     if r["error"]:
       rows.append(f"  error: {r['error'][:300]}")
   pool = result["kv_pool"]

@@ -136,6 +136,20 @@ def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> Engine
   return config
 
 
+def _assemble(model: Transformer, draft: Transformer | None, config: EngineConfig,
+              backend: AttentionBackend):
+  """(the steps, their shardings and the programs warm-up compiles: one assembly, shared with
+  `plan --compile` (engine/assembly.py); the params the steps take: the model's, or with a
+  draft both models')."""
+  graphdef, params = nnx.split(model)
+  draft_spec = None
+  if draft is not None:
+    draft_graphdef, draft_params = nnx.split(draft)
+    params, draft_spec = (params, draft_params), (draft_graphdef, draft.cfg)
+  return assembly.assemble(graphdef, params, model.cfg, config, backend,
+                           placement.mesh_for(config), draft_spec), params
+
+
 class Engine:
   def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = (),
                draft: Transformer | None = None):
@@ -154,15 +168,7 @@ class Engine:
     self.backend = backend
     enable_compilation_cache(config.compilation_cache_dir)
 
-    graphdef, params = nnx.split(model)
-    draft_spec = None
-    if draft is not None:  # The step takes both models' params (engine/step.py).
-      draft_graphdef, draft_params = nnx.split(draft)
-      params, draft_spec = (params, draft_params), (draft_graphdef, draft.cfg)
-    # The steps, their shardings and the programs warm-up compiles: one assembly, shared with
-    # `plan --compile` (engine/assembly.py).
-    self.assembly = assembly.assemble(graphdef, params, model.cfg, config, backend,
-                                      placement.mesh_for(config), draft_spec)
+    self.assembly, params = _assemble(model, draft, config, backend)
     self.shardings = self.assembly.shardings
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the

@@ -75,15 +75,10 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
   sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
   next_tokens, next_lens, targets = sampled.tokens, kv_lens, jnp.where(samples, slots, Bs)
   if every is not None:  # A verifying step: a verified chunk's sequence moves past its run.
-    next_tokens, next_lens, prompt, counts = _verified(model, every, rows, starts, live, args,
-                                                       stop_ids, next_tokens, next_lens)
-    row, hit = _writer(targets, Bs)
-    sampling = dataclasses.replace(sampling, output_counts=sampling.output_counts + jnp.where(
-        hit[:, None], counts[row], 0))
+    next_tokens, next_lens, prompt, sampling = _verified(
+        model, every, rows, starts, live, args, stop_ids, next_tokens, next_lens, sampling, targets)
   state = _write_back(state, sampling, next_tokens, targets, next_lens)
-  if prompt is not None:
-    return cache, state, pack_sampled(sampled), prompt
-  return cache, state, pack_sampled(sampled)
+  return (cache, state, pack_sampled(sampled)) + (() if prompt is None else (prompt,))
 
 
 def _sequences(state: DecodeState, args, live, mine):
@@ -158,10 +153,12 @@ def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec,
   return logits, cache, prompt, None
 
 
-def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, tokens, kv_lens):
-  """every [T, D], rows [B, ...], starts and live [B]; tokens and kv_lens [B] as sampled ->
-  (tokens, kv_lens) with each verified chunk's next token and position after its accepted
-  run, verify.Verified.packed, and [B, V] the accepted proposals counted."""
+def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, tokens, kv_lens,
+              sampling: SamplingState, targets):
+  """every [T, D], rows [B, ...], starts and live [B]; tokens and kv_lens [B] as sampled;
+  targets [B] the slot each row samples for -> (tokens, kv_lens) with each verified chunk's
+  next token and position after its accepted run, verify.Verified.packed, and `sampling` with
+  the accepted proposals counted in their slots' output counts."""
   Bd = args.decode_slots.shape[0]
   v = verify(model.head, every, jax.tree.map(lambda x: x[Bd:], rows), starts[Bd:], live[Bd:],
              args, stop_ids, pack_sampled)
@@ -170,7 +167,9 @@ def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, t
   tokens = jnp.where(is_verified, _cat(zeros, v.next_token), tokens)
   kv_lens = jnp.where(is_verified, _cat(zeros, starts[Bd:] + v.accepted + 1), kv_lens)
   counts = _cat(jnp.zeros((Bd, v.counts.shape[1]), jnp.int32), v.counts)
-  return tokens, kv_lens, v.packed, counts
+  row, hit = _writer(targets, sampling.output_counts.shape[0])
+  return tokens, kv_lens, v.packed, dataclasses.replace(
+      sampling, output_counts=sampling.output_counts + jnp.where(hit[:, None], counts[row], 0))
 
 
 def _take_new_settings(sampling: SamplingState, args, live, Bs: int) -> SamplingState:

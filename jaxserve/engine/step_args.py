@@ -152,24 +152,25 @@ class Packer:
     args = StepArgs(rows, self._tables(rows, plan.page_tables, W),
                     *self._prefill(chunks, Bd, Tp, W))
     samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last and not ch.num_drafts]
-    mask = self._all_allowed(Bd + args.prefill_slots.shape[0])
-    if bitmask is not None:
-      if bitmask.shape != (len(samples), mask.shape[1]) or bitmask.dtype != np.int32:
-        raise ValueError(f"bitmask must be int32 [{len(samples)}, {mask.shape[1]}] (one row per "
-                         f"sample), got {bitmask.dtype} {list(bitmask.shape)}")
-      mask = mask.copy()
-      mask[samples] = bitmask
-    args = args._replace(bitmask=mask)
+    args = args._replace(bitmask=self._bitmask(Bd + args.prefill_slots.shape[0], samples,
+                                               bitmask))
     if any(scored):
-      targets = np.zeros(Tp, np.int32)
-      at = 0
-      for ch in chunks:
-        targets[at:at + len(ch.prompt_logprob_targets)] = ch.prompt_logprob_targets
-        at += len(ch.token_ids)
-      args = args._replace(prefill_targets=targets)
+      args = args._replace(prefill_targets=_prompt_targets(chunks, Tp))
     if any(ch.num_drafts for ch in chunks):
       args = args._replace(**self._verified(chunks, Bd, args.prefill_slots.shape[0]))
     return args, samples
+
+  def _bitmask(self, B: int, samples: list[int], bitmask: np.ndarray | None) -> np.ndarray:
+    """[B, ceil(V/32)]: row samples[i] is bitmask's row i (pack's), every other row all ones."""
+    mask = self._all_allowed(B)
+    if bitmask is None:
+      return mask
+    if bitmask.shape != (len(samples), mask.shape[1]) or bitmask.dtype != np.int32:
+      raise ValueError(f"bitmask must be int32 [{len(samples)}, {mask.shape[1]}] (one row per "
+                       f"sample), got {bitmask.dtype} {list(bitmask.shape)}")
+    mask = mask.copy()
+    mask[samples] = bitmask
+    return mask
 
   def _verified(self, chunks: Sequence[PrefillChunk], Bd: int, Bp: int) -> dict[str, np.ndarray]:
     """verify_rows and verify_drafts (StepArgs) for `chunks`, packed from row Bd."""
@@ -288,6 +289,16 @@ class Packer:
     row = np.full(2 * W, SCRATCH_PAGE, np.int32)
     row[:len(ch.page_table)], row[W:W + len(ch.window_table)] = ch.page_table, ch.window_table
     return row
+
+
+def _prompt_targets(chunks: Sequence[PrefillChunk], Tp: int) -> np.ndarray:
+  """[Tp] int32: each chunk's prompt logprob targets at its tokens' places (a scoring step)."""
+  targets = np.zeros(Tp, np.int32)
+  at = 0
+  for ch in chunks:
+    targets[at:at + len(ch.prompt_logprob_targets)] = ch.prompt_logprob_targets
+    at += len(ch.token_ids)
+  return targets
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:

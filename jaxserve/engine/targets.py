@@ -108,9 +108,10 @@ def compile_report(fn: Callable, abstract_args: Sequence[Any], device: jax.Devic
                    shardings: Sequence[Any] | None = None, out_shardings: Any = None,
                    ) -> dict[str, Any]:
   """Compiles `fn(*abstract_args)` for `device` (see `lower`) and reports it: {name, compiled,
-  error, argument_bytes, temp_bytes, output_bytes, alias_bytes, seconds}. The error is the
-  compiler's message (None when it compiled), the byte counts come from `memory_analysis()`
-  (None on failure; per device over a mesh), `seconds` is the compile's wall time."""
+  error, argument_bytes, temp_bytes, output_bytes, alias_bytes, seconds, lower_seconds}. The
+  error is the compiler's message (None when it compiled), the byte counts come from
+  `memory_analysis()` (None on failure; per device over a mesh), `seconds` is the compile's wall
+  time and `lower_seconds` the lowering's (tracing included)."""
   lowering = functools.partial(lower, fn, abstract_args, device, donate=donate,
                                shardings=shardings, out_shardings=out_shardings)
   return compile_reports([(name or getattr(fn, "__name__", "program"), lowering)])[0]
@@ -125,28 +126,31 @@ def compile_reports(lowerings: Sequence[tuple[str, Callable[[], Callable[[], Any
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     pending = []
     for name, lowering in lowerings:
+      start = time.perf_counter()
       try:
         compile_fn = lowering()
       except Exception as e:  # A lowering error is the program's report too.
         pending.append(_report(name, e))
         continue
-      pending.append(pool.submit(_compiled_report, name, compile_fn))
+      lowered = time.perf_counter() - start
+      pending.append(pool.submit(_compiled_report, name, compile_fn, lowered))
     return [p if isinstance(p, dict) else p.result() for p in pending]
 
 
-def _compiled_report(name: str, compile_fn: Callable[[], Any]) -> dict[str, Any]:
+def _compiled_report(name: str, compile_fn: Callable[[], Any], lowered: float) -> dict[str, Any]:
   start = time.perf_counter()
   try:
     memory = compile_fn().memory_analysis()
   except Exception as e:  # The compiler's verdict is the report: RESOURCE_EXHAUSTED, VMEM, ...
     memory = e
-  return _report(name, memory, time.perf_counter() - start)
+  return _report(name, memory, time.perf_counter() - start, lowered)
 
 
-def _report(name: str, memory_or_error, seconds: float = 0.0) -> dict[str, Any]:
+def _report(name: str, memory_or_error, seconds: float = 0.0, lowered: float = 0.0
+            ) -> dict[str, Any]:
   report = {"name": name, "compiled": False, "error": None, "argument_bytes": None,
             "temp_bytes": None, "output_bytes": None, "alias_bytes": None,
-            "seconds": round(seconds, 1)}
+            "seconds": round(seconds, 1), "lower_seconds": round(lowered, 1)}
   if isinstance(memory_or_error, Exception):
     e = memory_or_error
     return {**report, "error": f"{type(e).__name__}: {e}"}
