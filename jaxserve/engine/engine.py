@@ -25,6 +25,7 @@ from jaxserve.config import (
   KVLayout,
   ModelConfig,
   default_attention_backend,
+  unrolls_layers,
 )
 from jaxserve.engine import assembly, placement
 from jaxserve.engine.draft import check_draft
@@ -32,7 +33,7 @@ from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.model import kv_cache
 from jaxserve.model.kv_cache import WindowedKV
-from jaxserve.model.llama import Transformer
+from jaxserve.model.llama import Transformer, unstacked
 from jaxserve.planning import capacity
 
 
@@ -154,6 +155,8 @@ class Engine:
     self.backend = backend
     enable_compilation_cache(config.compilation_cache_dir)
 
+    if unrolls_layers(config, jax.default_backend()):  # The engine's own copies (llama.py).
+      model, draft = unstacked(model), None if draft is None else unstacked(draft)
     graphdef, params = nnx.split(model)
     draft_spec = None
     if draft is not None:  # The step takes both models' params (engine/step.py).

@@ -114,6 +114,14 @@ def linear(spec: str, x, w: nnx.Param | Quantized):
   return jnp.einsum(spec, x, value(w, x.dtype))
 
 
+def linear_heads(x_BTNH, w: nnx.Param | Quantized):
+  """The attention output [B, T, N, H] times wo [N, H, D] -> [B, T, D], as one [N * H] x
+  [N * H, D] matmul: XLA:CPU otherwise transposes wo into a copy before the dot, every step."""
+  B, T, N, H = x_BTNH.shape
+  wo = value(w, x_BTNH.dtype)
+  return jnp.einsum("BTE,ED->BTD", x_BTNH.reshape(B, T, N * H), wo.reshape(N * H, -1))
+
+
 def embed(ids, w: nnx.Param | Quantized, dtype):
   """ids [...] -> rows [..., D] of the embedding [V, D]: only the rows asked for are
   dequantized."""
