@@ -1,7 +1,7 @@
 """Decode step time, prefill throughput and the memory-bandwidth roofline, on the default model.
 
   python scripts/bench_decode.py [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
-      [--layers auto|scan|unrolled]
+      [--layers auto|scan|unrolled] [--quantization none|gguf|int8]
   python scripts/bench_decode.py --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
   python scripts/bench_decode.py --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY]
       [--sampling-only]
@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig, Quantization, SamplingParams
 from jaxserve.engine import sample as sample_lib
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampling_state import SamplingRow
@@ -73,10 +73,16 @@ def step_flops(model, batch: int, context: int) -> int:
   """FLOPs of one decode step: 2 per matmul weight per slot (every layer's, and the output head;
   the embedding lookup does none), plus attention's scores and weighted sum over `context`."""
   cfg = model.cfg
-  weights = sum(x.size for x in jax.tree.leaves(nnx.state(model.layers)) if x.ndim > 2)
+  weights = sum(v.size for path, v in jax.tree_util.tree_leaves_with_path(nnx.state(model.layers))
+                if v.ndim > 2 and not _is_scale(path))
   weights += cfg.vocab_size * cfg.dim  # The output head.
   attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
   return batch * (2 * weights + attention)
+
+
+def _is_scale(path) -> bool:
+  """Whether a parameter's path ends in a quantized weight's scale or minimum (model/quant.py)."""
+  return any(getattr(k, "key", None) in ("scale", "minimum") for k in path)
 
 
 def _timed(fn) -> float:
@@ -149,7 +155,10 @@ def step_bytes(model, batch: int, context: int) -> int:
   its lookup reads only `batch` rows) plus each slot's K and V for `context` positions."""
   cfg = model.cfg
   params = sum(x.nbytes for x in jax.tree.leaves(jax.tree.map(lambda v: v, model.layers)))
-  params += model.embed[...].nbytes + model.final_norm[...].nbytes
+  embed = model.embed  # A Param, or a quantized weight's module (values, scales).
+  params += (sum(x.nbytes for x in jax.tree.leaves(nnx.state(embed)))
+             if isinstance(embed, nnx.Module) else embed[...].nbytes)
+  params += model.final_norm[...].nbytes
   kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
   return params + kv
 
@@ -257,6 +266,8 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tokens/s")
   parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
+  parser.add_argument("--quantization", choices=("none", "gguf", "int8"), default="none",
+                      help="how the weights are stored (EngineConfig.quantization)")
   parser.add_argument("--layers", choices=("auto", "scan", "unrolled"), default="auto",
                       help="EngineConfig.unroll_layers: the platform's choice, False or True")
   parser.add_argument("--sampling", action="store_true",
@@ -273,7 +284,7 @@ def main() -> None:
     print(json.dumps(measure(args)))
     return
 
-  model, _ = checkpoint.load_model(args.model)
+  model, _ = checkpoint.load_model(args.model, quantization=Quantization(args.quantization))
   if args.sampling_only:
     print_sampling({int(b): None for b in args.batches.split(",")}, model.cfg.vocab_size,
                    args.sampling_baseline)
