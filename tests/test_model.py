@@ -133,6 +133,21 @@ def test_an_unrolled_step_reads_every_weight_in_place(tiny_model):
   assert readers and all(r == "dot" or r.endswith("dot_general") for r in readers), readers
 
 
+def test_cpu_unrolls_float_layers_and_scans_quantized_ones(tiny_model):
+  """unroll_layers None: unrolled on CPU for float weights; a quantized model and other
+  platforms keep the scan; True or False is taken as given."""
+  from jaxserve.config import Quantization, unrolls_layers
+  from jaxserve.model import quant
+
+  int8 = Transformer(TINY, rngs=nnx.Rngs(0), quant_layouts=quant.layouts_for(Quantization.INT8))
+  assert 0 in Engine(tiny_model, TINY_ENGINE).params["layers"]  # A list: layer 0's weights.
+  assert "wq" in Engine(int8, TINY_ENGINE).params["layers"]  # Stacked [L, ...].
+  assert not unrolls_layers(TINY_ENGINE, "tpu", False) and not unrolls_layers(TINY_ENGINE, "gpu",
+                                                                               False)
+  forced = dataclasses.replace(TINY_ENGINE, unroll_layers=True)
+  assert unrolls_layers(forced, "cpu", True) and unrolls_layers(forced, "tpu", False)
+
+
 def test_bfloat16_model_tracks_float32(tiny_model):
   from jaxserve.loading.checkpoint import build_model
 

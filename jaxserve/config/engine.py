@@ -112,12 +112,16 @@ def default_attention_backend(platform: str) -> AttentionBackend:
   return AttentionBackend.REFERENCE if platform == "cpu" else AttentionBackend.PALLAS
 
 
-def unrolls_layers(config: EngineConfig, platform: str) -> bool:
+def unrolls_layers(config: EngineConfig, platform: str, quantized: bool) -> bool:
   """Whether the engine runs the model's layers unrolled: config.unroll_layers, or when None, on
-  CPU only. XLA:CPU copies each layer's weights out of the stacked [L, ...] arrays before its
-  matmuls, every step of the scan (BENCHMARKS.md, issue 26); unrolled, compile time grows with
-  depth, which TPU and GPU programs are spared. platform: jax.default_backend()'s name."""
-  return platform == "cpu" if config.unroll_layers is None else config.unroll_layers
+  CPU for float weights. XLA:CPU copies each layer's weights out of the stacked [L, ...] arrays
+  before its matmuls, every step of the scan; unrolled, quantized weights' dequantization took
+  most of a step (BENCHMARKS.md, "Layers unrolled on CPU"), and compile time grows with depth,
+  which TPU and GPU programs are spared. platform: jax.default_backend()'s name; `quantized`:
+  the model stores quantized weights (model/quant.py)."""
+  if config.unroll_layers is not None:
+    return config.unroll_layers
+  return platform == "cpu" and not quantized
 
 
 # What the Pallas backend's ragged KV layout (KVLayout.RAGGED) can store.

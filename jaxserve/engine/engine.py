@@ -31,7 +31,7 @@ from jaxserve.engine import assembly, placement
 from jaxserve.engine.draft import check_draft
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step_args import StepArgs
-from jaxserve.model import kv_cache
+from jaxserve.model import kv_cache, quant
 from jaxserve.model.kv_cache import WindowedKV
 from jaxserve.model.llama import Transformer, unstacked
 from jaxserve.planning import capacity
@@ -155,7 +155,8 @@ class Engine:
     self.backend = backend
     enable_compilation_cache(config.compilation_cache_dir)
 
-    if unrolls_layers(config, jax.default_backend()):  # The engine's own copies (llama.py).
+    # The engine's own copies of the models, their layers unrolled (llama.unstacked).
+    if unrolls_layers(config, jax.default_backend(), quant.holds_quantized(model)):
       model, draft = unstacked(model), None if draft is None else unstacked(draft)
     graphdef, params = nnx.split(model)
     draft_spec = None
