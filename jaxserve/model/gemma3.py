@@ -132,9 +132,10 @@ class Gemma3(nnx.Module):
     # sqrt(D) rounded to the model dtype first, as Hugging Face does (in bfloat16 it is 25.25,
     # not 25.3, for D = 640): the checkpoints were trained with that rounding.
     x = quant.embed(tokens, self.embed, dtype) * jnp.asarray(math.sqrt(cfg.dim), dtype)  # [B, T, D]
+
     def body(layer, carry, xs):
-      i, inv_freq, window = xs
-      return layer(carry[0], i, carry[1], meta, inv_freq, window, attn)
+      (x, cache), (i, inv_freq, window) = carry, xs
+      return layer(x, i, cache, meta, inv_freq, window, attn)
 
     xs = (jnp.arange(cfg.num_layers), jnp.asarray(layer_rope(cfg)),
           jnp.asarray(layer_windows(cfg)))
