@@ -1,6 +1,7 @@
 """Decode step time, prefill throughput and the memory-bandwidth roofline, on the default model.
 
   python scripts/bench_decode.py [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
+      [--layers auto|scan|unrolled] [--quantization none|gguf|int8]
   python scripts/bench_decode.py --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
   python scripts/bench_decode.py --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY]
       [--sampling-only]
@@ -39,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig, Quantization, SamplingParams
 from jaxserve.engine import sample as sample_lib
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampling_state import SamplingRow
@@ -72,10 +73,16 @@ def step_flops(model, batch: int, context: int) -> int:
   """FLOPs of one decode step: 2 per matmul weight per slot (every layer's, and the output head;
   the embedding lookup does none), plus attention's scores and weighted sum over `context`."""
   cfg = model.cfg
-  weights = sum(x.size for x in jax.tree.leaves(nnx.state(model.layers)) if x.ndim > 2)
+  weights = sum(v.size for path, v in jax.tree_util.tree_leaves_with_path(nnx.state(model.layers))
+                if v.ndim > 2 and not _is_scale(path))
   weights += cfg.vocab_size * cfg.dim  # The output head.
   attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
   return batch * (2 * weights + attention)
+
+
+def _is_scale(path) -> bool:
+  """Whether a parameter's path ends in a quantized weight's scale or minimum (model/quant.py)."""
+  return any(getattr(k, "key", None) in ("scale", "minimum") for k in path)
 
 
 def _timed(fn) -> float:
@@ -84,12 +91,13 @@ def _timed(fn) -> float:
   return time.perf_counter() - start
 
 
-def decode_ms(model, batch: int, context: int, steps: int) -> float:
+def decode_ms(model, batch: int, context: int, steps: int, **config) -> float:
   """Median ms per decode step with `batch` slots each holding `context` tokens: every step
   starts each slot at position `context` (the engine reads positions from its device state), so
   it attends to `context` cached positions plus the one it writes, as `step_bytes` counts. The
-  cached KV is the pool's zeros: its values change no step time."""
-  engine, tables = decode_engine(model, batch, context + 1)
+  cached KV is the pool's zeros: its values change no step time. `config`: EngineConfig
+  fields to set."""
+  engine, tables = decode_engine(model, batch, context + 1, **config)
   slots = list(range(batch))
   engine.state = at_position(engine.state, context)
   engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
@@ -103,25 +111,25 @@ def decode_ms(model, batch: int, context: int, steps: int) -> float:
   return 1000 * float(np.median(times))
 
 
-def decode_engine(model, batch: int, positions: int) -> tuple[Engine, np.ndarray]:
+def decode_engine(model, batch: int, positions: int, **config) -> tuple[Engine, np.ndarray]:
   """An engine of `batch` slots and page tables [batch, pages] giving each slot pages of 16 of
   its own for `positions` positions (also for profile_decode.py and bench_xla_flags.py).
   window_pages=False: these tables are the one pool's (no window tables for local layers)."""
   pages = -(-positions // 16)
   config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
                         max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
-                        compilation_cache_dir=None, window_pages=False)
+                        compilation_cache_dir=None, window_pages=False, **config)
   tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
   return Engine(model, config), tables
 
 
-def prefill_engine(model, length: int) -> tuple[Engine, PrefillChunk]:
+def prefill_engine(model, length: int, **config) -> tuple[Engine, PrefillChunk]:
   """An engine of one slot whose one prefill bucket is `length`, and a `length`-token chunk that
   ends its prompt (greedy)."""
   pages = -(-length // 16)
   config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=pages * 16,
                         prefill_buckets=(length,), compilation_cache_dir=None,
-                        window_pages=False)
+                        window_pages=False, **config)
   chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
                        SamplingParams(temperature=0), 0, (), ())
   return Engine(model, config), chunk
@@ -134,8 +142,8 @@ def at_position(state: DecodeState, position: int) -> DecodeState:
                         jax.tree.map(lambda x: x.sharding, state))
 
 
-def prefill_tokens_per_s(model, length: int, repeats: int = 3) -> float:
-  engine, chunk = prefill_engine(model, length)
+def prefill_tokens_per_s(model, length: int, repeats: int = 3, **config) -> float:
+  engine, chunk = prefill_engine(model, length, **config)
   engine.step(StepPlan(prefills=(chunk,))).result()
   best = min(_timed(lambda: engine.step(StepPlan(prefills=(chunk,))).result())
              for _ in range(repeats))
@@ -147,11 +155,15 @@ def step_bytes(model, batch: int, context: int) -> int:
   its lookup reads only `batch` rows) plus each slot's K and V for `context` positions."""
   cfg = model.cfg
   params = sum(x.nbytes for x in jax.tree.leaves(jax.tree.map(lambda v: v, model.layers)))
-  params += model.embed[...].nbytes + model.final_norm[...].nbytes
+  embed = model.embed  # A Param, or a quantized weight's module (values, scales).
+  params += (sum(x.nbytes for x in jax.tree.leaves(nnx.state(embed)))
+             if isinstance(embed, nnx.Module) else embed[...].nbytes)
+  params += model.final_norm[...].nbytes
   kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
   return params + kv
 
 
+UNROLL = {"auto": None, "scan": False, "unrolled": True}  # --layers: EngineConfig.unroll_layers
 SAMPLING_KINDS = {"greedy": SamplingParams(temperature=0),
                   "top-k/top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
                   "temperature": SamplingParams(temperature=1.0)}
@@ -254,6 +266,10 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tokens/s")
   parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
+  parser.add_argument("--quantization", choices=("none", "gguf", "int8"), default="none",
+                      help="how the weights are stored (EngineConfig.quantization)")
+  parser.add_argument("--layers", choices=("auto", "scan", "unrolled"), default="auto",
+                      help="EngineConfig.unroll_layers: the platform's choice, False or True")
   parser.add_argument("--sampling", action="store_true",
                       help="also time sample() alone, and its share")
   parser.add_argument("--sampling-baseline", default=None,
@@ -268,7 +284,7 @@ def main() -> None:
     print(json.dumps(measure(args)))
     return
 
-  model, _ = checkpoint.load_model(args.model)
+  model, _ = checkpoint.load_model(args.model, quantization=Quantization(args.quantization))
   if args.sampling_only:
     print_sampling({int(b): None for b in args.batches.split(",")}, model.cfg.vocab_size,
                    args.sampling_baseline)
@@ -281,16 +297,16 @@ def main() -> None:
   print("| batch | ms/step | tokens/s | bytes/step (MB) | bytes floor ms | GFLOP/step "
         "| FLOPs floor ms | x floor |")
   print("|---|---|---|---|---|---|---|---|")
-  steps = {}
+  steps, layers = {}, {"unroll_layers": UNROLL[args.layers]}
   for batch in (int(b) for b in args.batches.split(",")):
-    ms = steps[batch] = decode_ms(model, batch, args.context, args.steps)
+    ms = steps[batch] = decode_ms(model, batch, args.context, args.steps, **layers)
     nbytes, flops = step_bytes(model, batch, args.context), step_flops(model, batch, args.context)
     by_bytes, by_flops = 1000 * nbytes / bandwidth, 1000 * flops / rate
     print(f"| {batch} | {ms:.1f} | {1000 * batch / ms:.0f} | {nbytes / 1e6:.0f} | {by_bytes:.1f} | "
           f"{flops / 1e9:.1f} | {by_flops:.1f} | {ms / max(by_bytes, by_flops):.2f} |")
   if args.sampling:
     print_sampling(steps, model.cfg.vocab_size, args.sampling_baseline)
-  tokens_per_s = prefill_tokens_per_s(model, args.prefill)
+  tokens_per_s = prefill_tokens_per_s(model, args.prefill, **layers)
   print(f"\nprefill, {args.prefill}-token prompt: {tokens_per_s:.0f} tokens/s")
   if args.startup:
     cold, warm = startup_seconds()

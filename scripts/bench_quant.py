@@ -3,6 +3,7 @@ workload, for --quantization none, gguf and int8 on the default model, each mode
 fresh process; prints each mode's figures and its ratios to none.
 
   python scripts/bench_quant.py [--slots-list 1,16,64] [--steps 32] [--requests 64]
+      [--layers auto|scan|unrolled]
   python scripts/bench_quant.py --matmul   # the layer scan behind `auto`'s choice (README)
 
 A decode step's time is the difference of two runs through the offline API that differ only in
@@ -26,13 +27,14 @@ WORKLOAD = HERE.parent / "workloads" / "peers_64.jsonl"
 MODES = ("none", "gguf", "int8")
 
 
-def _llm(mode: str, slots: int):
+def _llm(mode: str, slots: int, layers: str = "auto"):
   from jaxserve.config import EngineConfig
   from jaxserve.llm import LLM
 
   cfg = EngineConfig(num_slots=slots, page_size=16, max_model_len=512,
                      num_pages=slots * 32 + 1, prefill_buckets=(64, 128, 256),
-                     compilation_cache_dir=None, quantization=mode)
+                     compilation_cache_dir=None, quantization=mode,
+                     unroll_layers={"auto": None, "scan": False, "unrolled": True}[layers])
   return LLM(None, engine_config=cfg)
 
 
@@ -48,7 +50,7 @@ def _timed(llm, prompts, max_tokens: int) -> float:
 def measure(mode: str, args) -> dict:
   out = {"mode": mode, "decode_ms": {}}
   for slots in args.slots_list:
-    llm = _llm(mode, slots)
+    llm = _llm(mode, slots, args.layers)
     prompts = [[100 + i] * 8 for i in range(slots)]
     _timed(llm, prompts, 2)  # Compiles nothing new; warms the host path.
     short, long = (min(_timed(llm, prompts, n) for _ in range(2))
@@ -58,7 +60,7 @@ def measure(mode: str, args) -> dict:
     from jaxserve.config import SamplingParams
 
     work = [json.loads(line) for line in WORKLOAD.read_text().splitlines()][:args.requests]
-    llm = _llm(mode, 64)
+    llm = _llm(mode, 64, args.layers)
     params = [SamplingParams(temperature=0, max_tokens=min(r["max_tokens"], args.max_tokens),
                              ignore_eos=True) for r in work]
     t = time.perf_counter()
@@ -113,6 +115,8 @@ def main() -> None:
   p.add_argument("--requests", type=int, default=64)
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--matmul", action="store_true", help="only the layer scan, in this process")
+  p.add_argument("--layers", choices=("auto", "scan", "unrolled"), default="auto",
+                 help="EngineConfig.unroll_layers: the platform's choice, False or True")
   args = p.parse_args()
   if args.matmul:
     matmul_scan()
@@ -124,7 +128,7 @@ def main() -> None:
   for mode in MODES:
     cmd = [sys.executable, str(HERE), "--mode", mode, "--steps", str(args.steps),
            "--slots-list", ",".join(map(str, args.slots_list)), "--requests", str(args.requests),
-           "--max-tokens", str(args.max_tokens)]
+           "--max-tokens", str(args.max_tokens), "--layers", args.layers]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])

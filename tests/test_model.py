@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import PrefillChunk, StepPlan
 from jaxserve.batching.request import FinishReason, RequestRejected
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
@@ -89,6 +89,63 @@ def test_layers_run_under_one_scan_whatever_the_depth():
     return len(jax.make_jaxpr(forward)(state, jnp.arange(32)).eqns)
 
   assert num_eqns(2) == num_eqns(8)
+
+
+def test_unrolled_layers_give_the_scans_logits_from_views_of_its_weights(tiny_model):
+  """unstacked: a list of layers whose logits are the scan's, each weight a view of the stacked
+  array on CPU (no copy), split by the same names less the layer axis; the model is left
+  stacked."""
+  from jaxserve.model.llama import unstacked
+
+  ids = list(range(3, 40))
+  ref = dense_logits(tiny_model, ids)
+  unrolled = unstacked(tiny_model)
+  stacked = tiny_model.layers.w_up[...]
+  assert isinstance(tiny_model.layers.w_up, nnx.Param) and stacked.shape[0] == 2
+  for i, layer in enumerate(unrolled.layers):
+    assert layer.w_up[...].unsafe_buffer_pointer() == (stacked.unsafe_buffer_pointer()
+                                                        + i * stacked[0].nbytes)
+  specs = nnx.get_partition_spec(nnx.state(unrolled))
+  assert tuple(specs["layers"][1]["wq"].get_value()) == ("embed", "heads", "head_dim")
+  np.testing.assert_array_equal(dense_logits(unrolled, ids), ref)
+
+
+def test_an_unrolled_step_reads_every_weight_in_place(tiny_model):
+  """With unroll_layers (CPU's default), every instruction of the compiled step that reads a
+  layer's matmul weight (directly or through a bitcast) is a matmul: no copy of it is made."""
+  import re
+
+  engine = Engine(tiny_model, dataclasses.replace(TINY_ENGINE, unroll_layers=True))
+  args, _ = engine.step_args(StepPlan(decode_slots=(0, 1), page_tables=np.zeros((2, 4), np.int32)))
+  hlo = engine._step.lower(engine.params, engine.cache, engine.state, args,
+                           engine.stop_ids).compile().as_text()
+  line = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\((%[^)]*)\)(.*)$")
+  weights = set(re.findall(r"%(params__layers_\w*?_(?:wq|wk|wv|wo|w_gate|w_up|w_down)___value"
+                           r"[\w.]*) = ", hlo))
+  assert weights
+  readers = []
+  for name, opcode, operands, rest in (m.groups() for m in map(line.match, hlo.splitlines()) if m):
+    if weights & set(re.findall(r"%([\w.\-]+)", operands)):
+      if opcode == "bitcast":
+        weights.add(name)
+      else:
+        readers.append(opcode if opcode != "fusion" else re.search(r'op_name="([^"]*)"', rest)[1])
+  assert readers and all(r == "dot" or r.endswith("dot_general") for r in readers), readers
+
+
+def test_cpu_unrolls_float_layers_and_scans_quantized_ones(tiny_model):
+  """unroll_layers None: unrolled on CPU for float weights; a quantized model and other
+  platforms keep the scan; True or False is taken as given."""
+  from jaxserve.config import Quantization, unrolls_layers
+  from jaxserve.model import quant
+
+  int8 = Transformer(TINY, rngs=nnx.Rngs(0), quant_layouts=quant.layouts_for(Quantization.INT8))
+  assert 0 in Engine(tiny_model, TINY_ENGINE).params["layers"]  # A list: layer 0's weights.
+  assert "wq" in Engine(int8, TINY_ENGINE).params["layers"]  # Stacked [L, ...].
+  assert not unrolls_layers(TINY_ENGINE, "tpu", False) and not unrolls_layers(TINY_ENGINE, "gpu",
+                                                                               False)
+  forced = dataclasses.replace(TINY_ENGINE, unroll_layers=True)
+  assert unrolls_layers(forced, "cpu", True) and unrolls_layers(forced, "tpu", False)
 
 
 def test_bfloat16_model_tracks_float32(tiny_model):

@@ -112,6 +112,18 @@ def default_attention_backend(platform: str) -> AttentionBackend:
   return AttentionBackend.REFERENCE if platform == "cpu" else AttentionBackend.PALLAS
 
 
+def unrolls_layers(config: EngineConfig, platform: str, quantized: bool) -> bool:
+  """Whether the engine runs the model's layers unrolled: config.unroll_layers, or when None, on
+  CPU for float weights. XLA:CPU copies each layer's weights out of the stacked [L, ...] arrays
+  before its matmuls, every step of the scan; unrolled, quantized weights' dequantization took
+  most of a step (BENCHMARKS.md, "Layers unrolled on CPU"), and compile time grows with depth,
+  which TPU and GPU programs are spared. platform: jax.default_backend()'s name; `quantized`:
+  the model stores quantized weights (model/quant.py)."""
+  if config.unroll_layers is not None:
+    return config.unroll_layers
+  return platform == "cpu" and not quantized
+
+
 # What the Pallas backend's ragged KV layout (KVLayout.RAGGED) can store.
 RAGGED_KV_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16, KVDtype.INT8, KVDtype.FLOAT8_E4M3,
                     KVDtype.FLOAT8_E5M2)
@@ -152,6 +164,9 @@ class EngineConfig:
   speculative: SpeculativeConfig | None = None
   # How the weights are stored (a name is taken too): `pick_quantization` resolves AUTO.
   quantization: Quantization = Quantization.AUTO
+  # The layers unrolled, each reading its own weight arrays (True), or one scan over the stacked
+  # [L, ...] weights (False). None: `unrolls_layers` picks by platform.
+  unroll_layers: bool | None = None
 
   def __post_init__(self):
     if not isinstance(self.quantization, Quantization):

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.model import attention, quant
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.llama import _weight, apply_rope, rms_norm, stacked_layers
+from jaxserve.model.llama import _weight, apply_rope, rms_norm, run_layers, stacked_layers
 
 NO_WINDOW = np.iinfo(np.int32).max  # A global layer's window: every position is inside it.
 
@@ -132,17 +132,14 @@ class Gemma3(nnx.Module):
     # sqrt(D) rounded to the model dtype first, as Hugging Face does (in bfloat16 it is 25.25,
     # not 25.3, for D = 640): the checkpoints were trained with that rounding.
     x = quant.embed(tokens, self.embed, dtype) * jnp.asarray(math.sqrt(cfg.dim), dtype)  # [B, T, D]
-    graphdef, layer_state = nnx.split(self.layers)
 
-    def body(carry, xs):
-      x, cache = carry
-      state, layer, inv_freq, window = xs
-      x, cache = nnx.merge(graphdef, state)(x, layer, cache, meta, inv_freq, window, attn)
-      return (x, cache), None
+    def body(layer, carry, xs):
+      (x, cache), (i, inv_freq, window) = carry, xs
+      return layer(x, i, cache, meta, inv_freq, window, attn)
 
-    xs = (layer_state, jnp.arange(cfg.num_layers), jnp.asarray(layer_rope(cfg)),
+    xs = (jnp.arange(cfg.num_layers), jnp.asarray(layer_rope(cfg)),
           jnp.asarray(layer_windows(cfg)))
-    (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
+    x, cache = run_layers(self.layers, (x, cache), xs, body)
     if hidden:
       return x, cache
     return self.head(x[0, meta.sample_rows] if last_only else x), cache  # [B, D] or [1, T, D]

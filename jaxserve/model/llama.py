@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.config import LongRope, ModelConfig
@@ -97,14 +98,59 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0):
 
 def stacked_layers(cfg: ModelConfig, make_layer, rngs: nnx.Rngs):
   """cfg.num_layers layers as one module whose parameters carry a leading [L] axis: the model
-  runs them under a scan, so compile time does not grow with depth. `make_layer(rngs)` builds
-  one."""
+  runs them under a scan, so compile time does not grow with depth (`unstacked` makes the
+  unrolled copy CPU engines run). `make_layer(rngs)` builds one."""
   @nnx.split_rngs(splits=cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
   def make_layers(rngs: nnx.Rngs):
     return make_layer(rngs)
 
   return make_layers(rngs)
+
+
+def unstacked(model):
+  """A copy of `model` whose layers are a list of L layers, each with its own arrays, in place of
+  stacked [L, ...] parameters: it runs them unrolled (`run_layers`), and a matmul then reads its
+  weight where it lies (XLA:CPU copies a layer's weights out of the stack before its dots, every
+  step of a scan). `model` is left as it is. On one CPU device each layer's array is a view of
+  the stacked one (no copy is made); elsewhere a slice."""
+  model = nnx.clone(model)
+  if isinstance(model.layers, nnx.List):
+    return model
+  graphdef, state = nnx.split(model.layers)
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  layers = []
+  for i in range(model.cfg.num_layers):
+    one = jax.tree.map(lambda v: v.replace(_layer_of(v[...], i)), state, is_leaf=is_var)
+    one = nnx.spmd.remove_axis(one, 0, {nnx.PARTITION_NAME: "layers"})  # Sharded without [L].
+    layers.append(nnx.merge(graphdef, one))
+  model.layers = nnx.List(layers)
+  return model
+
+
+def _layer_of(stacked: jax.Array, i: int) -> jax.Array:
+  """stacked[i]: a view on one CPU device (device_put aliases an aligned host buffer there)."""
+  devices = stacked.sharding.device_set
+  if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+    return jax.device_put(np.asarray(stacked)[i], stacked.sharding)
+  return stacked[i]
+
+
+def run_layers(layers, carry, xs, body):
+  """`body(layer, carry, xs_i) -> carry` over every layer (xs: arrays [L, ...], one row per layer):
+  a scan over stacked layers, or a Python loop over a list of them (`unstacked`)."""
+  if isinstance(layers, nnx.List):
+    for i, layer in enumerate(layers):
+      carry = body(layer, carry, jax.tree.map(lambda a: a[i], xs))
+    return carry
+  graphdef, state = nnx.split(layers)
+
+  def scan_body(carry, state_xs):
+    state, x = state_xs
+    return body(nnx.merge(graphdef, state), carry, x), None
+
+  carry, _ = jax.lax.scan(scan_body, carry, (state, xs))
+  return carry
 
 
 class DecoderLayer(nnx.Module):
@@ -167,7 +213,7 @@ class DecoderLayer(nnx.Module):
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
                                   local_window=window)  # [B, T, N, H]
     out = out.astype(x.dtype)
-    x = x + quant.linear("BTNH,NHD->BTD", out, self.wo)
+    x = x + quant.linear_heads(out, self.wo)
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
     return x + self._mlp(h, attn), cache
 
@@ -210,16 +256,11 @@ class Transformer(nnx.Module):
     the cache."""
     x = quant.embed(tokens, self.embed, self.final_norm[...].dtype)  # [B, T, D]
     inv_freq = rope_frequencies(self.cfg, meta)
-    graphdef, layer_state = nnx.split(self.layers)
-
-    def body(carry, xs):
+    def body(layer, carry, i):
       x, cache = carry
-      state, layer = xs
-      x, cache = nnx.merge(graphdef, state)(x, layer, cache, meta, inv_freq, attn)
-      return (x, cache), None
+      return layer(x, i, cache, meta, inv_freq, attn)
 
-    layer_ids = jnp.arange(self.cfg.num_layers)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (layer_state, layer_ids))
+    x, cache = run_layers(self.layers, (x, cache), jnp.arange(self.cfg.num_layers), body)
     if hidden:
       return x, cache
     return self.head(x[0, meta.sample_rows] if last_only else x), cache  # [B, D] or [1, T, D]

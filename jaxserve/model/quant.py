@@ -81,6 +81,11 @@ def weight(name: str, layouts: Layouts | None, make_float, shape, names) -> nnx.
   return Quantized(shape, names, layout, IN_AXES[name])
 
 
+def holds_quantized(module: nnx.Module) -> bool:
+  """Whether any weight of `module` is stored quantized."""
+  return any(isinstance(node, Quantized) for _, node in nnx.iter_graph(module))
+
+
 def dequant(w: Quantized, dtype):
   """values * scale + minimum in float32 (exactly gguf's numbers), then cast to `dtype`."""
   values, scale = w.values[...], w.scale[...]
@@ -112,6 +117,14 @@ def value(w: nnx.Param | Quantized, dtype):
 def linear(spec: str, x, w: nnx.Param | Quantized):
   """jnp.einsum(spec, x, w) with w dequantized inside the step."""
   return jnp.einsum(spec, x, value(w, x.dtype))
+
+
+def linear_heads(x_BTNH, w: nnx.Param | Quantized):
+  """The attention output [B, T, N, H] times wo [N, H, D] -> [B, T, D], as one [N * H] x
+  [N * H, D] matmul: XLA:CPU otherwise transposes wo into a copy before the dot, every step."""
+  B, T, N, H = x_BTNH.shape
+  wo = value(w, x_BTNH.dtype)
+  return jnp.einsum("BTE,ED->BTD", x_BTNH.reshape(B, T, N * H), wo.reshape(N * H, -1))
 
 
 def embed(ids, w: nnx.Param | Quantized, dtype):
