@@ -1,7 +1,7 @@
 """Decode step time, prefill throughput and the memory-bandwidth roofline, on the default model.
 
   python scripts/bench_decode.py [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
-      [--layers auto|scan|unrolled] [--quantization none|gguf|int8]
+      [--layers scan|unrolled] [--quantization none|gguf|int8]
   python scripts/bench_decode.py --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
   python scripts/bench_decode.py --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY]
       [--sampling-only]
@@ -163,7 +163,7 @@ def step_bytes(model, batch: int, context: int) -> int:
   return params + kv
 
 
-UNROLL = {"auto": None, "scan": False, "unrolled": True}  # --layers: EngineConfig.unroll_layers
+UNROLL = {"scan": False, "unrolled": True}  # --layers: EngineConfig.unroll_layers
 SAMPLING_KINDS = {"greedy": SamplingParams(temperature=0),
                   "top-k/top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
                   "temperature": SamplingParams(temperature=1.0)}
@@ -268,8 +268,8 @@ def main() -> None:
   parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
   parser.add_argument("--quantization", choices=("none", "gguf", "int8"), default="none",
                       help="how the weights are stored (EngineConfig.quantization)")
-  parser.add_argument("--layers", choices=("auto", "scan", "unrolled"), default="auto",
-                      help="EngineConfig.unroll_layers: the platform's choice, False or True")
+  parser.add_argument("--layers", choices=("scan", "unrolled"), default="scan",
+                      help="EngineConfig.unroll_layers False (the default) or True")
   parser.add_argument("--sampling", action="store_true",
                       help="also time sample() alone, and its share")
   parser.add_argument("--sampling-baseline", default=None,

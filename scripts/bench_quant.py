@@ -3,7 +3,7 @@ workload, for --quantization none, gguf and int8 on the default model, each mode
 fresh process; prints each mode's figures and its ratios to none.
 
   python scripts/bench_quant.py [--slots-list 1,16,64] [--steps 32] [--requests 64]
-      [--layers auto|scan|unrolled]
+      [--layers scan|unrolled]
   python scripts/bench_quant.py --matmul   # the layer scan behind `auto`'s choice (README)
 
 A decode step's time is the difference of two runs through the offline API that differ only in
@@ -27,14 +27,14 @@ WORKLOAD = HERE.parent / "workloads" / "peers_64.jsonl"
 MODES = ("none", "gguf", "int8")
 
 
-def _llm(mode: str, slots: int, layers: str = "auto"):
+def _llm(mode: str, slots: int, layers: str = "scan"):
   from jaxserve.config import EngineConfig
   from jaxserve.llm import LLM
 
   cfg = EngineConfig(num_slots=slots, page_size=16, max_model_len=512,
                      num_pages=slots * 32 + 1, prefill_buckets=(64, 128, 256),
                      compilation_cache_dir=None, quantization=mode,
-                     unroll_layers={"auto": None, "scan": False, "unrolled": True}[layers])
+                     unroll_layers={"scan": False, "unrolled": True}[layers])
   return LLM(None, engine_config=cfg)
 
 
@@ -115,8 +115,8 @@ def main() -> None:
   p.add_argument("--requests", type=int, default=64)
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--matmul", action="store_true", help="only the layer scan, in this process")
-  p.add_argument("--layers", choices=("auto", "scan", "unrolled"), default="auto",
-                 help="EngineConfig.unroll_layers: the platform's choice, False or True")
+  p.add_argument("--layers", choices=("scan", "unrolled"), default="scan",
+                 help="EngineConfig.unroll_layers False (the default) or True")
   args = p.parse_args()
   if args.matmul:
     matmul_scan()

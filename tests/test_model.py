@@ -111,7 +111,7 @@ def test_unrolled_layers_give_the_scans_logits_from_views_of_its_weights(tiny_mo
 
 
 def test_an_unrolled_step_reads_every_weight_in_place(tiny_model):
-  """With unroll_layers (CPU's default), every instruction of the compiled step that reads a
+  """With unroll_layers, every instruction of the compiled step that reads a
   layer's matmul weight (directly or through a bitcast) is a matmul: no copy of it is made."""
   import re
 
@@ -133,19 +133,17 @@ def test_an_unrolled_step_reads_every_weight_in_place(tiny_model):
   assert readers and all(r == "dot" or r.endswith("dot_general") for r in readers), readers
 
 
-def test_cpu_unrolls_float_layers_and_scans_quantized_ones(tiny_model):
-  """unroll_layers None: unrolled on CPU for float weights; a quantized model and other
-  platforms keep the scan; True or False is taken as given."""
-  from jaxserve.config import Quantization, unrolls_layers
+def test_the_layers_scan_unless_unroll_layers_asks(tiny_model):
+  """unroll_layers False (the default): one scan over the stacked [L, ...] weights; True: a list
+  of per-layer weights, quantized ones too."""
+  from jaxserve.config import Quantization
   from jaxserve.model import quant
 
   int8 = Transformer(TINY, rngs=nnx.Rngs(0), quant_layouts=quant.layouts_for(Quantization.INT8))
-  assert 0 in Engine(tiny_model, TINY_ENGINE).params["layers"]  # A list: layer 0's weights.
-  assert "wq" in Engine(int8, TINY_ENGINE).params["layers"]  # Stacked [L, ...].
-  assert not unrolls_layers(TINY_ENGINE, "tpu", False) and not unrolls_layers(TINY_ENGINE, "gpu",
-                                                                               False)
-  forced = dataclasses.replace(TINY_ENGINE, unroll_layers=True)
-  assert unrolls_layers(forced, "cpu", True) and unrolls_layers(forced, "tpu", False)
+  unroll = dataclasses.replace(TINY_ENGINE, unroll_layers=True)
+  assert "wq" in Engine(tiny_model, TINY_ENGINE).params["layers"]  # Stacked [L, ...].
+  assert 0 in Engine(tiny_model, unroll).params["layers"]  # A list: layer 0's weights.
+  assert 0 in Engine(int8, unroll).params["layers"]
 
 
 def test_bfloat16_model_tracks_float32(tiny_model):

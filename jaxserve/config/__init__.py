@@ -20,7 +20,6 @@ from jaxserve.config.engine import (
                                     SchedulerConfig,
                                     default_attention_backend,
                                     pick_quantization,
-                                    unrolls_layers,
 )
 from jaxserve.config.model import LongRope, ModelConfig, ModelFamily, RopeScaling
 from jaxserve.config.sampling import SamplingParams
@@ -29,5 +28,4 @@ from jaxserve.config.speculative import SpeculativeConfig
 __all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype",
            "KVLayout", "LongRope", "ModelConfig", "ModelFamily", "Platform", "Quantization",
            "QueuePolicy", "RopeScaling", "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
-           "default_attention_backend", "is_int", "json_type", "pick_quantization", "short",
-           "unrolls_layers"]
+           "default_attention_backend", "is_int", "json_type", "pick_quantization", "short"]

@@ -112,18 +112,6 @@ def default_attention_backend(platform: str) -> AttentionBackend:
   return AttentionBackend.REFERENCE if platform == "cpu" else AttentionBackend.PALLAS
 
 
-def unrolls_layers(config: EngineConfig, platform: str, quantized: bool) -> bool:
-  """Whether the engine runs the model's layers unrolled: config.unroll_layers, or when None, on
-  CPU for float weights. XLA:CPU copies each layer's weights out of the stacked [L, ...] arrays
-  before its matmuls, every step of the scan; unrolled, quantized weights' dequantization took
-  most of a step (BENCHMARKS.md, "Layers unrolled on CPU"), and compile time grows with depth,
-  which TPU and GPU programs are spared. platform: jax.default_backend()'s name; `quantized`:
-  the model stores quantized weights (model/quant.py)."""
-  if config.unroll_layers is not None:
-    return config.unroll_layers
-  return platform == "cpu" and not quantized
-
-
 # What the Pallas backend's ragged KV layout (KVLayout.RAGGED) can store.
 RAGGED_KV_DTYPES = (KVDtype.FLOAT32, KVDtype.BFLOAT16, KVDtype.INT8, KVDtype.FLOAT8_E4M3,
                     KVDtype.FLOAT8_E5M2)
@@ -165,8 +153,10 @@ class EngineConfig:
   # How the weights are stored (a name is taken too): `pick_quantization` resolves AUTO.
   quantization: Quantization = Quantization.AUTO
   # The layers unrolled, each reading its own weight arrays (True), or one scan over the stacked
-  # [L, ...] weights (False). None: `unrolls_layers` picks by platform.
-  unroll_layers: bool | None = None
+  # [L, ...] weights (False). On CPU with float weights True made SmolLM2's 1-slot step 0.74x
+  # and its 16- and 64-slot steps 0.99x and 0.94x, at 2.1x the warm-up (BENCHMARKS.md, "Layers
+  # unrolled on CPU"); quantized weights unrolled are far slower.
+  unroll_layers: bool = False
 
   def __post_init__(self):
     if not isinstance(self.quantization, Quantization):

@@ -25,13 +25,12 @@ from jaxserve.config import (
   KVLayout,
   ModelConfig,
   default_attention_backend,
-  unrolls_layers,
 )
 from jaxserve.engine import assembly, placement
 from jaxserve.engine.draft import check_draft
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step_args import StepArgs
-from jaxserve.model import kv_cache, quant
+from jaxserve.model import kv_cache
 from jaxserve.model.kv_cache import WindowedKV
 from jaxserve.model.llama import Transformer, unstacked
 from jaxserve.planning import capacity
@@ -169,8 +168,9 @@ class Engine:
     self.backend = backend
     enable_compilation_cache(config.compilation_cache_dir)
 
-    # The engine's own copies of the models, their layers unrolled (llama.unstacked).
-    if unrolls_layers(config, jax.default_backend(), quant.holds_quantized(model)):
+    # With unroll_layers, the engine's own copies of the models, their layers unrolled
+    # (llama.unstacked).
+    if config.unroll_layers:
       model, draft = unstacked(model), None if draft is None else unstacked(draft)
     self.assembly, params = _assemble(model, draft, config, backend)
     self.shardings = self.assembly.shardings

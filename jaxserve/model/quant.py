@@ -81,11 +81,6 @@ def weight(name: str, layouts: Layouts | None, make_float, shape, names) -> nnx.
   return Quantized(shape, names, layout, IN_AXES[name])
 
 
-def holds_quantized(module: nnx.Module) -> bool:
-  """Whether any weight of `module` is stored quantized."""
-  return any(isinstance(node, Quantized) for _, node in nnx.iter_graph(module))
-
-
 def dequant(w: Quantized, dtype):
   """values * scale + minimum in float32 (exactly gguf's numbers), then cast to `dtype`."""
   values, scale = w.values[...], w.scale[...]
