@@ -140,7 +140,10 @@ def _assemble(model: Transformer, draft: Transformer | None, config: EngineConfi
               backend: AttentionBackend):
   """(the steps, their shardings and the programs warm-up compiles: one assembly, shared with
   `plan --compile` (engine/assembly.py); the params the steps take: the model's, or with a
-  draft both models')."""
+  draft both models'). With unroll_layers the steps run the engine's own copies of the models,
+  their layers unrolled (llama.unstacked)."""
+  if config.unroll_layers:
+    model, draft = unstacked(model), None if draft is None else unstacked(draft)
   graphdef, params = nnx.split(model)
   draft_spec = None
   if draft is not None:
@@ -168,10 +171,6 @@ class Engine:
     self.backend = backend
     enable_compilation_cache(config.compilation_cache_dir)
 
-    # With unroll_layers, the engine's own copies of the models, their layers unrolled
-    # (llama.unstacked).
-    if config.unroll_layers:
-      model, draft = unstacked(model), None if draft is None else unstacked(draft)
     self.assembly, params = _assemble(model, draft, config, backend)
     self.shardings = self.assembly.shardings
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
