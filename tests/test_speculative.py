@@ -13,7 +13,7 @@ from jaxserve.batching.runner import Runner
 from jaxserve.batching.speculative import propose_ngram
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from support import speculation
-from support.speculation import tokens
+from support.speculation import run, tokens
 from support.tiny import count_compiles
 
 K = 4
@@ -31,22 +31,12 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-  from jaxserve.engine.engine import Engine
-  model, tokenizer = default_model
-  engine = Engine(model, ENGINE, stop_ids=tokenizer.stop_ids)
-  engine.warmup()
-  return engine
+  return speculation.warm_engine(default_model, ENGINE)
 
 
 @pytest.fixture(scope="module")
 def prompts(default_model):
   return [default_model[1].encode(t) for t in TEXTS]
-
-
-def run(engine, tokenizer, prompts, sampling, k=K, config=SchedulerConfig()):
-  """speculation.run with this module's engine's speculation, at most k tokens proposed."""
-  spec = dataclasses.replace(ENGINE.speculative, num_speculative_tokens=k)
-  return speculation.run(engine, tokenizer, prompts, sampling, spec, config)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -12,9 +12,9 @@ import dataclasses
 
 import pytest
 
-from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig, SamplingParams, SpeculativeConfig
 from support import speculation
-from support.speculation import tokens
+from support.speculation import run, tokens
 from support.tiny import count_compiles
 
 K = 3
@@ -28,22 +28,12 @@ TEXTS = ["What is a mortgage rate?", "Once upon a time, in a small village,",
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-  from jaxserve.engine.engine import Engine
-  model, tokenizer = default_model
-  engine = Engine(model, ENGINE, stop_ids=tokenizer.stop_ids, draft=model)
-  engine.warmup()
-  return engine
+  return speculation.warm_engine(default_model, ENGINE, draft=True)
 
 
 @pytest.fixture(scope="module")
 def prompts(default_model):
   return [default_model[1].encode(t) for t in TEXTS]
-
-
-def run(engine, tokenizer, prompts, sampling, k=K, config=SchedulerConfig()):
-  """speculation.run with this module's engine's speculation, at most k tokens proposed."""
-  spec = dataclasses.replace(ENGINE.speculative, num_speculative_tokens=k)
-  return speculation.run(engine, tokenizer, prompts, sampling, spec, config)
 
 
 def all_accepted(scheduler, completions):
