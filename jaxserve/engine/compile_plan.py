@@ -202,8 +202,9 @@ def _size_pool(run, target, model, config, budget, workers) -> list[tuple[int, l
   # The lines at the cache's own bytes a page predict the pool; the neediest programs compiled
   # there (as many as compile at once) give their own slopes. A slope from a second small pool
   # missed: Qwen2.5-0.5B's mixed step holds 30 MB more temp near a full chip than at 1/8 of it.
-  cache_slope = ((kv_pool(model, _with_pages(config, ceiling))["device_bytes"]
-                  - kv_pool(model, _with_pages(config, p0))["device_bytes"]) / (ceiling - p0))
+  top = max(ceiling, p0 + 1)  # A ceiling under the probe pool: the weights leave no room.
+  cache_slope = ((kv_pool(model, _with_pages(config, top))["device_bytes"]
+                  - kv_pool(model, _with_pages(config, p0))["device_bytes"]) / (top - p0))
   p1 = _pool_within([(need_bytes(r), cache_slope) for r in base], p0, budget, ceiling)
   worst = sorted(base, key=need_bytes, reverse=True)[:workers]
   probes = run(p1, [r["name"] for r in worst]) if p1 > p0 else []
