@@ -240,3 +240,51 @@ def test_pool_is_the_most_pages_every_programs_line_allows():
   assert compile_plan._pool_within([(10, 2.0), (20, 1.0)], 5, 40, 100) == 20
   assert compile_plan._pool_within([(10, 0.0)], 5, 40, 100) == 100
   assert compile_plan._pool_within([(50, 1.0)], 5, 40, 100) == 2  # Over budget already: the floor.
+
+
+def fake_compiler(temps, fails_above=None):
+  """(config, budget, ceiling, run, compiled_at): `run` as compile_engine's, reporting programs
+  `temps` (name -> temp bytes at a pool) over SmolLM2's weights and cache; a program does not
+  compile above `fails_above` pages."""
+  config, budget = EngineConfig(**SMALL), int(0.9 * targets.TARGETS["v5e"].usable_bytes)
+  ceiling = compile_plan._most_pages(SMOLLM2, config, budget)
+  per_page = compile_plan.kv_pool(SMOLLM2, dataclasses.replace(config, num_pages=2))["bytes"] // 2
+  fixed = budget - per_page * ceiling  # Weights and the rest: what the ceiling leaves.
+  compiled_at = []
+
+  def run(pages, only=None):
+    names = (list(temps) if only is None or callable(only)
+             else [only] if isinstance(only, str) else list(only))
+    compiled_at.append((pages, names))
+    return [{"name": n, "compiled": fails_above is None or pages <= fails_above,
+             "argument_bytes": fixed + per_page * pages, "temp_bytes": temps[n](pages),
+             "output_bytes": 0, "alias_bytes": 0} for n in names]
+
+  return config, budget, ceiling, run, compiled_at
+
+
+def test_pool_fits_at_the_first_confirm_when_temp_jumps_near_a_full_chip():
+  """Qwen2.5-0.5B on v5e (measured): the mixed step's temp is 298 MB at 1/16 and 1/8 of the
+  ceiling and 329 MB near it, so a slope from two small pools overshot and every program compiled
+  twice. A fake compiler with that jump: the neediest programs probed at the pool their lines
+  predict, then every program compiled once, at a pool that fits."""
+  temps = {"decode": lambda p: 20 * MIB, "mixed": lambda p: 300 * MIB + 30 * MIB * (p > 2**14)}
+  config, budget, ceiling, run, compiled_at = fake_compiler(temps)
+  assert ceiling // 16 < 2**14 < ceiling // 2  # The jump: between the probe pool and the result.
+  tries = compile_plan._size_pool(run, "v5e", SMOLLM2, config, budget, workers=1)
+  p0, p1, pages = [p for p, _ in tries]
+  assert compiled_at == [(p0, ["decode", "mixed"]), (p1, ["mixed"]), (pages, ["decode", "mixed"])]
+  assert compile_plan._fits(tries[-1][1], budget)
+  assert budget - 32 * MIB <= compile_plan.need_bytes(tries[-1][1][1]) <= budget
+
+
+def test_pool_halves_back_when_the_predicted_pool_does_not_compile():
+  """The probe at the predicted pool out of memory: every program at halfway back to the probe
+  pool, which compiles and fits."""
+  temps = {"decode": lambda p: 20 * MIB, "mixed": lambda p: 300 * MIB}
+  config, budget, ceiling, run, compiled_at = fake_compiler(temps, fails_above=2**15)
+  tries = compile_plan._size_pool(run, "v5e", SMOLLM2, config, budget, workers=2)
+  p0, p1, pages = [p for p, _ in tries]
+  assert pages == (p0 + p1) // 2 <= 2**15 < p1
+  assert compiled_at[1] == (p1, ["mixed", "decode"]) and compiled_at[2][1] == ["decode", "mixed"]
+  assert compile_plan._fits(tries[-1][1], budget)

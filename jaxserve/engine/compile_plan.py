@@ -8,10 +8,12 @@ target (`targets.py`) and sizes the KV pool the way a chip must: weights + cache
 program's other needs (temp, and outputs not aliased to a donated input) within
 `memory_fraction` of the chip. The pool is found by compiling, and each need is a line in the
 page count (its slope about the cache's own bytes a page, now that the kernels write it in
-place): the neediest program of each kind (`neediest`: picked by shape) at a small probe pool,
-the neediest of those again at a second one, give the lines; the lines give the pool, and
-compiling every program once at it confirms it (or refits the lines and shrinks it). The
-compiler's verdict is the final word. Compiles run `COMPILE_WORKERS` at a time.
+place): the neediest program of each kind (`neediest`: picked by shape) at a small probe pool
+gives the lines at that slope; the neediest of those (as many as compile at once) compiled at
+the pool the lines predict give their own slopes (a step's temp can grow near a full chip); the
+lines give the pool, and compiling every program once at it confirms it (or refits the lines
+and shrinks it). The compiler's verdict is the final word. Compiles run `COMPILE_WORKERS` at a
+time.
 """
 
 from __future__ import annotations
@@ -181,31 +183,40 @@ def compile_engine(target: str, model: ModelConfig, config: EngineConfig,
     pages = config.num_pages or 2  # Contiguous: the slots' regions set the pool, not this.
     tries = [(pages, run(pages))]
   else:
-    tries = _size_pool(run, target, model, config, budget)
+    tries = _size_pool(run, target, model, config, budget, workers)
   pages, reports = tries[-1]
   return {"target": target, "usable_bytes": usable, "memory_fraction": config.memory_fraction,
           "fits": _fits(reports, budget), "programs": reports,
           "kv_pool": kv_pool(model, _with_pages(config, pages)), "tries": [p for p, _ in tries]}
 
 
-def _size_pool(run, target, model, config, budget) -> list[tuple[int, list]]:
-  """[(pages, reports), ...]: the neediest programs at a probe pool, then every program at pools
-  computed to fit, the first of those fitting (or the last one tried)."""
+def _size_pool(run, target, model, config, budget, workers) -> list[tuple[int, list]]:
+  """[(pages, reports), ...]: the neediest programs at a probe pool, the neediest of those at the
+  pool their lines predict, then every program at pools computed to fit, the first of those
+  fitting (or the last one tried)."""
   ceiling = _most_pages(model, config, budget)
   p0 = max(2, ceiling // 16)  # Small enough to compile whatever each page costs the steps.
   base = run(p0, neediest)
   if not _compiled(base):
     return [(p0, base)]  # Not a matter of size: the reports carry the compiler's messages.
-  # How fast the largest need grows with the pool, from that program at a second pool (the
-  # cache's bytes a page alone fell short: Qwen2.5-0.5B then needed a second confirm).
-  worst = max(base, key=need_bytes)
-  p1 = max(p0 + 1, ceiling // 8)
-  probe = run(p1, worst["name"])[0]
-  if not probe["compiled"]:
-    return [(p0, base), (p1, [probe])]
-  slope = (need_bytes(probe) - need_bytes(worst)) / (p1 - p0)
-  pages = _pool_within([(need_bytes(r), slope) for r in base], p0, budget, ceiling)
-  return [(p0, base)] + _confirm(run, base, p0, pages, slope, budget, ceiling)
+  # The lines at the cache's own bytes a page predict the pool; the neediest programs compiled
+  # there (as many as compile at once) give their own slopes. A slope from a second small pool
+  # missed: Qwen2.5-0.5B's mixed step holds 30 MB more temp near a full chip than at 1/8 of it.
+  top = max(ceiling, p0 + 1)  # A ceiling under the probe pool: the weights leave no room.
+  cache_slope = ((kv_pool(model, _with_pages(config, top))["device_bytes"]
+                  - kv_pool(model, _with_pages(config, p0))["device_bytes"]) / (top - p0))
+  p1 = _pool_within([(need_bytes(r), cache_slope) for r in base], p0, budget, ceiling)
+  worst = sorted(base, key=need_bytes, reverse=True)[:workers]
+  probes = run(p1, [r["name"] for r in worst]) if p1 > p0 else []
+  if not _compiled(probes):  # Out of memory there: from halfway back, at the cache's slope.
+    return [(p0, base), (p1, probes)] + _confirm(run, base, p0, (p0 + p1) // 2, cache_slope,
+                                                 budget, ceiling)
+  at_p0 = {r["name"]: need_bytes(r) for r in base}
+  slope = max([cache_slope] + [(need_bytes(r) - at_p0[r["name"]]) / (p1 - p0) for r in probes])
+  lines = [(at_p0[r["name"]], slope) for r in base]
+  pages = _pool_within(lines, p0, budget, ceiling)
+  return [(p0, base)] + ([(p1, probes)] if probes else []) + _confirm(
+      run, base, p0, pages, slope, budget, ceiling)
 
 
 def _most_pages(model, config, budget) -> int:
