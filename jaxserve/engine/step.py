@@ -22,7 +22,7 @@ from jaxserve.engine.draft import DraftedKV, follow, propose
 from jaxserve.engine.prompt_logprobs import score_prompt
 from jaxserve.engine.sample import sample
 from jaxserve.engine.sampling_state import SamplingState
-from jaxserve.engine.verify import verify
+from jaxserve.engine.verify import Verified, sample_verifying
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 
@@ -72,11 +72,15 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
   logits, cache, prompt, every = _forward(model, tokens, cache, meta, attn, args)
   if draft is not None:  # The draft sees every token the target sees.
     cache = DraftedKV(cache, follow(drafter, draft_cache, tokens, meta, attn))
-  sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
+  if every is None:
+    sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
+  else:  # A verifying step: one head and sampler pass for its sampled and verified rows.
+    sampled, v = sample_verifying(model.head, every, rows, meta.positions[0], kv_lens,
+                                  meta.sample_rows, live, args, stop_ids, pack_sampled)
   next_tokens, next_lens, targets = sampled.tokens, kv_lens, jnp.where(samples, slots, Bs)
-  if every is not None:  # A verifying step: a verified chunk's sequence moves past its run.
+  if every is not None:  # A verified chunk's sequence moves past its run.
     next_tokens, next_lens, prompt, sampling = _verified(
-        model, every, rows, starts, live, args, stop_ids, next_tokens, next_lens, sampling, targets)
+        v, starts, args, next_tokens, next_lens, sampling, targets)
   state = _write_back(state, sampling, next_tokens, targets, next_lens)
   return (cache, state, pack_sampled(sampled)) + (() if prompt is None else (prompt,))
 
@@ -139,29 +143,26 @@ def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
 
 
 def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args):
-  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None, and in a
-  verifying step the last layer's output [T, D] at every row, else None)."""
+  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None, and None); in a
+  verifying step (None, cache, None, the last layer's output [T, D] at every row)."""
   if args.prefill_targets is None and args.verify_rows is None:
     logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
     return logits, cache, None, None
   # Every position's output [1, T, D], for the prompt's scores (in blocks) or the verified runs.
   every, cache = model(tokens[None], cache, meta, attn, hidden=True)
+  if args.verify_rows is not None:  # Its logits come with the verified rows' (verify.py).
+    return None, cache, None, every[0]
   logits = model.head(every[0, meta.sample_rows])
-  if args.verify_rows is not None:
-    return logits, cache, None, every[0]
   prompt = score_prompt(model.head, every[0, meta.num_decode_rows:], args.prefill_targets)
   return logits, cache, prompt, None
 
 
-def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, tokens, kv_lens,
-              sampling: SamplingState, targets):
-  """every [T, D], rows [B, ...], starts and live [B]; tokens and kv_lens [B] as sampled;
-  targets [B] the slot each row samples for -> (tokens, kv_lens) with each verified chunk's
-  next token and position after its accepted run, verify.Verified.packed, and `sampling` with
-  the accepted proposals counted in their slots' output counts."""
+def _verified(v: Verified, starts, args, tokens, kv_lens, sampling: SamplingState, targets):
+  """v the step's verify.Verified; starts [B]; tokens and kv_lens [B] as sampled; targets [B]
+  the slot each row samples for -> (tokens, kv_lens) with each verified chunk's next token and
+  position after its accepted run, v.packed, and `sampling` with the accepted proposals
+  counted in their slots' output counts."""
   Bd = args.decode_slots.shape[0]
-  v = verify(model.head, every, jax.tree.map(lambda x: x[Bd:], rows), starts[Bd:], live[Bd:],
-             args, stop_ids, pack_sampled)
   is_verified = _cat(jnp.zeros(Bd, bool), v.is_verified)  # [B]
   zeros = jnp.zeros(Bd, jnp.int32)
   tokens = jnp.where(is_verified, _cat(zeros, v.next_token), tokens)
