@@ -14,9 +14,10 @@ A plan holds at most one chunk per request (the scheduler's plans fit one call),
 never two sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages
 once per query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed
 rows (T for none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
-nb = ceil(Tp / Tb) + Bp - 1 holds any packing. A verified chunk (speculative decoding,
-engine/verify.py) is packed like a prompt's chunk; `verify_rows` names its positions, and
-the step puts the slot's own token and position (its decode state) at the first.
+nb = ceil(Tp / Tb) + Bp - 1 holds any packing (a verify bucket: Tb = k + 1, nb = Bp). A
+verified chunk (speculative decoding, engine/verify.py) is packed like a prompt's chunk;
+`verify_rows` names its positions, and the step puts the slot's own token and position (its
+decode state) at the first.
 Shape letters: the key in jaxserve/model/__init__.py.
 """
 
