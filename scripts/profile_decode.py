@@ -103,6 +103,7 @@ def op_parts(hlo_text: str) -> dict[str, str]:
 def _part_of_source(src: str, opcode: str) -> str:
   for prefix, part in (("engine/sample.py", "sampling (sample.py)"),
                        ("engine/gumbel.py", "sampling (gumbel.py)"),
+                       ("engine/verify.py", "verification (verify.py)"),
                        ("engine/step.py", "step.py: decode-state reads and writes, page lookup"),
                        ("model/attention.py", "attention (attention.py)"),
                        ("model/kv_cache.py", "KV page gather and write (kv_cache.py)"),
@@ -133,11 +134,17 @@ def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
   args, _ = engine.step_args(StepPlan(decode_slots=tuple(slots), page_tables=tables))
   compiled = engine._step.lower(engine.params, engine.cache, engine.state, args,
                                 engine.stop_ids).compile()
-  parts = op_parts(compiled.as_text())
+  return trace_times(
+      lambda: engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result(),
+      op_parts(compiled.as_text()), steps)
+
+
+def trace_times(run_step, parts: dict[str, str], steps: int) -> collections.Counter:
+  """ms per step of each part (op_parts' `parts`) over `steps` calls of run_step, traced."""
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(steps):
-        engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
+        run_step()
     (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
     with gzip.open(path) as f:
       events = json.load(f)

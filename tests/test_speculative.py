@@ -234,6 +234,37 @@ def test_verified_programs_are_warmup_programs():
   assert args.verify_drafts.shape == (args.prefill_slots.shape[0], K)
 
 
+def test_verify_buckets_attend_in_blocks_of_k_plus_1_one_a_chunk():
+  """A step of verified chunks alone attends in one block of k + 1 rows per chunk (a block as
+  wide as the bucket attended with 4x the rows); a prompt's chunk keeps blocks of up to 64."""
+  from jaxserve.batching.plan import PrefillChunk, StepPlan
+  from jaxserve.engine.step_args import Packer
+  packer = Packer(ENGINE, 128, None)
+  chunk = lambda slot, n, d: PrefillChunk(f"r{slot}", slot, list(range(1, n + 1)), 40, [1, 2, 3, 4],
+                                          True, SamplingParams(temperature=0), 0, num_drafts=d)
+  args, _ = packer.pack(StepPlan(prefills=[chunk(s, K + 1, K) for s in range(4)]))
+  assert args.prefill_tokens.shape == (20,) and args.block_rows.shape == (4, K + 1)
+  assert args.block_rows.tolist() == [list(range(5 * j, 5 * j + 5)) for j in range(4)]
+  args, _ = packer.pack(StepPlan(prefills=[chunk(0, 2, 1), chunk(1, 3, 2)]))  # Bucket 5.
+  assert args.block_rows.tolist() == [[0, 1, 5, 5, 5], [2, 3, 4, 5, 5], [5] * 5, [5] * 5]
+  args, _ = packer.pack(StepPlan(prefills=[chunk(0, 20, 0)]))  # A prompt: the prefill bucket.
+  assert args.block_rows.shape == (4, 32)
+
+
+def test_a_verifying_step_runs_the_head_once(engine):
+  """The verifying program's one matmul into the vocabulary serves its decode rows, prompts and
+  verified positions alike (a second over every sequence's last row cost a 5-row head as much
+  again at one slot, on CPU)."""
+  V = engine.model_config.vocab_size
+  for shape in (engine.packer.verified_shapes()[0], engine.packer.verified_shapes()[-1]):
+    args = engine.packer.template(shape, verified=True)
+    text = engine._step_scored.lower(engine.params, engine.cache, engine.state, args,
+                                     engine.stop_ids).as_text()
+    heads = [line for line in text.splitlines()
+             if "dot_general" in line and f"x{V}xf32>" in line.split("->")[-1]]
+    assert len(heads) == 1, heads
+
+
 def test_speculative_config_flag_on_serve_generate_and_plan(capsys):
   from jaxserve.cli import flags
   from jaxserve.cli import main as cli

@@ -22,7 +22,7 @@ from jaxserve.engine.draft import DraftedKV, follow, propose
 from jaxserve.engine.prompt_logprobs import score_prompt
 from jaxserve.engine.sample import sample
 from jaxserve.engine.sampling_state import SamplingState
-from jaxserve.engine.verify import verify
+from jaxserve.engine.verify import sample_verifying
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 
@@ -48,8 +48,7 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
   (speculative method "draft", engine/draft.py); params is then (the target's, the draft's)
   and cache a DraftedKV.
 
-  out packs the Sampled values of every sequence into one int32 array, so one transfer brings
-  them to the host (engine.TokenFuture unpacks it)."""
+  out: every sequence's Sampled values in one int32 array, one transfer (engine.TokenFuture)."""
   Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
   slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
   live = slots < Bs
@@ -72,11 +71,13 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
   logits, cache, prompt, every = _forward(model, tokens, cache, meta, attn, args)
   if draft is not None:  # The draft sees every token the target sees.
     cache = DraftedKV(cache, follow(drafter, draft_cache, tokens, meta, attn))
-  sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
-  next_tokens, next_lens, targets = sampled.tokens, kv_lens, jnp.where(samples, slots, Bs)
-  if every is not None:  # A verifying step: a verified chunk's sequence moves past its run.
-    next_tokens, next_lens, prompt, sampling = _verified(
-        model, every, rows, starts, live, args, stop_ids, next_tokens, next_lens, sampling, targets)
+  targets = jnp.where(samples, slots, Bs)
+  if every is None:
+    sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
+    next_tokens, next_lens = sampled.tokens, kv_lens
+  else:  # A verifying step: a verified chunk's sequence moves past its run.
+    sampled, next_tokens, next_lens, prompt, sampling = _verified(
+        model, every, rows, meta, starts, kv_lens, live, args, stop_ids, sampling, targets)
   state = _write_back(state, sampling, next_tokens, targets, next_lens)
   return (cache, state, pack_sampled(sampled)) + (() if prompt is None else (prompt,))
 
@@ -139,36 +140,37 @@ def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
 
 
 def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args):
-  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None, and in a
-  verifying step the last layer's output [T, D] at every row, else None)."""
+  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None, and None); in a
+  verifying step (None, cache, None, the last layer's output [T, D] at every row)."""
   if args.prefill_targets is None and args.verify_rows is None:
     logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
     return logits, cache, None, None
   # Every position's output [1, T, D], for the prompt's scores (in blocks) or the verified runs.
   every, cache = model(tokens[None], cache, meta, attn, hidden=True)
+  if args.verify_rows is not None:  # Its logits come with the verified rows' (verify.py).
+    return None, cache, None, every[0]
   logits = model.head(every[0, meta.sample_rows])
-  if args.verify_rows is not None:
-    return logits, cache, None, every[0]
   prompt = score_prompt(model.head, every[0, meta.num_decode_rows:], args.prefill_targets)
   return logits, cache, prompt, None
 
 
-def _verified(model, every, rows: SamplingState, starts, live, args, stop_ids, tokens, kv_lens,
-              sampling: SamplingState, targets):
-  """every [T, D], rows [B, ...], starts and live [B]; tokens and kv_lens [B] as sampled;
-  targets [B] the slot each row samples for -> (tokens, kv_lens) with each verified chunk's
-  next token and position after its accepted run, verify.Verified.packed, and `sampling` with
-  the accepted proposals counted in their slots' output counts."""
+def _verified(model, every, rows: SamplingState, meta: AttentionMetadata, starts, kv_lens, live,
+              args, stop_ids, sampling: SamplingState, targets):
+  """every [T, D] the last layer's output; rows [B, ...]; starts, kv_lens and live [B];
+  targets [B] the slot each row samples for -> (Sampled [B], and tokens and kv_lens [B] with
+  each verified chunk's next token and position after its accepted run, verify.Verified.packed,
+  `sampling` with the accepted proposals counted in their slots' output counts). One head and
+  sampler pass serves the sampled rows and the verified ones (verify.sample_verifying)."""
   Bd = args.decode_slots.shape[0]
-  v = verify(model.head, every, jax.tree.map(lambda x: x[Bd:], rows), starts[Bd:], live[Bd:],
-             args, stop_ids, pack_sampled)
+  sampled, v = sample_verifying(model.head, every, rows, meta.positions[0], kv_lens,
+                                meta.sample_rows, live, args, stop_ids, pack_sampled)
   is_verified = _cat(jnp.zeros(Bd, bool), v.is_verified)  # [B]
   zeros = jnp.zeros(Bd, jnp.int32)
-  tokens = jnp.where(is_verified, _cat(zeros, v.next_token), tokens)
+  tokens = jnp.where(is_verified, _cat(zeros, v.next_token), sampled.tokens)
   kv_lens = jnp.where(is_verified, _cat(zeros, starts[Bd:] + v.accepted + 1), kv_lens)
   counts = _cat(jnp.zeros((Bd, v.counts.shape[1]), jnp.int32), v.counts)
   row, hit = _writer(targets, sampling.output_counts.shape[0])
-  return tokens, kv_lens, v.packed, dataclasses.replace(
+  return sampled, tokens, kv_lens, v.packed, dataclasses.replace(
       sampling, output_counts=sampling.output_counts + jnp.where(hit[:, None], counts[row], 0))
 
 

@@ -14,9 +14,10 @@ A plan holds at most one chunk per request (the scheduler's plans fit one call),
 never two sequences. The jnp attention (model/attention.py) reads each prefill sequence's pages
 once per query block of Tb of its own tokens: `block_rows` [nb, Tb] lists each block's packed
 rows (T for none) and `block_seq` [nb] its sequence; every sequence starts a fresh block, so
-nb = ceil(Tp / Tb) + Bp - 1 holds any packing. A verified chunk (speculative decoding,
-engine/verify.py) is packed like a prompt's chunk; `verify_rows` names its positions, and
-the step puts the slot's own token and position (its decode state) at the first.
+nb = ceil(Tp / Tb) + Bp - 1 holds any packing (a verify bucket: Tb = k + 1, nb = Bp). A
+verified chunk (speculative decoding, engine/verify.py) is packed like a prompt's chunk;
+`verify_rows` names its positions, and the step puts the slot's own token and position (its
+decode state) at the first.
 Shape letters: the key in jaxserve/model/__init__.py.
 """
 
@@ -78,12 +79,16 @@ class Packer:
   slot_page_tables: np.ndarray | None  # The contiguous layout's own tables, else None.
   page_groups: int = 1  # 2 with window pages: each sequence's table, then its window table.
 
-  @staticmethod
-  def query_block(Tp: int) -> int:
-    """Tb of a step of Tp prefill tokens: the jnp attention reads a sequence's pages once per
-    block, so blocks of 64 rows (measured on CPU: a 512-token chunk at 5,632 cached positions
-    took 0.62x the time of blocks of 16)."""
-    return min(64, max(Tp, 1))
+  def query_blocks(self, Tp: int, Bp: int) -> tuple[int, int]:
+    """(Tb, nb) of a step of Tp prefill tokens in Bp sequences: the jnp attention reads a
+    sequence's pages once per block, so blocks of 64 rows (measured on CPU: a 512-token chunk
+    at 5,632 cached positions took 0.62x the time of blocks of 16). A verify bucket's chunks, at
+    most k + 1 tokens each, take a block of k + 1 rows apiece: one as wide as the bucket ran
+    4 x 20 query rows for 4 runs of 5 at 16 slots (profile_verify.py)."""
+    if Tp in self.verify_buckets():
+      return self.config.speculative.num_speculative_tokens + 1, Bp
+    Tb = min(64, max(Tp, 1))
+    return Tb, -(-Tp // Tb) + Bp - 1 if Tp else 0  # Each sequence but the first adds at most one.
 
   @property
   def width(self) -> int:
@@ -250,13 +255,13 @@ class Packer:
   def _prefill(self, chunks: Sequence[PrefillChunk], Bd: int, Tp: int, W: int) -> tuple:
     """The prefill part's arrays; block rows and sequences are absolute (after the Bd decode
     rows), and empty block entries point past the token axis (Bd + Tp), where writes drop."""
-    Bs, Tb = self.config.num_slots, self.query_block(Tp)
+    Bs = self.config.num_slots
     Bp = min(Tp, Bs, self.config.max_prefill_seqs)
+    Tb, nb = self.query_blocks(Tp, Bp)
     tokens = np.zeros(Tp, np.int32)
     slots, starts = np.full(Bp, Bs, np.int32), np.zeros(Bp, np.int32)
     lens, samples = np.zeros(Bp, np.int32), np.zeros(Bp, bool)
     tables = np.full((Bp, W), SCRATCH_PAGE, np.int32)
-    nb = -(-Tp // Tb) + Bp - 1 if Tp else 0  # Each sequence but the first adds at most one.
     block_rows, block_seq = np.full((nb, Tb), Bd + Tp, np.int32), np.full(nb, Bd, np.int32)
     defaults = SamplingRow.from_params(SamplingParams(), 0, (), (), self.vocab_size)
     new_rows = [defaults] * Bp

@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.engine.sample import sample
+from jaxserve.engine.sample import Sampled, sample
 from jaxserve.engine.sampling_state import SamplingState
 
 
@@ -37,25 +37,45 @@ class Verified:
   counts: jax.Array  # [Bp, V] int32: the accepted proposals, counted (for the penalties)
 
 
-def verify(head, hidden, rows: SamplingState, starts, live, args, stop_ids, pack) -> Verified:
-  """head: the model's head, hidden [T, D] the last layer's output at every packed row, rows
-  [Bp, ...] the prefill sequences' sampling settings, starts [Bp] their first positions, live
-  [Bp], args the step's StepArgs (verify_rows [Bp, k + 1], verify_drafts [Bp, k]), pack:
-  step.pack_sampled."""
+def sample_verifying(head, hidden, rows: SamplingState, positions, kv_lens, sample_rows, live,
+                     args, stop_ids, pack) -> tuple[Sampled, Verified]:
+  """The sampling of a verifying step, one head pass and one sampler pass over the decode rows
+  and every verified position: (Sampled [B], each sequence's token as sample() gives it, and
+  Verified). head: the model's head; hidden [T, D] the last layer's output at every packed row;
+  rows [B, ...] every sequence's sampling settings; positions [T] each packed row's position;
+  kv_lens, sample_rows and live [B]; args the step's StepArgs (verify_rows [Bp, k + 1],
+  verify_drafts [Bp, k]); pack: step.pack_sampled.
+
+  On CPU a head pass costs about as much for 2 rows as for 5 (a 5-row head took ~4x a 1-row
+  one, profile_verify.py), so the rows that sample (a prompt's last row is its chunk's last
+  verify row, step_args.Packer._verified) share one pass with the verified positions."""
+  Bd, (Bp, K1) = args.decode_slots.shape[0], args.verify_rows.shape
   drafts = args.verify_drafts  # [Bp, k]
-  Bp, K1 = args.verify_rows.shape
-  is_verified = live & (drafts[:, 0] >= 0)  # [Bp]
-  logits = head(hidden[args.verify_rows.reshape(-1)])  # [Bp * (k + 1), V]
-  each = lambda x: jnp.repeat(x, K1, axis=0)  # [Bp, ...] -> [Bp * (k + 1), ...]
-  rows = jax.tree.map(each, rows).plain_where_not(each(is_verified))
-  # The penalties at position i count the proposals before it, as if each had been sampled.
+  is_verified = live[Bd:] & (drafts[:, 0] >= 0)  # [Bp]
+  picks = jnp.concatenate([sample_rows[:Bd], args.verify_rows.reshape(-1)])  # [Bd + Bp * K1]
+  logits = head(hidden[picks])  # [Bd + Bp * K1, V]
+  each = lambda x: jnp.repeat(x, K1, axis=0)  # [Bp, ...] -> [Bp * K1, ...]
+  both = lambda decode, prefill: jnp.concatenate([decode[:Bd], each(prefill[Bd:])])
+  # The penalties at position i count the proposals before it, as if each had been sampled
+  # (no proposals: zeros, so a prompt's row is its own).
   V = rows.output_counts.shape[1]
   before = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=jnp.int32), axis=1)  # [Bp, k, V]
-  before = jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)  # [Bp, k + 1, V]
-  rows = dataclasses.replace(rows, output_counts=rows.output_counts + before.reshape(-1, V))
-  # Position i of a verified chunk is the sequence's position start + i; its token goes after.
-  positions = (starts[:, None] + 1 + jnp.arange(K1)[None, :]).reshape(-1)
-  sampled = sample(logits, rows, positions, stop_ids)
+  before = jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)  # [Bp, K1, V]
+  rows = jax.tree.map(lambda x: both(x, x), rows)
+  added = jnp.concatenate([jnp.zeros((Bd, V), jnp.int32), before.reshape(-1, V)])
+  rows = dataclasses.replace(rows, output_counts=rows.output_counts + added)
+  # Each verified row's token goes after it; a prompt's last row samples at kv_len as always.
+  at = jnp.concatenate([kv_lens[:Bd], positions[args.verify_rows.reshape(-1)] + 1])
+  sampled = sample(logits, rows, at, stop_ids, both(args.bitmask, args.bitmask))
+  last = lambda x: jnp.concatenate([x[:Bd], x[Bd:].reshape((Bp, K1) + x.shape[1:])[:, -1]])
+  verified = _accept(jax.tree.map(lambda x: x[Bd:], sampled), drafts, is_verified, before, pack)
+  return jax.tree.map(last, sampled), verified
+
+
+def _accept(sampled: Sampled, drafts, is_verified, before, pack) -> Verified:
+  """sampled [Bp * K1] at every verified position, drafts [Bp, k], is_verified [Bp], before
+  [Bp, K1, V] the proposals counted before each position -> Verified."""
+  Bp, K1 = before.shape[:2]
   tokens = sampled.tokens.reshape(Bp, K1)  # [Bp, k + 1]
   agree = (tokens[:, :-1] == drafts).astype(jnp.int32)  # [Bp, k]
   accepted = jnp.where(is_verified, jnp.sum(jnp.cumprod(agree, axis=1), axis=1), 0)  # [Bp]
