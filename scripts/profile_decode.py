@@ -129,22 +129,22 @@ def start_slots(engine: Engine, tables: np.ndarray, context: int, sampling: Samp
 def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
             sampling: SamplingParams) -> collections.Counter:
   start_slots(engine, tables, context, sampling)
-  slots = list(range(len(tables)))
-  engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result()
-  args, _ = engine.step_args(StepPlan(decode_slots=tuple(slots), page_tables=tables))
-  compiled = engine._step.lower(engine.params, engine.cache, engine.state, args,
-                                engine.stop_ids).compile()
-  return trace_times(
-      lambda: engine.step(StepPlan(decode_slots=tuple(slots), page_tables=tables)).result(),
-      op_parts(compiled.as_text()), steps)
+  plan = StepPlan(decode_slots=tuple(range(len(tables))), page_tables=tables)
+  engine.step(plan).result()
+  return plan_op_times(engine, plan, steps)
 
 
-def trace_times(run_step, parts: dict[str, str], steps: int) -> collections.Counter:
-  """ms per step of each part (op_parts' `parts`) over `steps` calls of run_step, traced."""
+def plan_op_times(engine: Engine, plan: StepPlan, steps: int) -> collections.Counter:
+  """ms per step of each part (op_parts) of the program `plan` runs, over `steps` runs, traced."""
+  args, _ = engine.step_args(plan)
+  scored = args.verify_rows is not None or args.prefill_targets is not None  # Engine.run_step's.
+  jitted = engine._step_scored if scored else engine._step
+  parts = op_parts(jitted.lower(engine.params, engine.cache, engine.state, args,
+                                engine.stop_ids).compile().as_text())
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(steps):
-        run_step()
+        engine.step(plan).result()
     (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
     with gzip.open(path) as f:
       events = json.load(f)

@@ -13,7 +13,6 @@ part (profile_decode.py's parts) are printed side by side.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import statistics
 import time
@@ -23,7 +22,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 import numpy as np  # noqa: E402
 from bench_decode import decode_engine  # noqa: E402
-from profile_decode import op_parts, start_slots, trace_times  # noqa: E402
+from profile_decode import plan_op_times, start_slots  # noqa: E402
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan  # noqa: E402
 from jaxserve.config import SamplingParams, SpeculativeConfig  # noqa: E402
@@ -57,14 +56,6 @@ def time_step(engine, plan: StepPlan, steps: int) -> float:
   return statistics.median(times)
 
 
-def op_times(engine, plan: StepPlan, steps: int) -> collections.Counter:
-  args, _ = engine.step_args(plan)
-  jitted = engine._step_scored if args.verify_rows is not None else engine._step
-  compiled = jitted.lower(engine.params, engine.cache, engine.state, args,
-                          engine.stop_ids).compile()
-  return trace_times(lambda: engine.step(plan).result(), op_parts(compiled.as_text()), steps)
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default=None)
@@ -82,7 +73,7 @@ def main() -> None:
     start_slots(engine, tables, args.context, GREEDY)
     steps = plans(engine, tables, args.context, args.k)
     wall = {name: time_step(engine, plan, args.steps) for name, plan in steps.items()}
-    ops = {name: op_times(engine, plan, args.steps) for name, plan in steps.items()}
+    ops = {name: plan_op_times(engine, plan, args.steps) for name, plan in steps.items()}
     print(f"\nbatch {batch}, k = {args.k}, context {args.context}: decode {wall['decode']:.1f} "
           f"ms, verify {wall['verify']:.1f} ms ({wall['verify'] / wall['decode']:.2f}x) wall; "
           f"load average {os.getloadavg()[0]:.1f}")

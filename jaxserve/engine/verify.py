@@ -55,18 +55,18 @@ def sample_verifying(head, hidden, rows: SamplingState, positions, kv_lens, samp
   picks = jnp.concatenate([sample_rows[:Bd], args.verify_rows.reshape(-1)])  # [Bd + Bp * K1]
   logits = head(hidden[picks])  # [Bd + Bp * K1, V]
   each = lambda x: jnp.repeat(x, K1, axis=0)  # [Bp, ...] -> [Bp * K1, ...]
-  both = lambda decode, prefill: jnp.concatenate([decode[:Bd], each(prefill[Bd:])])
+  rows_at = lambda x: jnp.concatenate([x[:Bd], each(x[Bd:])])  # [B, ...] -> [Bd + Bp * K1, ...]
   # The penalties at position i count the proposals before it, as if each had been sampled
   # (no proposals: zeros, so a prompt's row is its own).
   V = rows.output_counts.shape[1]
   before = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=jnp.int32), axis=1)  # [Bp, k, V]
   before = jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)  # [Bp, K1, V]
-  rows = jax.tree.map(lambda x: both(x, x), rows)
+  rows = jax.tree.map(rows_at, rows)
   added = jnp.concatenate([jnp.zeros((Bd, V), jnp.int32), before.reshape(-1, V)])
   rows = dataclasses.replace(rows, output_counts=rows.output_counts + added)
   # Each verified row's token goes after it; a prompt's last row samples at kv_len as always.
   at = jnp.concatenate([kv_lens[:Bd], positions[args.verify_rows.reshape(-1)] + 1])
-  sampled = sample(logits, rows, at, stop_ids, both(args.bitmask, args.bitmask))
+  sampled = sample(logits, rows, at, stop_ids, rows_at(args.bitmask))
   last = lambda x: jnp.concatenate([x[:Bd], x[Bd:].reshape((Bp, K1) + x.shape[1:])[:, -1]])
   verified = _accept(jax.tree.map(lambda x: x[Bd:], sampled), drafts, is_verified, before, pack)
   return jax.tree.map(last, sampled), verified
