@@ -1,8 +1,8 @@
 """Speculative decoding (n-gram prompt lookup, or a draft model) against none, each side in a
 fresh process.
 
-  python scripts/bench_speculative.py                     # both workloads, k = 4
-  python scripts/bench_speculative.py --quick             # a few short requests: proves it runs
+  python scripts/bench_speculative.py                     # both workloads, k = 4, 3 rounds
+  python scripts/bench_speculative.py --quick --rounds 1  # a few short requests: proves it runs
   python scripts/bench_speculative.py --workloads copy \
       --speculative-config '{"num_speculative_tokens": 3}'
   python scripts/bench_speculative.py --draft smollm2-135m-instruct   # the draft-model method
@@ -15,9 +15,12 @@ Two workloads, both greedy on the default model:
   prompts, outputs that do not copy them, end-of-sequence ignored), all submitted at once to 16
   slots. Speculation should cost little here: the target is at least 0.95x.
 
-Each (workload, on/off) runs in its own process (model loading and warm-up not timed); the
-report gives tokens/s, the ratio, whether the outputs are identical, and the acceptance rate
-(accepted proposals over proposed ones) with the accepted count at each proposal position.
+Each (workload, on/off) runs in its own process (model loading and warm-up not timed), in
+`--rounds` interleaved rounds (off then on, then on then off, ...: the machine drifts between
+processes by more than the 0.95x threshold, so one pair is not a reading); the report gives each
+round's tokens/s and ratio, the median ratio, whether the outputs are identical, and the
+acceptance rate (accepted proposals over proposed ones) with the accepted count at each
+proposal position.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import hashlib
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -98,10 +102,16 @@ def run_child(args: argparse.Namespace, workload: str, on: bool) -> dict:
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def report(off: dict, on: dict) -> str:
-  ratio = on["tokens_per_s"] / off["tokens_per_s"]
-  return (f"{on['workload']}: {off['tokens_per_s']:.1f} -> {on['tokens_per_s']:.1f} tok/s "
-          f"({ratio:.2f}x), identical output: {off['digest'] == on['digest']}, acceptance "
+def report(pairs: list[tuple[dict, dict]]) -> str:
+  """One workload's rounds of (off, on): each round's tokens/s, the median ratio, and the
+  outputs and counts (the same every round: greedy)."""
+  ratios = [on["tokens_per_s"] / off["tokens_per_s"] for off, on in pairs]
+  rounds = ", ".join(f"{off['tokens_per_s']:.1f} -> {on['tokens_per_s']:.1f} ({r:.2f}x)"
+                     for (off, on), r in zip(pairs, ratios))
+  off, on = pairs[0]
+  identical = all(o["digest"] == off["digest"] for pair in pairs for o in pair)
+  return (f"{on['workload']}: median {statistics.median(ratios):.2f}x over {len(pairs)} rounds "
+          f"[{rounds}], identical output: {identical}, acceptance "
           f"{on['acceptance_rate']:.2f} ({on['accepted_tokens']}/{on['draft_tokens']}, per "
           f"position {on['accepted_per_pos']}), steps {off['steps']} -> {on['steps']}")
 
@@ -110,6 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--workloads", default="copy,peers", help="comma-separated: copy, peers")
   p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+  p.add_argument("--rounds", type=int, default=3,
+                 help="interleaved (off, on) rounds a workload; the ratio reported is their median")
   p.add_argument("--slots", type=int, default=16, help="the peers workload's slots")
   p.add_argument("--max-model-len", type=int, default=1024)
   p.add_argument("--num-pages", type=int, default=16 * 512 // 16 + 1)
@@ -141,9 +153,13 @@ def main(argv=None) -> int:
     return 0
   runs = []
   for workload in args.workloads.split(","):
-    off, on = run_child(args, workload, False), run_child(args, workload, True)
-    runs += [off, on]
-    print(report(off, on), flush=True)
+    pairs = []
+    for r in range(args.rounds):  # Off first in even rounds, on first in odd ones.
+      first = run_child(args, workload, bool(r % 2))
+      second = run_child(args, workload, not r % 2)
+      pairs.append((second, first) if r % 2 else (first, second))
+    runs += [run for pair in pairs for run in pair]
+    print(report(pairs), flush=True)
   if args.json:
     args.json.write_text(json.dumps(runs, indent=1))
   return 0

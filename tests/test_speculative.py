@@ -118,6 +118,24 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(engin
     SpeculativeConfig(disable_by_batch_size=0)
 
 
+def test_disable_by_batch_size_auto_is_the_platforms(engine):
+  """The default, "auto", is resolved by the engine for its platform: a limit on CPU (where a
+  step's cost grows with its rows), none on TPU and GPU; a number or None is kept as given."""
+  from jaxserve.config.speculative import CPU_DISABLE_BY_BATCH_SIZE
+  auto = SpeculativeConfig()
+  assert auto.disable_by_batch_size == "auto" and auto.max_batch_size is None
+  assert auto.resolved("cpu").max_batch_size == CPU_DISABLE_BY_BATCH_SIZE
+  assert auto.resolved("tpu").disable_by_batch_size is None
+  assert auto.resolved("gpu").disable_by_batch_size is None
+  for size in (None, 2, 64):
+    assert SpeculativeConfig(disable_by_batch_size=size).resolved("cpu").disable_by_batch_size \
+        == size
+  assert SpeculativeConfig.from_json('{"disable_by_batch_size": null}').max_batch_size is None
+  assert engine.info.speculative.disable_by_batch_size == CPU_DISABLE_BY_BATCH_SIZE
+  with pytest.raises(ValueError, match="disable_by_batch_size"):
+    SpeculativeConfig(disable_by_batch_size="always")
+
+
 def test_max_tokens_stops_and_logprobs_inside_verified_runs(engine, default_model, prompts):
   tok = default_model[1]
   base = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
@@ -189,7 +207,20 @@ def test_propose_ngram_takes_the_longest_latest_match():
   assert propose_ngram([1, 2, 3, 1, 2], spec, 10) == [3, 1, 2]
   assert propose_ngram([1, 2, 3, 4, 5], spec, 10) == []  # No bigram recurs.
   assert propose_ngram([5, 5], spec, 10) == []  # Too short to match min 2 before the suffix.
-  assert propose_ngram([5, 5, 5], spec, 10) == [5]  # (5, 5) at 0..1, then 5.
+  # (5, 5) at 0..1, then 5: a continuation past the end repeats itself (a period of 1).
+  assert propose_ngram([5, 5, 5], spec, 10) == [5, 5, 5]
+
+
+def test_propose_ngram_repeats_a_continuation_that_reaches_the_end():
+  """Text that repeats a short span gets k proposals, the span's period over and over, where
+  the latest match leaves fewer than k tokens before the end."""
+  spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=2)
+  # (1, 2) last occurred 3 tokens back (at 3..4): what followed is 3, 1, 2, then it repeats.
+  assert propose_ngram([1, 2, 3, 1, 2, 3, 1, 2], spec, 10) == [3, 1, 2, 3]
+  assert propose_ngram([1, 2, 3, 1, 2, 3, 1, 2], spec, 10, ahead=1) == [3, 1, 2, 3, 1]
+  assert propose_ngram([9, 4, 4, 4], spec, 2) == [4, 4]
+  # A match with k tokens after it before the end is unchanged: the tokens that followed it.
+  assert propose_ngram([1, 2, 7, 8, 9, 6, 5, 1, 2], spec, 10) == [7, 8, 9, 6]
 
 
 def test_backoff_doubles_and_resets():

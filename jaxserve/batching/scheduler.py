@@ -229,7 +229,7 @@ class Scheduler:
     verified chunks may take). They share the prefill's budget, less one prompt's room while
     prompts wait: a request may verify in every step, so they would take it all, every step."""
     spec = self.speculative
-    if spec is not None and len(self.running) > (spec.disable_by_batch_size or len(self.running)):
+    if spec is not None and len(self.running) > (spec.max_batch_size or len(self.running)):
       spec = None  # A large batch: every request decodes (SpeculativeConfig).
     prompts_wait = bool(self.waiting) or any(r.is_prefilling for r in self.running)
     return spec, [self._budget, self._max_prefill_seqs - prompts_wait]

@@ -45,7 +45,12 @@ def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int,
                   ahead: int = 0) -> list[int]:
   """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
   last n tokens, for the longest n in [prompt_lookup_min, prompt_lookup_max] that occurs; at
-  most min(k, limit) + ahead of them, [] when no n-gram recurs."""
+  most min(k, limit) + ahead of them, [] when no n-gram recurs.
+
+  A continuation that reaches the sequence's end goes on as a copy of itself (as LZ77 copies
+  overlap): a match p tokens back proposes a period of p repeated, so text that repeats a short
+  span (a loop, a list's pattern) gets full-length proposals, not the p tokens left before the
+  end."""
   limit = min(limit, config.num_speculative_tokens) + ahead
   L = len(tokens)
   if limit <= 0 or L <= config.prompt_lookup_min:
@@ -56,8 +61,8 @@ def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, limit: int,
     windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
     hits = np.flatnonzero((windows == seq[L - n:]).all(axis=1))
     if hits.size:
-      start = int(hits[-1]) + n  # What followed the latest match.
-      return seq[start:start + limit].tolist()
+      start = int(hits[-1]) + n  # What followed the latest match, L - start tokens of it.
+      return seq[start + np.arange(limit) % (L - start)].tolist()
   return []
 
 

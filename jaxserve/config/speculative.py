@@ -10,6 +10,12 @@ from typing import Any
 # "ngram": prompt lookup on the host; "draft": a smaller model with the target's tokenizer, run
 # k times inside the step (engine/draft.py).
 METHODS = ("ngram", "draft")
+AUTO = "auto"
+# disable_by_batch_size "auto" on CPU: max_prefill_seqs' default, the verified chunks one step
+# may take. Past it only some slots verify while every slot pays for the larger step, whose cost
+# on XLA:CPU grows with its rows; measured in BENCHMARKS.md ("Speculative decoding"). On TPU and
+# GPU a decode step is memory-bound and the extra rows are close to free: no limit.
+CPU_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +31,8 @@ class SpeculativeConfig:
   draft_model: str | None = None
   # No proposals in a step while more than this many requests run (vLLM's key): where a step's
   # cost grows with its rows (CPU), verified runs cost more than they save in a large batch.
-  # None: speculate at any batch size.
-  disable_by_batch_size: int | None = None
+  # None: speculate at any batch size. "auto": the engine's platform decides (`resolved`).
+  disable_by_batch_size: int | str | None = AUTO
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -43,15 +49,31 @@ class SpeculativeConfig:
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"SpeculativeConfig.{field} must be an int >= 1, got {value!r}")
     size = self.disable_by_batch_size
-    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-      raise ValueError(f"SpeculativeConfig.disable_by_batch_size must be an int >= 1 or None, "
-                       f"got {size!r}")
+    if size not in (None, AUTO) and (not isinstance(size, int) or isinstance(size, bool)
+                                     or size < 1):
+      raise ValueError("SpeculativeConfig.disable_by_batch_size must be an int >= 1, None or "
+                       f"{AUTO!r}, got {size!r}")
     if self.num_speculative_tokens > 16:
       raise ValueError("SpeculativeConfig.num_speculative_tokens must be at most 16, got "
                        f"{self.num_speculative_tokens}")
     if self.prompt_lookup_min > self.prompt_lookup_max:
       raise ValueError(f"SpeculativeConfig.prompt_lookup_min ({self.prompt_lookup_min}) must be "
                        f"at most prompt_lookup_max ({self.prompt_lookup_max})")
+
+  @property
+  def max_batch_size(self) -> int | None:
+    """The most running requests a step may speculate with; None: any number ("auto" not
+    resolved is none: only an engine knows its platform)."""
+    size = self.disable_by_batch_size
+    return size if isinstance(size, int) else None
+
+  def resolved(self, platform: str) -> SpeculativeConfig:
+    """disable_by_batch_size "auto" made a number for `platform` (jax.default_backend()'s
+    name): CPU_DISABLE_BY_BATCH_SIZE on CPU, None elsewhere."""
+    if self.disable_by_batch_size != AUTO:
+      return self
+    size = CPU_DISABLE_BY_BATCH_SIZE if platform == "cpu" else None
+    return dataclasses.replace(self, disable_by_batch_size=size)
 
   @classmethod
   def from_json(cls, text: str) -> SpeculativeConfig:
