@@ -1,4 +1,4 @@
-"""The LM head kept a second time, as column blocks [V / C, D, C], for the steps that sample a
+"""The LM head kept a second time, as column blocks [Vb, D, Vk], for the steps that sample a
 few rows at once on XLA:CPU: verified chunks (k + 1 rows), batched decode, prompts ending.
 
 XLA:CPU runs the tied head [1, D] x [V, D]^T as a fast matrix-vector product, but two to sixteen
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-BLOCK = 2048  # C: columns a block (1,024 to 2,048 measured alike for SmolLM2's head).
+BLOCK = 2048  # Vk: columns a block (1,024 to 2,048 measured alike for SmolLM2's head).
 MAX_ROWS = 32  # Up to here the blocks beat the head as stored; at 64 rows they are even.
 
 
@@ -33,7 +33,8 @@ def with_head_blocks(model):
 
 
 def blocks_of(w_DV):
-  """The head [D, V] as [ceil(V / C), D, C] blocks of its columns, the last padded with 0."""
+  """The head [D, V] as [Vb, D, Vk] blocks of its columns (Vb = ceil(V / Vk)), the last padded
+  with 0."""
   D, V = w_DV.shape
   pad = -V % BLOCK
   blocks = jnp.pad(w_DV, ((0, 0), (0, pad))).reshape(D, (V + pad) // BLOCK, BLOCK)
@@ -49,7 +50,7 @@ def applies(model, x) -> bool:
 def logits(x, blocks, vocab_size: int):
   """x [..., D] -> x times the head [..., V], one block of columns at a time."""
   lead, D = x.shape[:-1], x.shape[-1]
-  x_MD = x.reshape(-1, D)
-  _, y_NMC = jax.lax.scan(lambda carry, w_DC: (carry, x_MD @ w_DC), None, blocks)
-  y_MV = jnp.transpose(y_NMC, (1, 0, 2)).reshape(x_MD.shape[0], -1)[:, :vocab_size]
-  return y_MV.reshape(*lead, vocab_size)
+  x_BD = x.reshape(-1, D)
+  _, y_VbBVk = jax.lax.scan(lambda carry, w_DVk: (carry, x_BD @ w_DVk), None, blocks)
+  y_BV = jnp.transpose(y_VbBVk, (1, 0, 2)).reshape(x_BD.shape[0], -1)[:, :vocab_size]
+  return y_BV.reshape(*lead, vocab_size)
