@@ -208,15 +208,15 @@ def _size_pool(run, target, model, config, budget, workers) -> list[tuple[int, l
   p1 = _pool_within([(need_bytes(r), cache_slope) for r in base], p0, budget, ceiling)
   worst = sorted(base, key=need_bytes, reverse=True)[:workers]
   probes = run(p1, [r["name"] for r in worst]) if p1 > p0 else []
-  if not _compiled(probes):  # Out of memory there: from halfway back, at the cache's slope.
-    return [(p0, base), (p1, probes)] + _confirm(run, base, p0, (p0 + p1) // 2, cache_slope,
-                                                 budget, ceiling)
   at_p0 = {r["name"]: need_bytes(r) for r in base}
+  if not _compiled(probes):  # Out of memory there: from halfway back, at the cache's slope.
+    return [(p0, base), (p1, probes)] + _confirm(run, at_p0, p0, (p0 + p1) // 2, cache_slope,
+                                                 budget, ceiling)
   slope = max([cache_slope] + [(need_bytes(r) - at_p0[r["name"]]) / (p1 - p0) for r in probes])
   lines = [(at_p0[r["name"]], slope) for r in base]
   pages = _pool_within(lines, p0, budget, ceiling)
   return [(p0, base)] + ([(p1, probes)] if probes else []) + _confirm(
-      run, base, p0, pages, slope, budget, ceiling)
+      run, at_p0, p0, pages, slope, budget, ceiling)
 
 
 def _most_pages(model, config, budget) -> int:
@@ -239,9 +239,10 @@ def _most_pages(model, config, budget) -> int:
                                kv_cache.lane_groups(resolved), draft)
 
 
-def _confirm(run, base, p0, pages, slope, budget, ceiling) -> list[tuple[int, list]]:
+def _confirm(run, at_p0, p0, pages, slope, budget, ceiling) -> list[tuple[int, list]]:
   """Every program compiled at `pages`: once, unless the compiler disagrees with the lines
-  (need = a + slope * (pages - p0), a from the probe's `base` reports); then refitted, or
+  (need = a + slope * (pages - p0), a from `at_p0`: {name: need} at the probe pool); then
+  refitted, or
   halfway back to the probe when a program did not compile, at most _MAX_CONFIRMS times."""
   tries = []
   for _ in range(_MAX_CONFIRMS):
@@ -250,7 +251,6 @@ def _confirm(run, base, p0, pages, slope, budget, ceiling) -> list[tuple[int, li
     if _fits(reports, budget) or pages <= p0:
       break
     if _compiled(reports):  # Every program's line through its need here, at the steepest slope.
-      at_p0 = {r["name"]: need_bytes(r) for r in base}
       slope = max([slope] + [(need_bytes(r) - at_p0[r["name"]]) / (pages - p0)
                              for r in reports if r["name"] in at_p0])
       lines = [(need_bytes(r) - slope * (pages - p0), slope) for r in reports]
