@@ -49,7 +49,7 @@ def test_no_request_compiles_after_warmup():
   tokenizer = Tokenizer.from_gguf(pull.gguf_path())  # SmolLM2's vocabulary: text out.
   engine = Engine(tiny_gemma3(tokenizer.vocab_size),
                   EngineConfig(num_slots=4, page_size=4, num_pages=120, max_model_len=128,
-                               prefill_buckets=(16, 32), compilation_cache_dir=None),
+                               prefill_buckets=(32,), compilation_cache_dir=None),
                   stop_ids=tokenizer.stop_ids)
   engine.warmup()
   runner = Runner(engine, tokenizer, SchedulerConfig(max_num_batched_tokens=32))
