@@ -2,7 +2,6 @@
 greedy and seeded request gets exactly its tokens from a run alone, when it shares the batch with
 other requests, reads a cached prefix, is prefilled in chunks, or is preempted and recomputed."""
 
-from jaxserve.config import EngineConfig
 from support import script_loader
 from support import server_harness as h
 
@@ -11,10 +10,12 @@ cd = script_loader.load("check_determinism")
 
 def test_outputs_do_not_depend_on_the_batch(tiny_checkpoint):
   model, tokenizer = h.load(str(tiny_checkpoint))
-  # One prefill bucket and two decode widths (96 / 8 = 12 pages): few compilations.
-  config = EngineConfig(num_slots=4, page_size=8, num_pages=256, max_model_len=96,
-                        prefill_buckets=(64,), compilation_cache_dir=None)
-  report = cd.check(model, tokenizer, config, num_prompts=8, max_tokens=12, chunk=8, small_pool=20)
+  # The session engine's shapes (one prefill bucket, decode batches of 1 and 4), and for the
+  # preempted condition those with the small pool test_structured_output's tiny engine has: in
+  # the suite their programs are loaded from the persistent compilation cache, not compiled.
+  config = h.ENGINE
+  report = cd.check(model, tokenizer, config, num_prompts=8, max_tokens=12, chunk=8,
+                    small_pool=h.SMALL_POOL.num_pages)
   conditions = report["conditions"]
   assert set(conditions) == set(cd.CONDITIONS)
   for name, c in conditions.items():

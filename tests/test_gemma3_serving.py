@@ -49,7 +49,7 @@ def test_no_request_compiles_after_warmup():
   tokenizer = Tokenizer.from_gguf(pull.gguf_path())  # SmolLM2's vocabulary: text out.
   engine = Engine(tiny_gemma3(tokenizer.vocab_size),
                   EngineConfig(num_slots=4, page_size=4, num_pages=120, max_model_len=128,
-                               prefill_buckets=(16, 32), compilation_cache_dir=None),
+                               prefill_buckets=(32,), compilation_cache_dir=None),
                   stop_ids=tokenizer.stop_ids)
   engine.warmup()
   runner = Runner(engine, tokenizer, SchedulerConfig(max_num_batched_tokens=32))
@@ -265,7 +265,9 @@ def end_of_turn_srv(loaded):
   engine = Engine(model, EngineConfig(num_slots=2, page_size=16, num_pages=16, max_model_len=128,
                                       prefill_buckets=(32,), compilation_cache_dir=None),
                   stop_ids=tokenizer.stop_ids)
-  engine.warmup()
+  # Not warmed up: the test's two requests, each one prefill that samples <end_of_turn>, compile
+  # the one or two programs they run (the warm-up compiled all 5, each with the sampler over
+  # Gemma's 262,144-token vocabulary).
   st = h.serve(engine, tokenizer, "tiny")
   yield st, end_of_turn
   st.close()

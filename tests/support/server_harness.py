@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import json
 import threading
@@ -27,6 +28,11 @@ from jaxserve.loading import checkpoint
 # Small enough to compile in seconds: one prefill bucket, one decode width (128 / 16 = 8 pages).
 ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=40, max_model_len=128,
                       prefill_buckets=(32,), compilation_cache_dir=None)
+# ENGINE's shapes with a pool too small for 4 slots of long sequences (15 usable pages of 16
+# tokens, 240 tokens): the tiny checkpoint's preemption tests (test_determinism,
+# test_structured_output) share it, so the second loads the first's programs from the persistent
+# compilation cache instead of compiling its own.
+SMALL_POOL = dataclasses.replace(ENGINE, num_pages=16)
 KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-abcdef", "carol": "sk-carol-xyz"}
 HEALTH = health_pb2.HealthCheckResponse  # HEALTH.SERVING, HEALTH.NOT_SERVING: what health() says.
 LIMITS = {"bob": {"requests_per_minute": 2}, "carol": {"tokens_per_minute": 60}}
