@@ -1,5 +1,6 @@
-"""The LM head as the model stores it against the head in column blocks (model/head_blocks.py),
-for a few rows, on this machine's XLA backend.
+"""The LM head as the model stores it (tied: the embedding [V, D]) against the same head laid
+out as column blocks [Vb, D, Vk] under a scan, for a few rows, on this machine's XLA backend.
+An experiment (BENCHMARKS.md, "The LM head in column blocks"): the engine does not use blocks.
 
   python scripts/bench_head.py [--rows 1,2,5,16,32,64] [--vocab 49152] [--dim 576] [--rounds 5]
 
@@ -17,7 +18,21 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model import head_blocks
+BLOCK = 2048  # Vk: columns a block.
+
+
+def blocks_of(w_DV):
+  """The head [D, V] as [Vb, D, Vk] blocks of its columns, the last padded with 0."""
+  D, V = w_DV.shape
+  pad = -V % BLOCK
+  blocks = jnp.pad(w_DV, ((0, 0), (0, pad))).reshape(D, (V + pad) // BLOCK, BLOCK)
+  return jnp.transpose(blocks, (1, 0, 2))
+
+
+def blocked_logits(x_BD, blocks, V: int):
+  """x [B, D] times the head, one block of columns at a time -> [B, V]."""
+  _, y_VbBVk = jax.lax.scan(lambda carry, w_DVk: (carry, x_BD @ w_DVk), None, blocks)
+  return jnp.transpose(y_VbBVk, (1, 0, 2)).reshape(x_BD.shape[0], -1)[:, :V]
 
 
 def timed(fn, *args, steps: int) -> float:
@@ -40,9 +55,9 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   V, D = args.vocab, args.dim
   embed = jax.random.normal(jax.random.key(0), (V, D), jnp.float32) * 0.02
-  blocks = head_blocks.blocks_of(embed.T)
+  blocks = blocks_of(embed.T)
   stored = jax.jit(lambda x, w: jnp.einsum("...D,VD->...V", x, w))
-  blocked = jax.jit(lambda x, b: head_blocks.logits(x, b, V))
+  blocked = jax.jit(lambda x, b: blocked_logits(x, b, V))
   rows = [int(r) for r in args.rows.split(",")]
   xs = {m: jax.random.normal(jax.random.key(m), (m, D), jnp.float32) for m in rows}
   times = {(m, form): [] for m in rows for form in ("stored", "blocks")}
@@ -50,8 +65,8 @@ def main(argv=None) -> None:
     for m in rows:
       times[m, "stored"].append(timed(stored, xs[m], embed, steps=args.steps))
       times[m, "blocks"].append(timed(blocked, xs[m], blocks, steps=args.steps))
-  print(f"| rows | head as stored [V, D] ms | blocks [V/{head_blocks.BLOCK}, D, "
-        f"{head_blocks.BLOCK}] ms | blocks / stored |")
+  print(f"| rows | head as stored [V, D] ms | blocks [V/{BLOCK}, D, "
+        f"{BLOCK}] ms | blocks / stored |")
   print("|---|---|---|---|")
   for m in rows:
     a, b = statistics.median(times[m, "stored"]), statistics.median(times[m, "blocks"])

@@ -286,16 +286,13 @@ def test_a_verifying_step_runs_the_head_once(engine):
   """The verifying program's one matmul into the vocabulary serves its decode rows, prompts and
   verified positions alike (a second over every sequence's last row cost a 5-row head as much
   again at one slot, on CPU)."""
-  from jaxserve.model.head_blocks import BLOCK
-  # On CPU a few rows' head is one matmul into a block of BLOCK columns, under a scan over the
-  # blocks (model/head_blocks.py); no other matmul of the step has that many columns.
-  columns = (f"x{engine.model_config.vocab_size}xf32>", f"x{BLOCK}xf32>")
+  V = engine.model_config.vocab_size
   for shape in (engine.packer.verified_shapes()[0], engine.packer.verified_shapes()[-1]):
     args = engine.packer.template(shape, verified=True)
     text = engine._step_scored.lower(engine.params, engine.cache, engine.state, args,
                                      engine.stop_ids).as_text()
     heads = [line for line in text.splitlines()
-             if "dot_general" in line and line.split("->")[-1].strip().endswith(columns)]
+             if "dot_general" in line and f"x{V}xf32>" in line.split("->")[-1]]
     assert len(heads) == 1, heads
 
 

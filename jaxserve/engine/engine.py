@@ -31,7 +31,6 @@ from jaxserve.engine.draft import check_draft
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.model import kv_cache
-from jaxserve.model.head_blocks import with_head_blocks
 from jaxserve.model.kv_cache import WindowedKV
 from jaxserve.model.llama import Transformer, unstacked
 from jaxserve.planning import capacity
@@ -146,12 +145,9 @@ def _assemble(model: Transformer, draft: Transformer | None, config: EngineConfi
   """(the steps, their shardings and the programs warm-up compiles: one assembly, shared with
   `plan --compile` (engine/assembly.py); the params the steps take: the model's, or with a
   draft both models'). With unroll_layers the steps run the engine's own copies of the models,
-  their layers unrolled (llama.unstacked); on one CPU device the target keeps its head in
-  blocks too (model/head_blocks.py)."""
+  their layers unrolled (llama.unstacked)."""
   if config.unroll_layers:
     model, draft = unstacked(model), None if draft is None else unstacked(draft)
-  if jax.default_backend() == "cpu" and config.tp * config.dp * config.ep == 1:
-    model = with_head_blocks(model)  # A few rows' head on XLA:CPU (model/head_blocks.py).
   graphdef, params = nnx.split(model)
   draft_spec = None
   if draft is not None:

@@ -8,7 +8,6 @@ kernels_pallas:
   S: key/value positions attended to     D: model dim
   N: query heads    K: KV heads    G: query heads per KV head (N = K * G)    H: head dim
   F: MLP hidden dim    V: vocabulary    L: layers    P: KV pages    Z: tokens per page
-  Vb: column blocks of the LM head    Vk: columns a block (model/head_blocks.py; Vb * Vk >= V)
   W: pages per sequence (page-table width)
   X: last axis of a stored K or V array: H for values, 1 for their scales
   Kg: KV-head groups of a ragged page row (tp of them, each a device's heads; 1 without tp)

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import attention, head_blocks, quant
+from jaxserve.model import attention, quant
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import _weight, apply_rope, rms_norm, run_layers, stacked_layers
 
@@ -148,9 +148,7 @@ class Gemma3(nnx.Module):
     """The last layer's output [..., D] -> logits [..., V] float32 (soft-capped if set)."""
     cfg = self.cfg
     x = norm(x, self.final_norm[...], cfg.norm_eps)
-    if head_blocks.applies(self, x):  # A few rows on CPU (model/head_blocks.py).
-      logits = head_blocks.logits(x, self.head_blocks[...], cfg.vocab_size).astype(jnp.float32)
-    elif cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
+    if cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
       logits = quant.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
     else:
       logits = quant.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import LongRope, ModelConfig
-from jaxserve.model import attention, head_blocks, moe, quant
+from jaxserve.model import attention, moe, quant
 from jaxserve.model.kv_cache import KVCache
 
 
@@ -269,8 +269,6 @@ class Transformer(nnx.Module):
   def head(self, x):
     """The last layer's output [..., D] -> logits [..., V] float32."""
     x = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
-    if head_blocks.applies(self, x):  # A few rows on CPU (model/head_blocks.py).
-      return head_blocks.logits(x, self.head_blocks[...], self.cfg.vocab_size).astype(jnp.float32)
     if self.cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
       return quant.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
     return quant.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)
