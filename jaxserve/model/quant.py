@@ -15,11 +15,14 @@ only inside the step, one layer at a time (XLA fuses the dequantization into the
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import kernels_cpu
 from jaxserve.config import Quantization
 
 # Each quantizable weight's input axes in its float layout (without the stacked [L] axis): the
@@ -109,17 +112,68 @@ def value(w: nnx.Param | Quantized, dtype):
   return w[...]
 
 
-def linear(spec: str, x, w: nnx.Param | Quantized):
-  """jnp.einsum(spec, x, w) with w dequantized inside the step."""
-  return jnp.einsum(spec, x, value(w, x.dtype))
+def linear(spec: str, x, w: nnx.Param | Quantized, xla=None):
+  """jnp.einsum(spec, x, w) with w dequantized inside the step (or `xla(x)`, the same product
+  written another way); on a CPU with kernels_cpu built, a quantized w is read in place by its
+  matmul instead (no float copy of it is written)."""
+  xla = xla or (lambda x: jnp.einsum(spec, x, value(w, x.dtype)))
+  form = _kernel_form(spec, x.ndim, w) if isinstance(w, Quantized) else None
+  if form is None or jax.device_count() != 1 or not kernels_cpu.available():
+    return xla(x)
+  # Lowered for one platform, only its branch is in the program: TPU and GPU keep XLA's dot.
+  return jax.lax.platform_dependent(x, cpu=lambda x: _kernel_linear(x, w, *form), default=xla)
+
+
+def _kernel_form(spec: str, x_ndim: int, w: Quantized) -> tuple[int, bool] | None:
+  """(c, nk) when `spec` contracts x's last c axes with w's first c (nk False: w is [K, N]
+  once flattened) or last c (nk True: [N, K]), the output being x's other axes then w's, and
+  w's groups run along its last contracted axis (or it has a scale per output channel); else
+  None (XLA's path)."""
+  ins, out = spec.replace("...", "").split("->")
+  xs, ws = ins.split(",")
+  contracted = "".join(a for a in xs if a in ws and a not in out)
+  c = len(contracted)
+  if not c or not xs.endswith(contracted) or len(ws) != w.values.ndim:
+    return None
+  if ws.startswith(contracted) and out == xs[:-c] + ws[c:]:
+    nk, axes = False, range(c)
+  elif ws.endswith(contracted) and out == xs[:-c] + ws[:-c]:
+    nk, axes = True, range(len(ws) - c, len(ws))
+  else:
+    return None
+  values, scale = w.values.shape, w.scale.shape
+  *lead, last = axes
+  per_channel = all(scale[a] == 1 for a in axes)
+  if not per_channel and any(scale[a] != values[a] for a in lead):
+    return None
+  return c, nk
+
+
+def _kernel_linear(x, w: Quantized, c: int, nk: bool):
+  """The kernel's matmul of x [..., K] (its last c axes flattened) and w as [K, N] or [N, K]."""
+  K = math.prod(x.shape[-c:])
+  batch = x.shape[:-c]
+  flat = lambda a: a.reshape(-1, math.prod(a.shape[-c:])) if nk else a.reshape(
+      math.prod(a.shape[:c]), -1)
+  minimum = flat(w.minimum[...]) if hasattr(w, "minimum") else None
+  y = kernels_cpu.qmatmul(x.reshape(-1, K), flat(w.values[...]), flat(w.scale[...]), minimum,
+                          nk=nk)
+  rest = w.values.shape[:-c] if nk else w.values.shape[c:]
+  return y.reshape(*batch, *rest).astype(x.dtype)
 
 
 def linear_heads(x_BTNH, w: nnx.Param | Quantized):
   """The attention output [B, T, N, H] times wo [N, H, D] -> [B, T, D], as one [N * H] x
   [N * H, D] matmul: XLA:CPU otherwise transposes wo into a copy before the dot, every step."""
   B, T, N, H = x_BTNH.shape
-  wo = value(w, x_BTNH.dtype)
-  return jnp.einsum("BTE,ED->BTD", x_BTNH.reshape(B, T, N * H), wo.reshape(N * H, -1))
+
+  def xla(x_BTNH):
+    wo = value(w, x_BTNH.dtype)
+    return jnp.einsum("BTE,ED->BTD", x_BTNH.reshape(B, T, N * H), wo.reshape(N * H, -1))
+
+  if isinstance(w, Quantized):  # The CPU kernel reads [N, H, D] as [N * H, D] itself.
+    return linear("BTNH,NHD->BTD", x_BTNH, w, xla)
+  return xla(x_BTNH)
 
 
 def embed(ids, w: nnx.Param | Quantized, dtype):

@@ -1,0 +1,15 @@
+"""CPU kernels of our own, called from inside the compiled step through `jax.ffi`: XLA:CPU's dot
+reads float only (a quantized weight is first written out as a float32 copy) and runs the
+few-row matmuls of decode far below its GEMM rate.
+
+The four pieces of every kernel (as in kernels_pallas/): the C++ kernel (`qmatmul.cc`, its tiles
+in `qmatmul_tiles.inc`), a checked wrapper (`qmatmul.py`), a jnp reference (`reference.py`) and
+the sweep test (`tests/test_kernels_cpu.py`). `library.py` finds the library that `pip install`
+built (setup.py) and registers its targets with XLA once; without it (no compiler at install)
+`available()` is False, one log line says so, and the engine keeps XLA's path.
+"""
+
+from kernels_cpu.library import ISAS, available, supported_isas
+from kernels_cpu.qmatmul import qmatmul
+
+__all__ = ["ISAS", "available", "qmatmul", "supported_isas"]

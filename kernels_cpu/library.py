@@ -1,0 +1,58 @@
+"""The built kernel library: found beside this file, loaded and registered with XLA once."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import logging
+import os
+from pathlib import Path
+
+import jax
+
+_log = logging.getLogger("jaxserve")
+
+# setup.py builds kernels_cpu/_kernels<suffix>; JAXSERVE_CPU_KERNELS=off hides it (to measure
+# XLA's path beside the kernels').
+LIBRARY = "_kernels"
+HIDE_ENV = "JAXSERVE_CPU_KERNELS"
+# FFI target name -> the handler symbol in the library.
+TARGETS = {"jaxserve_qmatmul": "JaxserveQMatmul"}
+# The `isa` attribute's values (qmatmul.cc's Isa): auto is the widest the CPU has.
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+
+
+def library_path(folder: Path = Path(__file__).parent) -> Path | None:
+  """The built library in `folder`, or None."""
+  for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+    path = folder / f"{LIBRARY}{suffix}"
+    if path.is_file():
+      return path
+  return None
+
+
+@functools.cache
+def available() -> bool:
+  """True once the library is loaded and its targets registered; False (logged once) when it was
+  not built or is hidden, and the callers keep XLA's path."""
+  path = None if os.environ.get(HIDE_ENV) == "off" else library_path()
+  if path is None:
+    _log.warning("jaxserve: CPU kernels not built (no C++ compiler at install, or %s=off): "
+                 "quantized weights run XLA's dequantize-then-dot path", HIDE_ENV)
+    return False
+  lib = ctypes.CDLL(str(path))
+  for name, symbol in TARGETS.items():
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+  return True
+
+
+def supported_isas() -> list[str]:
+  """The instruction sets this CPU runs (the sweep test runs each)."""
+  flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+  out = ["scalar"]
+  if "avx2" in flags and "fma" in flags:
+    out.append("avx2")
+  if "avx512f" in flags and "avx512bw" in flags:
+    out.append("avx512")
+  return out

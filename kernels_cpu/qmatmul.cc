@@ -1,0 +1,188 @@
+// y[M, N] = x[M, K] @ W, W = values * scale + minimum in float32, read where it lies: the int8
+// values and float32 scales (and minima) of model/quant.py's Quantized weights, never a float
+// copy of W. Layouts (qmatmul.py checks them; this file trusts the shapes XLA hands it):
+//   kn (a layer's weights, [K, N]): values [(L,) K, N], scale and minimum [(L,) K / G, N]
+//   nk (the tied head, [N, K]):     values [(L,) N, K], scale and minimum [(L,) N, K / G]
+// G inputs share a scale (G = K: one scale per output channel). With a leading [L] axis, `layer`
+// picks the matrix, so a scan over stacked weights hands them over without a per-layer copy.
+//
+// One body of tiles (qmatmul_tiles.inc) is compiled three times: AVX-512, AVX2 + FMA, and plain
+// C++ (a "vector" of one float); the widest the CPU has is chosen at run time by CPUID. Each
+// weight is dequantized in registers, exactly as the jnp reference does (v * s + m, float32),
+// and the activations stay float32: no int8 x int8 (VNNI) products, which would quantize x and
+// change the result.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Problem {
+  const float* x;     // [M, K]
+  const int8_t* v;    // one matrix's values
+  const float* s;     // its scales
+  const float* m;     // its minima, or null
+  float* y;           // [M, N]
+  int64_t M, K, N, G;
+};
+
+// Output columns (kn) or rows of W (nk) that one task computes.
+constexpr int64_t kTaskColumns = 64;
+constexpr int64_t kTaskRowsNK = 16;
+// Rows of x a tile keeps in registers.
+constexpr int kMaxRows = 8;
+
+namespace scalar {
+using F = float;
+constexpr int kLanes = 1;
+inline F Zero() { return 0.0f; }
+inline F Load(const float* p) { return *p; }
+inline void Store(float* p, F v) { *p = v; }
+inline F Set1(float a) { return a; }
+inline F Fma(F a, F b, F c) { return a * b + c; }
+inline F LoadI8(const int8_t* p) { return static_cast<float>(*p); }
+inline float Sum(F v) { return v; }
+#include "qmatmul_tiles.inc"
+}  // namespace scalar
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+using F = __m256;
+constexpr int kLanes = 8;
+inline F Zero() { return _mm256_setzero_ps(); }
+inline F Load(const float* p) { return _mm256_loadu_ps(p); }
+inline void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
+inline F Set1(float a) { return _mm256_set1_ps(a); }
+inline F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F LoadI8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline float Sum(F v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#include "qmatmul_tiles.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx2,fma")
+namespace avx512 {
+using F = __m512;
+constexpr int kLanes = 16;
+inline F Zero() { return _mm512_setzero_ps(); }
+inline F Load(const float* p) { return _mm512_loadu_ps(p); }
+inline void Store(float* p, F v) { _mm512_storeu_ps(p, v); }
+inline F Set1(float a) { return _mm512_set1_ps(a); }
+inline F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F LoadI8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline float Sum(F v) { return _mm512_reduce_add_ps(v); }
+#include "qmatmul_tiles.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
+enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+
+bool Supported(int64_t isa) {
+  switch (isa) {
+    case kScalar: return true;
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    default: return false;
+  }
+}
+
+int64_t Widest() {
+  static const int64_t widest = Supported(kAvx512) ? kAvx512 : Supported(kAvx2) ? kAvx2 : kScalar;
+  return widest;
+}
+
+using Task = void (*)(const Problem&, int64_t, int64_t);
+
+Task TaskFor(int64_t isa, bool nk) {
+  switch (isa) {
+    case kAvx512: return nk ? avx512::RowsOfW : avx512::Columns;
+    case kAvx2: return nk ? avx2::RowsOfW : avx2::Columns;
+    default: return nk ? scalar::RowsOfW : scalar::Columns;
+  }
+}
+
+// Runs task(p, begin, end) over [0, total) in pieces of `piece`, on the calling thread and on
+// XLA's intra-op pool. Pieces are taken from a shared counter, so a pool task that starts late
+// finds none left and returns at once: the caller waits only for pieces already begun.
+void ParallelFor(ffi::ThreadPool& pool, const Problem& p, Task task, int64_t total,
+                 int64_t piece) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> busy{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t pieces = (total + piece - 1) / piece;
+  auto work = [shared, &p, task, total, piece, pieces]() {
+    shared->busy.fetch_add(1);
+    for (int64_t i; (i = shared->next.fetch_add(1)) < pieces;) {
+      task(p, i * piece, std::min(total, (i + 1) * piece));
+    }
+    shared->busy.fetch_sub(1);
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), pieces - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    // Holds `shared` alive past this call's return; `p` is not touched then (no piece is left).
+    pool.Schedule([work]() { work(); });
+  }
+  work();
+  while (shared->busy.load() != 0) _mm_pause();
+}
+
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
+                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> minimum,
+                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool nk,
+                   bool has_min, int64_t isa) {
+  if (isa == kAuto) isa = Widest();
+  if (!Supported(isa)) return ffi::Error::InvalidArgument("this CPU lacks the asked ISA");
+  auto vd = values.dimensions();
+  auto sd = scale.dimensions();
+  const int64_t rank = vd.size();
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  const int64_t N = nk ? vd[rank - 2] : vd[rank - 1];
+  const int64_t groups = nk ? sd[rank - 1] : sd[rank - 2];
+  const int64_t l = rank == 3 ? *layer.typed_data() : 0;
+  if (rank == 3 && (l < 0 || l >= vd[0])) return ffi::Error::InvalidArgument("layer out of range");
+  const int64_t per_scale = groups * N;
+  Problem p{x.typed_data(), values.typed_data() + l * K * N, scale.typed_data() + l * per_scale,
+            has_min ? minimum.typed_data() + l * per_scale : nullptr,
+            y->typed_data(), M, K, N, K / groups};
+  if (nk) {
+    ParallelFor(pool, p, TaskFor(isa, true), N, kTaskRowsNK);
+  } else {
+    ParallelFor(pool, p, TaskFor(isa, false), N, kTaskColumns);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmul, QMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // values
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // minimum ([1] if none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<bool>("nk")
+                                  .Attr<bool>("has_min")
+                                  .Attr<int64_t>("isa"));

@@ -1,0 +1,54 @@
+"""The checked wrapper of qmatmul.cc: y [M, N] = x [M, K] @ (values * scale + minimum), the
+weight read where it lies (int8 values, float32 scales and minima per group of G inputs).
+
+Layouts: kn, values [K, N] with scale [K / G, N] (a layer's weights in their float layout); nk,
+values [N, K] with scale [N, K / G] (the embedding read as the tied LM head). Either may carry a
+leading [L] axis, with `layer` (an int32 scalar, traced: the scan's index) picking the matrix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_cpu import library
+
+
+def qmatmul(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
+            isa: str = "auto"):
+  """y [M, N] float32. Raises ValueError for shapes or dtypes the kernel does not take, or when
+  the library is not built (check `library.available()` first)."""
+  _check(x_MK, values, scale, minimum, nk, layer, isa)
+  if not library.available():
+    raise ValueError("the CPU kernel library is not built (kernels_cpu.available() is False)")
+  *_, K_or_N, last = values.shape
+  N = K_or_N if nk else last
+  call = jax.ffi.ffi_call("jaxserve_qmatmul",
+                          jax.ShapeDtypeStruct((x_MK.shape[0], N), jnp.float32))
+  has_min = minimum is not None
+  return call(x_MK.astype(jnp.float32), values, scale,
+              minimum if has_min else jnp.zeros((1,), jnp.float32),
+              jnp.asarray(0 if layer is None else layer, jnp.int32),
+              nk=nk, has_min=has_min, isa=np.int64(library.ISAS[isa]))
+
+
+def _check(x, values, scale, minimum, nk, layer, isa):
+  if isa not in library.ISAS:
+    raise ValueError(f"isa must be one of {list(library.ISAS)}, got {isa!r}")
+  stacked = 1 if layer is not None else 0
+  if x.ndim != 2 or values.ndim != 2 + stacked:
+    raise ValueError(f"x must be [M, K] and values [{'L, ' * stacked}K, N] or "
+                     f"[{'L, ' * stacked}N, K]; got {x.shape} and {values.shape}")
+  if values.dtype != jnp.int8 or scale.dtype != jnp.float32:
+    raise ValueError(f"values must be int8 and scale float32; got {values.dtype}, {scale.dtype}")
+  K, N = (values.shape[-1], values.shape[-2]) if nk else values.shape[-2:]
+  if x.shape[1] != K:
+    raise ValueError(f"x has {x.shape[1]} inputs, the weight {K}")
+  groups = scale.shape[-1] if nk else scale.shape[-2]
+  want = values.shape[:-2] + ((N, groups) if nk else (groups, N))
+  if scale.shape != want or groups == 0 or K % groups:
+    raise ValueError(f"scale {scale.shape} does not group values {values.shape} "
+                     f"({'nk' if nk else 'kn'}: groups must divide K = {K})")
+  if minimum is not None and (minimum.shape != scale.shape or minimum.dtype != jnp.float32):
+    raise ValueError(f"minimum must be float32 like scale {scale.shape}; got {minimum.shape}")
