@@ -1,6 +1,7 @@
 """Where a decode step's time goes on XLA:CPU: per-op times from a profiler trace, by part.
 
   XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true python scripts/profile_decode.py [--batches 16,64]
+      [--quantization none|gguf|int8]
 
 Each batch's decode step (128 cached tokens per slot, as bench_decode.py) runs under
 `jax.profiler.trace`; XLA:CPU then records one event per executed op (thunk). The events are
@@ -26,7 +27,7 @@ import numpy as np
 from bench_decode import decode_engine
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan
-from jaxserve.config import SamplingParams
+from jaxserve.config import Quantization, SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
 
@@ -107,6 +108,7 @@ def _part_of_source(src: str, opcode: str) -> str:
                        ("engine/step.py", "step.py: decode-state reads and writes, page lookup"),
                        ("model/attention.py", "attention (attention.py)"),
                        ("model/kv_cache.py", "KV page gather and write (kv_cache.py)"),
+                       ("model/quant.py", "quantized matmuls and dequantization (quant.py)"),
                        ("model/llama.py", "other layer ops (llama.py: norms, rope, activations)")):
     if src.startswith(prefix):
       return part
@@ -163,6 +165,9 @@ def main() -> None:
   parser.add_argument("--batches", default="16,64")
   parser.add_argument("--context", type=int, default=128)
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--quantization", choices=("none", "gguf", "int8"), default="none",
+                      help="how the weights are stored (gguf and int8 run kernels_cpu's matmul "
+                      "when it is built)")
   parser.add_argument("--sampling", choices=sorted(KINDS), default="greedy",
                       help="every slot's sampling")
   args = parser.parse_args()
@@ -171,7 +176,7 @@ def main() -> None:
                  "(XLA:CPU records ops only then)")
   if args.context < 1:
     parser.error("--context must be at least 1 (the prompt chunk that loads the sampling rows)")
-  model, _ = checkpoint.load_model(args.model)
+  model, _ = checkpoint.load_model(args.model, quantization=Quantization(args.quantization))
   for batch in (int(b) for b in args.batches.split(",")):
     # The prompt's `context` positions and the 1 + steps decoded after.
     engine, tables = decode_engine(model, batch, args.context + args.steps + 1)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("jaxserve", "kernels_pallas")
+PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
 
 
 def layers() -> list[tuple[int, list[str], set[int], bool]]:

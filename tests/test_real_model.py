@@ -118,15 +118,16 @@ def test_http_echo_prompt_logprobs_match_transformers(llm, hf_model, prompts):
 
 def test_gguf_mode_serves_the_blocks_with_the_float_models_logits(llm, default_model, prompts):
   """--quantization gguf serves the GGUF's own Q4_1/Q8_0 blocks (int8 values and their
-  scales on the device, dequantized in the step), and the logits at every position are the
-  float32 dequantized model's within 1e-4: the same numbers."""
+  scales on the device, read in place by kernels_cpu's matmul on a CPU), and the logits at every
+  position are the float32 dequantized model's within 1e-3 (logits of order 10: the kernel sums
+  in float32 in its own order, 1.6e-4 apart measured; XLA's dequantize-then-dot, 1e-4)."""
   from jaxserve.model import quant
 
   assert isinstance(llm.model.embed, quant.Quantized)
   assert llm.model.layers.w_up.values[...].dtype == np.int8
   for ids in prompts.values():
     ours, ref = dense_logits(llm.model, ids), dense_logits(default_model[0], ids)
-    assert np.abs(np.asarray(ours) - np.asarray(ref)).max() < 1e-4
+    assert np.abs(np.asarray(ours) - np.asarray(ref)).max() < 1e-3
 
 
 @pytest.fixture(scope="module")

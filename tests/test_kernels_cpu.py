@@ -1,0 +1,168 @@
+"""kernels_cpu's quantized matmul against its jnp reference: every GGUF block type the loader
+reads and int8 per output channel, both layouts, M from 1 to the largest prefill bucket, every
+instruction set this CPU runs; the reference against numbers worked out by hand; the stacked
+[L] form; the wrapper's checks; the engine's use of it (CPU only); and XLA's path when the
+library is hidden."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kernels_cpu
+from jaxserve.loading import gguf_blocks
+from jaxserve.model import quant
+from kernels_cpu import library
+from kernels_cpu.reference import qmatmul_reference
+from support.gguf_random import random_blocks
+
+pytestmark = pytest.mark.skipif(not kernels_cpu.available(), reason="kernels_cpu not built")
+
+TOLERANCE = 1e-4  # Of the largest |y|: float32 accumulation in another order.
+
+
+def blocks_of(type_name: str, rows: int, cols: int, rng) -> gguf_blocks.Blocks:
+  """A [rows, cols] matrix (torch layout: groups along each row) of `type_name`'s random blocks,
+  or int8 with one scale per row ("int8")."""
+  if type_name == "int8":
+    values = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
+    return gguf_blocks.Blocks(values, rng.random((rows, 1), dtype=np.float32) * 0.01, None)
+  return gguf_blocks.unpack(random_blocks(type_name, rows, cols, rng), type_name, (rows, cols))
+
+
+def operands(b: gguf_blocks.Blocks, nk: bool):
+  """(values, scale, minimum) as the kernel takes them: [N, K] as stored (nk) or transposed."""
+  f = (lambda a: a) if nk else (lambda a: np.ascontiguousarray(a.T))
+  return tuple(None if a is None else jnp.asarray(f(a)) for a in (b.values, b.scale, b.minimum))
+
+
+def relative_error(y, ref) -> float:
+  return float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+
+
+@pytest.mark.parametrize("isa", library.supported_isas())
+@pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("type_name", [*gguf_blocks.READERS, "int8"])
+def test_sweep_matches_the_reference(type_name, nk, isa):
+  """N = 200 leaves columns past the last whole tile; M covers one row, a verifying chunk, row
+  blocks of 8 and a remainder."""
+  rng = np.random.default_rng(0)
+  values, scale, minimum = operands(blocks_of(type_name, 200, 512, rng), nk)
+  for M in (1, 3, 5, 8, 17, 64):
+    x = jnp.asarray(rng.standard_normal((M, 512), dtype=np.float32))
+    y = kernels_cpu.qmatmul(x, values, scale, minimum, nk=nk, isa=isa)
+    ref = qmatmul_reference(x, values, scale, minimum, nk=nk)
+    assert y.shape == (M, 200) and relative_error(y, ref) <= TOLERANCE, (M, relative_error(y, ref))
+
+
+@pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk"])
+def test_the_largest_prefill_bucket(nk):
+  rng = np.random.default_rng(1)
+  values, scale, minimum = operands(blocks_of("Q4_1", 576, 576, rng), nk)
+  x = jnp.asarray(rng.standard_normal((512, 576), dtype=np.float32))
+  y = jax.jit(lambda x: kernels_cpu.qmatmul(x, values, scale, minimum, nk=nk))(x)
+  assert relative_error(y, qmatmul_reference(x, values, scale, minimum, nk=nk)) <= TOLERANCE
+
+
+def test_the_reference_by_hand():
+  """W [K=2, N=2] in groups of 2 along K: column 0 scale 0.5, minimum 1; column 1 scale 2, no
+  shift. x = [1, 3]: y0 = 1 * (2 * 0.5 + 1) + 3 * (-4 * 0.5 + 1) = -1; y1 = 1 * 2 * -1 +
+  3 * 2 * 3 = 16."""
+  values = jnp.asarray([[2, -1], [-4, 3]], jnp.int8)
+  scale = jnp.asarray([[0.5, 2.0]], jnp.float32)
+  minimum = jnp.asarray([[1.0, 0.0]], jnp.float32)
+  x = jnp.asarray([[1.0, 3.0]], jnp.float32)
+  assert qmatmul_reference(x, values, scale, minimum).tolist() == [[-1.0, 16.0]]
+  assert qmatmul_reference(x, values.T, scale.T, minimum.T, nk=True).tolist() == [[-1.0, 16.0]]
+  assert kernels_cpu.qmatmul(x, values, scale, minimum, isa="scalar").tolist() == [[-1.0, 16.0]]
+
+
+@pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk"])
+def test_stacked_layers_read_by_index_inside_a_scan(nk):
+  """values [L, ...] with the scan's index: each step's product is its own layer's."""
+  rng = np.random.default_rng(2)
+  layers = [operands(blocks_of("Q4_K", 96, 256, rng), nk) for _ in range(3)]
+  values, scale, minimum = (jnp.stack(a) for a in zip(*layers))
+  x = jnp.asarray(rng.standard_normal((4, 256), dtype=np.float32))
+
+  def body(_, i):
+    return None, kernels_cpu.qmatmul(x, values, scale, minimum, nk=nk, layer=i)
+
+  _, ys = jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(3)))()
+  for i, (v, s, m) in enumerate(layers):
+    assert relative_error(ys[i], qmatmul_reference(x, v, s, m, nk=nk)) <= TOLERANCE
+
+
+def test_the_wrapper_refuses_what_the_kernel_cannot_take():
+  v, s = jnp.zeros((64, 8), jnp.int8), jnp.ones((2, 8), jnp.float32)
+  x = jnp.zeros((1, 64), jnp.float32)
+  with pytest.raises(ValueError, match="inputs"):
+    kernels_cpu.qmatmul(jnp.zeros((1, 32)), v, s)
+  with pytest.raises(ValueError, match="int8"):
+    kernels_cpu.qmatmul(x, v.astype(jnp.float32), s)
+  with pytest.raises(ValueError, match="does not group"):
+    kernels_cpu.qmatmul(x, v, jnp.ones((3, 8), jnp.float32))
+  with pytest.raises(ValueError, match="minimum"):
+    kernels_cpu.qmatmul(x, v, s, jnp.ones((2, 4), jnp.float32))
+  with pytest.raises(ValueError, match="isa"):
+    kernels_cpu.qmatmul(x, v, s, isa="neon")
+
+
+def quantized(shape, blocks: gguf_blocks.Blocks, in_axes) -> quant.Quantized:
+  """A Quantized weight of `shape` holding Blocks already in its layout (groups of 32)."""
+  w = quant.Quantized(shape, (None,) * len(shape), quant.Layout(32, True), in_axes)
+  w.values[...] = jnp.asarray(blocks.values).reshape(shape)
+  w.scale[...] = jnp.asarray(blocks.scale).reshape(w.scale.shape)
+  w.minimum[...] = jnp.asarray(blocks.minimum).reshape(w.scale.shape)
+  return w
+
+
+def test_linear_runs_the_kernel_on_cpu_and_xla_elsewhere():
+  """quant.linear of a quantized wq [D, N, H]: the CPU program calls the kernel and gives the
+  dequantized einsum's numbers; lowered for a TPU, the program has no CPU custom call."""
+  rng = np.random.default_rng(3)
+  D, N, H = 64, 4, 16
+  raw = blocks_of("Q4_1", N * H, D, rng)  # torch [out = N * H, in = D]
+  t = lambda a: np.ascontiguousarray(a.T)
+  w = quantized((D, N, H), gguf_blocks.Blocks(t(raw.values), t(raw.scale), t(raw.minimum)),
+                (0,))
+  x = jnp.asarray(rng.standard_normal((1, 3, D), dtype=np.float32))
+  f = lambda w, x: quant.linear("BTD,DNH->BTNH", x, w)
+  want = jnp.einsum("BTD,DNH->BTNH", x, quant.dequant(w, jnp.float32))
+  assert relative_error(nnx.jit(f)(w, x), want) <= TOLERANCE
+  graphdef, state = nnx.split(w)
+  g = jax.jit(lambda state, x: f(nnx.merge(graphdef, state), x))
+  assert "jaxserve_qmatmul" in g.lower(state, x).as_text()
+  tpu = g.trace(state, x).lower(lowering_platforms=("tpu",)).as_text()
+  assert "jaxserve_qmatmul" not in tpu and "dot_general" in tpu
+
+
+def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, caplog):
+  """The library hidden (as on a machine that had no compiler at install): available() is False
+  with one log line, and quant.linear gives the same numbers through XLA."""
+  rng = np.random.default_rng(4)
+  raw = blocks_of("Q8_0", 32, 64, rng)
+  t = lambda a: np.ascontiguousarray(a.T)
+  w = quant.Quantized((64, 32), (None, None), quant.Layout(32, False), (0,))
+  w.values[...], w.scale[...] = jnp.asarray(t(raw.values)), jnp.asarray(t(raw.scale))
+  x = jnp.asarray(rng.standard_normal((2, 1, 64), dtype=np.float32))
+  f = lambda w, x: quant.linear("BTD,DF->BTF", x, w)
+  with_kernel = nnx.jit(f)(w, x)
+  try:
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="jaxserve"):
+      patch.setattr(library, "library_path", lambda: None)
+      library.available.cache_clear()
+      assert not kernels_cpu.available() and not kernels_cpu.available()
+      graphdef, state = nnx.split(w)
+      g = jax.jit(lambda state, x: f(nnx.merge(graphdef, state), x))
+      assert "jaxserve_qmatmul" not in g.lower(state, x).as_text()
+      assert relative_error(g(state, x), with_kernel) <= TOLERANCE
+    assert sum("CPU kernels not built" in r.message for r in caplog.records) == 1
+  finally:
+    library.available.cache_clear()
+  assert kernels_cpu.available()
