@@ -3,6 +3,8 @@
   python scripts/bench_peers.py                        # jaxserve and transformers
   python scripts/bench_peers.py --install-llama-cpp    # also llama.cpp (compiles it on first use)
   python scripts/bench_peers.py --quick --systems jaxserve   # a few short requests, for tests
+  python scripts/bench_peers.py --single-stream --systems jaxserve,llama.cpp --fresh --rounds 3
+      [--quantization gguf]   # one chat prompt, 128 greedy tokens; each system a fresh process
 
 The workload (scripts/workloads/peers_64.jsonl, made by `make_workload`, rewritten by
 `--write-workload`) is 64 requests whose prompts are token ids (16-256 of them, text drawn from a
@@ -24,6 +26,10 @@ Time to first token counts from that start, since every request arrives at once.
 generated tokens (the workload's, the same for all) over wall time; prompt tokens/s likewise.
 With `--rounds N` the systems run interleaved N times and the median round is reported, so a
 load spike from other processes on the machine hits them alike; the load average is recorded.
+`--fresh` runs each system of each round in its own new process (two engines in one process
+disturb each other's thread pools). `--single-stream` replaces the workload with one request:
+the chat-templated "What is a mortgage rate?" and 128 greedy tokens (what `jaxserve generate`
+does first for a new user). `--quantization` is jaxserve's (`auto`: the `LLM()` default).
 """
 
 from __future__ import annotations
@@ -68,6 +74,13 @@ def make_workload(tokenizer: Any, seed: int = 0, num_requests: int = 64,
     work.append({"id": f"peer-{i:02d}", "prompt_token_ids": ids,
                  "max_tokens": rng.randint(*max_tokens), "ignore_eos": True, "temperature": 0})
   return work
+
+
+def single_stream(tokenizer: Any, max_tokens: int = 128) -> list[dict]:
+  """One chat request, as a new user's first `jaxserve generate`."""
+  text = tokenizer.apply_chat_template([{"role": "user", "content": "What is a mortgage rate?"}])
+  return [{"id": "single", "prompt_token_ids": tokenizer.encode(text, add_bos=False),
+           "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}]
 
 
 def read_workload(path: pathlib.Path) -> list[dict]:
@@ -125,7 +138,8 @@ class JaxServe:
     from jaxserve.llm import LLM
 
     cfg = EngineConfig(num_slots=args.slots, page_size=16, max_model_len=args.max_model_len,
-                       num_pages=args.num_pages, prefill_buckets=args.buckets)
+                       num_pages=args.num_pages, prefill_buckets=args.buckets,
+                       quantization=args.quantization)
     self.llm = LLM(args.jaxserve_model, engine_config=cfg)
 
   def run(self, work: Sequence[dict]) -> Run:
@@ -343,6 +357,14 @@ def install_llama_cpp(timeout_s: float) -> str | None:
   return None
 
 
+def cpu_model() -> str:
+  """The CPU's model name (lscpu's), which changes between sessions here."""
+  for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+    if line.startswith("model name"):
+      return line.split(":", 1)[1].strip()
+  return "unknown"
+
+
 def agreement(run: Run, reference: Run) -> float:
   """Mean fraction of each request's tokens, from the start, identical to the reference's."""
   def prefix(a, b):
@@ -414,7 +436,41 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--install-timeout", type=float, default=1800.0)
   p.add_argument("--json", type=pathlib.Path, default=None, help="write the report here")
   p.add_argument("--markdown", type=pathlib.Path, default=None, help="write the table here")
+  p.add_argument("--quantization", default="auto", help="jaxserve's --quantization")
+  p.add_argument("--single-stream", action="store_true",
+                 help="one chat prompt and 128 greedy tokens instead of the workload")
+  p.add_argument("--fresh", action="store_true",
+                 help="each system of each round in its own new process")
+  p.add_argument("--runs-json", type=pathlib.Path, default=None,
+                 help="(internal, with --fresh) write this process's runs, outputs included")
   return p
+
+
+def fresh_rounds(argv: Sequence[str], names: Sequence[str], rounds: int):
+  """run_rounds with every system of every round in a new process of this script."""
+  import tempfile
+  drop = {"--fresh"}
+  base, skip = [], False
+  for a in argv:  # This invocation's flags, less the ones each child gets its own of.
+    if skip:
+      skip = False
+    elif a in ("--systems", "--rounds", "--json", "--markdown"):
+      skip = True
+    elif a not in drop and not a.startswith(("--systems=", "--rounds=", "--json=",
+                                             "--markdown=")):
+      base.append(a)
+  runs, skipped = {n: [] for n in names}, {}
+  for i in range(rounds):
+    for name in names:
+      print(f"round {i + 1}/{rounds}: {name}, a fresh process", file=sys.stderr, flush=True)
+      with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "runs.json"
+        subprocess.run([sys.executable, __file__, *base, "--systems", name, "--rounds", "1",
+                        "--runs-json", str(out)], check=True, stdout=subprocess.DEVNULL)
+        child = json.loads(out.read_text())
+      runs[name] += [Run(**{**r, "loadavg": tuple(r["loadavg"])}) for r in child["runs"]]
+      skipped.update(child["skipped"])
+  return {n: rs for n, rs in runs.items() if rs}, skipped
 
 
 def load_systems(names: Sequence[str], args: argparse.Namespace) -> tuple[list, dict[str, str]]:
@@ -455,7 +511,9 @@ def main(argv=None) -> int:
   names = [n for n in args.systems.split(",") if n]
   if unknown := set(names) - set(SYSTEMS):
     raise SystemExit(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
-  if args.write_workload or args.quick:
+  if args.single_stream:
+    work = single_stream(Tokenizer.from_gguf(args.gguf))
+  elif args.write_workload or args.quick:
     shape = dict(num_requests=4, prompt_lens=(8, 32), max_tokens=(4, 16)) if args.quick else {}
     work = make_workload(Tokenizer.from_gguf(args.gguf), args.seed, **shape)
     if args.write_workload:
@@ -467,19 +525,27 @@ def main(argv=None) -> int:
   install_error = None
   if args.install_llama_cpp and any(n.startswith("llama.cpp") for n in names):
     install_error = install_llama_cpp(args.install_timeout)
-  systems, skipped = load_systems(names, args)
-  if install_error:
-    skipped.update({n: install_error for n in skipped if n.startswith("llama.cpp")})
-  try:
-    runs = run_rounds(systems, work, args.rounds)
-  finally:
-    for s in systems:
-      getattr(s, "close", lambda: None)()
+  if args.fresh:
+    runs, skipped = fresh_rounds(sys.argv[1:] if argv is None else argv, names, args.rounds)
+  else:
+    systems, skipped = load_systems(names, args)
+    if install_error:
+      skipped.update({n: install_error for n in skipped if n.startswith("llama.cpp")})
+    try:
+      runs = run_rounds(systems, work, args.rounds)
+    finally:
+      for s in systems:
+        getattr(s, "close", lambda: None)()
+  if args.runs_json:
+    args.runs_json.write_text(json.dumps(
+        {"runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],
+         "skipped": skipped}))
   report = summarize(runs, skipped)
   report["workload"] = {"path": None if args.quick else str(args.workload), "requests": len(work),
                         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in work),
                         "generated_tokens": sum(r["max_tokens"] for r in work)}
-  report["machine"] = {"cpus": os.cpu_count(), "rounds": args.rounds}
+  report["machine"] = {"cpus": os.cpu_count(), "rounds": args.rounds, "cpu": cpu_model(),
+                       "fresh_processes": args.fresh}
   table = markdown(report)
   print(table)
   if args.json:

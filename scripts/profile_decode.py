@@ -95,6 +95,10 @@ def op_parts(hlo_text: str) -> dict[str, str]:
         out = _INSTRUCTION.match(dots[0] if dots else line).group(2).split("{")[0]
         parts[name] = f"matmul -> {out}"
         continue
+      if opcode == "custom-call" and 'custom_call_target="jaxserve_qmatmul"' in line:
+        out = _INSTRUCTION.match(line).group(2).split("{")[0]
+        parts[name] = f"kernels_cpu matmul -> {out}"
+        continue
       frame = re.search(r"stack_frame_id=(\d+)", line)
       src = source(int(frame.group(1))) if frame else ""
       parts[name] = _part_of_source(src, opcode)

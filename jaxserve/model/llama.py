@@ -139,19 +139,33 @@ def _layer_of(stacked: jax.Array, i: int) -> jax.Array:
 
 def run_layers(layers, carry, xs, body):
   """`body(layer, carry, xs_i) -> carry` over every layer (xs: arrays [L, ...], one row per layer):
-  a scan over stacked layers, or a Python loop over a list of them (`unstacked`)."""
+  a scan over stacked layers, or a Python loop over a list of them (`unstacked`). Where the CPU
+  kernel reads quantized weights (quant.reads_in_place), the scan hands them over whole with the
+  layer's index, as a scan's own slice of them would be a copy of every layer's weights, every
+  step."""
   if isinstance(layers, nnx.List):
     for i, layer in enumerate(layers):
       carry = body(layer, carry, jax.tree.map(lambda a: a[i], xs))
     return carry
-  graphdef, state = nnx.split(layers)
+  quantized = any(isinstance(getattr(layers, n, None), quant.Quantized) for n in quant.STACKED)
+  if not (quantized and quant.reads_in_place()):
+    graphdef, state = nnx.split(layers)
 
-  def scan_body(carry, state_xs):
-    state, x = state_xs
-    return body(nnx.merge(graphdef, state), carry, x), None
+    def scan_body(carry, state_xs):
+      state, x = state_xs
+      return body(nnx.merge(graphdef, state), carry, x), None
 
-  carry, _ = jax.lax.scan(scan_body, carry, (state, xs))
-  return carry
+    return jax.lax.scan(scan_body, carry, (state, xs))[0]
+  graphdef, whole, state = nnx.split(layers, quant.is_stored, ...)
+
+  def scan_whole(carry, state_xs):
+    state, x, i = state_xs
+    layer = nnx.merge(graphdef, whole, state)
+    quant.read_layer(layer, i)
+    return body(layer, carry, x), None
+
+  L = jax.tree.leaves(xs)[0].shape[0]
+  return jax.lax.scan(scan_whole, carry, (state, xs, jnp.arange(L)))[0]
 
 
 class DecoderLayer(nnx.Module):

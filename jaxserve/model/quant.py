@@ -62,7 +62,12 @@ Layouts = Mapping[str, Layout]  # Weight name (IN_AXES' keys) -> its layout; abs
 
 
 class Quantized(nnx.Module):
-  """One quantized weight: values (int8, the float layout), scale and minimum (float32)."""
+  """One quantized weight: values (int8, the float layout), scale and minimum (float32).
+
+  `layer`: None, or (set by llama.run_layers when the scan hands the arrays over whole, [L, ...],
+  for the CPU kernel to read in place) the traced index of the layer this step reads."""
+
+  layer = None
 
   def __init__(self, shape, names, layout: Layout, in_axes: tuple[int, ...]):
     sshape = layout.scale_shape(tuple(shape), in_axes)
@@ -84,10 +89,38 @@ def weight(name: str, layouts: Layouts | None, make_float, shape, names) -> nnx.
   return Quantized(shape, names, layout, IN_AXES[name])
 
 
+def arrays(w: Quantized) -> tuple:
+  """(values, scale, minimum or None) of w's one matrix (layer `w.layer` of stacked arrays)."""
+  out = (w.values[...], w.scale[...], w.minimum[...] if hasattr(w, "minimum") else None)
+  if w.layer is None:
+    return out
+  return tuple(None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
+               for a in out)
+
+
+def reads_in_place() -> bool:
+  """Whether a quantized matmul runs kernels_cpu's kernel where a CPU lowers it: one device (a
+  mesh keeps XLA's path) and the library built."""
+  return jax.device_count() == 1 and kernels_cpu.available()
+
+
+def is_stored(path, _) -> bool:
+  """An nnx filter: the arrays of a stacked layer's quantized weights (run_layers keeps them
+  whole)."""
+  return len(path) >= 2 and path[-2] in STACKED and path[-1] in ("values", "scale", "minimum")
+
+
+def read_layer(layer: nnx.Module, index) -> None:
+  """Marks each quantized weight of `layer` (holding whole [L, ...] arrays) to read `index`."""
+  for name in STACKED:
+    w = getattr(layer, name, None)
+    if isinstance(w, Quantized):
+      w.layer = index
+
+
 def dequant(w: Quantized, dtype):
   """values * scale + minimum in float32 (exactly gguf's numbers), then cast to `dtype`."""
-  values, scale = w.values[...], w.scale[...]
-  minimum = w.minimum[...] if hasattr(w, "minimum") else None
+  values, scale, minimum = arrays(w)
   # The grouped axis, if any: shortened, but not to 1 (a per-channel scale broadcasts as is).
   split = [a for a, (v, s) in enumerate(zip(values.shape, scale.shape)) if s not in (1, v)]
   x = values.astype(jnp.float32)
@@ -118,7 +151,7 @@ def linear(spec: str, x, w: nnx.Param | Quantized, xla=None):
   matmul instead (no float copy of it is written)."""
   xla = xla or (lambda x: jnp.einsum(spec, x, value(w, x.dtype)))
   form = _kernel_form(spec, x.ndim, w) if isinstance(w, Quantized) else None
-  if form is None or jax.device_count() != 1 or not kernels_cpu.available():
+  if form is None or not reads_in_place():
     return xla(x)
   # Lowered for one platform, only its branch is in the program: TPU and GPU keep XLA's dot.
   return jax.lax.platform_dependent(x, cpu=lambda x: _kernel_linear(x, w, *form), default=xla)
@@ -133,7 +166,9 @@ def _kernel_form(spec: str, x_ndim: int, w: Quantized) -> tuple[int, bool] | Non
   xs, ws = ins.split(",")
   contracted = "".join(a for a in xs if a in ws and a not in out)
   c = len(contracted)
-  if not c or not xs.endswith(contracted) or len(ws) != w.values.ndim:
+  lead = 0 if w.layer is None else 1
+  values, scale = w.values.shape[lead:], w.scale.shape[lead:]
+  if not c or not xs.endswith(contracted) or len(ws) != len(values):
     return None
   if ws.startswith(contracted) and out == xs[:-c] + ws[c:]:
     nk, axes = False, range(c)
@@ -141,10 +176,9 @@ def _kernel_form(spec: str, x_ndim: int, w: Quantized) -> tuple[int, bool] | Non
     nk, axes = True, range(len(ws) - c, len(ws))
   else:
     return None
-  values, scale = w.values.shape, w.scale.shape
-  *lead, last = axes
+  *inner, _ = axes
   per_channel = all(scale[a] == 1 for a in axes)
-  if not per_channel and any(scale[a] != values[a] for a in lead):
+  if not per_channel and any(scale[a] != values[a] for a in inner):
     return None
   return c, nk
 
@@ -153,12 +187,18 @@ def _kernel_linear(x, w: Quantized, c: int, nk: bool):
   """The kernel's matmul of x [..., K] (its last c axes flattened) and w as [K, N] or [N, K]."""
   K = math.prod(x.shape[-c:])
   batch = x.shape[:-c]
-  flat = lambda a: a.reshape(-1, math.prod(a.shape[-c:])) if nk else a.reshape(
-      math.prod(a.shape[:c]), -1)
+  lead = 0 if w.layer is None else 1  # Stacked [L, ...]: the kernel reads layer w.layer.
+
+  def flat(a):
+    *L, shape = a.shape[:lead], a.shape[lead:]
+    two = (-1, math.prod(shape[-c:])) if nk else (math.prod(shape[:c]), -1)
+    return a.reshape(*L[0], *two)
+
   minimum = flat(w.minimum[...]) if hasattr(w, "minimum") else None
   y = kernels_cpu.qmatmul(x.reshape(-1, K), flat(w.values[...]), flat(w.scale[...]), minimum,
-                          nk=nk)
-  rest = w.values.shape[:-c] if nk else w.values.shape[c:]
+                          nk=nk, layer=w.layer)
+  matrix = w.values.shape[lead:]
+  rest = matrix[:-c] if nk else matrix[c:]
   return y.reshape(*batch, *rest).astype(x.dtype)
 
 
