@@ -1,22 +1,25 @@
 // y[M, N] = x[M, K] @ W, W = values * scale + minimum in float32, read where it lies: the int8
 // values and float32 scales (and minima) of model/quant.py's Quantized weights, never a float
 // copy of W. Layouts (qmatmul.py checks them; this file trusts the shapes XLA hands it):
-//   kn (a layer's weights, [K, N]): values [(L,) K, N], scale and minimum [(L,) K / G, N]
+//   kn (a layer's weights, [K, N]): values [(L,) K, N], scale and minimum [(L,) K / G, N];
+//     or packed, uint8 values [(L,) K / 2, N]: rows 2j and 2j + 1 of W in the low and high 4
+//     bits of row j's bytes (4-bit blocks without a sign, Q4_1 and Q4_K)
 //   nk (the tied head, [N, K]):     values [(L,) N, K], scale and minimum [(L,) N, K / G]
 // G inputs share a scale (G = K: one scale per output channel). With a leading [L] axis, `layer`
 // picks the matrix, so a scan over stacked weights hands them over without a per-layer copy.
 //
 // One body of tiles (qmatmul_tiles.inc) is compiled three times: AVX-512, AVX2 + FMA, and plain
 // C++ (a "vector" of one float); the widest the CPU has is chosen at run time by CPUID. Each
-// weight is dequantized in registers, exactly as the jnp reference does (v * s + m, float32),
-// and the activations stay float32: no int8 x int8 (VNNI) products, which would quantize x and
-// change the result.
+// weight is dequantized in registers, as the jnp reference does (v * s + m, float32; for
+// one row, s * (x . v) + m * sum(x) a group at a time), and the activations stay float32: no
+// int8 x int8 (VNNI) products, which would quantize x and change the result.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -26,11 +29,13 @@ namespace {
 
 struct Problem {
   const float* x;     // [M, K]
-  const int8_t* v;    // one matrix's values
+  const int8_t* v;    // one matrix's values (int8; packed: uint8, two 4-bit values a byte)
   const float* s;     // its scales
   const float* m;     // its minima, or null
   float* y;           // [M, N]
   int64_t M, K, N, G;
+  const float* xsum;  // [M, K / G]: x's sum over each group (kn)
+  bool packed;        // kn only: row pairs (2j, 2j + 1) in the low and high nibbles of row j.
 };
 
 // Output columns (kn) or rows of W (nk) that one task computes.
@@ -42,6 +47,7 @@ constexpr int kMaxRows = 8;
 namespace scalar {
 using F = float;
 constexpr int kLanes = 1;
+constexpr int kRegisters = 32;
 inline F Zero() { return 0.0f; }
 inline F Load(const float* p) { return *p; }
 inline void Store(float* p, F v) { *p = v; }
@@ -49,6 +55,10 @@ inline F Set1(float a) { return a; }
 inline F Fma(F a, F b, F c) { return a * b + c; }
 inline F LoadI8(const int8_t* p) { return static_cast<float>(*p); }
 inline float Sum(F v) { return v; }
+inline void LoadU4Pair(const uint8_t* p, F& lo, F& hi) {
+  lo = static_cast<float>(*p & 15);
+  hi = static_cast<float>(*p >> 4);
+}
 #include "qmatmul_tiles.inc"
 }  // namespace scalar
 
@@ -57,6 +67,7 @@ inline float Sum(F v) { return v; }
 namespace avx2 {
 using F = __m256;
 constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
 inline F Zero() { return _mm256_setzero_ps(); }
 inline F Load(const float* p) { return _mm256_loadu_ps(p); }
 inline void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
@@ -70,6 +81,11 @@ inline float Sum(F v) {
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
+inline void LoadU4Pair(const uint8_t* p, F& lo, F& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
 #include "qmatmul_tiles.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -79,6 +95,7 @@ inline float Sum(F v) {
 namespace avx512 {
 using F = __m512;
 constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
 inline F Zero() { return _mm512_setzero_ps(); }
 inline F Load(const float* p) { return _mm512_loadu_ps(p); }
 inline void Store(float* p, F v) { _mm512_storeu_ps(p, v); }
@@ -88,6 +105,11 @@ inline F LoadI8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
 inline float Sum(F v) { return _mm512_reduce_add_ps(v); }
+inline void LoadU4Pair(const uint8_t* p, F& lo, F& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
 #include "qmatmul_tiles.inc"
 }  // namespace avx512
 #pragma GCC pop_options
@@ -146,7 +168,7 @@ void ParallelFor(ffi::ThreadPool& pool, const Problem& p, Task task, int64_t tot
   while (shared->busy.load() != 0) _mm_pause();
 }
 
-ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> minimum,
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool nk,
                    bool has_min, int64_t isa) {
@@ -160,15 +182,19 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const int64_t groups = nk ? sd[rank - 1] : sd[rank - 2];
   const int64_t l = rank == 3 ? *layer.typed_data() : 0;
   if (rank == 3 && (l < 0 || l >= vd[0])) return ffi::Error::InvalidArgument("layer out of range");
-  const int64_t per_scale = groups * N;
-  Problem p{x.typed_data(), values.typed_data() + l * K * N, scale.typed_data() + l * per_scale,
-            has_min ? minimum.typed_data() + l * per_scale : nullptr,
-            y->typed_data(), M, K, N, K / groups};
-  if (nk) {
-    ParallelFor(pool, p, TaskFor(isa, true), N, kTaskRowsNK);
-  } else {
-    ParallelFor(pool, p, TaskFor(isa, false), N, kTaskColumns);
+  const int64_t per_scale = groups * N, G = K / groups;
+  const bool packed = values.element_type() == ffi::DataType::U8;
+  if (packed && (nk || G % 2)) return ffi::Error::InvalidArgument("packed values: kn, even groups");
+  const int8_t* v = static_cast<const int8_t*>(values.untyped_data()) + l * (packed ? K / 2 : K) * N;
+  std::vector<float> xsum(nk ? 0 : M * groups, 0.0f);  // kn tiles of few rows factor by group.
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+    const float* xg = x.typed_data() + (i / groups) * K + (i % groups) * G;
+    for (int64_t k = 0; k < G; ++k) xsum[i] += xg[k];
   }
+  Problem p{x.typed_data(), v, scale.typed_data() + l * per_scale,
+            has_min ? minimum.typed_data() + l * per_scale : nullptr,
+            y->typed_data(), M, K, N, G, xsum.data(), packed};
+  ParallelFor(pool, p, TaskFor(isa, nk), N, nk ? kTaskRowsNK : kTaskColumns);
   return ffi::Error::Success();
 }
 
@@ -178,7 +204,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmul, QMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::S8>>()    // values
+                                  .Arg<ffi::AnyBuffer>()          // values: s8, or u8 packed
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale
                                   .Arg<ffi::Buffer<ffi::F32>>()   // minimum ([1] if none)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []

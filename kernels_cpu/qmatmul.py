@@ -2,7 +2,8 @@
 weight read where it lies (int8 values, float32 scales and minima per group of G inputs).
 
 Layouts: kn, values [K, N] with scale [K / G, N] (a layer's weights in their float layout); nk,
-values [N, K] with scale [N, K / G] (the embedding read as the tied LM head). Either may carry a
+values [N, K] with scale [N, K / G] (the embedding read as the tied LM head); kn values may be
+packed, uint8 [K / 2, N] (reference.packed: 4-bit values two a byte). Either may carry a
 leading [L] axis, with `layer` (an int32 scalar, traced: the scan's index) picking the matrix.
 """
 
@@ -22,8 +23,7 @@ def qmatmul(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
   _check(x_MK, values, scale, minimum, nk, layer, isa)
   if not library.available():
     raise ValueError("the CPU kernel library is not built (kernels_cpu.available() is False)")
-  *_, K_or_N, last = values.shape
-  N = K_or_N if nk else last
+  N = values.shape[-2] if nk else values.shape[-1]
   call = jax.ffi.ffi_call("jaxserve_qmatmul",
                           jax.ShapeDtypeStruct((x_MK.shape[0], N), jnp.float32))
   has_min = minimum is not None
@@ -40,14 +40,17 @@ def _check(x, values, scale, minimum, nk, layer, isa):
   if x.ndim != 2 or values.ndim != 2 + stacked:
     raise ValueError(f"x must be [M, K] and values [{'L, ' * stacked}K, N] or "
                      f"[{'L, ' * stacked}N, K]; got {x.shape} and {values.shape}")
-  if values.dtype != jnp.int8 or scale.dtype != jnp.float32:
-    raise ValueError(f"values must be int8 and scale float32; got {values.dtype}, {scale.dtype}")
+  is_packed = values.dtype == jnp.uint8 and not nk
+  if not (values.dtype == jnp.int8 or is_packed) or scale.dtype != jnp.float32:
+    raise ValueError(f"values must be int8 (or uint8, packed, kn only) and scale float32; got "
+                     f"{values.dtype}{' nk' if nk else ''}, {scale.dtype}")
   K, N = (values.shape[-1], values.shape[-2]) if nk else values.shape[-2:]
+  K *= 2 if is_packed else 1
   if x.shape[1] != K:
     raise ValueError(f"x has {x.shape[1]} inputs, the weight {K}")
   groups = scale.shape[-1] if nk else scale.shape[-2]
   want = values.shape[:-2] + ((N, groups) if nk else (groups, N))
-  if scale.shape != want or groups == 0 or K % groups:
+  if scale.shape != want or groups == 0 or K % groups or (is_packed and (K // groups) % 2):
     raise ValueError(f"scale {scale.shape} does not group values {values.shape} "
                      f"({'nk' if nk else 'kn'}: groups must divide K = {K})")
   if minimum is not None and (minimum.shape != scale.shape or minimum.dtype != jnp.float32):

@@ -1,14 +1,34 @@
-"""The jnp reference of qmatmul: dequantize to float32, then one dot."""
+"""The jnp reference of qmatmul: dequantize to float32, then one dot. And the packed form of
+4-bit values the kernel reads (two a byte), with its inverse."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
+
+
+def packed(values: np.ndarray, axis: int) -> np.ndarray:
+  """Values in [0, 16) (int8) -> uint8 with `axis` halved: pair j of that axis (elements 2j and
+  2j + 1) in the low and high 4 bits of byte j."""
+  if values.min(initial=0) < 0 or values.max(initial=0) > 15 or values.shape[axis] % 2:
+    raise ValueError(f"packing needs values in [0, 16) and an even axis {axis} of {values.shape}")
+  v = np.moveaxis(values.astype(np.uint8), axis, 0)
+  return np.moveaxis(v[0::2] | (v[1::2] << 4), 0, axis)
+
+
+def unpacked(values, axis: int):
+  """packed's inverse, int8, in jnp (inside a compiled step)."""
+  pairs = jnp.stack([values & 15, values >> 4], axis=axis + 1)
+  shape = values.shape[:axis] + (2 * values.shape[axis],) + values.shape[axis + 1:]
+  return pairs.reshape(shape).astype(jnp.int8)
 
 
 def dequantized(values, scale, minimum, *, nk: bool):
   """values * scale + minimum, float32, each scale repeated over its group of inputs: [K, N]
-  (kn) or [N, K] (nk)."""
+  (kn) or [N, K] (nk); values uint8 are packed (kn: along K)."""
   axis = 1 if nk else 0
+  if values.dtype == jnp.uint8:
+    values = unpacked(values, axis)
   group = values.shape[axis] // scale.shape[axis]
   w = values.astype(jnp.float32) * jnp.repeat(scale, group, axis)
   return w if minimum is None else w + jnp.repeat(minimum, group, axis)

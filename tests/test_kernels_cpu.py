@@ -18,7 +18,7 @@ import kernels_cpu
 from jaxserve.loading import gguf_blocks
 from jaxserve.model import quant
 from kernels_cpu import library
-from kernels_cpu.reference import qmatmul_reference
+from kernels_cpu.reference import packed, qmatmul_reference, unpacked
 from support.gguf_random import random_blocks
 
 pytestmark = pytest.mark.skipif(not kernels_cpu.available(), reason="kernels_cpu not built")
@@ -41,6 +41,10 @@ def operands(b: gguf_blocks.Blocks, nk: bool):
   return tuple(None if a is None else jnp.asarray(f(a)) for a in (b.values, b.scale, b.minimum))
 
 
+# The block types whose values are 4 bits without a sign: packed two a byte for the kernel.
+PACKABLE = ("Q4_1", "Q4_K")
+
+
 def relative_error(y, ref) -> float:
   return float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
 
@@ -58,6 +62,29 @@ def test_sweep_matches_the_reference(type_name, nk, isa):
     y = kernels_cpu.qmatmul(x, values, scale, minimum, nk=nk, isa=isa)
     ref = qmatmul_reference(x, values, scale, minimum, nk=nk)
     assert y.shape == (M, 200) and relative_error(y, ref) <= TOLERANCE, (M, relative_error(y, ref))
+
+
+@pytest.mark.parametrize("isa", library.supported_isas())
+@pytest.mark.parametrize("type_name", PACKABLE)
+def test_packed_values_match_the_reference(type_name, isa):
+  """kn values two a byte: the same products as the int8 values they pack."""
+  rng = np.random.default_rng(2)
+  values, scale, minimum = operands(blocks_of(type_name, 200, 512, rng), nk=False)
+  four_bits = jnp.asarray(packed(np.asarray(values), axis=0))
+  assert four_bits.shape == (256, 200) and four_bits.dtype == jnp.uint8
+  for M in (1, 3, 5, 8, 17, 64):
+    x = jnp.asarray(rng.standard_normal((M, 512), dtype=np.float32))
+    y = kernels_cpu.qmatmul(x, four_bits, scale, minimum, isa=isa)
+    ref = qmatmul_reference(x, values, scale, minimum)
+    assert relative_error(y, ref) <= TOLERANCE, (M, relative_error(y, ref))
+
+
+def test_packing_by_hand():
+  values = np.array([[1, 15], [2, 0], [3, 4], [0, 9]], np.int8)  # [K = 4, N = 2]
+  assert packed(values, axis=0).tolist() == [[0x21, 0x0F], [0x03, 0x94]]
+  assert unpacked(jnp.asarray(packed(values, axis=0)), axis=0).tolist() == values.tolist()
+  with pytest.raises(ValueError, match="packing needs values in"):
+    packed(np.array([[-1], [2]], np.int8), axis=0)
 
 
 @pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk"])
@@ -111,6 +138,8 @@ def test_the_wrapper_refuses_what_the_kernel_cannot_take():
     kernels_cpu.qmatmul(x, v, s, jnp.ones((2, 4), jnp.float32))
   with pytest.raises(ValueError, match="isa"):
     kernels_cpu.qmatmul(x, v, s, isa="neon")
+  with pytest.raises(ValueError, match="packed, kn only"):  # Packed values in the nk layout.
+    kernels_cpu.qmatmul(x, jnp.zeros((8, 32), jnp.uint8), jnp.ones((8, 2), jnp.float32), nk=True)
 
 
 def quantized(shape, blocks: gguf_blocks.Blocks, in_axes) -> quant.Quantized:
@@ -140,6 +169,36 @@ def test_linear_runs_the_kernel_on_cpu_and_xla_elsewhere():
   assert "jaxserve_qmatmul" in g.lower(state, x).as_text()
   tpu = g.trace(state, x).lower(lowering_platforms=("tpu",)).as_text()
   assert "jaxserve_qmatmul" not in tpu and "dot_general" in tpu
+
+
+def test_packed_for_kernel_packs_4_bit_layers_only():
+  """A stacked Q4_1 weight [L, D, F] is packed along D (its input axis), a signed one (Q6_K's
+  -32..31) is not; layouts_of reads 4 bits back, and the packed weight's dequantized numbers
+  and its linear through the kernel are the int8 weight's."""
+  rng = np.random.default_rng(5)
+  L, D, F = 2, 64, 48
+  four = [blocks_of("Q4_1", F, D, rng) for _ in range(L)]
+  t = lambda a: np.ascontiguousarray(a.T)
+  stack = lambda f: np.stack([t(f(b)) for b in four])
+  up = {"values": stack(lambda b: b.values), "scale": stack(lambda b: b.scale),
+        "minimum": stack(lambda b: b.minimum)}
+  signed = dict(up, values=up["values"] - 32)
+  params = {"layers": {"w_up": up, "w_gate": signed}}
+  out = quant.packed_for_kernel(params)["layers"]
+  assert out["w_up"]["values"].dtype == np.uint8 and out["w_up"]["values"].shape == (L, D // 2, F)
+  assert out["w_gate"]["values"] is signed["values"]
+  layouts = quant.layouts_of({"layers": out})
+  assert layouts["w_up"] == quant.Layout(32, True, bits=4)
+  assert layouts["w_gate"] == quant.Layout(32, True)
+  w4 = quant.Quantized((D, F), (None, None), layouts["w_up"], (0,))
+  w8 = quant.Quantized((D, F), (None, None), layouts["w_gate"], (0,))
+  for w, values in ((w4, out["w_up"]["values"][1]), (w8, up["values"][1])):
+    w.values[...] = jnp.asarray(values)
+    w.scale[...], w.minimum[...] = jnp.asarray(up["scale"][1]), jnp.asarray(up["minimum"][1])
+  assert (quant.dequant(w4, jnp.float32) == quant.dequant(w8, jnp.float32)).all()
+  x = jnp.asarray(rng.standard_normal((1, 1, D), dtype=np.float32))
+  f = lambda w, x: quant.linear("BTD,DF->BTF", x, w)
+  assert relative_error(nnx.jit(f)(w4, x), nnx.jit(f)(w8, x)) <= TOLERANCE
 
 
 def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, caplog):

@@ -3,9 +3,11 @@ loading the same GGUF file: last-position logits and greedy continuations."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
+import kernels_cpu
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.loading import pull
 from support.tiny import count_compiles, dense_logits
@@ -118,13 +120,15 @@ def test_http_echo_prompt_logprobs_match_transformers(llm, hf_model, prompts):
 
 def test_gguf_mode_serves_the_blocks_with_the_float_models_logits(llm, default_model, prompts):
   """--quantization gguf serves the GGUF's own Q4_1/Q8_0 blocks (int8 values and their
-  scales on the device, read in place by kernels_cpu's matmul on a CPU), and the logits at every
+  scales on the device; on a CPU with kernels_cpu built, the Q4_1 values packed two a byte and
+  read in place by its matmul), and the logits at every
   position are the float32 dequantized model's within 1e-3 (logits of order 10: the kernel sums
   in float32 in its own order, 1.6e-4 apart measured; XLA's dequantize-then-dot, 1e-4)."""
   from jaxserve.model import quant
 
   assert isinstance(llm.model.embed, quant.Quantized)
-  assert llm.model.layers.w_up.values[...].dtype == np.int8
+  packed = kernels_cpu.available() and jax.device_count() == 1
+  assert llm.model.layers.w_up.values[...].dtype == (np.uint8 if packed else np.int8)
   for ids in prompts.values():
     ours, ref = dense_logits(llm.model, ids), dense_logits(default_model[0], ids)
     assert np.abs(np.asarray(ours) - np.asarray(ref)).max() < 1e-3

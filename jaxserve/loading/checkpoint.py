@@ -122,7 +122,10 @@ def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32",
                 mesh=None) -> Model:
   """Places `params` (numpy, the layout of `weights.to_params`, float or quantized) into the
   family's model: on one device, or with each weight going straight to its shards on `mesh` (no
-  device ever holds a full copy). Float weights take `dtype`; quantized ones keep theirs."""
+  device ever holds a full copy). Float weights take `dtype`; quantized ones keep theirs (4-bit
+  values packed two a byte where the CPU kernel reads them: quant.packed_for_kernel)."""
+  if mesh is None:
+    params = quant.packed_for_kernel(params)
   graphdef, state = nnx.split(abstract_model(cfg, dtype, quant.layouts_of(params)))
   if mesh is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -20,9 +20,11 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import kernels_cpu
+import kernels_cpu.reference
 from jaxserve.config import Quantization
 
 # Each quantizable weight's input axes in its float layout (without the stacked [L] axis): the
@@ -41,10 +43,13 @@ STACKED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # Under params["
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """How one weight is stored: `group` input elements share a scale (None: per output channel,
-  one scale over all input axes), and whether each group has a minimum too."""
+  one scale over all input axes), whether each group has a minimum too, and `bits`: 8 (int8
+  values) or 4 (values in [0, 16) two a byte along the last input axis, uint8: the CPU kernel's
+  packed form, kernels_cpu.reference.packed)."""
 
   group: int | None = None
   has_min: bool = False
+  bits: int = 8
 
   def scale_shape(self, shape: tuple[int, ...], in_axes: tuple[int, ...]) -> tuple[int, ...]:
     out = list(shape)
@@ -62,7 +67,8 @@ Layouts = Mapping[str, Layout]  # Weight name (IN_AXES' keys) -> its layout; abs
 
 
 class Quantized(nnx.Module):
-  """One quantized weight: values (int8, the float layout), scale and minimum (float32).
+  """One quantized weight: values (int8, the float layout; or packed, uint8 with its last input
+  axis `packed_axis` halved), scale and minimum (float32).
 
   `layer`: None, or (set by llama.run_layers when the scan hands the arrays over whole, [L, ...],
   for the CPU kernel to read in place) the traced index of the layer this step reads."""
@@ -75,7 +81,10 @@ class Quantized(nnx.Module):
     # the scales of a head or an MLP column sit on the device that holds its values.
     snames = tuple(None if s == 1 and n != 1 else name for s, n, name in zip(sshape, shape, names))
     param = lambda value, names: nnx.Param(value, out_sharding=names, eager_sharding=False)
-    self.values = param(jnp.zeros(shape, jnp.int8), names)
+    self.packed_axis = in_axes[-1] if layout.bits == 4 else None
+    if self.packed_axis is not None:
+      shape = tuple(n // 2 if a == self.packed_axis else n for a, n in enumerate(shape))
+    self.values = param(jnp.zeros(shape, jnp.uint8 if layout.bits == 4 else jnp.int8), names)
     self.scale = param(jnp.ones(sshape, jnp.float32), snames)
     if layout.has_min:
       self.minimum = param(jnp.zeros(sshape, jnp.float32), snames)
@@ -92,10 +101,12 @@ def weight(name: str, layouts: Layouts | None, make_float, shape, names) -> nnx.
 def arrays(w: Quantized) -> tuple:
   """(values, scale, minimum or None) of w's one matrix (layer `w.layer` of stacked arrays)."""
   out = (w.values[...], w.scale[...], w.minimum[...] if hasattr(w, "minimum") else None)
-  if w.layer is None:
+  if w.layer is not None:
+    out = tuple(None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
+                for a in out)
+  if w.packed_axis is None:
     return out
-  return tuple(None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
-               for a in out)
+  return (kernels_cpu.reference.unpacked(out[0], w.packed_axis), *out[1:])
 
 
 def reads_in_place() -> bool:
@@ -108,6 +119,25 @@ def is_stored(path, _) -> bool:
   """An nnx filter: the arrays of a stacked layer's quantized weights (run_layers keeps them
   whole)."""
   return len(path) >= 2 and path[-2] in STACKED and path[-1] in ("values", "scale", "minimum")
+
+
+def packed_for_kernel(params: dict) -> dict:
+  """`params` (numpy, weights.to_params' layout) with each stacked weight whose values are 4-bit
+  without a sign (Q4_1, Q4_K) packed two a byte, which the CPU kernel reads at half the bytes:
+  for a model that runs on one CPU with kernels_cpu built (else `params` as they are)."""
+  if not (jax.default_backend() == "cpu" and reads_in_place()):
+    return params
+  layers = dict(params["layers"])
+  for name in STACKED:
+    w = layers.get(name)
+    if not isinstance(w, Mapping) or w["values"].dtype != np.int8:
+      continue
+    axis = IN_AXES[name][-1] + 1  # Past the stacked [L] axis.
+    v = w["values"]
+    group = v.shape[axis] // w["scale"].shape[axis]
+    if group % 2 == 0 and v.min(initial=0) >= 0 and v.max(initial=0) < 16:
+      layers[name] = {**w, "values": kernels_cpu.reference.packed(v, axis)}
+  return {**params, "layers": layers}
 
 
 def read_layer(layer: nnx.Module, index) -> None:
@@ -254,11 +284,12 @@ def layouts_of(params: Mapping) -> dict[str, Layout]:
       continue
     lead = 1 if name in STACKED else 0  # The stacked [L] axis.
     values, scale = w["values"].shape, w["scale"].shape
+    bits = 4 if w["values"].dtype == np.uint8 else 8
     if all(scale[a + lead] == 1 for a in in_axes):
       group = None
     else:
       last = in_axes[-1] + lead
-      group = values[last] // scale[last]
-    found[name] = Layout(group, "minimum" in w)
+      group = values[last] * (8 // bits) // scale[last]
+    found[name] = Layout(group, "minimum" in w, bits)
   return found
 
