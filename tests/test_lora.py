@@ -9,6 +9,7 @@ name."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -24,6 +25,7 @@ from jaxserve.config import (
   SchedulerConfig,
 )
 from jaxserve.engine.engine import Engine
+from jaxserve.llm import LLM, lora_config
 from jaxserve.loading import checkpoint, weights
 from jaxserve.loading.lora import load_adapter
 from support import hf_tiny
@@ -233,3 +235,30 @@ def test_missing_corrupt_or_misshapen_adapter_files_are_refused(base):
   (root / "good" / "adapter_config.json").write_text(json.dumps({"r": "8"}))
   with pytest.raises(ValueError, match="r must be an int"):
     load_adapter(lora.lora_path, cfg, 8)
+
+
+def test_llm_generate_takes_lora_requests_as_vllms(default_model, tmp_path):
+  """LLM(..., enable_lora=True, max_loras=1).generate(texts, params, lora_request=[...]): one
+  adapter slot for two adapters and the base model, each text's tokens peft's alone."""
+  tokenizer = default_model[1]
+  hf = hf_tiny.build("LlamaConfig", dict(hf_tiny.SMALL, vocab_size=tokenizer.vocab_size))
+  hf.save_pretrained(tmp_path / "base")
+  tokenizer.save(tmp_path / "base")
+  adapters = make_adapters(hf, tmp_path, ADAPTERS[:2])
+  llm = LLM(str(tmp_path / "base"), engine_config=dataclasses.replace(ENGINE, max_loras=0),
+            enable_lora=True, max_loras=1)
+  assert (llm.engine.config.max_loras, llm.engine.config.max_lora_rank) == (1, 16)
+  texts = ["Roses are red", "The sky is", "Once upon a time"]
+  loras = [None, adapters["a1"][0], adapters["a2"][0]]
+  params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=1)
+  results = llm.generate(texts, params, lora_request=loras)
+  results += llm.generate(texts[:1], params, lora_request=adapters["a2"][0])
+  assert llm.list_loras() == {1, 2}
+  for text, lora, result in zip(texts + texts[:1], loras + loras[2:], results):
+    model = hf if lora is None else adapters[lora.lora_name][1]
+    tokens, logprobs = reference(model, llm.encode(text))
+    assert list(result.token_ids) == tokens
+    assert np.allclose([lp.logprob for lp in result.logprobs], logprobs, atol=1e-3)
+  assert llm.remove_lora(1) and llm.list_loras() == {2}
+  with pytest.raises(ValueError, match="need enable_lora"):
+    lora_config(EngineConfig(), False, 2, None)
