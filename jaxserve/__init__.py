@@ -7,14 +7,15 @@ used (PEP 562), so the host side (scheduler, server, client, planner) imports wi
 from jaxserve.config import (
   Constraint,
   EngineConfig,
+  LoRARequest,
   ModelConfig,
   SamplingParams,
   SchedulerConfig,
   SpeculativeConfig,
 )
 
-__all__ = ["LLM", "SamplingParams", "Constraint", "EngineConfig", "ModelConfig", "SchedulerConfig",
-           "SpeculativeConfig"]
+__all__ = ["LLM", "SamplingParams", "Constraint", "EngineConfig", "LoRARequest", "ModelConfig",
+           "SchedulerConfig", "SpeculativeConfig"]
 
 
 def __getattr__(name: str):

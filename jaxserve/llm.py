@@ -12,19 +12,25 @@ from typing import Any, Sequence, Union
 
 from jaxserve.batching.request import Completion
 from jaxserve.batching.runner import Runner
-from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig
+from jaxserve.config import EngineConfig, LoRARequest, SamplingParams, SchedulerConfig
 from jaxserve.engine import placement
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
+from jaxserve.loading import lora as lora_loading
 
 Prompt = Union[str, Sequence[int]]
 
 
 class LLM:
   def __init__(self, model: str | None = None, *, engine_config: EngineConfig = EngineConfig(),
-               scheduler_config: SchedulerConfig = SchedulerConfig(), warmup: bool = True):
+               scheduler_config: SchedulerConfig = SchedulerConfig(), warmup: bool = True,
+               enable_lora: bool = False, max_loras: int | None = None,
+               max_lora_rank: int | None = None):
     """`model`: None (the default model), a packaged model's name, or a path (GGUF file,
-    Hugging Face directory, or jaxserve checkpoint)."""
+    Hugging Face directory, or jaxserve checkpoint). `enable_lora`: serve LoRA adapters, up to
+    `max_loras` at once on the device (vLLM's default 1) of rank up to `max_lora_rank` (16);
+    more adapters than that take turns (batching/lora_slots.py)."""
+    engine_config = lora_config(engine_config, enable_lora, max_loras, max_lora_rank)
     mesh = placement.mesh_for(engine_config)
     self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype.value, mesh,
                                                        engine_config.quantization)
@@ -45,17 +51,58 @@ class LLM:
 
   def generate(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-               chat: bool = False) -> list[Completion]:
+               chat: bool = False,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+               ) -> list[Completion]:
     """One Completion per prompt, in input order (.text, .token_ids, .finish_reason, and
-    .logprobs: one TokenLogprobs per output token when a SamplingParams asks for logprobs > 0)."""
+    .logprobs: one TokenLogprobs per output token when a SamplingParams asks for logprobs > 0).
+    `lora_request`: the adapter every prompt runs under, or one per prompt (None: the base
+    model); an adapter not added yet is read from its lora_path first (add_lora)."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
       sampling_params = [sampling_params or SamplingParams()] * len(prompts)
     if len(sampling_params) != len(prompts):
       raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-    return self.runner.generate([(self.encode(p, chat), s)
-                                 for p, s in zip(prompts, sampling_params)])
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+      lora_request = [lora_request] * len(prompts)
+    if len(lora_request) != len(prompts):
+      raise ValueError(f"{len(lora_request)} lora_requests for {len(prompts)} prompts")
+    for lora in lora_request:
+      if lora is not None and lora.lora_int_id not in self.runner.loras:
+        self.add_lora(lora)
+    return self.runner.generate([(self.encode(p, chat), s, lora)
+                                 for p, s, lora in zip(prompts, sampling_params, lora_request)])
+
+  def add_lora(self, lora: LoRARequest) -> bool:
+    """Reads adapter `lora` from its lora_path (a PEFT adapter folder) and makes it available;
+    raises ValueError naming the problem (LoRA off, a missing or corrupt file, shapes or a rank
+    that do not fit). True, as vLLM's."""
+    if not self.engine.config.max_loras:
+      raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is off; build the LLM with "
+                       "enable_lora=True")
+    adapter = lora_loading.load_adapter(lora.lora_path, self.model.cfg,
+                                        self.engine.config.max_lora_rank)
+    self.runner.add_lora(lora, adapter)
+    return True
+
+  def remove_lora(self, lora_id: int) -> bool:
+    """Forgets an adapter (its device slot and host copy); False if it was not added."""
+    return self.runner.remove_lora(lora_id)
+
+  def list_loras(self) -> set[int]:
+    return set(self.runner.loras)
+
+
+def lora_config(config: EngineConfig, enable_lora: bool, max_loras: int | None,
+                max_lora_rank: int | None) -> EngineConfig:
+  """`config` with LLM's LoRA arguments in (vLLM's defaults: 1 adapter of rank up to 16)."""
+  if not enable_lora:
+    if max_loras or max_lora_rank:
+      raise ValueError("max_loras and max_lora_rank need enable_lora=True")
+    return config
+  return dataclasses.replace(config, max_loras=max_loras or config.max_loras or 1,
+                             max_lora_rank=max_lora_rank or config.max_lora_rank)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,9 @@ A new request walks its prompt page by page and reuses every page whose key is c
 rest is prefilled. When no free page is left, the least recently freed cached page is evicted.
 
 A request's cache salt (vLLM's `cache_salt`) is mixed into its first page's key: only requests
-with the same salt share pages, whatever their tokens.
+with the same salt share pages, whatever their tokens. So is its LoRA adapter (`lora`, the
+adapter's LoRARequest.cache_key): KV computed under one adapter is never another's, nor the base
+model's.
 """
 
 from __future__ import annotations
@@ -36,17 +38,24 @@ def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
   return hashlib.sha256(parent + np.asarray(token_ids, "<i4").tobytes()).digest()
 
 
-def root_key(cache_salt: str | None) -> bytes:
-  """The parent key of a sequence's first page: zeros, or a salt's own."""
-  if not cache_salt:
-    return _ROOT_HASH
-  return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+def root_key(cache_salt: str | None, lora: str | None = None) -> bytes:
+  """The parent key of a sequence's first page: zeros, or a salt's own; then an adapter's."""
+  key = _ROOT_HASH
+  if cache_salt:
+    key = hashlib.sha256(b"cache_salt\0" + _utf8(cache_salt)).digest()
+  if lora:
+    key = hashlib.sha256(b"lora\0" + key + _utf8(lora)).digest()
+  return key
 
 
-def prefix_keys(token_ids: Sequence[int], page_size: int,
-                cache_salt: str | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+def _utf8(s: str) -> bytes:
+  return s.encode("utf-8", "surrogatepass")
+
+
+def prefix_keys(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None,
+                lora: str | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
   """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily."""
-  parent = root_key(cache_salt)
+  parent = root_key(cache_salt, lora)
   for i in range((len(token_ids) - 1) // page_size):
     tokens = tuple(token_ids[i * page_size:(i + 1) * page_size])
     parent = page_hash(parent, tokens)
@@ -91,7 +100,8 @@ class PageAllocator:
   def ref_count(self, page: int) -> int:
     return self._ref[page]
 
-  def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+  def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                   lora: str | None = None) -> list[int]:
     """The cached pages that hold a prefix of `token_ids`.
 
     The page holding the last token never matches: its prefill samples the next token, and
@@ -100,7 +110,7 @@ class PageAllocator:
     if not self.enable_prefix_caching:
       return []
     hits = []
-    for key, tokens in prefix_keys(token_ids, self.page_size, cache_salt):
+    for key, tokens in prefix_keys(token_ids, self.page_size, cache_salt, lora):
       page = self.find(key, tokens)
       if page is None:
         break
@@ -166,7 +176,7 @@ class PageAllocator:
     self._ref[page] += 1
 
   def cache_pages(self, table: Sequence[int], token_ids: Sequence[int], start: int, end: int,
-                  cache_salt: str | None = None):
+                  cache_salt: str | None = None, lora: str | None = None):
     """Registers pages [start, end) of `table`, now full of the KV of `token_ids`, by hash.
 
     Pages [0, start) must be registered already (their keys chain into these). If another page
@@ -175,7 +185,7 @@ class PageAllocator:
     if not self.enable_prefix_caching:
       return
     bs = self.page_size
-    parent = self._hash[table[start - 1]] if start else root_key(cache_salt)
+    parent = self._hash[table[start - 1]] if start else root_key(cache_salt, lora)
     for i in range(start, end):
       tokens = tuple(token_ids[i * bs:(i + 1) * bs])
       parent = page_hash(parent, tokens)

@@ -51,6 +51,7 @@ class PrefillChunk:
   # case start) may be a step behind. With a draft model the proposals are placeholders the
   # engine writes its draft's proposals over. The sampling settings are the slot's too.
   num_drafts: int = 0
+  lora_slot: int = 0  # The device slot of the request's LoRA adapter (0: the base model).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,11 @@ class StepPlan:
   # Slots released since the last plan: their requests left. Nothing to do on the real engine
   # (a slot decodes only when a plan lists it); an engine that keeps per-slot state drops it.
   free_slots: Sequence[int] = ()
+  # LoRA: each decode slot's adapter slot, parallel to decode_slots (empty: all the base model);
+  # and (adapter slot, adapter id) pairs the engine writes before the step runs, so this step
+  # and every later one find the adapter there (Engine.add_lora gave it the weights).
+  decode_loras: Sequence[int] = ()
+  lora_loads: Sequence[tuple[int, int]] = ()
 
   @property
   def is_empty(self) -> bool:
@@ -114,6 +120,7 @@ class EngineInfo:
   window: int | None = None
   num_window_pages: int = 0
   speculative: SpeculativeConfig | None = None  # Set: decode rows may be verified chunks.
+  max_loras: int = 0  # LoRA adapter slots (1..max_loras; 0 is the base model). 0: no LoRA.
 
   @property
   def page_groups(self) -> int:
@@ -134,5 +141,14 @@ class Engine(Protocol):
     [samples, ceil(V/32)] int32, rows in that order: the tokens each sample may be (bit t % 32
     of word t // 32); None, or an all-ones row, leaves a sample free. The runner passes one only
     when a sample is constrained, so an engine without constraints may omit it. Only an engine
-    whose info.speculative is set gets chunks with drafts."""
+    whose info.speculative is set gets chunks with drafts. Only an engine whose info.max_loras
+    is set gets lora slots and loads, of adapters given to it by `add_lora`."""
+    ...
+
+  def add_lora(self, lora_id: int, adapter) -> None:
+    """Keeps a host copy of adapter `lora_id` (loading.lora.LoraAdapter) for plans to load."""
+    ...
+
+  def remove_lora(self, lora_id: int) -> None:
+    """Drops the host copy; no plan loads it again until it is added again."""
     ...

@@ -18,7 +18,7 @@ import enum
 import time
 from typing import Any, Sequence
 
-from jaxserve.config import SamplingParams
+from jaxserve.config import LoRARequest, SamplingParams
 
 MAX_BACKOFF_STEPS = 64  # The longest a request whose proposals fail goes without proposing.
 
@@ -135,6 +135,10 @@ class Request:
   constraint_error: str | None = None
   # Shares prefix-cache pages only with requests of the same salt (vLLM's cache_salt).
   cache_salt: str | None = None
+  # The LoRA adapter it runs under (None: the base model), and the engine slot that holds it
+  # while the request runs (lora_slots.py; 0 otherwise).
+  lora: LoRARequest | None = None
+  lora_slot: int = 0
   # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.
   max_num_tokens: int = dataclasses.field(init=False)
 

@@ -33,11 +33,12 @@ from jaxserve.batching.request import (
   FinishReason,
   Request,
   RequestOutput,
+  RequestRejected,
   TokenLogprobs,
 )
 from jaxserve.batching.scheduler import ScheduledStep, Scheduler
 from jaxserve.batching.stop import Detokenizer, OutputText
-from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.config import LoRARequest, SamplingParams, SchedulerConfig
 from jaxserve.text.constraint import Grammar
 from jaxserve.text.detokenizer import IncrementalDetokenizer
 
@@ -73,6 +74,7 @@ class Runner:
     # prefill chunks come back, handed out with the first output.
     self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     self.constraints = Constraints(tokenizer, engine.info.vocab_size, engine.info.num_slots)
+    self.loras: dict[int, LoRARequest] = {}  # Adapters added to the engine, by id.
 
   @property
   def engine_info(self) -> EngineInfo:
@@ -85,18 +87,22 @@ class Runner:
   def new_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                   request_id: str | None = None, priority: int = 0,
                   cache_salt: str | None = None,
-                  grammar: Grammar | None = None) -> Request:
+                  grammar: Grammar | None = None, lora: LoRARequest | None = None) -> Request:
     """Builds a request, or raises RequestRejected if it could never run. Reads only fixed
     limits, so another thread may call it while this one steps. `grammar`: sampling.constraint
-    compiled already (the serving core's, in a worker thread); else it is compiled here."""
+    compiled already (the serving core's, in a worker thread); else it is compiled here.
+    `lora`: the adapter it runs under, one `add_lora` added."""
     self.scheduler.check(len(prompt_ids), sampling)
+    if lora is not None and self.loras.get(lora.lora_int_id) != lora:
+      raise RequestRejected(f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not "
+                            "loaded")
     if sampling.constraint is not None and grammar is None:  # A ValueError naming the problem.
       grammar = self.constraints.grammar(sampling.constraint, sampling.allowed_token_ids)
     seq = next(self._arrivals)
     seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
     return Request(request_id if request_id is not None else f"req-{seq}-{secrets.token_hex(4)}",
                    tuple(prompt_ids), sampling, seed, seq, priority, grammar=grammar,
-                   cache_salt=cache_salt)
+                   cache_salt=cache_salt, lora=lora)
 
   def submit(self, req: Request) -> None:
     """Queues a request made by `new_request`."""
@@ -115,6 +121,30 @@ class Runner:
     req = self.new_request(prompt_ids, sampling, request_id, priority)
     self.submit(req)
     return req
+
+  def add_lora(self, lora: LoRARequest, adapter: Any) -> None:
+    """Makes adapter `lora` available to requests; `adapter`: its weights as the engine takes
+    them (loading.lora.LoraAdapter). Raises ValueError for an id added under another name or
+    path (remove it first)."""
+    known = self.loras.get(lora.lora_int_id)
+    if known is not None and known != lora:
+      raise ValueError(f"LoRA adapter id {lora.lora_int_id} is {known.lora_name!r} already")
+    self.engine.add_lora(lora.lora_int_id, adapter)
+    self.loras[lora.lora_int_id] = lora
+
+  def remove_lora(self, lora_id: int) -> bool:
+    """Removes an adapter; False if it was not added. Raises ValueError while an unfinished
+    request uses it."""
+    if lora_id not in self.loras:
+      return False
+    users = [r.request_id for r in self._requests.values()
+             if r.lora is not None and r.lora.lora_int_id == lora_id]
+    if users:
+      raise ValueError(f"LoRA adapter id {lora_id} is in use by {len(users)} requests")
+    self.scheduler.loras.forget(lora_id)
+    self.engine.remove_lora(lora_id)
+    del self.loras[lora_id]
+    return True
 
   def abort(self, request_id: str) -> bool:
     """Stops a request in any state; its last output (finish reason ABORT) comes from the next
@@ -137,10 +167,10 @@ class Runner:
       self.scheduler.pages.events.flush()
     return outputs
 
-  def generate(self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Completion]:
-    """Runs every (prompt_ids, sampling) to completion; results in input order. Every prompt is
-    checked before any runs."""
-    reqs = [self.new_request(ids, sampling) for ids, sampling in prompts]
+  def generate(self, prompts: Sequence[tuple]) -> list[Completion]:
+    """Runs every (prompt_ids, sampling) or (prompt_ids, sampling, LoRARequest or None) to
+    completion; results in input order. Every prompt is checked before any runs."""
+    reqs = [self.new_request(p[0], p[1], lora=p[2] if len(p) > 2 else None) for p in prompts]
     outputs = {r.request_id: [] for r in reqs}
     queued = collections.deque(reqs)
     while queued or self.has_unfinished:
@@ -152,7 +182,7 @@ class Runner:
 
   def _dispatch(self, scheduled: ScheduledStep) -> _Dispatched | None:
     plan = scheduled.plan
-    if plan.is_empty and not plan.free_slots:
+    if plan.is_empty and not plan.free_slots and not plan.lora_loads:
       return None
     # The future's rows: the decode slots, then the chunks that end their prompts.
     pairs = list(zip(plan.prefills, scheduled.prefill_requests))

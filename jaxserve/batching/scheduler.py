@@ -33,6 +33,7 @@ import heapq
 import time
 from typing import Sequence
 
+from jaxserve.batching.lora_slots import LoraSlots
 from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
@@ -74,6 +75,9 @@ class Scheduler:
     # need window pages its last query already let go.
     self.speculative = info.speculative if info.window is None else None
     self.spec_stats = SpecStats(self.speculative.num_speculative_tokens if self.speculative else 0)
+    # LoRA adapters' device slots (None: the engine has none), and the loads of the next plan.
+    self.loras = LoraSlots(info.max_loras) if info.max_loras else None
+    self._lora_loads: list[tuple[int, int]] = []
 
   @property
   def pages(self):
@@ -112,6 +116,9 @@ class Scheduler:
 
   def add(self, req: Request) -> None:
     self.check(req.num_prompt_tokens, req.sampling)
+    if req.lora is not None and self.loras is None:
+      raise RequestRejected(f"LoRA adapter {req.lora.lora_name!r}: this engine runs no adapters "
+                            "(max_loras is 0)")
     if len(self.waiting) >= self.config.max_queue_len:
       raise QueueFull(f"{len(self.waiting)} requests are waiting already (max_queue_len)")
     self.waiting.push(req)
@@ -176,7 +183,10 @@ class Scheduler:
       chunks, prefill_reqs = chunks + more, prefill_reqs + more_reqs
     tables = self.pools.slot_tables() if decodes else None
     released, self._released = tuple(self._released), []
-    plan = StepPlan(tuple(chunks), tuple(r.slot for r in decodes), tables, released)
+    loads, self._lora_loads = tuple(self._lora_loads), []
+    decode_loras = tuple(r.lora_slot for r in decodes) if self.loras else ()
+    plan = StepPlan(tuple(chunks), tuple(r.slot for r in decodes), tables, released,
+                    decode_loras, loads)
     return ScheduledStep(plan, tuple(prefill_reqs), tuple(decodes))
 
   def _scoring_turn(self) -> bool:
@@ -279,14 +289,21 @@ class Scheduler:
     position computed: the cache keeps KV, not logits (as vLLM), so such a request reuses none."""
     if not self._free_slots:
       return None
+    if req.lora is not None and not self.loras.can_take(req.lora.lora_int_id):
+      return None  # Every adapter slot is in use: it waits for one (lora_slots.py).
+    lora = None if req.lora is None else req.lora.cache_key
     hits = [] if _wants_prompt_logprobs(req) else self.pools.match(req.all_token_ids,
-                                                                   req.cache_salt)
+                                                                   req.cache_salt, lora)
     # The reserve is headroom for other requests' decode; alone, a request may use every page.
     reserve = self.config.reserve_pages if self.running else 0
     return hits if self.pools.can_allocate(req.all_token_ids, hits, reserve) else None
 
   def _admit(self, req: Request, hits: list[int]) -> None:
     req.slot = heapq.heappop(self._free_slots)
+    if req.lora is not None:
+      req.lora_slot, load = self.loras.acquire(req.lora.lora_int_id)
+      if load:
+        self._lora_loads.append((req.lora_slot, req.lora.lora_int_id))
     num_cached = self.pools.allocate(req, req.slot, hits)
     req.num_prefill_tokens = len(req.all_token_ids)
     req.num_computed_tokens = num_cached
@@ -311,7 +328,8 @@ class Scheduler:
         tuple(req.page_table), is_last, req.sampling, req.seed,
         prompt_token_ids=req.prompt_token_ids if is_last else (),
         output_token_ids=tuple(req.output_token_ids) if is_last else (),
-        prompt_logprob_targets=targets, window_table=tuple(req.window_table)))
+        prompt_logprob_targets=targets, window_table=tuple(req.window_table),
+        lora_slot=req.lora_slot))
     reqs.append(req)
     self.num_prefill_tokens += end - start
     req.num_computed_tokens = end
@@ -332,6 +350,9 @@ class Scheduler:
     heapq.heappush(self._free_slots, req.slot)
     self._released.append(req.slot)
     req.slot = None
+    if req.lora_slot:
+      self.loras.release(req.lora_slot)
+      req.lora_slot = 0
 
 
 def _wants_prompt_logprobs(req: Request) -> bool:

@@ -42,11 +42,12 @@ class PagePools:
 
   # Admission.
 
-  def match(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+  def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
+            lora: str | None = None) -> list[int]:
     """The cached full-pool pages a request for `token_ids` may reuse: its longest cached
     prefix, and with window pages only as much of it as the window pool still holds the window
     of (the pages the first position to compute attends to). Made once per admission."""
-    hits = self.full.match_prefix(token_ids, cache_salt)
+    hits = self.full.match_prefix(token_ids, cache_salt, lora)
     if self.window:
       while hits and not all(self._cached_window_page(hits, token_ids, i) is not None
                              for i in range(self._first_window_page(len(hits) * self.page_size),
@@ -112,7 +113,8 @@ class PagePools:
     tokens are known and their KV writes dispatched. Window pages still held are registered
     under the same keys, so their local layers' KV is findable too."""
     start, tokens = req.num_cached_pages, req.all_token_ids
-    self.full.cache_pages(req.page_table, tokens, start, num_full, req.cache_salt)
+    self.full.cache_pages(req.page_table, tokens, start, num_full, req.cache_salt,
+                          None if req.lora is None else req.lora.cache_key)
     for i in range(start, min(num_full, len(req.window_table))):
       if req.window_table[i]:
         self.window_pool.register(req.window_table[i], self.full.key_of(req.page_table[i]),

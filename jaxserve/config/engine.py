@@ -157,6 +157,10 @@ class EngineConfig:
   # and its 16- and 64-slot steps 0.99x and 0.94x, at 2.1x the warm-up (BENCHMARKS.md, "Layers
   # unrolled on CPU"); quantized weights unrolled are far slower.
   unroll_layers: bool = False
+  # LoRA adapters (config/lora.py): device slots for adapters at once (0: LoRA off, the programs
+  # and arrays as without it), and the rank every slot is padded to.
+  max_loras: int = 0
+  max_lora_rank: int = 16
 
   def __post_init__(self):
     if not isinstance(self.quantization, Quantization):
@@ -186,6 +190,15 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.dp ({self.dp}) must divide num_slots ({self.num_slots})")
     if self.attention_backend is not None:
       self.check_backend(self.attention_backend)
+    self._check_lora()
+
+  def _check_lora(self) -> None:
+    if self.max_loras < 0 or self.max_lora_rank < 1:
+      raise ValueError(f"EngineConfig.max_loras must be >= 0 and max_lora_rank >= 1, got "
+                       f"{self.max_loras} and {self.max_lora_rank}")
+    if self.max_loras and (self.speculative is not None or self.tp * self.dp * self.ep > 1):
+      raise ValueError("LoRA (max_loras > 0) does not run with speculative decoding or with "
+                       "tp, dp or ep > 1 yet")
 
   def check_backend(self, backend: AttentionBackend) -> None:
     """Raises ValueError naming the problem when `backend` cannot run this config: the Pallas

@@ -134,5 +134,7 @@ def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
   if mesh is not None:
     shardings = placement.EngineShardings.create(mesh, model, config, params, state)
   packer = Packer(config, model.vocab_size, kv_cache.slot_page_tables(config), cache.PAGE_GROUPS)
-  fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef)
+  # With LoRA the params a step takes are (the model's, the adapters': engine/adapters.py).
+  fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef,
+                         lora=config.max_loras > 0)
   return Assembly(model, config, fn, packer, cache, state, shardings, draft_model)

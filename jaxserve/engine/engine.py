@@ -26,7 +26,7 @@ from jaxserve.config import (
   ModelConfig,
   default_attention_backend,
 )
-from jaxserve.engine import assembly, placement
+from jaxserve.engine import adapters, assembly, placement
 from jaxserve.engine.draft import check_draft
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step_args import StepArgs
@@ -165,6 +165,7 @@ class Engine:
     backend = config.attention_backend or default_backend()
     config = within_model(engine_config_for(config, backend), model.cfg)
     check_draft(config, model.cfg, None if draft is None else draft.cfg)
+    adapters.check_model(model, config)
     if config.num_pages is None:
       config = size_kv_pool(config, model, draft)
     self.model_config: ModelConfig = model.cfg
@@ -178,6 +179,7 @@ class Engine:
     self.assembly, params = _assemble(model, draft, config, backend)
     self.shardings = self.assembly.shardings
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
+    self.loras = adapters.DeviceLoras.of(model.cfg, config)  # LoRA adapters; None without.
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
@@ -204,7 +206,7 @@ class Engine:
                       c.prefill_buckets, c.dtype.value, c.max_prefill_seqs,
                       window=self.model_config.sliding_window if windowed else None,
                       num_window_pages=self.cache.window.num_pages if windowed else 0,
-                      speculative=c.speculative)
+                      speculative=c.speculative, max_loras=c.max_loras)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
            run=None) -> TokenFuture | None:
@@ -213,6 +215,8 @@ class Engine:
     sample's allowed tokens, in that order (None: all free). A plan with nothing to run (only
     free slots, which need no device work) makes no call: None. `run` (multihost's) makes the
     call in place of `run_step`."""
+    for slot, lora_id in plan.lora_loads:  # Before the step: it may run the adapter.
+      self.loras.load(slot, lora_id)
     if plan.is_empty:
       return None
     args, rows = self.step_args(plan, bitmask)
@@ -229,7 +233,8 @@ class Engine:
                chunk_lens: Sequence[int] = ()) -> TokenFuture:
     """`chunk_lens`: the plan's chunks' lengths, which place them on a scoring step's token
     axis."""
-    inputs = (self.params, self.cache, self.state, args, self.stop_ids)
+    params = self.params if self.loras is None else (self.params, self.loras.weights)
+    inputs = (params, self.cache, self.state, args, self.stop_ids)
     if args.verify_rows is not None:
       self.cache, self.state, out, verified = self._step_scored(*inputs)
       return VerifiedFuture(out, rows, verified)
@@ -239,12 +244,24 @@ class Engine:
     self.cache, self.state, out, prompt = self._step_scored(*inputs)
     return ScoredFuture(out, rows, prompt, chunk_lens)
 
+  def add_lora(self, lora_id: int, adapter) -> None:
+    """A host copy of adapter `lora_id` (loading.lora.LoraAdapter), for plans to load."""
+    if self.loras is None:
+      raise ValueError("LoRA is off: build the engine with EngineConfig(max_loras=N)")
+    self.loras.add(lora_id, adapter)
+
+  def remove_lora(self, lora_id: int) -> None:
+    if self.loras is not None:
+      self.loras.remove(lora_id)
+
   def warmup(self) -> None:
     """Compiles every program of the assembly (each step shape, and the scoring variant of the
     prefill-only ones): the list `plan --compile` compiles too. Runs only padding: writes only
     to the scratch page."""
     for program in self.assembly.programs():
       self.run_step(program.args, [])
+    if self.loras is not None:
+      self.loras.warmup()
     jax.block_until_ready(self.state)  # An output of the last step: it has run.
 
 

@@ -25,6 +25,7 @@ from jaxserve.engine.sampling_state import SamplingState
 from jaxserve.engine.verify import sample_verifying
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
+from jaxserve.model.lora import LoraRows
 
 
 @jax.tree_util.register_dataclass
@@ -41,12 +42,12 @@ class DecodeState:
 
 
 def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: DecodeState, args,
-         stop_ids, *, attn: AttentionSpec, draft=None):
+         stop_ids, *, attn: AttentionSpec, draft=None, lora: bool = False):
   """args: engine.step_args.StepArgs of device arrays -> (cache, state, out [B, 2 + 2 * n]), and
   PromptLogprobs [Tp] last when args.prefill_targets is set, or verify.Verified.packed when
   args.verify_rows is (a verifying step, engine/verify.py). draft: the draft model's graphdef
-  (speculative method "draft", engine/draft.py); params is then (the target's, the draft's)
-  and cache a DraftedKV.
+  (speculative method "draft", engine/draft.py); params is then (the target's, the draft's) and
+  cache a DraftedKV. lora (max_loras > 0): the model's params carry its adapters (_model).
 
   out: every sequence's Sampled values in one int32 array, one transfer (engine.TokenFuture)."""
   Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
@@ -67,8 +68,8 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
                                           stop_ids, attn)
   meta = _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, cache.page_size,
                    cache.PAGE_GROUPS)
-  model = nnx.merge(graphdef, params)
-  logits, cache, prompt, every = _forward(model, tokens, cache, meta, attn, args)
+  model, adapters = _model(graphdef, params, args, lora)
+  logits, cache, prompt, every = _forward(model, tokens, cache, meta, attn, args, adapters)
   if draft is not None:  # The draft sees every token the target sees.
     cache = DraftedKV(cache, follow(drafter, draft_cache, tokens, meta, attn))
   targets = jnp.where(samples, slots, Bs)
@@ -80,6 +81,15 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
         model, every, rows, meta, starts, kv_lens, live, args, stop_ids, sampling, targets)
   state = _write_back(state, sampling, next_tokens, targets, next_lens)
   return (cache, state, pack_sampled(sampled)) + (() if prompt is None else (prompt,))
+
+
+def _model(graphdef, params, args, lora: bool) -> tuple:
+  """(the model, LoraRows or None): with LoRA, params is (the model's, model.lora.LoraWeights)
+  and args.lora_slots [T] each token's adapter slot."""
+  if not lora:
+    return nnx.merge(graphdef, params), None
+  params, weights = params
+  return nnx.merge(graphdef, params), LoraRows.of(weights, args.lora_slots)
 
 
 def _sequences(state: DecodeState, args, live, mine):
@@ -139,14 +149,16 @@ def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
       num_decode_rows=args.decode_slots.shape[0])
 
 
-def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args):
+def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args,
+             adapters: LoraRows | None):
   """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None, and None); in a
   verifying step (None, cache, None, the last layer's output [T, D] at every row)."""
+  extra = {} if adapters is None else {"lora": adapters}  # Gemma 3 takes no adapters.
   if args.prefill_targets is None and args.verify_rows is None:
-    logits, cache = model(tokens[None], cache, meta, attn)  # [B, V]
+    logits, cache = model(tokens[None], cache, meta, attn, **extra)  # [B, V]
     return logits, cache, None, None
   # Every position's output [1, T, D], for the prompt's scores (in blocks) or the verified runs.
-  every, cache = model(tokens[None], cache, meta, attn, hidden=True)
+  every, cache = model(tokens[None], cache, meta, attn, hidden=True, **extra)
   if args.verify_rows is not None:  # Its logits come with the verified rows' (verify.py).
     return None, cache, None, every[0]
   logits = model.head(every[0, meta.sample_rows])

@@ -68,6 +68,9 @@ class StepArgs(NamedTuple):
   # (-1: none, which no token equals).
   verify_rows: np.ndarray | None = None
   verify_drafts: np.ndarray | None = None
+  # With LoRA (EngineConfig.max_loras > 0), else None: [Bd + Tp] int32, each token's adapter
+  # slot (0: the base model, and every padding token).
+  lora_slots: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +166,8 @@ class Packer:
       args = args._replace(prefill_targets=_prompt_targets(chunks, Tp))
     if any(ch.num_drafts for ch in chunks):
       args = args._replace(**self._verified(chunks, Bd, args.prefill_slots.shape[0]))
+    if c.max_loras:
+      args = args._replace(lora_slots=_lora_slots(plan, rows, Tp))
     return args, samples
 
   def _bitmask(self, B: int, samples: list[int], bitmask: np.ndarray | None) -> np.ndarray:
@@ -219,6 +224,8 @@ class Packer:
                     prefill_targets=targets)
     if verified:
       args = args._replace(**self._verified([], Bd, args.prefill_slots.shape[0]))
+    if self.config.max_loras:
+      args = args._replace(lora_slots=np.zeros(Bd + Tp, np.int32))
     return args._replace(bitmask=self._all_allowed(Bd + args.prefill_slots.shape[0]))
 
   def _all_allowed(self, B: int) -> np.ndarray:
@@ -304,6 +311,19 @@ def _prompt_targets(chunks: Sequence[PrefillChunk], Tp: int) -> np.ndarray:
     targets[at:at + len(ch.prompt_logprob_targets)] = ch.prompt_logprob_targets
     at += len(ch.token_ids)
   return targets
+
+
+def _lora_slots(plan: StepPlan, rows: np.ndarray, Tp: int) -> np.ndarray:
+  """[Bd + Tp] int32: each decode row's adapter slot (rows: its decode slots, Bs padding),
+  then each prefill token's; 0 (the base model) for padding."""
+  of_slot = dict(zip(plan.decode_slots, plan.decode_loras))
+  out = np.zeros(len(rows) + Tp, np.int32)
+  out[:len(rows)] = [of_slot.get(s, 0) for s in rows.tolist()]
+  at = len(rows)
+  for ch in plan.prefills:
+    out[at:at + len(ch.token_ids)] = ch.lora_slot
+    at += len(ch.token_ids)
+  return out
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:

@@ -16,6 +16,10 @@ Mixture-of-experts letters (model/moe.py):
   Ex: experts    Ek: experts each token is routed to (top-k)    Fe: an expert's hidden dim
   M: routed rows (T * Ek: each token once per expert it is routed to), sorted by expert
 
+LoRA letters (model/lora.py; its einsums spell them s, r, i, o):
+  Sl: adapter slots (max_loras + 1; slot 0 is the base model)    R: LoRA rank (max_lora_rank)
+  I, O: a projection's input and output widths (D, N * H, K * H or F)
+
 Engine letters (a step packs decode rows, then prefill sequences, on one axis):
   Bd: a step's decode rows    Bp: a step's prefill sequences (B = Bd + Bp)
   Tp: a step's prefill tokens, a prefill bucket (the packed token axis: T = Bd + Tp)

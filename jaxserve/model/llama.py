@@ -20,6 +20,7 @@ from flax import nnx
 from jaxserve.config import LongRope, ModelConfig
 from jaxserve.model import attention, moe, quant
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.lora import LoraRows
 
 
 def _param(rngs: nnx.Rngs, shape, names, dtype, fan_in: int | None = None) -> nnx.Param:
@@ -209,13 +210,15 @@ class DecoderLayer(nnx.Module):
       self.w_down = w("w_down", (F, D), ("mlp", "embed"), F)
 
   def __call__(self, x, layer, cache: KVCache, meta: attention.AttentionMetadata, inv_freq,
-               attn: attention.AttentionSpec):
-    """x [B, T, D] -> [B, T, D], with this layer's K/V written into `cache`."""
+               attn: attention.AttentionSpec, lora: LoraRows | None = None):
+    """x [B, T, D] -> [B, T, D], with this layer's K/V written into `cache`. `lora`: this
+    layer's adapters and each token's slot (model/lora.py), whose deltas join each projection."""
     cfg = self.cfg
+    proj = lambda spec, x, w, target: _with_lora(quant.linear(spec, x, w), x, lora, target)
     h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
-    q = quant.linear("BTD,DNH->BTNH", h, self.wq)
-    k = quant.linear("BTD,DKH->BTKH", h, self.wk)
-    v = quant.linear("BTD,DKH->BTKH", h, self.wv)
+    q = proj("BTD,DNH->BTNH", h, self.wq, "wq")
+    k = proj("BTD,DKH->BTKH", h, self.wk, "wk")
+    v = proj("BTD,DKH->BTKH", h, self.wv, "wv")
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
     if cfg.qk_norm:  # Per head, before RoPE (Qwen3).
@@ -228,22 +231,28 @@ class DecoderLayer(nnx.Module):
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
                                   local_window=window)  # [B, T, N, H]
     out = out.astype(x.dtype)
-    x = x + quant.linear_heads(out, self.wo)
+    x = x + _with_lora(quant.linear_heads(out, self.wo), out, lora, "wo")
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
-    return x + self._mlp(h, attn), cache
+    return x + self._mlp(h, attn, lora), cache
 
-  def _mlp(self, h_BTD, attn: attention.AttentionSpec):
+  def _mlp(self, h_BTD, attn: attention.AttentionSpec, lora: LoraRows | None):
     cfg = self.cfg
     if not cfg.num_experts:
-      gate = jax.nn.silu(quant.linear("BTD,DF->BTF", h_BTD, self.w_gate))
-      up = quant.linear("BTD,DF->BTF", h_BTD, self.w_up)
-      return quant.linear("BTF,FD->BTD", gate * up, self.w_down)
+      proj = lambda spec, x, w, target: _with_lora(quant.linear(spec, x, w), x, lora, target)
+      gate = jax.nn.silu(proj("BTD,DF->BTF", h_BTD, self.w_gate, "w_gate"))
+      up = proj("BTD,DF->BTF", h_BTD, self.w_up, "w_up")
+      return proj("BTF,FD->BTD", gate * up, self.w_down, "w_down")
     B, T, D = h_BTD.shape
     h_TD = h_BTD.reshape(B * T, D)
     weights, experts = moe.route(h_TD, self.router[...], cfg.experts_per_token, cfg.norm_topk)
     out = moe.experts_mlp(h_TD, weights, experts, self.we_gate[...], self.we_up[...],
                           self.we_down[...], attn.mesh)
     return out.reshape(B, T, D)
+
+
+def _with_lora(y, x, lora: LoraRows | None, target: str):
+  """y = x's base projection, plus its tokens' adapters' deltas when there are adapters."""
+  return y if lora is None else lora.add(target, x, y)
 
 
 class Transformer(nnx.Module):
@@ -265,17 +274,20 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True,
-               hidden: bool = False):
+               hidden: bool = False, lora: LoraRows | None = None):
     """tokens [1, T] -> logits [B, V] at each sequence's last new token (meta.sample_rows), or
     [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
-    the cache."""
+    the cache. `lora`: each token's adapter slot and the stacked adapters (model/lora.py)."""
     x = quant.embed(tokens, self.embed, self.final_norm[...].dtype)  # [B, T, D]
     inv_freq = rope_frequencies(self.cfg, meta)
-    def body(layer, carry, i):
+    def body(layer, carry, xs):
       x, cache = carry
-      return layer(x, i, cache, meta, inv_freq, attn)
+      i, weights = xs
+      rows = None if lora is None else lora.at_layer(weights)
+      return layer(x, i, cache, meta, inv_freq, attn, rows)
 
-    x, cache = run_layers(self.layers, (x, cache), jnp.arange(self.cfg.num_layers), body)
+    xs = (jnp.arange(self.cfg.num_layers), None if lora is None else lora.weights)
+    x, cache = run_layers(self.layers, (x, cache), xs, body)
     if hidden:
       return x, cache
     return self.head(x[0, meta.sample_rows] if last_only else x), cache  # [B, D] or [1, T, D]

@@ -1,0 +1,286 @@
+"""LoRA adapters against peft: tiny random Llama and Qwen3 models built by transformers from a
+config, adapters created by peft itself (random A and B, init_lora_weights=False) and saved as
+PEFT writes them, loaded by jaxserve. Greedy tokens and their logprobs for batches that mix the
+base model and several adapters equal peft's for each request alone; so after an adapter is
+removed and added again, and after LRU eviction (more adapters than slots); nothing compiles
+after warm-up; a prefix cached under one adapter is never another's; bad adapters are refused by
+name."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.batching.request import RequestRejected
+from jaxserve.batching.runner import Runner
+from jaxserve.config import (
+  AttentionBackend,
+  EngineConfig,
+  LoRARequest,
+  SamplingParams,
+  SchedulerConfig,
+)
+from jaxserve.engine.engine import Engine
+from jaxserve.llm import LLM, lora_config
+from jaxserve.loading import checkpoint, quantize, weights
+from jaxserve.loading.lora import load_adapter
+from support import hf_tiny
+from support.mock_engine import MockTokenizer
+from support.tiny import count_compiles
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (name, LoraConfig kwargs): rank 8 on every projection, rank 16 with rsLoRA on attention and
+# down, rank 4 on the MLP's gate and up.
+ADAPTERS = [("a1", dict(r=8, lora_alpha=16, target_modules=ALL)),
+            ("a2", dict(r=16, lora_alpha=8, use_rslora=True,
+                        target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])),
+            ("a3", dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj"]))]
+FAMILIES = {"llama": ("LlamaConfig", hf_tiny.SMALL), "qwen3": hf_tiny.FAMILIES["qwen3"]}
+# Two adapter slots for three adapters: the third waits for a slot, then evicts one.
+ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=64, max_model_len=64,
+                      prefill_buckets=(16,), compilation_cache_dir=None,
+                      attention_backend=AttentionBackend.REFERENCE, max_loras=2,
+                      max_lora_rank=16)
+N = 8  # Tokens each request generates.
+GREEDY = SamplingParams(temperature=0, max_tokens=N, logprobs=1)
+
+
+def make_adapters(hf, root, adapters=ADAPTERS) -> dict:
+  """name -> (LoRARequest, the peft model): each adapter over its own copy of `hf`, saved."""
+  out = {}
+  for i, (name, kwargs) in enumerate(adapters, 1):
+    torch.manual_seed(i)
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(init_lora_weights=False,
+                                                                   **kwargs)).eval()
+    model.save_pretrained(root / name)
+    out[name] = (LoRARequest(name, i, str(root / name)), model)
+  return out
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def setup(request, tmp_path_factory):
+  """(transformers model, adapters by name, a warm engine with max_loras=2, its model config)."""
+  root = tmp_path_factory.mktemp(request.param)
+  hf = hf_tiny.build(*FAMILIES[request.param])
+  hf.save_pretrained(root / "base")
+  cfg, params = weights.load_hf_dir(root / "base")
+  engine = Engine(checkpoint.build_model(cfg, params), ENGINE)
+  engine.warmup()
+  return hf, make_adapters(hf, root), engine, cfg
+
+
+def reference(model, prompt: list[int], n: int = N) -> tuple[list[int], list[float]]:
+  """transformers' (or peft's) n greedy tokens alone, each the argmax of a full forward, and
+  each one's logprob."""
+  ids, logprobs = list(prompt), []
+  for _ in range(n):
+    x = hf_tiny.logits(model, ids)[-1].astype(np.float64)
+    x = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    ids.append(int(np.argmax(x)))
+    logprobs.append(float(x[ids[-1]]))
+  return ids[len(prompt):], logprobs
+
+
+def runner_of(engine, adapters, cfg) -> Runner:
+  runner = Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=16))
+  for lora, _ in adapters.values():
+    runner.add_lora(lora, load_adapter(lora.lora_path, cfg, ENGINE.max_lora_rank))
+  return runner
+
+
+def check(results, jobs, hf, adapters):
+  """Each result's tokens are its request's reference alone, each logprob within 1e-3."""
+  for result, (prompt, name) in zip(results, jobs):
+    tokens, logprobs = reference(hf if name is None else adapters[name][1], prompt)
+    assert list(result.token_ids) == tokens, name
+    assert np.allclose([lp.logprob for lp in result.logprobs], logprobs, atol=1e-3), name
+
+
+def test_mixed_batches_match_peft_alone(setup, checked):
+  """Base and adapter rows batched (prefills chunked, decodes together), three adapters over two
+  slots: one waits, one is evicted; then an adapter removed and added again; nothing compiles."""
+  hf, adapters, engine, cfg = setup
+  runner = checked(runner_of(engine, adapters, cfg))
+  rng = np.random.default_rng(0)
+  prompts = [[int(t) for t in rng.integers(0, hf_tiny.VOCAB, n)] for n in (23, 6, 11, 9, 14, 5)]
+  first = list(zip(prompts, [None, "a1", "a2", "a1", None, "a2"]))
+  second = list(zip(prompts, ["a3", "a1", "a3", None, "a2", "a3"]))
+  lora = lambda name: None if name is None else adapters[name][0]
+  with count_compiles() as counts:
+    one = runner.generate([(p, GREEDY, lora(n)) for p, n in first])
+    two = runner.generate([(p, GREEDY, lora(n)) for p, n in second])
+    assert runner.remove_lora(adapters["a1"][0].lora_int_id)
+    a1 = adapters["a1"][0]
+    runner.add_lora(a1, load_adapter(a1.lora_path, cfg, ENGINE.max_lora_rank))
+    three = runner.generate([(p, GREEDY, lora(n)) for p, n in first])
+  assert counts == {"trace": 0, "compile": 0}
+  assert runner.scheduler.loras.num_evictions >= 2
+  check(one, first, hf, adapters)
+  check(two, second, hf, adapters)
+  check(three, first, hf, adapters)
+
+
+def test_adapters_over_int8_base_weights_run_as_over_their_float_values(tmp_path, checked):
+  """The delta is float beside a quantized base projection: int8 weights with adapters give the
+  tokens (and logprobs within 1e-3) of the same adapters over those weights dequantized."""
+  hf = hf_tiny.build(*FAMILIES["llama"])
+  hf.save_pretrained(tmp_path / "base")
+  cfg, params = weights.load_hf_dir(tmp_path / "base")
+  adapters = make_adapters(hf, tmp_path, ADAPTERS[:2])
+  jobs = [([3, 17, 99, 5, 42, 7, 8, 1, 2], name) for name in (None, "a1", "a2")]
+  outs = []
+  for stored in (quantize.to_int8(params), quantize.to_float(quantize.to_int8(params))):
+    engine = Engine(checkpoint.build_model(cfg, stored), ENGINE)
+    engine.warmup()
+    runner = checked(runner_of(engine, adapters, cfg))
+    outs.append(runner.generate([(p, GREEDY, n and adapters[n][0]) for p, n in jobs]))
+  assert quantize.is_quantized(quantize.to_int8(params))
+  for q, f in zip(*outs):
+    assert q.token_ids == f.token_ids
+    assert np.allclose([x.logprob for x in q.logprobs], [x.logprob for x in f.logprobs],
+                       atol=1e-3)
+  assert outs[0][1].token_ids != outs[0][0].token_ids  # The adapters do change the tokens.
+
+
+def test_a_prefix_cached_under_one_adapter_is_never_anothers(setup, checked):
+  """One 20-token prompt under the base model, a1, a2, then a1 again: only the last finds
+  cached pages (a1's own), and every output is its own adapter's."""
+  hf, adapters, engine, cfg = setup
+  runner = checked(runner_of(engine, adapters, cfg))
+  prompt = [int(t) for t in np.random.default_rng(1).integers(0, hf_tiny.VOCAB, 20)]
+  jobs = [(prompt, name) for name in (None, "a1", "a2", "a1")]
+  results = [runner.generate([(prompt, GREEDY, None if n is None else adapters[n][0])])[0]
+             for _, n in jobs]
+  assert [r.num_cached_tokens for r in results[:3]] == [0, 0, 0]
+  assert results[3].num_cached_tokens == 16  # Its 4 whole pages but the last token's.
+  check(results, jobs, hf, adapters)
+
+
+def test_a_request_for_an_adapter_not_added_is_refused(setup):
+  hf, adapters, engine, cfg = setup
+  runner = Runner(engine, MockTokenizer())
+  with pytest.raises(RequestRejected, match="'a1' .* is not loaded"):
+    runner.new_request([1, 2, 3], GREEDY, lora=adapters["a1"][0])
+
+
+def test_removing_an_adapter_in_use_is_refused(setup, checked):
+  hf, adapters, engine, cfg = setup
+  runner = checked(runner_of(engine, adapters, cfg))
+  a1 = adapters["a1"][0]
+  req = runner.new_request([1, 2, 3], GREEDY, lora=a1)
+  runner.submit(req)
+  runner.step()
+  with pytest.raises(ValueError, match="in use by 1 requests"):
+    runner.remove_lora(a1.lora_int_id)
+  while runner.has_unfinished:
+    runner.step()
+  assert runner.remove_lora(a1.lora_int_id)
+
+
+def test_an_engine_without_lora_refuses_adapter_requests(tmp_path):
+  hf = hf_tiny.build(*FAMILIES["llama"])
+  hf.save_pretrained(tmp_path)
+  engine = Engine(checkpoint.build_model(*weights.load_hf_dir(tmp_path)),
+                  EngineConfig(**{**ENGINE.__dict__, "max_loras": 0}))
+  with pytest.raises(ValueError, match="LoRA is off"):
+    engine.add_lora(1, None)
+  req = Runner(engine, MockTokenizer()).new_request([1, 2], GREEDY)
+  req.lora = LoRARequest("x", 1)
+  with pytest.raises(RequestRejected, match="runs no adapters"):
+    Runner(engine, MockTokenizer()).scheduler.add(req)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_loras=-1), dict(max_lora_rank=0),
+                                    dict(max_loras=2, tp=2)])
+def test_lora_engine_configs_it_cannot_run_are_refused(kwargs):
+  with pytest.raises(ValueError, match="max_lora|LoRA"):
+    EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("args", [("", 1), ("x", 0), ("x", True)])
+def test_lora_requests_are_checked(args):
+  with pytest.raises(ValueError, match="lora_name|lora_int_id"):
+    LoRARequest(*args)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+  """(transformers Llama, its jaxserve config, a folder for adapters)."""
+  root = tmp_path_factory.mktemp("bad")
+  hf = hf_tiny.build(*FAMILIES["llama"])
+  hf.save_pretrained(root / "base")
+  return hf, weights.load_hf_dir(root / "base")[0], root
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(r=16, target_modules=["q_proj"]), "rank 16 is more than max_lora_rank 8"),
+    (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(r=4, target_modules=["q_proj", "embed_tokens"]),
+     r"target_modules \['embed_tokens'\] are not supported"),
+    (dict(r=4, target_modules="lm_head"), "tensors jaxserve cannot apply .*lm_head"),
+    (dict(r=4, target_modules=["q_proj"], use_dora=True), "use_dora"),
+])
+def test_adapters_it_cannot_run_are_refused_by_name(base, kwargs, message):
+  hf, cfg, root = base
+  name = f"bad{abs(hash(message))}"
+  lora, _ = make_adapters(hf, root, [(name, kwargs)])[name]
+  with pytest.raises(ValueError, match=message):
+    load_adapter(lora.lora_path, cfg, max_rank=8)
+
+
+def test_missing_corrupt_or_misshapen_adapter_files_are_refused(base):
+  hf, cfg, root = base
+  with pytest.raises(ValueError, match="no adapter_config.json"):
+    load_adapter(root / "nowhere", cfg, 8)
+  lora, _ = make_adapters(hf, root, [("good", dict(r=4, target_modules=ALL))])["good"]
+  load_adapter(lora.lora_path, cfg, 8)  # As saved, it loads.
+  small = dict(FAMILIES["llama"][1], hidden_size=32, intermediate_size=48)
+  other, _ = make_adapters(hf_tiny.build("LlamaConfig", small), root,
+                           [("other", dict(r=4, target_modules=ALL))])["other"]
+  misfit = r"layer 0 w_\w+: lora_A \[4, \d+\] and lora_B \[\d+, 4\] do not fit the base model"
+  with pytest.raises(ValueError, match=misfit):
+    load_adapter(other.lora_path, cfg, 8)
+  tensors = root / "good" / "adapter_model.safetensors"
+  tensors.write_bytes(tensors.read_bytes()[:100])
+  with pytest.raises(ValueError, match="not a readable safetensors file"):
+    load_adapter(lora.lora_path, cfg, 8)
+  tensors.unlink()
+  with pytest.raises(ValueError, match="no adapter_model.safetensors"):
+    load_adapter(lora.lora_path, cfg, 8)
+  (root / "good" / "adapter_config.json").write_text(json.dumps({"r": "8"}))
+  with pytest.raises(ValueError, match="r must be an int"):
+    load_adapter(lora.lora_path, cfg, 8)
+
+
+def test_llm_generate_takes_lora_requests_as_vllms(default_model, tmp_path):
+  """LLM(..., enable_lora=True, max_loras=1).generate(texts, params, lora_request=[...]): one
+  adapter slot for two adapters and the base model, each text's tokens peft's alone."""
+  tokenizer = default_model[1]
+  hf = hf_tiny.build("LlamaConfig", dict(hf_tiny.SMALL, vocab_size=tokenizer.vocab_size))
+  hf.save_pretrained(tmp_path / "base")
+  tokenizer.save(tmp_path / "base")
+  adapters = make_adapters(hf, tmp_path, ADAPTERS[:2])
+  llm = LLM(str(tmp_path / "base"), engine_config=dataclasses.replace(ENGINE, max_loras=0),
+            enable_lora=True, max_loras=1)
+  assert (llm.engine.config.max_loras, llm.engine.config.max_lora_rank) == (1, 16)
+  texts = ["Roses are red", "The sky is", "Once upon a time"]
+  loras = [None, adapters["a1"][0], adapters["a2"][0]]
+  params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=1)
+  results = llm.generate(texts, params, lora_request=loras)
+  results += llm.generate(texts[:1], params, lora_request=adapters["a2"][0])
+  assert llm.list_loras() == {1, 2}
+  for text, lora, result in zip(texts + texts[:1], loras + loras[2:], results):
+    model = hf if lora is None else adapters[lora.lora_name][1]
+    tokens, logprobs = reference(model, llm.encode(text))
+    assert list(result.token_ids) == tokens
+    assert np.allclose([lp.logprob for lp in result.logprobs], logprobs, atol=1e-3)
+  assert llm.remove_lora(1) and llm.list_loras() == {2}
+  with pytest.raises(ValueError, match="need enable_lora"):
+    lora_config(EngineConfig(), False, 2, None)
