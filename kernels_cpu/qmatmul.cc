@@ -47,7 +47,6 @@ constexpr int kMaxRows = 8;
 namespace scalar {
 using F = float;
 constexpr int kLanes = 1;
-constexpr int kRegisters = 32;
 inline F Zero() { return 0.0f; }
 inline F Load(const float* p) { return *p; }
 inline void Store(float* p, F v) { *p = v; }
@@ -67,7 +66,6 @@ inline void LoadU4Pair(const uint8_t* p, F& lo, F& hi) {
 namespace avx2 {
 using F = __m256;
 constexpr int kLanes = 8;
-constexpr int kRegisters = 16;
 inline F Zero() { return _mm256_setzero_ps(); }
 inline F Load(const float* p) { return _mm256_loadu_ps(p); }
 inline void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
@@ -95,7 +93,6 @@ inline void LoadU4Pair(const uint8_t* p, F& lo, F& hi) {
 namespace avx512 {
 using F = __m512;
 constexpr int kLanes = 16;
-constexpr int kRegisters = 32;
 inline F Zero() { return _mm512_setzero_ps(); }
 inline F Load(const float* p) { return _mm512_loadu_ps(p); }
 inline void Store(float* p, F v) { _mm512_storeu_ps(p, v); }
@@ -186,7 +183,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const bool packed = values.element_type() == ffi::DataType::U8;
   if (packed && (nk || G % 2)) return ffi::Error::InvalidArgument("packed values: kn, even groups");
   const int8_t* v = static_cast<const int8_t*>(values.untyped_data()) + l * (packed ? K / 2 : K) * N;
-  std::vector<float> xsum(nk ? 0 : M * groups, 0.0f);  // kn tiles of few rows factor by group.
+  std::vector<float> xsum(nk ? 0 : M * groups, 0.0f);  // One-row kn tiles factor by group.
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
     const float* xg = x.typed_data() + (i / groups) * K + (i % groups) * G;
     for (int64_t k = 0; k < G; ++k) xsum[i] += xg[k];
