@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.experimental import topologies
 
+from jaxserve.model import quant
 from jaxserve.planning.chips import TARGETS, Platform, Target
 
 _SPECS = pathlib.Path(__file__).parent / "gpu_specs"
@@ -99,7 +100,8 @@ def lower(fn: Callable, abstract_args: Sequence[Any], device: jax.Device | None,
     device = jax.tree.leaves(shardings[0])[0].mesh.devices.flat[0]
     jit_options = {"out_shardings": out_shardings}
   options = dict(_COMPILER_OPTIONS[_PLATFORM_OF_DEVICE[device.platform]])
-  lowered = jax.jit(fn, donate_argnums=tuple(donate), **jit_options).lower(*args)
+  with quant.lowering_for(device.platform):
+    lowered = jax.jit(fn, donate_argnums=tuple(donate), **jit_options).lower(*args)
   return functools.partial(lowered.compile, options)
 
 

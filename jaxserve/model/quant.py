@@ -14,6 +14,8 @@ only inside the step, one layer at a time (XLA fuses the dequantization into the
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Mapping
@@ -109,10 +111,27 @@ def arrays(w: Quantized) -> tuple:
   return (kernels_cpu.reference.unpacked(out[0], w.packed_axis), *out[1:])
 
 
+# The platform the program being traced is lowered for, where it is not jax.default_backend()'s
+# (engine/targets.py compiles for a TPU or a GPU on this CPU): set by `lowering_for`.
+_LOWERING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowering_for",
+                                                                          default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+  """Traces inside it build a program for `platform` (a jax.Device.platform name)."""
+  token = _LOWERING_FOR.set(platform)
+  try:
+    yield
+  finally:
+    _LOWERING_FOR.reset(token)
+
+
 def reads_in_place() -> bool:
-  """Whether a quantized matmul runs kernels_cpu's kernel where a CPU lowers it: one device (a
-  mesh keeps XLA's path) and the library built."""
-  return jax.device_count() == 1 and kernels_cpu.available()
+  """Whether a quantized matmul runs kernels_cpu's kernel: the program runs on one CPU (a mesh
+  keeps XLA's path, and so do a GPU and a TPU) and the library is built."""
+  platform = _LOWERING_FOR.get() or jax.default_backend()
+  return platform == "cpu" and jax.device_count() == 1 and kernels_cpu.available()
 
 
 def is_stored(path, _) -> bool:
@@ -125,7 +144,7 @@ def packed_for_kernel(params: dict) -> dict:
   """`params` (numpy, weights.to_params' layout) with each stacked weight whose values are 4-bit
   without a sign (Q4_1, Q4_K) packed two a byte, which the CPU kernel reads at half the bytes:
   for a model that runs on one CPU with kernels_cpu built (else `params` as they are)."""
-  if not (jax.default_backend() == "cpu" and reads_in_place()):
+  if not reads_in_place():
     return params
   layers = dict(params["layers"])
   for name in STACKED:
