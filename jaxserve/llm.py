@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence, Union
+import functools
+from typing import Any, Callable, Sequence, Union
 
 from jaxserve.batching.request import Completion
 from jaxserve.batching.runner import Runner
@@ -81,9 +82,7 @@ class LLM:
     if not self.engine.config.max_loras:
       raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is off; build the LLM with "
                        "enable_lora=True")
-    adapter = lora_loading.load_adapter(lora.lora_path, self.model.cfg,
-                                        self.engine.config.max_lora_rank)
-    self.runner.add_lora(lora, adapter)
+    self.runner.add_lora(lora, lora_reader(self.model.cfg, self.engine.config)(lora.lora_path))
     return True
 
   def remove_lora(self, lora_id: int) -> bool:
@@ -105,6 +104,12 @@ def lora_config(config: EngineConfig, enable_lora: bool, max_loras: int | None,
                              max_lora_rank=max_lora_rank or config.max_lora_rank)
 
 
+def lora_reader(cfg, config: EngineConfig):
+  """read(path) -> the PEFT adapter at `path` as the engine takes it, or a ValueError (or
+  FileNotFoundError) naming the problem."""
+  return functools.partial(lora_loading.load_adapter, cfg=cfg, max_rank=config.max_lora_rank)
+
+
 @dataclasses.dataclass(frozen=True)
 class Loaded:
   """What `load_engine` returns, and what api.server.Server's `load` gives it: a warmed-up engine
@@ -113,18 +118,29 @@ class Loaded:
   engine: Any  # jaxserve.engine.engine.Engine, or any plan.Engine.
   tokenizer: Any
   model_name: str
+  # With LoRA on: read_lora(path) reads an adapter's folder (serving/adapters.py), and the
+  # adapters served from the start, (name, path, adapter) each (`serve --lora-modules`).
+  read_lora: Callable[[str], Any] | None = None
+  lora_modules: tuple[tuple[str, str, Any], ...] = ()
 
 
 def load_engine(model: str | None, engine_config: EngineConfig,
-                served_model_name: str | None = None) -> Loaded:
-  """`jaxserve serve`'s loader: the model, its engine compiled for every bucket, its tokenizer."""
+                served_model_name: str | None = None,
+                lora_modules: Sequence[tuple[str, str]] = ()) -> Loaded:
+  """`jaxserve serve`'s loader: the model, its engine compiled for every bucket, its tokenizer,
+  and the LoRA adapters (name, path) it serves from the start, each read (a ValueError naming
+  the problem) before any compile."""
   transformer, tokenizer = checkpoint.load_model(model, engine_config.dtype.value,
                                                  placement.mesh_for(engine_config),
                                                  engine_config.quantization)
+  if lora_modules and not engine_config.max_loras:
+    raise ValueError("LoRA modules need LoRA on (--enable-lora)")
+  read = lora_reader(transformer.cfg, engine_config) if engine_config.max_loras else None
+  modules = tuple((name, path, read(path)) for name, path in lora_modules)
   engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids,
                   draft=load_draft(engine_config, model, transformer, tokenizer))
   engine.warmup()
-  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name)
+  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules)
 
 
 def load_draft(engine_config: EngineConfig, model: str | None, transformer, tokenizer):

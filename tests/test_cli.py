@@ -69,3 +69,19 @@ def test_kv_dtype_flag_checks_against_the_platforms_default_backend():
   assert flags.engine_config(parse(), "gpu").page_size == 16
   config = flags.engine_config(parse("--kv-dtype", "int8", "--attention", "reference"), "gpu")
   assert (config.kv_dtype, config.attention_backend) == (KVDtype.INT8, AttentionBackend.REFERENCE)
+
+
+def test_serve_takes_vllms_lora_flags(capsys):
+  parse = lambda *extra: cli.build_parser().parse_args(["serve", *FLAGS[2:], *extra])
+  args = parse("--enable-lora", "--lora-modules", "a=/tmp/a", '{"name": "b", "path": "/tmp/b"}',
+               "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "8")
+  assert args.lora_modules == [("a", "/tmp/a"), ("b", "/tmp/b")]
+  config = flags.engine_config(args, "cpu")
+  assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (4, 32, 8)
+  assert flags.engine_config(parse("--enable-lora"), "cpu").max_loras == 1  # vLLM's default.
+  assert flags.engine_config(parse(), "cpu").max_loras == 0
+  with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+    flags.engine_config(parse("--lora-modules", "a=/tmp/a"), "cpu")
+  with pytest.raises(SystemExit):
+    parse("--enable-lora", "--lora-modules", "no-path")
+  assert "--lora-modules takes name=path" in capsys.readouterr().err

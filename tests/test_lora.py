@@ -34,34 +34,15 @@ from support.tiny import count_compiles
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
+from support.peft_lora import ADAPTERS, ALL, N, make_adapters, reference  # noqa: E402 (peft)
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# (name, LoraConfig kwargs): rank 8 on every projection, rank 16 with rsLoRA on attention and
-# down, rank 4 on the MLP's gate and up.
-ADAPTERS = [("a1", dict(r=8, lora_alpha=16, target_modules=ALL)),
-            ("a2", dict(r=16, lora_alpha=8, use_rslora=True,
-                        target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])),
-            ("a3", dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj"]))]
 FAMILIES = {"llama": ("LlamaConfig", hf_tiny.SMALL), "qwen3": hf_tiny.FAMILIES["qwen3"]}
 # Two adapter slots for three adapters: the third waits for a slot, then evicts one.
 ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=64, max_model_len=64,
                       prefill_buckets=(16,), compilation_cache_dir=None,
                       attention_backend=AttentionBackend.REFERENCE, max_loras=2,
                       max_lora_rank=16)
-N = 8  # Tokens each request generates.
 GREEDY = SamplingParams(temperature=0, max_tokens=N, logprobs=1)
-
-
-def make_adapters(hf, root, adapters=ADAPTERS) -> dict:
-  """name -> (LoRARequest, the peft model): each adapter over its own copy of `hf`, saved."""
-  out = {}
-  for i, (name, kwargs) in enumerate(adapters, 1):
-    torch.manual_seed(i)
-    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(init_lora_weights=False,
-                                                                   **kwargs)).eval()
-    model.save_pretrained(root / name)
-    out[name] = (LoRARequest(name, i, str(root / name)), model)
-  return out
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -74,18 +55,6 @@ def setup(request, tmp_path_factory):
   engine = Engine(checkpoint.build_model(cfg, params), ENGINE)
   engine.warmup()
   return hf, make_adapters(hf, root), engine, cfg
-
-
-def reference(model, prompt: list[int], n: int = N) -> tuple[list[int], list[float]]:
-  """transformers' (or peft's) n greedy tokens alone, each the argmax of a full forward, and
-  each one's logprob."""
-  ids, logprobs = list(prompt), []
-  for _ in range(n):
-    x = hf_tiny.logits(model, ids)[-1].astype(np.float64)
-    x = x - x.max() - np.log(np.exp(x - x.max()).sum())
-    ids.append(int(np.argmax(x)))
-    logprobs.append(float(x[ids[-1]]))
-  return ids[len(prompt):], logprobs
 
 
 def runner_of(engine, adapters, cfg) -> Runner:
@@ -182,6 +151,25 @@ def test_removing_an_adapter_in_use_is_refused(setup, checked):
   while runner.has_unfinished:
     runner.step()
   assert runner.remove_lora(a1.lora_int_id)
+
+
+def test_adapters_past_max_cpu_loras_are_refused_until_one_is_removed(setup):
+  hf, adapters, engine, cfg = setup
+  limited = copy.copy(engine)  # The same compiled engine, its limit as max_cpu_loras=2 sets it.
+  limited.info = dataclasses.replace(engine.info, max_cpu_loras=2)
+  runner = Runner(limited, MockTokenizer())
+  (a1, _), (a2, _), (a3, _) = (adapters[name] for name in ("a1", "a2", "a3"))
+  read = lambda lora: load_adapter(lora.lora_path, cfg, ENGINE.max_lora_rank)
+  runner.add_lora(a1, read(a1))
+  runner.add_lora(a2, read(a2))
+  with pytest.raises(ValueError, match="2 adapters are loaded already"):
+    runner.add_lora(a3, read(a3))
+  runner.add_lora(a2, read(a2))  # The same adapter again is no new one.
+  assert runner.remove_lora(a1.lora_int_id)
+  runner.add_lora(a3, read(a3))
+  assert set(runner.loras) == {a2.lora_int_id, a3.lora_int_id}
+  with pytest.raises(ValueError, match="max_cpu_loras"):
+    EngineConfig(max_loras=2, max_cpu_loras=1)
 
 
 def test_an_engine_without_lora_refuses_adapter_requests(tmp_path):

@@ -86,6 +86,8 @@ def build_app(host: ServiceHost, metrics: Metrics | None,
   app.router.add_get("/v1/models/{model:.+}", api.model)
   app.router.add_post("/v1/completions", api.completions)
   app.router.add_post("/v1/chat/completions", api.chat_completions)
+  app.router.add_post("/v1/load_lora_adapter", api.load_lora_adapter)
+  app.router.add_post("/v1/unload_lora_adapter", api.unload_lora_adapter)
   app.router.add_post("/tokenize", api.tokenize)
   app.router.add_post("/detokenize", api.detokenize)
   app.router.add_get("/tokenizer_info", api.tokenizer_info)
@@ -144,14 +146,32 @@ class _Api:
 
   async def models(self, request: web.Request) -> web.Response:
     async def run(service, key):
-      return web.json_response({"object": "list", "data": [_model_card(service)]})
+      return web.json_response({"object": "list", "data": _model_cards(service)})
     return await self._handle(request, run)
 
   async def model(self, request: web.Request) -> web.Response:
     async def run(service, key):
-      service.check_model(request.match_info["model"])
-      return web.json_response(_model_card(service))
+      lora = service.check_model(request.match_info["model"])
+      name = service.model_name if lora is None else lora.lora_name
+      return web.json_response(next(c for c in _model_cards(service) if c["id"] == name))
     return await self._handle(request, run)
+
+  async def load_lora_adapter(self, request: web.Request) -> web.Response:
+    """vLLM's: {"lora_name", "lora_path"} (a PEFT folder on the server), served from now on."""
+    async def run(service, acc, body):
+      fields = await acc.work(openai_request.parse_body, body)
+      lora = await service.adapters.load(fields.get("lora_name"), fields.get("lora_path"),
+                                         acc.work)
+      return web.Response(text=f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+    return await self._work(request, run, limited=False)
+
+  async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+    """vLLM's: {"lora_name"}; refused while a request uses it."""
+    async def run(service, acc, body):
+      name = (await acc.work(openai_request.parse_body, body)).get("lora_name")
+      await service.adapters.unload(name)
+      return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+    return await self._work(request, run, limited=False)
 
   async def tokenize(self, request: web.Request) -> web.Response:
     async def run(service, acc, body):
@@ -279,9 +299,14 @@ def _delta(fmt, chunk, index: int) -> bytes:
   return work_pool.dumps(fmt.delta(chunk, index))
 
 
-def _model_card(service: Service) -> dict:
-  return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "jaxserve",
-          "max_model_len": service.max_model_len}
+def _model_cards(service: Service) -> list[dict]:
+  """The base model's card, then each LoRA adapter's (its `parent` the base, its `root` its
+  folder, as vLLM's)."""
+  card = lambda name, root, parent: {"id": name, "object": "model", "created": 0,
+                                     "owned_by": "jaxserve", "root": root, "parent": parent,
+                                     "max_model_len": service.max_model_len}
+  return [card(service.model_name, service.model_name, None),
+          *(card(a.lora_name, a.lora_path, service.model_name) for a in service.adapters.served())]
 
 
 def _bearer(request: web.Request) -> str | None:

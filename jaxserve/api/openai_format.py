@@ -48,6 +48,8 @@ class _Format:
     self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
     self.created = int(time.time())
     self._spellings: dict[int, str] = {}  # Logprobs name the same top tokens again and again.
+    named = self._request.input.model if self._request.input is not None else ""
+    self._model = named or service.model_name  # The adapter's name, for a LoRA request.
 
   def _token(self, token_id: int) -> str:
     text = self._spellings.get(token_id)
@@ -58,7 +60,7 @@ class _Format:
 
   def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": self.id, "object": object_name, "created": self.created,
-            "model": self._service.model_name, "choices": choices}
+            "model": self._model, "choices": choices}
 
   def usage(self, records: Sequence[RequestRecord]) -> dict[str, Any]:
     return usage(records, self._request.num_runs, self._request.hide_generated)

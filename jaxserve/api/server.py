@@ -249,7 +249,10 @@ class Server:
     self.metrics.watch(runner.scheduler, loaded.model_name)
     self._pool = WorkPool(self.config.work_threads, self.config.work_queue)
     self.service = Service(self._runner, loaded.tokenizer, loaded.model_name, self.gateway,
-                           self.metrics, self.config.log_prompts, self._pool)
+                           self.metrics, self.config.log_prompts, self._pool,
+                           getattr(loaded, "read_lora", None))
+    for name, path, adapter in getattr(loaded, "lora_modules", ()):  # Read by `load` already.
+      await self.service.adapters.add(name, path, adapter)
     if self._shutdown_at is not None:  # SIGTERM came while it warmed up.
       self.service.refusing = "the server is shutting down"
     await self._set_health(_SERVING)

@@ -121,6 +121,7 @@ class EngineInfo:
   num_window_pages: int = 0
   speculative: SpeculativeConfig | None = None  # Set: decode rows may be verified chunks.
   max_loras: int = 0  # LoRA adapter slots (1..max_loras; 0 is the base model). 0: no LoRA.
+  max_cpu_loras: int | None = None  # Adapters that may be added at once (None: any number).
 
   @property
   def page_groups(self) -> int:

@@ -45,6 +45,11 @@ class RequestQueue:
     """In the order they would be popped."""
     return (entry[-1] for entry in sorted(self._entries.values(), key=lambda e: e[:3]))
 
+  def snapshot(self) -> list[Request]:
+    """The waiting requests in no order, copied in one step: safe to read on another thread
+    (a scrape) while the engine thread pushes and pops."""
+    return [entry[-1] for entry in list(self._entries.values())]
+
   def push(self, req: Request) -> None:
     if id(req) in self._entries:
       raise ValueError(f"request {req.request_id} is queued already")

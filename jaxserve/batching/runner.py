@@ -93,9 +93,7 @@ class Runner:
     compiled already (the serving core's, in a worker thread); else it is compiled here.
     `lora`: the adapter it runs under, one `add_lora` added."""
     self.scheduler.check(len(prompt_ids), sampling)
-    if lora is not None and self.loras.get(lora.lora_int_id) != lora:
-      raise RequestRejected(f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not "
-                            "loaded")
+    self._check_lora(lora)
     if sampling.constraint is not None and grammar is None:  # A ValueError naming the problem.
       grammar = self.constraints.grammar(sampling.constraint, sampling.allowed_token_ids)
     seq = next(self._arrivals)
@@ -108,6 +106,7 @@ class Runner:
     """Queues a request made by `new_request`."""
     if req.request_id in self._requests:
       raise ValueError(f"request id {req.request_id!r} is already in use")
+    self._check_lora(req.lora)  # It may have been removed since new_request.
     self.scheduler.add(req)
     self._requests[req.request_id] = req
     detokenizer = self._detokenizer(self.tokenizer, req.prompt_token_ids)
@@ -122,13 +121,22 @@ class Runner:
     self.submit(req)
     return req
 
+  def _check_lora(self, lora: LoRARequest | None) -> None:
+    if lora is not None and self.loras.get(lora.lora_int_id) != lora:
+      raise RequestRejected(f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not "
+                            "loaded")
+
   def add_lora(self, lora: LoRARequest, adapter: Any) -> None:
     """Makes adapter `lora` available to requests; `adapter`: its weights as the engine takes
     them (loading.lora.LoraAdapter). Raises ValueError for an id added under another name or
-    path (remove it first)."""
+    path (remove it first), or past max_cpu_loras adapters."""
     known = self.loras.get(lora.lora_int_id)
     if known is not None and known != lora:
       raise ValueError(f"LoRA adapter id {lora.lora_int_id} is {known.lora_name!r} already")
+    limit = self.engine.info.max_cpu_loras
+    if known is None and limit is not None and len(self.loras) >= limit:
+      raise ValueError(f"LoRA adapter {lora.lora_name!r}: {limit} adapters are loaded already "
+                       "(max_cpu_loras); remove one first")
     self.engine.add_lora(lora.lora_int_id, adapter)
     self.loras[lora.lora_int_id] = lora
 

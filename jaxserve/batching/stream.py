@@ -10,9 +10,11 @@ on the caller's side, so a bad request fails at once, in the handler that sent i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import queue
 import threading
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.request import Request, RequestOutput
@@ -70,6 +72,7 @@ class AsyncRunner:
     self._loop: asyncio.AbstractEventLoop | None = None
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
+    self._calls: set[concurrent.futures.Future] = set()  # on_engine's, not yet run.
 
   @property
   def engine_info(self) -> EngineInfo:
@@ -117,6 +120,25 @@ class AsyncRunner:
 
   def abort(self, request_id: str) -> None:
     self._inbox.put((self.runner.abort, request_id))
+
+  async def on_engine(self, fn: Callable[[], Any]) -> Any:
+    """fn() on the engine thread, between two steps (what changes the runner's state, such as
+    adding an adapter): its result, or its exception raised here."""
+    if self._error is not None:
+      raise EngineDead("the engine loop failed") from self._error
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    self._calls.add(done)
+
+    def run(_):
+      try:
+        done.set_result(fn())
+      except Exception as e:  # pylint: disable=broad-except  (the caller's to handle)
+        done.set_exception(e)
+    self._inbox.put((run, None))
+    try:
+      return await asyncio.wrap_future(done)
+    finally:
+      self._calls.discard(done)
 
   async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                      request_id: str | None = None,
@@ -170,6 +192,9 @@ class AsyncRunner:
     dead = EngineDead(f"the engine loop failed: {type(error).__name__}: {error}")
     dead.__cause__ = error
     self._fail_all(dead)
+    for call in list(self._calls):
+      with contextlib.suppress(concurrent.futures.InvalidStateError):  # Ran before the failure.
+        call.set_exception(dead)
 
   def _deliver(self, outputs: list[RequestOutput]) -> None:
     for out in outputs:

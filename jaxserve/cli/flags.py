@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from jaxserve.config import (
@@ -132,6 +133,43 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
   return SamplingParams(**sampling_fields(args))
 
 
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+  """vLLM's LoRA flags (`serve`)."""
+  d = lambda name: _default(EngineConfig, name)
+  p.add_argument("--enable-lora", action="store_true",
+                 help="serve LoRA adapters: --lora-modules, and /v1/load_lora_adapter")
+  p.add_argument("--lora-modules", nargs="+", default=(), type=lora_module,
+                 metavar="NAME=PATH", help="PEFT adapter folders served as model NAME")
+  p.add_argument("--max-loras", type=int, default=None,
+                 help="adapters on the device at once (default 1); more take turns")
+  p.add_argument("--max-lora-rank", type=int, default=d("max_lora_rank"),
+                 help="the largest adapter rank (every slot is padded to it)")
+  p.add_argument("--max-cpu-loras", type=int, default=None,
+                 help="adapters loaded at once (default: no limit)")
+
+
+def lora_module(text: str) -> tuple[str, str]:
+  """--lora-modules' `name=path`, or vLLM's JSON form {"name": ..., "path": ...}."""
+  if text.startswith("{"):
+    d = json.loads(text)
+    name, path = d.get("name"), d.get("path")
+  else:
+    name, _, path = text.partition("=")
+  if not name or not path:
+    raise argparse.ArgumentTypeError(f"--lora-modules takes name=path, got {text!r}")
+  return name, path
+
+
+def lora_engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+  """EngineConfig's LoRA fields from the flags (none when --enable-lora is not given)."""
+  if not getattr(args, "enable_lora", False):
+    if getattr(args, "lora_modules", ()):
+      raise ValueError("--lora-modules needs --enable-lora")
+    return {}
+  return dict(max_loras=args.max_loras or 1, max_lora_rank=args.max_lora_rank,
+              max_cpu_loras=args.max_cpu_loras)
+
+
 def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
   """The engine flags as a config; `platform` (jax.default_backend()) picks the pool's default."""
   num_pages, fraction = args.num_pages, args.memory_fraction
@@ -149,7 +187,8 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         kv_dtype=kv_dtype, attention_backend=backend, tp=args.tp, dp=args.dp,
                         ep=args.ep, window_pages=args.window_pages,
                         speculative=args.speculative_config,
-                        quantization=Quantization(args.quantization))
+                        quantization=Quantization(args.quantization),
+                        **lora_engine_flags(args))
   # The platform's default backend too, so a bad pair fails here, before the model loads.
   config.check_backend(backend or default_attention_backend(platform))
   return config

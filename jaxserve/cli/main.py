@@ -82,7 +82,7 @@ def run_serve(args) -> int:
   leaders = []  # Process 0 of several: the engine that broadcasts each step to the others.
 
   def load():
-    loaded = llm.load_engine(args.model, engine_cfg, args.served_model_name)
+    loaded = llm.load_engine(args.model, engine_cfg, args.served_model_name, args.lora_modules)
     if jax.process_count() == 1:
       return loaded
     leaders.append(multihost.LeaderEngine(loaded.engine))
@@ -159,6 +159,7 @@ def _add_serve_parser(sub) -> None:
                  "it, or are cut shortly before its end (UNAVAILABLE)")
   s.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
   s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+  flags.add_lora_flags(s)
   _add_serve_queue_flags(s)
   s.set_defaults(run=run_serve)
 

@@ -158,9 +158,11 @@ class EngineConfig:
   # unrolled on CPU"); quantized weights unrolled are far slower.
   unroll_layers: bool = False
   # LoRA adapters (config/lora.py): device slots for adapters at once (0: LoRA off, the programs
-  # and arrays as without it), and the rank every slot is padded to.
+  # and arrays as without it), the rank every slot is padded to, and how many adapters may be
+  # added at once, each with its host copy (vLLM's --max-cpu-loras; None: no limit).
   max_loras: int = 0
   max_lora_rank: int = 16
+  max_cpu_loras: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.quantization, Quantization):
@@ -196,6 +198,9 @@ class EngineConfig:
     if self.max_loras < 0 or self.max_lora_rank < 1:
       raise ValueError(f"EngineConfig.max_loras must be >= 0 and max_lora_rank >= 1, got "
                        f"{self.max_loras} and {self.max_lora_rank}")
+    if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+      raise ValueError(f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= "
+                       f"max_loras ({self.max_loras})")
     if self.max_loras and (self.speculative is not None or self.tp * self.dp * self.ep > 1):
       raise ValueError("LoRA (max_loras > 0) does not run with speculative decoding or with "
                        "tp, dp or ep > 1 yet")

@@ -206,7 +206,8 @@ class Engine:
                       c.prefill_buckets, c.dtype.value, c.max_prefill_seqs,
                       window=self.model_config.sliding_window if windowed else None,
                       num_window_pages=self.cache.window.num_pages if windowed else 0,
-                      speculative=c.speculative, max_loras=c.max_loras)
+                      speculative=c.speculative, max_loras=c.max_loras,
+                      max_cpu_loras=c.max_cpu_loras)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
            run=None) -> TokenFuture | None:

@@ -12,6 +12,7 @@ the scheduler when Prometheus scrapes, not pushed every step.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterator, Sequence
 
 import prometheus_client
@@ -156,6 +157,21 @@ class _SchedulerCollector:
                               value=s.num_preemptions)
     if s.speculative is not None:
       yield from _speculative_metrics(s.spec_stats)
+    if s.loras is not None:
+      yield from _lora_metrics(s)
+
+
+def _lora_metrics(s: Scheduler) -> Iterator:
+  """vLLM's `lora_requests_info`: the adapters of the running and of the waiting requests (comma
+  separated names, in labels), the adapter slots, and the time now as its value (as vLLM's)."""
+  names = lambda reqs: ",".join(sorted({r.lora.lora_name for r in reqs if r.lora is not None}))
+  running, waiting = names(list(s.running)), names(s.waiting.snapshot())
+  for prefix in ("jaxserve:", "vllm:"):
+    info = GaugeMetricFamily(f"{prefix}lora_requests_info", "Running stats on LoRA requests.",
+                             labels=["running_lora_adapters", "waiting_lora_adapters",
+                                     "max_lora"])
+    info.add_metric([running, waiting, str(s.loras.num_slots)], time.time())
+    yield info
 
 
 def _speculative_metrics(stats: SpecStats) -> Iterator:

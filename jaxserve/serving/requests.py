@@ -41,7 +41,7 @@ class GenerateInput:
   chunk_tokens: int = 1
   request_id: str | None = None
   priority: int = 0
-  model: str = ""  # Empty, or the served model's name.
+  model: str = ""  # Empty, the served model's name, or a LoRA adapter's (serving/adapters.py).
   truncate_prompt: bool = False
   cache_salt: str | None = None  # vLLM's: only requests of one salt share cached pages.
 
@@ -67,6 +67,7 @@ class Prepared(NamedTuple):
   sampling: SamplingParams
   tokenize_s: float  # Seconds spent tokenizing.
   chunk_tokens: int
+  lora: Any = None  # The LoRARequest the prompt runs under (its `model`); None: the base model.
 
 
 class Run(NamedTuple):

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from absl import logging
 
@@ -39,8 +39,9 @@ from jaxserve.batching.request import (
   RequestRejected,
 )
 from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
-from jaxserve.config import SamplingParams
+from jaxserve.config import LoRARequest, SamplingParams
 from jaxserve.serving import client_fields, gateway
+from jaxserve.serving.adapters import Adapters
 from jaxserve.serving.constraint_gate import ConstraintGate
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
@@ -56,7 +57,8 @@ class Service:
 
   def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str,
                gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False,
-               pool: WorkPool | None = None):
+               pool: WorkPool | None = None, read_lora: Callable[[str], Any] | None = None):
+    """`read_lora(path)`: reads a LoRA adapter's folder (serving/adapters.py); None: LoRA off."""
     self.runner = runner
     self.tokenizer = tokenizer
     self.model_name = model_name
@@ -75,6 +77,7 @@ class Service:
     # tokenizer spends seconds on it.
     self.max_prompt_chars = self.max_model_len * tokenizer.max_token_chars
     self.constraint_gate = ConstraintGate(runner.runner.constraints)
+    self.adapters = Adapters(runner, model_name, read_lora)
 
   def model_info(self) -> dict[str, Any]:
     """The fields of the proto's ModelInfo."""
@@ -85,10 +88,9 @@ class Service:
                 has_chat_template=self.tokenizer.chat_template is not None,
                 stop_token_ids=sorted(self.tokenizer.stop_ids))
 
-  def check_model(self, model: str) -> None:
-    if model and model != self.model_name:
-      raise ApiError(Status.NOT_FOUND,
-                     f"model {model!r} is not served here; this server runs {self.model_name!r}")
+  def check_model(self, model: str) -> LoRARequest | None:
+    """The LoRA adapter `model` names (None: the base model); NOT_FOUND for a name not served."""
+    return self.adapters.resolve(model)
 
   @contextlib.asynccontextmanager
   async def accept(self, presented_key: str | None,
@@ -183,7 +185,7 @@ class Service:
   def prepare(self, inp: GenerateInput) -> Prepared:
     """Every check of one prompt, whichever front end parsed it: the one entry point. Raises an
     ApiError naming the bad field (the scheduler still refuses what the KV pool cannot hold)."""
-    self.check_model(inp.model)
+    lora = self.check_model(inp.model)
     client_fields.check_request_id(inp.request_id or "")
     chunk_tokens = client_fields.check_chunk_tokens(inp.chunk_tokens)
     client_fields.check_stop_token_ids(inp.sampling.get("stop_token_ids"), self.vocab_size)
@@ -198,7 +200,7 @@ class Service:
                                              inp.truncate_prompt, inp.default_max_tokens)
     sampling = client_fields.sampling_params(fields, max_tokens, inp.logprobs)
     client_fields.check_bias_ids(sampling, self.vocab_size)
-    return Prepared(ids, sampling, tokenize, chunk_tokens)
+    return Prepared(ids, sampling, tokenize, chunk_tokens, lora)
 
   def compile_constraint(self, key: ApiKey, sampling: SamplingParams) -> Grammar | None:
     """A constrained request's grammar, on a worker: compiled (or found in the cache) within the
@@ -228,7 +230,7 @@ class Service:
         sampling = p.sampling.for_run(seed, next(max_tokens))
         try:
           request = self.runner.runner.new_request(p.prompt_ids, sampling, inp.request_id,
-                                                   inp.priority, salt, grammar)
+                                                   inp.priority, salt, grammar, p.lora)
         except (RequestRejected, ValueError) as e:  # Too big for the KV pool.
           raise gateway.invalid(str(e)) from e
         runs.append(Run(inp, request, p.tokenize_s, p.chunk_tokens))
@@ -290,6 +292,8 @@ class Service:
           group, num_tokens = [], 0
     except QueueFull as e:
       raise ApiError(Status.RESOURCE_EXHAUSTED, f"the queue is full: {e}") from e
+    except RequestRejected as e:  # Its adapter was unloaded before it reached the engine.
+      raise ApiError(Status.NOT_FOUND, str(e)) from e
     except RuntimeError as e:
       logging.exception("request %s failed in the engine", stream.request_id)
       raise ApiError(Status.INTERNAL, "the engine failed; see the server log") from e
