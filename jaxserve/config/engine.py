@@ -62,10 +62,10 @@ class Quantization(enum.Enum):
   AUTO = "auto"
 
 
-# Platforms where serving GGUF blocks was measured at least as fast as float: none yet (README,
-# "Quantized weights"). On XLA:CPU a dot cannot read int8: each layer's weights are dequantized
-# into a float32 copy first, and the default model's decode step took 1.5x float's time at 1
-# slot (BENCHMARKS.md, 2026-12-02). TPU and GPU are not measured yet.
+# Platforms where serving GGUF blocks was measured at least as fast as float: none yet
+# (docs/models.md, "Quantized weights"). On XLA:CPU a dot cannot read int8: each layer's weights
+# are dequantized into a float32 copy first, and the default model's decode step took 1.5x
+# float's time at 1 slot (BENCHMARKS.md, 2026-12-02). TPU and GPU are not measured yet.
 GGUF_FASTER_ON: tuple[str, ...] = ()
 
 
