@@ -1,6 +1,6 @@
 """The LM head as the model stores it (tied: the embedding [V, D]) against the same head laid
 out as column blocks [Vb, D, Vk] under a scan, for a few rows, on this machine's XLA backend.
-An experiment (BENCHMARKS.md, "The LM head in column blocks"): the engine does not use blocks.
+An experiment (BENCHMARKS.md, "Tried and not adopted"): the engine does not use blocks.
 
   python scripts/bench_head.py [--rows 1,2,5,16,32,64] [--vocab 49152] [--dim 576] [--rounds 5]
 

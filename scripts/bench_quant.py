@@ -4,7 +4,7 @@ fresh process; prints each mode's figures and its ratios to none.
 
   python scripts/bench_quant.py [--slots-list 1,16,64] [--steps 32] [--requests 64]
       [--layers scan|unrolled]
-  python scripts/bench_quant.py --matmul   # the layer scan behind `auto`'s choice (README)
+  python scripts/bench_quant.py --matmul   # the layer scan behind `auto`'s choice (BENCHMARKS.md)
 
 A decode step's time is the difference of two runs through the offline API that differ only in
 output length (max_tokens `steps` and 2 * `steps`, ignore_eos, 8-token prompts), divided by

@@ -1,8 +1,8 @@
 """Clients nobody on the project wrote, run as their users run them, against a served default
 model: lm-eval's `local-completions` (each task kind, tokenized_requests both ways, batches of
 4 prompts per request) and guidellm. Marked `external_clients` and deselected by default: the
-packages live in their own virtual environment (README, "External clients"), since installing
-them beside jaxserve's would downgrade some of its dependencies."""
+packages live in their own virtual environment (docs/contributing.md, "External clients"),
+since installing them beside jaxserve's would downgrade some of its dependencies."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ TASKS = {
 def _client(name: str) -> str:
   path = VENV / "bin" / name
   if not path.exists():
-    pytest.fail(f"{path} is missing: set up the clients' venv as README's 'External clients' says")
+    pytest.fail(f"{path} is missing: set up the clients' venv as docs/contributing.md's "
+                "'External clients' says")
   return str(path)
 
 

@@ -10,7 +10,7 @@ So this test holds int8 and e4m3 to the KL bound, which they meet, and every dty
 little under what it measures on this harsher raw-text measure, so a regression shows. On the
 issue's own measure (the float model's greedy continuations) int8 meets both bounds, asserted by
 tests/test_real_model.py; float8 misses top-1 there too, with calibrated scales as well
-(BENCHMARKS.md, "Quality bounds of the 8-bit forms")."""
+(BENCHMARKS.md, "Quantized KV")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The package's layering, as the README's table draws it: a graph, each layer importing only the
-layers its row names (and theirs, in turn), so the front ends and the device side are siblings
-that never import each other; no module imports itself back through others; the host side
-imports without JAX; no function runs over MAX_FUNCTION_LINES but the kernels listed."""
+"""The package's layering, as the table in docs/architecture.md draws it: a graph, each layer
+importing only the layers its row names (and theirs, in turn), so the front ends and the device
+side are siblings that never import each other; no module imports itself back through others;
+the host side imports without JAX; no function runs over MAX_FUNCTION_LINES but the kernels
+listed."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
 
 def layers() -> list[tuple[int, list[str], set[int], bool]]:
   """(layer, modules or packages, the layers it may import, imports jax) for each row of the
-  README's layer table."""
-  text = (ROOT / "README.md").read_text()
+  layer table in docs/architecture.md."""
+  text = (ROOT / "docs" / "architecture.md").read_text()
   table = text[text.index("## Layers"):]
   rows = []
   for line in table.splitlines()[1:]:
@@ -87,11 +88,11 @@ def graph() -> dict[str, set[str]]:
   return {m: imports(p, known) - {m} for m, p in known.items()}
 
 
-def test_every_module_sits_in_one_layer_of_the_readme_table():
+def test_every_module_sits_in_one_layer_of_the_table():
   rows = layers()
-  assert rows, "README.md has no layer table under '## Layers'"
+  assert rows, "docs/architecture.md has no layer table under '## Layers'"
   homeless = [m for m in modules() if m not in ("jaxserve",) and owner(m, rows) is None]
-  assert not homeless, f"modules the README's layer table does not place: {homeless}"
+  assert not homeless, f"modules docs/architecture.md's layer table does not place: {homeless}"
 
 
 def disallowed_imports(g: dict[str, set[str]], rows) -> list[str]:

@@ -151,7 +151,7 @@ def test_int8_weights_keep_the_float_models_predictions(default_model, continuat
   issue's bound) and top-1 agreement >= 95%. The issue asks 98%: per channel reaches 97.4% at
   32 x 64, short of it. A scale per 32 inputs reaches 99.1% but XLA:TPU
   then writes each layer's float weights out (test_targets' temp bound fails on v5e), so it is
-  not what int8 stores; BENCHMARKS.md, "Quality bounds of the 8-bit forms"."""
+  not what int8 stores; BENCHMARKS.md, "Quantized weights"."""
   from support import script_loader
 
   qq = script_loader.load("quant_quality")

@@ -2,7 +2,8 @@
 and the check that they are the programs the engine itself compiles at warm-up.
 
 TPU tests need libtpu (`pip install 'jax[tpu]==<the installed jax>'`), GPU tests the CUDA plugin
-(README: compiling for GPU) and JAX_PLATFORMS=cpu; each is skipped, with the reason, without them.
+(docs/kernels.md: compile targets) and JAX_PLATFORMS=cpu; each is skipped, with the reason,
+without them.
 Programs are compiled once per configuration (functools.cache): a compile takes seconds.
 """
 

@@ -62,10 +62,10 @@ class Quantization(enum.Enum):
   AUTO = "auto"
 
 
-# Platforms where serving GGUF blocks was measured at least as fast as float: none yet (README,
-# "Quantized weights"). On XLA:CPU a dot cannot read int8: each layer's weights are dequantized
-# into a float32 copy first, and the default model's decode step took 1.5x float's time at 1
-# slot (BENCHMARKS.md, 2026-12-02). TPU and GPU are not measured yet.
+# Platforms where serving GGUF blocks was measured at least as fast as float: none yet
+# (docs/models.md, "Quantized weights"). On XLA:CPU a dot cannot read int8: each layer's weights
+# are dequantized into a float32 copy first, and the default model's decode step took 1.5x
+# float's time at 1 slot (BENCHMARKS.md, 2026-12-02). TPU and GPU are not measured yet.
 GGUF_FASTER_ON: tuple[str, ...] = ()
 
 
@@ -154,8 +154,8 @@ class EngineConfig:
   quantization: Quantization = Quantization.AUTO
   # The layers unrolled, each reading its own weight arrays (True), or one scan over the stacked
   # [L, ...] weights (False). On CPU with float weights True made SmolLM2's 1-slot step 0.74x
-  # and its 16- and 64-slot steps 0.99x and 0.94x, at 2.1x the warm-up (BENCHMARKS.md, "Layers
-  # unrolled on CPU"); quantized weights unrolled are far slower.
+  # and its 16- and 64-slot steps 0.99x and 0.94x, at 2.1x the warm-up (BENCHMARKS.md, "Tried and
+  # not adopted"); quantized weights unrolled are far slower.
   unroll_layers: bool = False
   # LoRA adapters (config/lora.py): device slots for adapters at once (0: LoRA off, the programs
   # and arrays as without it), the rank every slot is padded to, and how many adapters may be

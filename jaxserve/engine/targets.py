@@ -45,7 +45,7 @@ def missing_compiler(target: Target) -> str | None:
     return "libtpu is not installed: pip install 'jax[tpu]==<this jax version>'"
   if target.platform is Platform.CUDA:
     if importlib.util.find_spec("jax_cuda12_plugin") is None:
-      return "the CUDA plugin is not installed (see README: compiling for GPU)"
+      return "the CUDA plugin is not installed (see docs/kernels.md: compile targets)"
     if jax.config.jax_platforms != "cpu":
       return ("set JAX_PLATFORMS=cpu (or jax_platforms='cpu') before jax starts: otherwise the "
               "CUDA plugin looks for a GPU and offers no compile-only devices")
