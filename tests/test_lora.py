@@ -23,6 +23,7 @@ from jaxserve.config import (
   LoRARequest,
   SamplingParams,
   SchedulerConfig,
+  SpeculativeConfig,
 )
 from jaxserve.engine.engine import Engine
 from jaxserve.llm import LLM, lora_config
@@ -132,6 +133,29 @@ def test_a_prefix_cached_under_one_adapter_is_never_anothers(setup, checked):
   check(results, jobs, hf, adapters)
 
 
+def test_ngram_proposals_are_verified_under_each_requests_adapter(tmp_path, checked):
+  """n-gram speculation with adapters: prompts that repeat themselves get proposals, verified
+  in the step under the request's own adapter; every token is peft's alone."""
+  hf = hf_tiny.build(*FAMILIES["llama"])
+  hf.save_pretrained(tmp_path / "base")
+  cfg, params = weights.load_hf_dir(tmp_path / "base")
+  adapters = make_adapters(hf, tmp_path, ADAPTERS[:2])
+  spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                           disable_by_batch_size=None)
+  engine = Engine(checkpoint.build_model(cfg, params), dataclasses.replace(ENGINE,
+                                                                           speculative=spec))
+  engine.warmup()
+  runner = checked(runner_of(engine, adapters, cfg))
+  rng = np.random.default_rng(2)
+  jobs = [(list(map(int, rng.integers(0, hf_tiny.VOCAB, 4))) * 4, name)
+          for name in (None, "a1", "a2", "a1")]
+  with count_compiles() as counts:
+    results = runner.generate([(p, GREEDY, n and adapters[n][0]) for p, n in jobs])
+  assert counts == {"trace": 0, "compile": 0}
+  assert runner.scheduler.spec_stats.num_drafts > 0
+  check(results, jobs, hf, adapters)
+
+
 def test_a_request_for_an_adapter_not_added_is_refused(setup):
   hf, adapters, engine, cfg = setup
   runner = Runner(engine, MockTokenizer())
@@ -185,8 +209,9 @@ def test_an_engine_without_lora_refuses_adapter_requests(tmp_path):
     Runner(engine, MockTokenizer()).scheduler.add(req)
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_loras=-1), dict(max_lora_rank=0),
-                                    dict(max_loras=2, tp=2)])
+@pytest.mark.parametrize("kwargs", [
+    dict(max_loras=-1), dict(max_lora_rank=0), dict(max_loras=2, tp=2),
+    dict(max_loras=1, speculative=SpeculativeConfig(method="draft", draft_model="x"))])
 def test_lora_engine_configs_it_cannot_run_are_refused(kwargs):
   with pytest.raises(ValueError, match="max_lora|LoRA"):
     EngineConfig(**kwargs)

@@ -109,7 +109,7 @@ def verify_chunk(req: Request, run: InFlightRun, num_tokens: int) -> PrefillChun
   return PrefillChunk(
       req.request_id, req.slot, (req.all_token_ids[-1], *run.drafts), num_tokens - 1,
       tuple(req.page_table), True, req.sampling, req.seed,
-      window_table=tuple(req.window_table), num_drafts=len(run.drafts))
+      window_table=tuple(req.window_table), num_drafts=len(run.drafts), lora_slot=req.lora_slot)
 
 
 @dataclasses.dataclass

@@ -201,9 +201,11 @@ class EngineConfig:
     if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
       raise ValueError(f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= "
                        f"max_loras ({self.max_loras})")
-    if self.max_loras and (self.speculative is not None or self.tp * self.dp * self.ep > 1):
-      raise ValueError("LoRA (max_loras > 0) does not run with speculative decoding or with "
-                       "tp, dp or ep > 1 yet")
+    if self.max_loras and self.speculative is not None and self.speculative.method != "ngram":
+      raise ValueError(f"LoRA (max_loras > 0) runs with n-gram speculation only, not "
+                       f"{self.speculative.method!r} (a draft model proposes without adapters)")
+    if self.max_loras and self.tp * self.dp * self.ep > 1:
+      raise ValueError("LoRA (max_loras > 0) does not run with tp, dp or ep > 1 yet")
 
   def check_backend(self, backend: AttentionBackend) -> None:
     """Raises ValueError naming the problem when `backend` cannot run this config: the Pallas
