@@ -126,10 +126,53 @@ def run_layout(args: dict, tp: int, dp: int, kv_layout: str = "paged_token_major
   return result
 
 
+def run_lora(spec: dict) -> dict:
+  """LoRA adapters under tensor parallelism: spec's jobs ([prompt, adapter name or None]) run
+  together by a Runner on an engine of tp spec["tp"], two adapter slots, the adapters of
+  spec["adapters"] ([name, id, PEFT folder]) added; their greedy tokens and logprobs."""
+  from jaxserve.batching.runner import Runner
+  from jaxserve.config import (
+    AttentionBackend,
+    EngineConfig,
+    LoRARequest,
+    SamplingParams,
+    SchedulerConfig,
+  )
+  from jaxserve.engine import placement
+  from jaxserve.engine.engine import Engine
+  from jaxserve.loading import checkpoint, weights
+  from jaxserve.loading.lora import load_adapter
+  from support.mock_engine import MockTokenizer
+
+  cfg, params = weights.load_hf_dir(spec["base"])
+  tp = spec["tp"]
+  config = EngineConfig(num_slots=4, page_size=4, num_pages=64, max_model_len=64,
+                        prefill_buckets=(16,), compilation_cache_dir=None, tp=tp,
+                        attention_backend=AttentionBackend.REFERENCE, max_loras=2)
+  mesh = placement.make_mesh(tp, 1) if tp > 1 else None
+  engine = Engine(checkpoint.build_model(cfg, params, "float32", mesh), config)
+  engine.warmup()
+  runner = Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=16))
+  loras = {}
+  for name, lora_id, path in spec["adapters"]:
+    loras[name] = LoRARequest(name, lora_id, path)
+    runner.add_lora(loras[name], load_adapter(path, cfg, config.max_lora_rank))
+  greedy = SamplingParams(temperature=0, max_tokens=spec["steps"], logprobs=1)
+  outs = runner.generate([(p, greedy, loras.get(name)) for p, name in spec["jobs"]])
+  a = engine.loras.weights.a["wo"]  # Row-parallel: A split by its input rows.
+  return {"tokens": [list(o.token_ids) for o in outs],
+          "logprobs": [[lp.logprob for lp in o.logprobs] for o in outs],
+          "wo_a_shard_rows": [s.data.shape[2] for s in a.addressable_shards],
+          "num_evictions": runner.scheduler.loras.num_evictions}
+
+
 def main() -> None:
   args = json.loads(sys.argv[1])
   _setup(args)
   import jax
+  if "lora" in args:
+    print(json.dumps(run_lora(args["lora"])), flush=True)
+    return
   out = {"process": jax.process_index(), "num_devices": jax.device_count(), "layouts": {}}
   # [tp, dp], [tp, dp, KVLayout value] or [tp, dp, KVLayout value, AttentionBackend value],
   # or [tp, dp, {"ep": n}] (named "tpxdp-epn")

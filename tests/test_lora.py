@@ -32,6 +32,7 @@ from jaxserve.loading.lora import load_adapter
 from support import hf_tiny
 from support.mock_engine import MockTokenizer
 from support.tiny import count_compiles
+from support.workers import run_worker
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -156,6 +157,29 @@ def test_ngram_proposals_are_verified_under_each_requests_adapter(tmp_path, chec
   check(results, jobs, hf, adapters)
 
 
+def test_mixed_batches_under_tp2_match_peft_alone(tmp_path):
+  """Two fake CPU devices, tp 2 (sharding_worker.py): three adapters over two slots, mixed with
+  the base model; each request's tokens and logprobs are peft's alone, and the row-parallel
+  targets' A is split over the devices."""
+  hf = hf_tiny.build(*FAMILIES["llama"])
+  hf.save_pretrained(tmp_path / "base")
+  adapters = make_adapters(hf, tmp_path)
+  rng = np.random.default_rng(4)
+  prompts = [[int(t) for t in rng.integers(0, hf_tiny.VOCAB, n)] for n in (13, 6, 9, 17, 5)]
+  jobs = list(zip(prompts, [None, "a1", "a2", "a3", "a1"]))
+  spec = dict(base=str(tmp_path / "base"), tp=2, steps=N, jobs=jobs,
+              adapters=[[name, lora.lora_int_id, lora.lora_path]
+                        for name, (lora, _) in adapters.items()])
+  out = run_worker(dict(devices=2, lora=spec))
+  assert out["num_evictions"] >= 1
+  I = hf.config.num_attention_heads * hf.config.head_dim
+  assert out["wo_a_shard_rows"] == [I // 2, I // 2]
+  for (prompt, name), tokens, logprobs in zip(jobs, out["tokens"], out["logprobs"]):
+    want, want_logprobs = reference(hf if name is None else adapters[name][1], prompt)
+    assert tokens == want, name
+    assert np.allclose(logprobs, want_logprobs, atol=1e-3), name
+
+
 def test_a_request_for_an_adapter_not_added_is_refused(setup):
   hf, adapters, engine, cfg = setup
   runner = Runner(engine, MockTokenizer())
@@ -210,7 +234,7 @@ def test_an_engine_without_lora_refuses_adapter_requests(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(max_loras=-1), dict(max_lora_rank=0), dict(max_loras=2, tp=2),
+    dict(max_loras=-1), dict(max_lora_rank=0), dict(max_loras=2, dp=2),
     dict(max_loras=1, speculative=SpeculativeConfig(method="draft", draft_model="x"))])
 def test_lora_engine_configs_it_cannot_run_are_refused(kwargs):
   with pytest.raises(ValueError, match="max_lora|LoRA"):

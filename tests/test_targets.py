@@ -60,7 +60,10 @@ CASES = {"smollm2-v5e": ("v5e", SMOLLM2, 512, {}),
          "smollm2-int8-kv-h100": ("h100", SMOLLM2, 256, INT8_KV),
          "llama-3-8b-int8-v5e": ("v5e", LLAMA3_8B_2L, 2048, INT8_ALL),
          "llama-3-8b-int8-h100": ("h100", LLAMA3_8B_2L, 2048, INT8_ALL),
-         "qwen3-moe-h100": ("h100", QWEN3_MOE_2L, 1024, {})}
+         "qwen3-moe-h100": ("h100", QWEN3_MOE_2L, 1024, {}),
+         # 8 LoRA adapter slots of rank 16 beside the weights (the whole 32-layer model:
+         # BENCHMARKS.md, "Compile targets").
+         "llama-3-8b-lora-v6e": ("v6e", LLAMA3_8B_2L, 2048, dict(max_loras=8, max_lora_rank=16))}
 
 
 def skip_without(target: str):
@@ -137,6 +140,23 @@ def test_every_program_compiles_with_its_memory_reported(name):
 
 
 TEMP_BOUND = "temp <= 0.05 * kv + 256 MiB"
+
+
+@pytest.mark.parametrize("name", [case("llama-3-8b-lora-v6e")])
+def test_lora_slots_are_step_arguments_counted_by_plan(name):
+  """The adapter slots (9 x rank 16 on every target of every layer, bfloat16) are arguments of
+  every step beside the weights and the cache, which is still updated in place; `plan` counts
+  the same bytes."""
+  reports, pool = compiled(name)
+  slots = capacity.lora_bytes(LLAMA3_8B_2L, 8, 16, 2)
+  assert slots == 2 * 9 * 16 * (2 * 4096 + 2 * (4096 + 1024) + 4096 * 2 + 3 * (4096 + 14336)) * 2
+  for r in reports:
+    assert r["argument_bytes"] >= weight_bytes(LLAMA3_8B_2L) + slots + pool["bytes"], r
+    assert r["alias_bytes"] >= pool["bytes"], r
+  plan = capacity.plan_capacity(LLAMA3_8B_2L, 16 * 2**30, 4096, max_loras=8)
+  assert plan.adapter_bytes == slots
+  assert plan.weight_bytes == capacity.plan_capacity(LLAMA3_8B_2L, 16 * 2**30,
+                                                     4096).weight_bytes + slots
 
 
 @pytest.mark.parametrize("name", [case(n) for n in CASES if n != "qwen3-moe-h100"])

@@ -204,8 +204,8 @@ class EngineConfig:
     if self.max_loras and self.speculative is not None and self.speculative.method != "ngram":
       raise ValueError(f"LoRA (max_loras > 0) runs with n-gram speculation only, not "
                        f"{self.speculative.method!r} (a draft model proposes without adapters)")
-    if self.max_loras and self.tp * self.dp * self.ep > 1:
-      raise ValueError("LoRA (max_loras > 0) does not run with tp, dp or ep > 1 yet")
+    if self.max_loras and self.dp * self.ep > 1:
+      raise ValueError("LoRA (max_loras > 0) runs with tp, not with dp or ep > 1 yet")
 
   def check_backend(self, backend: AttentionBackend) -> None:
     """Raises ValueError naming the problem when `backend` cannot run this config: the Pallas

@@ -12,10 +12,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.config.lora import target_dims
+from jaxserve.engine import placement
 from jaxserve.model import lora
+
+
+def abstract_weights(cfg: ModelConfig, config: EngineConfig) -> lora.LoraWeights:
+  """The adapter slots' ShapeDtypeStructs (`plan --compile` compiles the steps on them)."""
+  return jax.eval_shape(lambda: lora.LoraWeights.create(
+      cfg, config.max_loras + 1, config.max_lora_rank, jnp.dtype(config.dtype.value)))
 
 
 def check_model(model, config: EngineConfig) -> None:
@@ -36,19 +44,22 @@ class DeviceLoras:
   """Slots 0..max_loras of adapters on one device (slot 0: the base model, always zeros)."""
 
   @classmethod
-  def of(cls, cfg: ModelConfig, config: EngineConfig) -> DeviceLoras | None:
-    """The engine's adapters on its device (one device: no mesh yet), or None: LoRA is off."""
-    return cls(cfg, config, jax.local_devices()[0]) if config.max_loras else None
+  def of(cls, cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None) -> DeviceLoras | None:
+    """The engine's adapters on its device or over its tensor-parallel `mesh`, or None: LoRA is
+    off."""
+    return cls(cfg, config, mesh) if config.max_loras else None
 
-  def __init__(self, cfg: ModelConfig, config: EngineConfig, device: jax.Device):
+  def __init__(self, cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None):
     self.rank = config.max_lora_rank
     self.dtype = jnp.dtype(config.dtype.value)
     self._dims = target_dims(cfg)
     self._num_layers = cfg.num_layers
-    # Committed to the device, as every write's output is: one program for both.
-    self.weights = jax.device_put(
-        lora.LoraWeights.create(cfg, config.max_loras + 1, self.rank, self.dtype), device)
-    self._write = jax.jit(lora.write, donate_argnums=0)
+    # Committed where the steps read them, as every write's output is: one program for both.
+    place = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else
+             placement.lora_shardings(mesh, cfg, config))
+    create = lambda: lora.LoraWeights.create(cfg, config.max_loras + 1, self.rank, self.dtype)
+    self.weights = jax.jit(create, out_shardings=place)()
+    self._write = jax.jit(lora.write, donate_argnums=0, out_shardings=place)
     self._host: dict[int, tuple[dict, dict]] = {}
 
   def add(self, lora_id: int, adapter) -> None:

@@ -88,7 +88,10 @@ class Assembly:
     s = self.shardings
     if s is None:
       return None
-    return (s.params, s.cache, s.state, jax.tree.map(lambda _: s.replicated, args), s.replicated)
+    params = s.params
+    if self.config.max_loras:  # The adapter slots beside the weights (engine/adapters.py).
+      params = (params, placement.lora_shardings(s.mesh, self.model, self.config))
+    return (params, s.cache, s.state, jax.tree.map(lambda _: s.replicated, args), s.replicated)
 
   def place(self, params, stop_ids: Sequence[int]) -> tuple:
     """(params, cache, state, stop ids [E]): the engine's arrays where the steps take them, the

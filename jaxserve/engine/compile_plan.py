@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, Quantization
-from jaxserve.engine import assembly, placement, targets
+from jaxserve.engine import adapters, assembly, placement, targets
 from jaxserve.engine.draft import create_cache
 from jaxserve.engine.engine import engine_config_for
 from jaxserve.engine.step_args import StepShape
@@ -95,6 +95,8 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
     draft_graphdef, draft_params = abstract_weights(draft, config.dtype.value, config.quantization)
     params, draft_spec = (params, draft_params), (draft_graphdef, draft)
   asm = assembly.assemble(graphdef, params, model, config, backend, mesh, draft_spec)
+  if config.max_loras:  # The adapter slots, as the engine's steps take them (engine/adapters.py).
+    params = (params, adapters.abstract_weights(model, config))
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
   return [Program(p.name, p.shape, p.scored, asm.step,
@@ -228,6 +230,8 @@ def _most_pages(model, config, budget) -> int:
   experts = (model.num_layers * model.num_experts * 3 * model.dim * model.expert_hidden_dim
              * jnp.dtype(config.dtype.value).itemsize)
   weights -= experts - experts // config.ep
+  weights += capacity.lora_bytes(model, config.max_loras, config.max_lora_rank,
+                                 jnp.dtype(config.dtype.value).itemsize)
   draft = draft_model(config)
   if draft is not None:
     weights += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
@@ -313,7 +317,8 @@ def run_compile(args) -> int:
                         prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
                         compilation_cache_dir=None, window_pages=args.window_pages,
                         speculative=args.speculative_config,
-                        quantization=args.quantization)
+                        quantization=args.quantization, max_loras=getattr(args, "max_loras", 0),
+                        max_lora_rank=getattr(args, "max_lora_rank", 16))
   try:
     result = compile_engine(args.compile, model, config)
   except ValueError as e:  # The pool cannot fit (weights beyond the memory): say so, no trace.

@@ -179,7 +179,8 @@ class Engine:
     self.assembly, params = _assemble(model, draft, config, backend)
     self.shardings = self.assembly.shardings
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
-    self.loras = adapters.DeviceLoras.of(model.cfg, config)  # LoRA adapters; None without.
+    mesh = None if self.assembly.shardings is None else self.assembly.shardings.mesh
+    self.loras = adapters.DeviceLoras.of(model.cfg, config, mesh)  # LoRA adapters; or None.
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
@@ -315,6 +316,9 @@ def size_kv_pool(config: EngineConfig, model: Transformer,
   models = (model,) if draft is None or draft is model else (model, draft)
   weight_bytes = sum(shard.data.nbytes for m in models for x in jax.tree.leaves(nnx.state(m))
                      for shard in x.addressable_shards if shard.device == device)
+  # The LoRA adapter slots, made after the pool: counted whole on each device (part of them is).
+  weight_bytes += capacity.lora_bytes(model.cfg, config.max_loras, config.max_lora_rank,
+                                      np.dtype(config.dtype.value).itemsize)
   memory = device_memory_bytes(device)
   pages = capacity.num_kv_pages(model.cfg, memory * config.tp, config.memory_fraction,
                                   config.page_size, kv_cache.kv_dtype_of(config),

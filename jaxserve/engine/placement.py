@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.model import axes, kv_cache
+from jaxserve.model import axes, kv_cache, lora
 from jaxserve.model.kv_cache import KVCache, WindowedKV
 
 
@@ -76,6 +76,27 @@ def cache_sharding(mesh: Mesh, cache: KVCache | WindowedKV) -> KVCache | Windowe
 def slots_sharding(mesh: Mesh, tree):
   """Every leaf of a per-slot pytree (DecodeState: [S, ...] leaves) split by slot over `data`."""
   return jax.tree.map(lambda _: NamedSharding(mesh, P(axes.RULES["slots"])), tree)
+
+
+# LoRA targets whose base weight splits its output over `model` (the adapter's B splits by
+# column, A is whole on each device) and those that split their input (A by row, B whole), as
+# model/llama.py's projections do; a width that does not divide stays whole.
+_ROW_PARALLEL = ("wo", "w_down")
+
+
+def lora_shardings(mesh: Mesh, cfg: ModelConfig, config: EngineConfig):
+  """model.lora.LoraWeights of NamedShardings: A [L, Sl, I, R] and B [L, Sl, R, O] per target."""
+  tp = mesh.shape[axes.MODEL]
+  shapes = jax.eval_shape(lambda: lora.LoraWeights.create(cfg, config.max_loras + 1,
+                                                          config.max_lora_rank, np.float32))
+  def split(x, axis: int | None):
+    spec = [None] * x.ndim
+    if axis is not None and x.shape[axis] % tp == 0:
+      spec[axis] = axes.MODEL
+    return NamedSharding(mesh, P(*spec))
+  return lora.LoraWeights(
+      {t: split(x, 2 if t in _ROW_PARALLEL else None) for t, x in shapes.a.items()},
+      {t: split(x, None if t in _ROW_PARALLEL else 3) for t, x in shapes.b.items()})
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

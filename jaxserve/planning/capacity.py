@@ -38,6 +38,7 @@ import types
 
 from jaxserve.config import KVDtype, ModelConfig, readers
 from jaxserve.config.engine import window_pages_per_seq
+from jaxserve.config.lora import target_dims
 from jaxserve.planning.known_models import KNOWN_MODELS
 
 GIB = 2**30
@@ -83,6 +84,15 @@ DEFAULT_OVERHEAD_BYTES = GIB // 2  # Compiled programs, XLA scratch, the runtime
 
 def weight_bytes(cfg: ModelConfig, dtype: WeightDtype) -> int:
   return -(-cfg.num_params * dtype.numerator // dtype.denominator)  # Integer ceil: exact.
+
+
+def lora_bytes(cfg: ModelConfig, max_loras: int, rank: int, dtype_bytes: int) -> int:
+  """The LoRA adapter slots' bytes (engine/adapters.py): A [I, R] and B [R, O] of every target
+  in every layer, for max_loras slots and the base model's (zeros); 0 without LoRA."""
+  if not max_loras:
+    return 0
+  per_layer = sum(i + o for i, o in target_dims(cfg).values()) * rank
+  return cfg.num_layers * (max_loras + 1) * per_layer * dtype_bytes
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: KVDtype, lane_groups: int = 0) -> int:
@@ -165,6 +175,7 @@ class CapacityPlan:
   max_conversations: int
   reserve_bytes: int  # What is left for activations and overhead with max_conversations.
   window_only: bool = False  # Local layers keep only their window's pages.
+  adapter_bytes: int = 0  # LoRA adapter slots, counted in weight_bytes.
 
 
 def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
@@ -172,15 +183,18 @@ def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
                   kv_dtype: KVDtype = KVDtype.BFLOAT16, page_size: int = 16,
                   prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
                   overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
-                  window_only: bool = False, draft: ModelConfig | None = None) -> CapacityPlan:
+                  window_only: bool = False, draft: ModelConfig | None = None,
+                  max_loras: int = 0, max_lora_rank: int = 16) -> CapacityPlan:
   """`draft`: a speculative draft model beside `cfg`: its weights, and its KV of every token
-  (engine/draft.py), count too."""
+  (engine/draft.py), count too; so do `max_loras` LoRA adapter slots of `max_lora_rank`, in the
+  activations' dtype (`lora_bytes`)."""
   if memory_bytes <= 0 or context <= 0 or page_size <= 0:
     raise ValueError(f"memory ({memory_bytes}), context ({context}) and page size "
                      f"({page_size}) must be positive")
   if prefill_tokens < 0 or overhead_bytes < 0:
     raise ValueError("prefill_tokens and overhead_bytes must be >= 0")
-  weights = weight_bytes(cfg, weight_dtype)
+  adapters = lora_bytes(cfg, max_loras, max_lora_rank, weight_dtype.activation_bytes)
+  weights = weight_bytes(cfg, weight_dtype) + adapters
   conversation = kv_bytes_per_conversation(cfg, context, page_size, kv_dtype, window_only)
   per_token = kv_bytes_per_token(cfg, kv_dtype)
   if draft is not None:
@@ -195,7 +209,8 @@ def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
       weight_dtype=weight_dtype, kv_dtype=kv_dtype, weight_bytes=weights,
       kv_bytes_per_token=per_token, kv_bytes_per_conversation=conversation,
       min_reserve_bytes=min_reserve, max_conversations=fits,
-      reserve_bytes=memory_bytes - weights - fits * conversation, window_only=window_only)
+      reserve_bytes=memory_bytes - weights - fits * conversation, window_only=window_only,
+      adapter_bytes=adapters)
 
 
 def num_kv_pages(model_cfg: ModelConfig, memory_bytes: int, memory_fraction: float,

@@ -33,7 +33,8 @@ def format_plan(p: CapacityPlan) -> str:
       f"model               {m.name}: {m.num_params / 1e9:.2f}B params{active}, "
       f"{m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}",
       f"accelerator memory  {_fmt(p.memory_bytes)}",
-      f"weights             {_fmt(p.weight_bytes)} ({p.weight_dtype.label})",
+      f"weights             {_fmt(p.weight_bytes)} ({p.weight_dtype.label}"
+      + (f"; LoRA adapter slots {_fmt(p.adapter_bytes)})" if p.adapter_bytes else ")"),
       f"KV per token        {_fmt(p.kv_bytes_per_token)} ({p.kv_dtype.label})",
       f"KV per conversation {_fmt(p.kv_bytes_per_conversation)} ({p.context} tokens in "
       f"{pages_per_conversation(p.context, p.page_size)} pages of {p.page_size})",
@@ -97,6 +98,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                       help="largest prefill chunk, for the activation estimate")
   parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GIB,
                       help="runtime overhead kept free beside the activations, GiB")
+  parser.add_argument("--max-loras", type=int, default=0,
+                      help="LoRA adapter slots on the device (serve --enable-lora --max-loras)")
+  parser.add_argument("--max-lora-rank", type=int, default=16,
+                      help="the rank every adapter slot is padded to")
   return parser
 
 
@@ -118,7 +123,8 @@ def run_plan(args: argparse.Namespace) -> int:
         kv_dtype=KV_DTYPES[args.kv_dtype],
         page_size=args.page_size or default_page_size(KV_DTYPES[args.kv_dtype]),
         prefill_tokens=args.prefill_tokens,
-        overhead_bytes=round(args.overhead_gib * GIB), window_only=window_only, draft=draft)
+        overhead_bytes=round(args.overhead_gib * GIB), window_only=window_only, draft=draft,
+        max_loras=getattr(args, "max_loras", 0), max_lora_rank=getattr(args, "max_lora_rank", 16))
     today = plan(False)
   except ValueError as e:
     print(f"jaxserve plan: {e}", file=sys.stderr)
