@@ -4,9 +4,9 @@
   python scripts/profile_decode.py [--batches 16,64] [--quantization none|gguf|int8]
   python scripts/profile_decode.py --verify [--batches 1,16] [--context 320] [--steps 8] [-k 4]
 
-Each batch's decode step (128 cached tokens per slot, as bench_decode.py) runs under
-`jax.profiler.trace`; XLA:CPU then records one event per executed op (thunk), since this script
-adds --xla_cpu_enable_xprof_traceme=true to XLA_FLAGS before jax loads. The events are
+Each batch's decode step (128 cached tokens per slot, as `python -m scripts.bench decode`) runs
+under `jax.profiler.trace`; XLA:CPU then records one event per executed op (thunk), since this
+script adds --xla_cpu_enable_xprof_traceme=true to XLA_FLAGS before jax loads. The events are
 matched to the compiled HLO's instructions, whose metadata names the JAX operation and source
 line they came from, and summed by part: matmuls by shape, attention, sampling, the rest.
 The shares are of the summed op time (ops of one step run one after another here), so they
@@ -14,8 +14,8 @@ hold on a loaded machine even when the absolute times do not.
 
 --verify: for each batch of slots (k = 4, n-gram speculation, greedy, `--context` cached
 positions each), the plain step decodes every slot; the verifying step is what the peers and
-copy workloads run (bench_speculative.py): up to max_prefill_seqs slots each verify a chunk of
-k + 1 tokens (the slot's token and k proposals), the others decode. Each
+copy workloads run (`python -m scripts.bench speculative`): up to max_prefill_seqs slots each
+verify a chunk of k + 1 tokens (the slot's token and k proposals), the others decode. Each
 step's wall time (median of `--steps` runs, each to its result on the host) and its op times
 summed by part are printed side by side.
 """
@@ -28,10 +28,11 @@ import glob
 import gzip
 import json
 import os
+import pathlib
 import re
 import statistics
+import sys
 import tempfile
-import time
 
 if "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
   # XLA:CPU records ops only then; read when jax loads (the imports below).
@@ -40,12 +41,15 @@ if "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_decode import decode_engine  # noqa: E402
 
 from jaxserve.batching.plan import PrefillChunk, StepPlan  # noqa: E402
 from jaxserve.config import Quantization, SamplingParams, SpeculativeConfig  # noqa: E402
 from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.loading import checkpoint  # noqa: E402
+
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # The root: scripts.bench.
+from scripts.bench import harness  # noqa: E402
+from scripts.bench.decode import decode_engine  # noqa: E402
 
 KINDS = {"greedy": SamplingParams(temperature=0),
          "top-k-top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
@@ -194,14 +198,8 @@ def plans(engine, tables: np.ndarray, context: int, k: int) -> dict[str, StepPla
 
 
 def time_step(engine, plan: StepPlan, steps: int) -> float:
-  """Median wall ms of one step, to its result on the host (compiled beforehand)."""
-  engine.step(plan).result()
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    engine.step(plan).result()
-    times.append((time.perf_counter() - start) * 1000)
-  return statistics.median(times)
+  """Median wall ms of one step, to its result on the host (the untimed first call compiles)."""
+  return 1000 * statistics.median(harness.timed(lambda: engine.step(plan).result(), steps))
 
 
 def verify(model, args) -> None:
