@@ -43,7 +43,7 @@ echo "== 4. decode benchmark, Llama-3.2-1B-shaped"
 for mode in "--weights bfloat16 --kv-dtype bfloat16" "--weights int8 --kv-dtype bfloat16" \
             "--weights bfloat16 --kv-dtype int8"; do
   # shellcheck disable=SC2086
-  run "$PY" scripts/bench_device_decode.py $mode 2>&1 | tail -1 | tee -a "$OUT/bench.jsonl" \
+  run "$PY" -m scripts.bench device $mode 2>&1 | tail -1 | tee -a "$OUT/bench.jsonl" \
     || status=1
 done
 exit $status

@@ -50,12 +50,12 @@ from typing import Callable
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(_HERE))
-from bench_serving import load_workload, to_request  # pylint: disable=g-import-not-at-top
-
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
+
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path.append(str(_HERE.parent))  # The repository's root, for scripts.bench.
+from scripts.bench.serving import load_workload, to_request  # noqa: E402
 
 
 class Fault(enum.Enum):

@@ -1,14 +1,23 @@
-"""Where a decode step's time goes on XLA:CPU: per-op times from a profiler trace, by part.
+"""Where a decode step's time goes on XLA:CPU: per-op times from a profiler trace, by part; with
+--verify, a verifying step's beside a plain decode step's.
 
-  XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true python scripts/profile_decode.py [--batches 16,64]
-      [--quantization none|gguf|int8]
+  python scripts/profile_decode.py [--batches 16,64] [--quantization none|gguf|int8]
+  python scripts/profile_decode.py --verify [--batches 1,16] [--context 320] [--steps 8] [-k 4]
 
-Each batch's decode step (128 cached tokens per slot, as bench_decode.py) runs under
-`jax.profiler.trace`; XLA:CPU then records one event per executed op (thunk). The events are
+Each batch's decode step (128 cached tokens per slot, as `python -m scripts.bench decode`) runs
+under `jax.profiler.trace`; XLA:CPU then records one event per executed op (thunk), since this
+script adds --xla_cpu_enable_xprof_traceme=true to XLA_FLAGS before jax loads. The events are
 matched to the compiled HLO's instructions, whose metadata names the JAX operation and source
 line they came from, and summed by part: matmuls by shape, attention, sampling, the rest.
 The shares are of the summed op time (ops of one step run one after another here), so they
 hold on a loaded machine even when the absolute times do not.
+
+--verify: for each batch of slots (k = 4, n-gram speculation, greedy, `--context` cached
+positions each), the plain step decodes every slot; the verifying step is what the peers and
+copy workloads run (`python -m scripts.bench speculative`): up to max_prefill_seqs slots each
+verify a chunk of k + 1 tokens (the slot's token and k proposals), the others decode. Each
+step's wall time (median of `--steps` runs, each to its result on the host) and its op times
+summed by part are printed side by side.
 """
 
 from __future__ import annotations
@@ -19,17 +28,28 @@ import glob
 import gzip
 import json
 import os
+import pathlib
 import re
+import statistics
+import sys
 import tempfile
 
-import jax
-import numpy as np
-from bench_decode import decode_engine
+if "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
+  # XLA:CPU records ops only then; read when jax loads (the imports below).
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_cpu_enable_xprof_traceme=true").strip()
 
-from jaxserve.batching.plan import PrefillChunk, StepPlan
-from jaxserve.config import Quantization, SamplingParams
-from jaxserve.engine.engine import Engine
-from jaxserve.loading import checkpoint
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxserve.batching.plan import PrefillChunk, StepPlan  # noqa: E402
+from jaxserve.config import Quantization, SamplingParams, SpeculativeConfig  # noqa: E402
+from jaxserve.engine.engine import Engine  # noqa: E402
+from jaxserve.loading import checkpoint  # noqa: E402
+
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # The root: scripts.bench.
+from scripts.bench import harness  # noqa: E402
+from scripts.bench.decode import decode_engine  # noqa: E402
 
 KINDS = {"greedy": SamplingParams(temperature=0),
          "top-k-top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
@@ -162,25 +182,77 @@ def plan_op_times(engine: Engine, plan: StepPlan, steps: int) -> collections.Cou
   return times
 
 
+def plans(engine, tables: np.ndarray, context: int, k: int) -> dict[str, StepPlan]:
+  """The plain step (every slot decodes) and the verifying one (the first max_prefill_seqs
+  slots verify k proposals each, the rest decode). The verified chunks' first token and start
+  are read from the slots' decode state, so the plan's are placeholders."""
+  slots = list(range(len(tables)))
+  verifying = slots[:engine.config.max_prefill_seqs]
+  chunks = tuple(PrefillChunk(f"r{s}", s, [1] + [100 + i for i in range(k)], context,
+                              list(tables[s]), True, KINDS["greedy"], s, (), (),
+                              num_drafts=k)
+                 for s in verifying)
+  return {"decode": StepPlan(decode_slots=tuple(slots), page_tables=tables),
+          "verify": StepPlan(prefills=chunks, decode_slots=tuple(slots[len(verifying):]),
+                             page_tables=tables)}
+
+
+def time_step(engine, plan: StepPlan, steps: int) -> float:
+  """Median wall ms of one step, to its result on the host (the untimed first call compiles)."""
+  return 1000 * statistics.median(harness.timed(lambda: engine.step(plan).result(), steps))
+
+
+def verify(model, args) -> None:
+  spec = SpeculativeConfig(num_speculative_tokens=args.k)
+  for batch in (int(b) for b in args.batches.split(",")):
+    # Each verifying step moves its slots up to k + 1 positions: room for all of them.
+    engine, tables = decode_engine(model, batch, args.context + 3 * args.steps * (args.k + 2),
+                                   speculative=spec)
+    start_slots(engine, tables, args.context, KINDS["greedy"])
+    steps = plans(engine, tables, args.context, args.k)
+    wall = {name: time_step(engine, plan, args.steps) for name, plan in steps.items()}
+    ops = {name: plan_op_times(engine, plan, args.steps) for name, plan in steps.items()}
+    print(f"\nbatch {batch}, k = {args.k}, context {args.context}: decode {wall['decode']:.1f} "
+          f"ms, verify {wall['verify']:.1f} ms ({wall['verify'] / wall['decode']:.2f}x) wall; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| part | decode ms | verify ms |\n|---|---|---|")
+    names = sorted(set(ops["decode"]) | set(ops["verify"]), key=lambda n: -ops["verify"][n])
+    for name in names + ["(sum of ops)"]:
+      d, v = ((sum(ops[s].values()) for s in ("decode", "verify")) if name == "(sum of ops)"
+              else (ops["decode"][name], ops["verify"][name]))
+      print(f"| {name} | {d:.2f} | {v:.2f} |")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default=None)
-  parser.add_argument("--batches", default="16,64")
-  parser.add_argument("--context", type=int, default=128)
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--verify", action="store_true",
+                      help="a verifying step (n-gram speculation) beside a plain decode step")
+  parser.add_argument("--batches", help="default: 16,64; with --verify 1,16")
+  parser.add_argument("--context", type=int, help="default: 128; with --verify 320")
+  parser.add_argument("--steps", type=int, help="default: 5; with --verify 8")
+  parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens (--verify)")
   parser.add_argument("--quantization", choices=("none", "gguf", "int8"), default="none",
                       help="how the weights are stored (gguf and int8 run kernels_cpu's matmul "
                       "when it is built)")
   parser.add_argument("--sampling", choices=sorted(KINDS), default="greedy",
-                      help="every slot's sampling")
+                      help="every slot's sampling (--verify: greedy only)")
   args = parser.parse_args()
-  if "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
-    parser.error("set XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true "
-                 "(XLA:CPU records ops only then)")
+  if args.batches is None:
+    args.batches = "1,16" if args.verify else "16,64"
+  if args.context is None:
+    args.context = 320 if args.verify else 128
+  if args.steps is None:
+    args.steps = 8 if args.verify else 5
   if args.context < 1:
     parser.error("--context must be at least 1 (the prompt chunk that loads the sampling rows)")
+  if args.verify and args.sampling != "greedy":
+    parser.error("--verify runs greedy rows only")
   model, _ = checkpoint.load_model(args.model, quantization=Quantization(args.quantization))
+  if args.verify:
+    verify(model, args)
+    return
   for batch in (int(b) for b in args.batches.split(",")):
     # The prompt's `context` positions and the 1 + steps decoded after.
     engine, tables = decode_engine(model, batch, args.context + args.steps + 1)

@@ -1,5 +1,6 @@
-"""scripts/bench_peers.py: the shipped workload, the report arithmetic, and the jaxserve part in
---quick mode on a tiny random model (a peer that is not installed is reported as skipped)."""
+"""scripts/bench/peers.py (`python -m scripts.bench peers`): the shipped workload, the report
+arithmetic, and the jaxserve part in --quick mode on a tiny random model (a peer that is not
+installed is reported as skipped)."""
 
 import json
 import pathlib
@@ -12,7 +13,7 @@ from jaxserve.text.tokenizer import Tokenizer
 from support import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-bp = script_loader.load("bench_peers")
+bp = script_loader.load("bench.peers")
 
 
 @pytest.fixture(scope="module")

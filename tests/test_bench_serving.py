@@ -1,4 +1,5 @@
-"""scripts/bench_serving.py against a real server (tiny model) on loopback for a few seconds."""
+"""`python -m scripts.bench serving` (scripts/bench/serving.py) against a real server (tiny model)
+on loopback for a few seconds."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_script():
-  return script_loader.load("bench_serving")
+  return script_loader.load("bench.serving")
 
 
 @pytest.fixture
@@ -30,8 +31,8 @@ def test_reports_latencies_and_throughput(srv, workload, tmp_path, mode):
   path, num_tokens = workload
   out = tmp_path / "summary.json"
   bench = load_script()
-  assert bench.main(["--address", srv.grpc_address, "--workload", str(path), "--json", str(out),
-                     *mode]) == 0
+  assert bench.main_serving(["--address", srv.grpc_address, "--workload", str(path),
+                             "--json", str(out), *mode]) == 0
   s = json.loads(out.read_text())
   assert s["requests"] == 6 and s["failed"] == 0
   # End of sequence is ignored: every request streams its whole budget.
@@ -48,7 +49,7 @@ def test_failures_are_counted_not_hidden(srv, tmp_path):
   path.write_text(json.dumps({"prompt_token_ids": [5] * 10, "max_tokens": 100000}) + "\n")
   bench = load_script()
   out = tmp_path / "summary.json"
-  assert bench.main(["--address", srv.grpc_address, "--workload", str(path),
-                     "--json", str(out)]) == 1
+  assert bench.main_serving(["--address", srv.grpc_address, "--workload", str(path),
+                             "--json", str(out)]) == 1
   s = json.loads(out.read_text())
   assert s["failed"] == 1 and s["errors"] and s["errors"][0].startswith("INVALID_ARGUMENT")

@@ -1,4 +1,4 @@
-"""Quantized KV against float32 KV on the default model: scripts/kv_quality.py at a size CI
+"""Quantized KV against float32 KV on the default model: `scripts/quality.py kv` at a size CI
 affords (4 windows x 64 scored tokens of the committed peers_64 workload's prompts; the full
 32 x 64 run over README windows is in BENCHMARKS.md). The windows are fixed token ids, not
 README.md's text: scoring the README's first lines made this test fail on an edit of its test
@@ -17,7 +17,7 @@ from __future__ import annotations
 from jaxserve.config import KVDtype
 from support import script_loader
 
-kv_quality = script_loader.load("kv_quality")
+quality = script_loader.load("quality")
 # dtype: (lowest top-1 agreement, highest mean KL) at 4 windows.
 FLOORS = {KVDtype.INT8: (0.96, 0.02), KVDtype.FLOAT8_E4M3: (0.92, 0.02),
           KVDtype.FLOAT8_E5M2: (0.83, 0.07)}
@@ -25,12 +25,12 @@ FLOORS = {KVDtype.INT8: (0.96, 0.02), KVDtype.FLOAT8_E4M3: (0.92, 0.02),
 
 def test_8bit_kv_keeps_most_float32_kv_predictions(default_model):
   model, _ = default_model
-  result = kv_quality.compare(model, kv_quality.workload_windows(4), kv_quality.QUANTIZED)
+  result = quality.compare_kv(model, quality.workload_windows(4), quality.QUANTIZED)
   for kv_dtype, (top1, kl) in FLOORS.items():
     r = result[kv_dtype.label]
     assert r["positions"] == 4 * 64
     assert r["top1_agreement"] >= top1, (kv_dtype, r)
     assert 0 < r["mean_kl"] <= kl, (kv_dtype, r)  # Not 0: the storage really rounds.
   # The encodings' precision orders them: int8 (7 bits a head), e4m3 (3 bits), e5m2 (2 bits).
-  kl = [result[d.label]["mean_kl"] for d in kv_quality.QUANTIZED]
+  kl = [result[d.label]["mean_kl"] for d in quality.QUANTIZED]
   assert kl == sorted(kl)

@@ -138,12 +138,12 @@ def test_gguf_mode_serves_the_blocks_with_the_float_models_logits(llm, default_m
 def continuations(llm, default_model) -> list[list[int]]:
   """Issue 24's measure, at its size: 32 README prompts of 16 tokens, each followed by the float
   model's own 64 greedy tokens (llm: the same numbers within 1e-4, above), on which a quantized
-  form and float32 are both teacher-forced (scripts/quant_quality.py, quant_sweep.py: 32 x 64)."""
+  form and float32 are both teacher-forced (`scripts/quality.py weights` and `sweep`: 32 x 64)."""
   from support import script_loader
 
-  qq = script_loader.load("quant_quality")
-  prompts = [w[:qq.CONTEXT] for w in qq.windows(default_model[1], 32, 0)]
-  return qq.continue_greedily(llm, prompts, 64)
+  quality = script_loader.load("quality")
+  prompts = [w[:quality.CONTEXT] for w in quality.windows(default_model[1], 32, 0)]
+  return quality.continue_greedily(llm, prompts, 64)
 
 
 def test_int8_weights_keep_the_float_models_predictions(default_model, continuations):
@@ -154,9 +154,9 @@ def test_int8_weights_keep_the_float_models_predictions(default_model, continuat
   not what int8 stores; BENCHMARKS.md, "Quantized weights"."""
   from support import script_loader
 
-  qq = script_loader.load("quant_quality")
+  quality = script_loader.load("quality")
   model = default_model[0]
-  result = qq.compare(model, qq.int8_model(model), continuations, dense_logits)
+  result = quality.compare_weights(model, quality.int8_model(model), continuations, dense_logits)
   assert result["positions"] == 32 * 64
   assert result["top1_agreement"] >= 0.95 and result["mean_kl"] <= 0.02, result
 
@@ -169,8 +169,8 @@ def test_int8_kv_keeps_the_float_models_predictions(default_model, continuations
   from jaxserve.config import KVDtype
   from support import script_loader
 
-  kv_quality = script_loader.load("kv_quality")
-  result = kv_quality.compare(default_model[0], np.asarray(continuations), (KVDtype.INT8,))
+  quality = script_loader.load("quality")
+  result = quality.compare_kv(default_model[0], np.asarray(continuations), (KVDtype.INT8,))
   r = result["int8"]
   assert r["positions"] == 32 * 64
   assert r["top1_agreement"] >= 0.98 and 0 < r["mean_kl"] <= 0.02, r

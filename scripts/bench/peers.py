@@ -1,9 +1,9 @@
 """The same work, side by side, in one run: jaxserve vs Hugging Face transformers and llama.cpp.
 
-  python scripts/bench_peers.py                        # jaxserve and transformers
-  python scripts/bench_peers.py --install-llama-cpp    # also llama.cpp (compiles it on first use)
-  python scripts/bench_peers.py --quick --systems jaxserve   # a few short requests, for tests
-  python scripts/bench_peers.py --single-stream --systems jaxserve,llama.cpp --fresh --rounds 3
+  python -m scripts.bench peers                      # jaxserve and transformers
+  python -m scripts.bench peers --install-llama-cpp  # also llama.cpp (compiles it on first use)
+  python -m scripts.bench peers --quick --systems jaxserve   # a few short requests, for tests
+  python -m scripts.bench peers --single-stream --systems jaxserve,llama.cpp --fresh --rounds 3
       [--quantization gguf]   # one chat prompt, 128 greedy tokens; each system a fresh process
 
 The workload (scripts/workloads/peers_64.jsonl, made by `make_workload`, rewritten by
@@ -47,8 +47,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKLOAD = ROOT / "scripts" / "workloads" / "peers_64.jsonl"
+from . import harness
+
+WORKLOAD = harness.WORKLOAD
 WORDS = ("the a of and to in is that it for on with as was at by from this be are or have not but "
          "an they which one you all were her she there would their we him been has when who will "
          "more no if out so said what up its about into than them can only other new some could "
@@ -357,14 +358,6 @@ def install_llama_cpp(timeout_s: float) -> str | None:
   return None
 
 
-def cpu_model() -> str:
-  """The CPU's model name (lscpu's), which changes between sessions here."""
-  for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-    if line.startswith("model name"):
-      return line.split(":", 1)[1].strip()
-  return "unknown"
-
-
 def agreement(run: Run, reference: Run) -> float:
   """Mean fraction of each request's tokens, from the start, identical to the reference's."""
   def prefix(a, b):
@@ -375,8 +368,7 @@ def agreement(run: Run, reference: Run) -> float:
 def summarize(runs: dict[str, list[Run]], skipped: dict[str, str]) -> dict:
   """Per system the median-wall run of the rounds, with ratios against jaxserve's."""
   report = {"systems": {}, "skipped": skipped}
-  medians = {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2]
-             for name, rs in runs.items()}
+  medians = {name: harness.median_item(rs, key=lambda r: r.wall_s) for name, rs in runs.items()}
   ours = medians.get("jaxserve")
   for name, r in medians.items():
     row = {k: v for k, v in dataclasses.asdict(r).items() if k != "outputs"}
@@ -407,8 +399,7 @@ def markdown(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = harness.parser("peers", __doc__)
   p.add_argument("--systems", default="jaxserve,transformers,llama.cpp,llama.cpp-parallel",
                  help=f"comma-separated, from {', '.join(SYSTEMS)}")
   p.add_argument("--workload", type=pathlib.Path, default=WORKLOAD)
@@ -441,14 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
                  help="one chat prompt and 128 greedy tokens instead of the workload")
   p.add_argument("--fresh", action="store_true",
                  help="each system of each round in its own new process")
-  p.add_argument("--runs-json", type=pathlib.Path, default=None,
-                 help="(internal, with --fresh) write this process's runs, outputs included")
+  p.add_argument("--child", action="store_true",
+                 help="(internal, with --fresh) print this process's runs as JSON")
   return p
 
 
 def fresh_rounds(argv: Sequence[str], names: Sequence[str], rounds: int):
-  """run_rounds with every system of every round in a new process of this script."""
-  import tempfile
+  """run_rounds with every system of every round in a new process of this command."""
   drop = {"--fresh"}
   base, skip = [], False
   for a in argv:  # This invocation's flags, less the ones each child gets its own of.
@@ -459,17 +449,14 @@ def fresh_rounds(argv: Sequence[str], names: Sequence[str], rounds: int):
     elif a not in drop and not a.startswith(("--systems=", "--rounds=", "--json=",
                                              "--markdown=")):
       base.append(a)
-  runs, skipped = {n: [] for n in names}, {}
-  for i in range(rounds):
-    for name in names:
-      print(f"round {i + 1}/{rounds}: {name}, a fresh process", file=sys.stderr, flush=True)
-      with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "runs.json"
-        subprocess.run([sys.executable, __file__, *base, "--systems", name, "--rounds", "1",
-                        "--runs-json", str(out)], check=True, stdout=subprocess.DEVNULL)
-        child = json.loads(out.read_text())
-      runs[name] += [Run(**{**r, "loadavg": tuple(r["loadavg"])}) for r in child["runs"]]
-      skipped.update(child["skipped"])
+  skipped = {}
+
+  def run(name: str) -> list[Run]:
+    child = harness.fresh("peers", [*base, "--systems", name, "--rounds", "1", "--child"])
+    skipped.update(child["skipped"])
+    return [Run(**{**r, "loadavg": tuple(r["loadavg"])}) for r in child["runs"]]
+  runs = {n: [r for rs in per_round for r in rs]
+          for n, per_round in harness.interleaved(names, rounds, run).items()}
   return {n: rs for n, rs in runs.items() if rs}, skipped
 
 
@@ -489,17 +476,15 @@ def load_systems(names: Sequence[str], args: argparse.Namespace) -> tuple[list, 
 
 def run_rounds(systems: Sequence, work: Sequence[dict], rounds: int) -> dict[str, list[Run]]:
   """Every system once per round, interleaved, so a load spike hits them alike."""
-  runs = {s.name: [] for s in systems}
-  for i in range(rounds):
-    for s in systems:
-      print(f"round {i + 1}/{rounds}: {s.name} (load average {os.getloadavg()[0]:.2f})",
-            file=sys.stderr, flush=True)
-      r = s.run(work)
-      runs[s.name].append(r)
-      print(f"  {r.wall_s:.1f} s, {r.generated_tokens_per_s:.1f} generated tokens/s, mean TTFT "
-            f"{r.mean_ttft_s:.2f} s (load average {r.loadavg[1]:.2f} after)", file=sys.stderr,
-            flush=True)
-  return runs
+  by_name = {s.name: s for s in systems}
+
+  def run(name: str) -> Run:
+    r = by_name[name].run(work)
+    print(f"  {r.wall_s:.1f} s, {r.generated_tokens_per_s:.1f} generated tokens/s, mean TTFT "
+          f"{r.mean_ttft_s:.2f} s (load average {r.loadavg[1]:.2f} after)", file=sys.stderr,
+          flush=True)
+    return r
+  return harness.interleaved(list(by_name), rounds, run)
 
 
 def main(argv=None) -> int:
@@ -536,16 +521,15 @@ def main(argv=None) -> int:
     finally:
       for s in systems:
         getattr(s, "close", lambda: None)()
-  if args.runs_json:
-    args.runs_json.write_text(json.dumps(
-        {"runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],
-         "skipped": skipped}))
+  if args.child:
+    print(json.dumps({"runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],
+                      "skipped": skipped}))
+    return 0
   report = summarize(runs, skipped)
   report["workload"] = {"path": None if args.quick else str(args.workload), "requests": len(work),
                         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in work),
                         "generated_tokens": sum(r["max_tokens"] for r in work)}
-  report["machine"] = {"cpus": os.cpu_count(), "rounds": args.rounds, "cpu": cpu_model(),
-                       "fresh_processes": args.fresh}
+  report["machine"] = {**harness.machine(), "rounds": args.rounds, "fresh_processes": args.fresh}
   table = markdown(report)
   print(table)
   if args.json:
@@ -555,5 +539,4 @@ def main(argv=None) -> int:
   return 0
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+COMMANDS = {"peers": main}

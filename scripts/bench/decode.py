@@ -1,0 +1,590 @@
+"""A step's time on its own, against what bounds it: `python -m scripts.bench decode | prefill |
+moe | device` (each command's --help says what it measures and how).
+
+  decode   decode step time against the memory-bandwidth / FLOPs floor, prefill tokens/s,
+           sample() alone, cold vs warm start-up; --compare models, each in a fresh process
+  prefill  long prompts against short ones as `LLM()` chunks them, against the FLOPs floor
+  moe      a small mixture of experts' decode step beside a dense model of the same active size
+  device   decode steps of a Llama-3.2-1B-shaped model on an accelerator, as a fraction of the
+           chip's memory bandwidth (scripts/device_check.sh)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxserve
+from jaxserve.batching.plan import PrefillChunk, StepPlan
+from jaxserve.config import (
+  EngineConfig,
+  KVDtype,
+  ModelConfig,
+  ModelFamily,
+  Quantization,
+  SamplingParams,
+)
+from jaxserve.engine import sample as sample_lib
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.sampling_state import SamplingRow
+from jaxserve.engine.step import DecodeState
+from jaxserve.loading import checkpoint
+from jaxserve.model.families import model_class
+from jaxserve.planning import capacity
+
+from . import harness
+
+# ---- decode
+
+
+def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
+  """Bytes per second this machine moves copying a large float32 array (read + write both
+  count): the better of numpy's copy and an XLA elementwise pass."""
+  src = np.ones(num_bytes // 4, np.float32)
+  dst = np.empty_like(src)
+  numpy_best = min(harness.timed(lambda: np.copyto(dst, src), repeats, warmup=False))
+  x = jnp.asarray(src)
+  scale = jax.jit(lambda a: a * 1.0001)  # A multiply, so XLA cannot alias the buffer away.
+  xla_best = min(harness.timed(lambda: scale(x).block_until_ready(), repeats))
+  return 2 * num_bytes / min(numpy_best, xla_best)
+
+
+def gemm_rate(n: int = 1024, repeats: int = 5) -> float:
+  """FLOP/s of one n x n x n float32 matmul compiled by XLA (what the step's matmuls run on)."""
+  a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+  mm = jax.jit(lambda x: x @ x)
+  return 2 * n ** 3 / min(harness.timed(lambda: mm(a).block_until_ready(), repeats))
+
+
+def step_flops(model, batch: int, context: int) -> int:
+  """FLOPs of one decode step: 2 per matmul weight per slot (every layer's, and the output head;
+  the embedding lookup does none), plus attention's scores and weighted sum over `context`."""
+  cfg = model.cfg
+  weights = sum(v.size for path, v in jax.tree_util.tree_leaves_with_path(nnx.state(model.layers))
+                if v.ndim > 2 and not _is_scale(path))
+  weights += cfg.vocab_size * cfg.dim  # The output head.
+  attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+  return batch * (2 * weights + attention)
+
+
+def _is_scale(path) -> bool:
+  """Whether a parameter's path ends in a quantized weight's scale or minimum (model/quant.py)."""
+  return any(getattr(k, "key", None) in ("scale", "minimum") for k in path)
+
+
+def decode_ms(model, batch: int, context: int, steps: int, **config) -> float:
+  """Median ms per decode step with `batch` slots each holding `context` tokens: every step
+  starts each slot at position `context` (the engine reads positions from its device state), so
+  it attends to `context` cached positions plus the one it writes, as `step_bytes` counts. The
+  cached KV is the pool's zeros: its values change no step time. `config`: EngineConfig
+  fields to set."""
+  engine, tables = decode_engine(model, batch, context + 1, **config)
+  slots = tuple(range(batch))
+
+  def reset():
+    engine.state = at_position(engine.state, context)
+    jax.block_until_ready(engine.state)
+  times = harness.timed(lambda: engine.step(StepPlan(decode_slots=slots, page_tables=tables))
+                        .result(), steps, setup=reset)
+  return 1000 * float(np.median(times))
+
+
+def decode_engine(model, batch: int, positions: int, **config) -> tuple[Engine, np.ndarray]:
+  """An engine of `batch` slots and page tables [batch, pages] giving each slot pages of 16 of
+  its own for `positions` positions (also for scripts/profile_decode.py).
+  window_pages=False: these tables are the one pool's (no window tables for local layers)."""
+  pages = -(-positions // 16)
+  config = EngineConfig(num_slots=batch, page_size=16, num_pages=batch * pages + 1,
+                        max_model_len=max(pages * 16, 128), prefill_buckets=(32,),
+                        compilation_cache_dir=None, window_pages=False, **config)
+  tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
+  return Engine(model, config), tables
+
+
+def prefill_engine(model, length: int, **config) -> tuple[Engine, PrefillChunk]:
+  """An engine of one slot whose one prefill bucket is `length`, and a `length`-token chunk that
+  ends its prompt (greedy)."""
+  pages = -(-length // 16)
+  config = EngineConfig(num_slots=1, page_size=16, num_pages=pages + 1, max_model_len=pages * 16,
+                        prefill_buckets=(length,), compilation_cache_dir=None,
+                        window_pages=False, **config)
+  chunk = PrefillChunk("p", 0, list(range(100, 100 + length)), 0, list(range(1, pages + 1)), True,
+                       SamplingParams(temperature=0), 0, (), ())
+  return Engine(model, config), chunk
+
+
+def at_position(state: DecodeState, position: int) -> DecodeState:
+  """`state` with every slot's next token at `position`, placed as `state` is."""
+  positions = np.full(state.positions.shape, position, np.int32)
+  return jax.device_put(dataclasses.replace(state, positions=positions),
+                        jax.tree.map(lambda x: x.sharding, state))
+
+
+def prefill_tokens_per_s(model, length: int, repeats: int = 3, **config) -> float:
+  engine, chunk = prefill_engine(model, length, **config)
+  return length / min(harness.timed(lambda: engine.step(StepPlan(prefills=(chunk,))).result(),
+                                    repeats))
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+  """Bytes one decode step must read: every parameter (the embedding once, as the output head;
+  its lookup reads only `batch` rows) plus each slot's K and V for `context` positions."""
+  cfg = model.cfg
+  params = sum(x.nbytes for x in jax.tree.leaves(jax.tree.map(lambda v: v, model.layers)))
+  embed = model.embed  # A Param, or a quantized weight's module (values, scales).
+  params += (sum(x.nbytes for x in jax.tree.leaves(nnx.state(embed)))
+             if isinstance(embed, nnx.Module) else embed[...].nbytes)
+  params += model.final_norm[...].nbytes
+  kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+  return params + kv
+
+
+UNROLL = {"scan": False, "unrolled": True}  # --layers: EngineConfig.unroll_layers
+SAMPLING_KINDS = {"greedy": SamplingParams(temperature=0),
+                  "top-k/top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+                  "temperature": SamplingParams(temperature=1.0)}
+
+
+def sampling_ms(module, batch: int, vocab: int, params: SamplingParams, repeats: int = 10) -> float:
+  """Median ms of `module.sample` alone on [batch, vocab] logits shaped like a model's (a few
+  tokens well above a normal bulk), every row with `params`."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(batch, vocab)).astype(np.float32) * 2
+  top = rng.integers(0, vocab, (batch, 8))
+  np.put_along_axis(logits, top, rng.uniform(8, 14, (batch, 8)).astype(np.float32), 1)
+  rows = [SamplingRow.from_params(params, i, (), (), vocab).as_state() for i in range(batch)]
+  state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *rows)
+  fn = jax.jit(module.sample)
+  args = (jnp.asarray(logits), state, jnp.arange(batch, dtype=jnp.int32) + 100,
+          jnp.asarray([0], jnp.int32))
+  times = harness.timed(lambda: fn(*args).tokens.block_until_ready(), repeats)
+  return 1000 * float(np.median(times))
+
+
+def load_sample_module(path: str):
+  name = f"baseline_sample_{abs(hash(path))}"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+  spec.loader.exec_module(module)
+  return module
+
+
+def startup_seconds() -> tuple[float, float]:
+  """(cold, warm): seconds to load the default model and compile every bucket, in a fresh
+  process, first with an empty persistent compilation cache, then with the one it filled."""
+  code = ("import time; t = time.perf_counter(); import jaxserve;"
+          "jaxserve.LLM(engine_config=jaxserve.EngineConfig(compilation_cache_dir={!r}));"
+          "print(time.perf_counter() - t)")
+  with tempfile.TemporaryDirectory() as cache:
+    run = lambda: float(subprocess.run([sys.executable, "-c", code.format(cache)], check=True,
+                                       capture_output=True, text=True).stdout.split()[-1])
+    return run(), run()
+
+
+def measure(args) -> dict:
+  """One model's figures, in this process."""
+  model, _ = checkpoint.load_model(args.model)
+  rows = []
+  for batch in (int(b) for b in args.batches.split(",")):
+    ms = decode_ms(model, batch, args.context, args.steps)
+    rows.append({"batch": batch, "ms": ms, "bytes": step_bytes(model, batch, args.context)})
+  return {"model": args.model or "default", "rows": rows,
+          "prefill_tokens_per_s": prefill_tokens_per_s(model, args.prefill)}
+
+
+def compare(args) -> None:
+  """Each model in a fresh process (`--json`), then one table with ratios to the first."""
+  results = []
+  for name in args.compare.split(","):
+    load = os.getloadavg()[0]
+    out = harness.fresh("decode", ["--json", "--model", name, "--batches", args.batches,
+                                   "--context", str(args.context), "--steps", str(args.steps),
+                                   "--prefill", str(args.prefill)])
+    results.append({**out, "load": load})
+  base = results[0]
+  print("| model | load avg at start | " + " | ".join(
+      f"batch {r['batch']} ms/step (x first)" for r in base["rows"])
+        + " | prefill tokens/s (x first) |")
+  print("|---" * (3 + len(base["rows"])) + "|")
+  for r in results:
+    steps = [f"{row['ms']:.1f} ({row['ms'] / b['ms']:.2f}x)"
+             for row, b in zip(r["rows"], base["rows"])]
+    prefill = r["prefill_tokens_per_s"]
+    print(f"| {r['model']} | {r['load']:.1f} | " + " | ".join(steps) +
+          f" | {prefill:.0f} ({prefill / base['prefill_tokens_per_s']:.2f}x) |")
+
+
+def print_sampling(steps: dict, vocab: int, baseline: str | None) -> None:
+  """sample() alone per batch and kind of row, as ms and as a share of that batch's step."""
+  versions = {"this": sample_lib} | ({"baseline": load_sample_module(baseline)} if baseline else {})
+  print("\n| sample() | batch | " + " | ".join(f"{v} ms (share of step)" for v in versions) + " |")
+  print("|---" * (2 + len(versions)) + "|")
+  for kind, params in SAMPLING_KINDS.items():
+    for batch, step in steps.items():
+      times = [sampling_ms(m, batch, vocab, params) for m in versions.values()]
+      cells = [f"{ms:.2f}" + (f" ({ms / step:.1%})" if step else "") for ms in times]
+      print(f"| {kind} | {batch} | " + " | ".join(cells) + " |")
+
+
+def main_decode(argv=None) -> None:
+  """Decode step time, prefill throughput and the memory-bandwidth roofline, on the default model.
+
+    python -m scripts.bench decode [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
+        [--layers scan|unrolled] [--quantization none|gguf|int8]
+    python -m scripts.bench decode --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
+    python -m scripts.bench decode --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY]
+        [--sampling-only]
+
+  `--compare` runs each model in its own fresh process, one after the other in the same run (no
+  model's compiled programs or memory linger into the next one's), then prints them side by side
+  with the ratios to the first model: on a loaded machine the ratios are the figures to keep.
+
+  Decode is memory-bound at few slots and compute-bound at many: each step reads every weight
+  once plus each slot's KV cache, and does 2 FLOPs per weight per slot plus its attention. The
+  floor is max(bytes / copy bandwidth, FLOPs / GEMM rate), both rates measured on this machine in
+  this same run (a large array copied by XLA; a 1024^3 float32 matmul by XLA), so the ratio holds
+  even when the machine is slower or busier than usual.
+  `--sampling` also times `sample()` alone on the same batches (greedy rows, top-k/top-p rows,
+  plain temperature rows) and prints its share of the step; `--sampling-baseline` times another
+  version of jaxserve/engine/sample.py (e.g. `git show main:jaxserve/engine/sample.py >
+  /tmp/old.py`) in the same run, for a before/after on a loaded machine.
+  `--startup` also times a cold start (empty compilation cache) against a warm one, in
+  subprocesses.
+  """
+  parser = harness.parser("decode", main_decode.__doc__)
+  parser.add_argument("--model", default=None,
+                      help="a packaged name or a path (default: the default model)")
+  parser.add_argument("--compare", default=None,
+                      help="comma-separated models, each in a fresh process")
+  parser.add_argument("--json", action="store_true",
+                      help="print one JSON line of this model's figures")
+  parser.add_argument("--batches", default="1,8,32")
+  parser.add_argument("--context", type=int, default=256, help="tokens already cached per slot")
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tokens/s")
+  parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
+  parser.add_argument("--quantization", choices=("none", "gguf", "int8"), default="none",
+                      help="how the weights are stored (EngineConfig.quantization)")
+  parser.add_argument("--layers", choices=("scan", "unrolled"), default="scan",
+                      help="EngineConfig.unroll_layers False (the default) or True")
+  parser.add_argument("--sampling", action="store_true",
+                      help="also time sample() alone, and its share")
+  parser.add_argument("--sampling-baseline", default=None,
+                      help="another sample.py to time beside it")
+  parser.add_argument("--sampling-only", action="store_true",
+                      help="time sample() alone, no decode steps")
+  args = parser.parse_args(argv)
+  if args.compare:
+    compare(args)
+    return
+  if args.json:
+    print(json.dumps(measure(args)))
+    return
+
+  model, _ = checkpoint.load_model(args.model, quantization=Quantization(args.quantization))
+  if args.sampling_only:
+    print_sampling({int(b): None for b in args.batches.split(",")}, model.cfg.vocab_size,
+                   args.sampling_baseline)
+    return
+  bandwidth, rate = copy_bandwidth(), gemm_rate()
+  print(f"{jax.devices()[0].device_kind}: copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"GEMM {rate / 1e9:.0f} GFLOP/s\n")
+  print("| batch | ms/step | tokens/s | bytes/step (MB) | bytes floor ms | GFLOP/step "
+        "| FLOPs floor ms | x floor |")
+  print("|---|---|---|---|---|---|---|---|")
+  steps, layers = {}, {"unroll_layers": UNROLL[args.layers]}
+  for batch in (int(b) for b in args.batches.split(",")):
+    ms = steps[batch] = decode_ms(model, batch, args.context, args.steps, **layers)
+    nbytes, flops = step_bytes(model, batch, args.context), step_flops(model, batch, args.context)
+    by_bytes, by_flops = 1000 * nbytes / bandwidth, 1000 * flops / rate
+    print(f"| {batch} | {ms:.1f} | {1000 * batch / ms:.0f} | {nbytes / 1e6:.0f} | {by_bytes:.1f} | "
+          f"{flops / 1e9:.1f} | {by_flops:.1f} | {ms / max(by_bytes, by_flops):.2f} |")
+  if args.sampling:
+    print_sampling(steps, model.cfg.vocab_size, args.sampling_baseline)
+  tokens_per_s = prefill_tokens_per_s(model, args.prefill, **layers)
+  print(f"\nprefill, {args.prefill}-token prompt: {tokens_per_s:.0f} tokens/s")
+  if args.startup:
+    cold, warm = startup_seconds()
+    print(f"start-up (load + compile all buckets): cold {cold:.1f} s, warm {warm:.1f} s "
+          f"(warm/cold {warm / cold:.2f})")
+
+
+# ---- prefill
+
+
+def prefill_flops(cfg: ModelConfig, n: int) -> int:
+  """FLOPs of prefilling an n-token prompt and its one sampled token's head."""
+  D, N, K, H, F = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+  per_layer = D * N * H * 2 + 2 * D * K * H + 3 * D * F  # q, o; k, v; gate, up, down
+  attention = 4 * N * H * n * (n + 1) // 2
+  return cfg.num_layers * (2 * per_layer * n + attention) + 2 * cfg.vocab_size * D
+
+
+def prefill_seconds(llm: jaxserve.LLM, length: int, rng: np.random.Generator) -> float:
+  """Seconds of one fresh `length`-token prompt through LLM.generate, one greedy token out."""
+  ids = rng.integers(100, llm.model.cfg.vocab_size - 100, length).tolist()
+  start = time.perf_counter()
+  out, = llm.generate([ids], jaxserve.SamplingParams(temperature=0, max_tokens=1,
+                                                     ignore_eos=True))
+  elapsed = time.perf_counter() - start
+  assert len(out.token_ids) == 1
+  return elapsed
+
+
+def chunk_step_ms(model, starts: list[int], n: int = 512) -> None:
+  """Prints the best of 3 times of one n-token prefill chunk step whose sequence already holds
+  `start` positions (zeros: their values change no time), on an engine of one slot."""
+  config = jaxserve.EngineConfig(num_slots=1, num_pages=520, max_model_len=8192,
+                                 prefill_buckets=(n,), compilation_cache_dir=None,
+                                 window_pages=False)
+  engine = Engine(model, config)
+  for start in starts:
+    pages = list(range(1, -(-(start + n) // 16) + 1))
+    chunk = PrefillChunk("p", 0, list(range(100, 100 + n)), start, pages, True,
+                         jaxserve.SamplingParams(temperature=0), 0, (), ())
+    best = min(harness.timed(lambda: engine.step(StepPlan(prefills=(chunk,))).result(), 3))
+    print(f"{n}-token chunk at {start}: {1000 * best:.0f} ms", flush=True)
+
+
+def main_prefill(argv=None) -> None:
+  """Prefill of long prompts against short ones, as `LLM()` chunks them, and the FLOPs floor.
+
+    python -m scripts.bench prefill [--lengths 500,6000] [--repeats 2] [--model NAME]
+    python -m scripts.bench prefill --chunk-at 0,2048,5632   # one 512-token chunk step at each
+
+  Each prompt (random token ids, a fresh one every run, so the prefix cache never hits) goes
+  through `LLM.generate` with max_tokens=1 on an engine of the default settings but for a context
+  that holds it (`--max-model-len`, `--num-pages`): the scheduler chunks it into steps of the
+  largest prefill bucket as it would any request. Warm-up compiles every program first; the time
+  is the median of `--repeats` runs after one untimed run at that length.
+
+  The floor is the prompt's FLOPs over the GEMM rate measured in this same run (a 1024^3 float32
+  matmul by XLA, as `decode`): 2 per matmul weight per token, the output head once, and
+  attention's 4 * N * H per (query, key) pair it really attends (causal: n (n + 1) / 2 pairs per
+  layer). The figure to keep is the ratio of the long prompt's tokens/s to the short one's.
+  """
+  parser = harness.parser("prefill", main_prefill.__doc__)
+  parser.add_argument("--model", default=None)
+  parser.add_argument("--lengths", default="500,6000")
+  parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--max-model-len", type=int, default=8192)
+  parser.add_argument("--num-pages", type=int, default=1024)
+  parser.add_argument("--chunk-at", default=None,
+                      help="comma-separated starts: time one 512-token chunk step at each")
+  args = parser.parse_args(argv)
+  if args.chunk_at:
+    chunk_step_ms(checkpoint.load_model(args.model)[0], [int(s) for s in args.chunk_at.split(",")])
+    return
+  lengths = [int(n) for n in args.lengths.split(",")]
+  config = jaxserve.EngineConfig(max_model_len=args.max_model_len, num_pages=args.num_pages)
+  llm = jaxserve.LLM(args.model, engine_config=config)
+  rate = gemm_rate()
+  rng = np.random.default_rng(0)
+  print(f"GEMM {rate / 1e9:.0f} GFLOP/s; buckets {config.prefill_buckets}\n")
+  print("| prompt tokens | s | tokens/s | GFLOP | FLOPs floor s | x floor |")
+  print("|---|---|---|---|---|---|")
+  speed = {}
+  for n in lengths:
+    prefill_seconds(llm, n, rng)  # Untimed: the first run at a length settles caches.
+    s = statistics.median(prefill_seconds(llm, n, rng) for _ in range(args.repeats))
+    flops = prefill_flops(llm.model.cfg, n)
+    speed[n] = n / s
+    print(f"| {n} | {s:.2f} | {n / s:.0f} | {flops / 1e9:.0f} | {flops / rate:.2f} | "
+          f"{s * rate / flops:.2f} |")
+  print(f"\ntokens/s of {lengths[-1]} tokens / of {lengths[0]}: "
+        f"{speed[lengths[-1]] / speed[lengths[0]]:.2f}")
+
+
+# ---- moe
+
+MOE = ModelConfig(vocab_size=4096, dim=512, num_layers=4, num_heads=8, num_kv_heads=2,
+                  head_dim=64, hidden_dim=1024, max_seq_len=1024, tie_embeddings=False,
+                  name="tiny-moe", family=ModelFamily.QWEN3_MOE, num_experts=8,
+                  experts_per_token=2, expert_hidden_dim=512)
+DENSE = dataclasses.replace(MOE, name="tiny-dense", family=ModelFamily.QWEN3, num_experts=0,
+                            experts_per_token=0, expert_hidden_dim=0,
+                            hidden_dim=MOE.experts_per_token * MOE.expert_hidden_dim)
+
+
+def ragged_vs_dense_ms(rows: int, cfg: ModelConfig, repeats: int = 20) -> tuple[float, float]:
+  """(ms of ragged_dot over `rows` rows spread evenly over the experts, ms of one plain matmul
+  of the same rows), best of `repeats`."""
+  E, D, F = cfg.num_experts, cfg.dim, cfg.expert_hidden_dim
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(rows, D)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(E, D, F)), jnp.float32)
+  sizes = jnp.full((E,), rows // E, jnp.int32).at[0].add(rows % E)
+  ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s))
+  dense = jax.jit(lambda x, w: x @ w[0])
+  best_ms = lambda fn: 1000 * min(harness.timed(lambda: fn().block_until_ready(), repeats))
+  return best_ms(lambda: ragged(x, w, sizes)), best_ms(lambda: dense(x, w))
+
+
+def main_moe(argv=None) -> None:
+  """The decode step of a small mixture of experts beside a dense model of the same active size,
+  and what XLA does with `jax.lax.ragged_dot` on this backend.
+
+    python -m scripts.bench moe [--batches 1,8,32] [--context 128] [--steps 20]
+
+  Both models are Qwen3 blocks with random weights and the same attention: the MoE has 8 experts
+  of hidden dim F, 2 a token; the dense one an MLP of 2F, so a token runs through the same number
+  of weights (`num_active_params` equal but for the router's D x 8 a layer). The MoE step also
+  routes (a softmax and top-k over the experts), sorts the step's rows by expert and runs three
+  ragged matmuls. The ratio MoE / dense is the figure to keep (a loaded machine slows both
+  alike).
+
+  `ragged_dot` alone: the grouped matmul of the step's routed rows against every expert's
+  weights, timed beside one plain matmul of the same rows against one expert's weights (the
+  useful FLOPs). Where XLA has no grouped kernel (CPU) it computes every row against every expert
+  and masks, so the ratio approaches the number of experts.
+  """
+  p = harness.parser("moe", main_moe.__doc__)
+  p.add_argument("--batches", default="1,8,32")
+  p.add_argument("--context", type=int, default=128)
+  p.add_argument("--steps", type=int, default=20)
+  args = p.parse_args(argv)
+  batches = [int(b) for b in args.batches.split(",")]
+  # The same weights a token, but for the router's.
+  router = MOE.num_layers * MOE.dim * MOE.num_experts
+  assert MOE.num_active_params - DENSE.num_active_params == router
+  out = {"backend": jax.default_backend(), "active_params": MOE.num_active_params,
+         "moe_params": MOE.num_params, "decode_ms": {}, "ragged_dot_ms": {}}
+  for cfg in (DENSE, MOE):
+    model = model_class(cfg)(cfg, jnp.float32, rngs=nnx.Rngs(0))
+    out["decode_ms"][cfg.name] = {b: decode_ms(model, b, args.context, args.steps)
+                                  for b in batches}
+  for b in batches:
+    rows = b * MOE.experts_per_token
+    out["ragged_dot_ms"][b] = dict(zip(("ragged", "one_expert"), ragged_vs_dense_ms(rows, MOE)))
+  print(json.dumps(out, indent=1))
+  print(f"{'batch':>5} {'dense ms':>9} {'moe ms':>9} {'moe/dense':>9} "
+        f"{'ragged_dot/one matmul':>22}")
+  for b in batches:
+    d, m = out["decode_ms"]["tiny-dense"][b], out["decode_ms"]["tiny-moe"][b]
+    r = out["ragged_dot_ms"][b]
+    print(f"{b:>5} {d:>9.2f} {m:>9.2f} {m / d:>9.2f} {r['ragged'] / r['one_expert']:>22.1f}")
+
+
+# ---- device
+
+# meta-llama/Llama-3.2-1B's config.json: 16 layers, 32 heads, 8 KV heads of 64, tied embeddings.
+LLAMA_3_2_1B = ModelConfig(vocab_size=128256, dim=2048, num_layers=16, num_heads=32,
+                           num_kv_heads=8, head_dim=64, hidden_dim=8192, rope_theta=500000.0,
+                           max_seq_len=131072, tie_embeddings=True, name="llama-3.2-1b-shaped")
+# Peak memory bandwidth, bytes/s, by a substring of jax's device_kind (vendor datasheets).
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.039e12, "L40S": 0.864e12,
+                  "L4": 0.3e12, "A10": 0.6e12, "4090": 1.008e12}
+CHUNK = 512  # Prefill chunk (the one prefill bucket).
+GREEDY = SamplingParams(temperature=0)
+
+
+def random_model(cfg: ModelConfig, weights: str):
+  """The model in bfloat16, its weights random; int8: quantized per output channel (the
+  quantized-weight work: loading/quantize.py), None where this tree has none."""
+  model = model_class(cfg)(cfg, jnp.bfloat16, rngs=nnx.Rngs(0))
+  if weights == "bfloat16":
+    return model
+  try:
+    from jaxserve.loading import quantize
+  except ImportError:
+    return None
+  params = jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.to_pure_dict(nnx.state(model)))
+  return checkpoint.build_model(cfg, quantize.to_int8(params), "bfloat16")
+
+
+def device_engine(model, weights: str, kv_dtype: KVDtype, slots: int, context: int, steps: int):
+  page_size = capacity.default_page_size(kv_dtype)
+  max_len = -(-(context + steps + 1) // page_size) * page_size
+  extra = {"quantization": weights} if weights != "bfloat16" else {}
+  config = EngineConfig(num_slots=slots, page_size=page_size,
+                        num_pages=slots * max_len // page_size + 1, max_model_len=max_len,
+                        prefill_buckets=(CHUNK,), dtype="bfloat16", kv_dtype=kv_dtype,
+                        compilation_cache_dir=None, **extra)
+  return Engine(model, config), max_len // page_size
+
+
+def fill(engine, slots: int, context: int, width: int) -> np.ndarray:
+  """Prefills every slot with `context` random tokens; returns the [slots, width] tables."""
+  tables = (1 + np.arange(slots * width, dtype=np.int32)).reshape(slots, width)
+  rng = np.random.default_rng(0)
+  for s in range(slots):
+    ids = [int(i) for i in rng.integers(10, 1000, context)]
+    for start in range(0, context, CHUNK):
+      last = start + CHUNK >= context
+      chunk = PrefillChunk(f"r{s}", s, ids[start:start + CHUNK], start, tables[s], last, GREEDY,
+                           0, ids if last else (), ())
+      future = engine.step(StepPlan(prefills=(chunk,)))
+    future.result()
+  return tables
+
+
+def device_bench(model, args, slots: int) -> dict:
+  engine, width = device_engine(model, args.weights, KVDtype[args.kv_dtype.upper()], slots,
+                                args.context, args.steps + 2)
+  tables = fill(engine, slots, args.context, width)
+  plan = StepPlan(decode_slots=tuple(range(slots)), page_tables=tables)
+  # The untimed first call compiles (warm-up compiled it already; this one is the check).
+  step = statistics.median(harness.timed(lambda: engine.step(plan).result(), args.steps))
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+  kv = capacity.kv_bytes_per_token(model.cfg, KVDtype[args.kv_dtype.upper()], 1)
+  kv_bytes = slots * (args.context + args.steps // 2) * kv
+  return {"slots": slots, "step_ms": 1e3 * step, "weight_bytes": weight_bytes,
+          "kv_bytes": kv_bytes, "bandwidth_fraction": (weight_bytes + kv_bytes) / step / args.peak}
+
+
+def main_device(argv=None) -> None:
+  """Decode steps of a Llama-3.2-1B-shaped model (random weights, bfloat16) on the accelerator,
+  and each step's fraction of the chip's memory bandwidth: the bytes a step must read (every
+  weight once, plus each slot's K/V so far) over its time, over the chip's peak.
+
+    python -m scripts.bench device --weights bfloat16 --kv-dtype bfloat16
+    python -m scripts.bench device --weights int8      # needs EngineConfig.quantization
+    python -m scripts.bench device --kv-dtype int8
+
+  Prints one JSON object; {"skipped": why} when --weights int8 has no quantized-weight support in
+  this tree. Used by scripts/device_check.sh; each mode in its own process.
+  """
+  parser = harness.parser("device", main_device.__doc__)
+  parser.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16")
+  parser.add_argument("--kv-dtype", choices=("bfloat16", "int8", "float8_e4m3", "float8_e5m2"),
+                      default="bfloat16")
+  parser.add_argument("--slots", default="1,16,64")
+  parser.add_argument("--context", type=int, default=1024, help="tokens cached per slot")
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--bandwidth-gbs", type=float, default=None, help="peak, GB/s")
+  parser.add_argument("--layers", type=int, default=LLAMA_3_2_1B.num_layers,
+                      help="fewer for a dry run")
+  args = parser.parse_args(argv)
+  fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  if args.weights == "int8" and "quantization" not in fields:
+    print(json.dumps({"skipped": "no EngineConfig.quantization in this tree (quantized weights "
+                                 "not merged)", "weights": args.weights}))
+    return
+  kind = jax.devices()[0].device_kind
+  peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in kind), None)
+  args.peak = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else peak
+  if args.peak is None:
+    sys.exit(f"unknown peak bandwidth of {kind!r}: give --bandwidth-gbs")
+  model = random_model(dataclasses.replace(LLAMA_3_2_1B, num_layers=args.layers), args.weights)
+  if model is None:
+    print(json.dumps({"skipped": "no loading/quantize.py in this tree"}))
+    return
+  rows = [device_bench(model, args, int(s)) for s in args.slots.split(",")]
+  print(json.dumps({"device": kind, "peak_bytes_per_s": args.peak, "weights": args.weights,
+                    "kv_dtype": args.kv_dtype, "context": args.context, "steps": rows}))
+
+
+COMMANDS = {"decode": main_decode, "prefill": main_prefill, "moe": main_moe,
+            "device": main_device}
