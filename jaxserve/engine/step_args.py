@@ -87,7 +87,7 @@ class Packer:
     sequence's pages once per block, so blocks of 64 rows (measured on CPU: a 512-token chunk
     at 5,632 cached positions took 0.62x the time of blocks of 16). A verify bucket's chunks, at
     most k + 1 tokens each, take a block of k + 1 rows apiece: one as wide as the bucket ran
-    4 x 20 query rows for 4 runs of 5 at 16 slots (profile_verify.py)."""
+    4 x 20 query rows for 4 runs of 5 at 16 slots (profile_decode.py --verify)."""
     if Tp in self.verify_buckets():
       return self.config.speculative.num_speculative_tokens + 1, Bp
     Tb = min(64, max(Tp, 1))

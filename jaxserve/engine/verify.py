@@ -47,7 +47,7 @@ def sample_verifying(head, hidden, rows: SamplingState, positions, kv_lens, samp
   verify_drafts [Bp, k]); pack: step.pack_sampled.
 
   On CPU a head pass costs about as much for 2 rows as for 5 (a 5-row head took ~4x a 1-row
-  one, profile_verify.py), so the rows that sample (a prompt's last row is its chunk's last
+  one, profile_decode.py --verify), so the rows that sample (a prompt's last row is its chunk's last
   verify row, step_args.Packer._verified) share one pass with the verified positions."""
   Bd, (Bp, K1) = args.decode_slots.shape[0], args.verify_rows.shape
   drafts = args.verify_drafts  # [Bp, k]

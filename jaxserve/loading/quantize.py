@@ -55,7 +55,7 @@ def int8(w: np.ndarray, in_axes: tuple[int, ...], layout: Layout = PER_CHANNEL) 
 def to_int8(params: dict, layouts: Mapping[str, Layout] | None = None) -> dict:
   """Every matrix int8 (a quantized one dequantized first): per output channel, what
   `--quantization int8` stores, or in its layout of `layouts` (a weight absent stays float32;
-  scripts/quant_sweep.py measures the other layouts)."""
+  scripts/quality.py sweep measures the other layouts)."""
   layouts = {name: PER_CHANNEL for name in IN_AXES} if layouts is None else layouts
   params = to_float(params)
   for holder, name, lead in _weights(params):

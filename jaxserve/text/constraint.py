@@ -5,7 +5,7 @@
   Grammar.matcher(token_ids) -> one Matcher per sequence; Matcher.accept(token) after each step
   ConstraintCompiler.fill_bitmask(bitmask [B, ceil(V/32)] int32, [(row, matcher), ...])
 
-The grammar engine is llguidance (scripts/compare_grammar_engines.py weighs it against xgrammar):
+The grammar engine is llguidance (BENCHMARKS.md, "Tried and not adopted": against xgrammar):
 one 3 MB wheel with no dependencies, a lazily built lexer (compiling a schema costs about a
 millisecond; the work is spread over the first masks), and a JSON schema compiler that refuses
 the keywords it cannot enforce instead of ignoring them. A bit set in the mask allows the token;

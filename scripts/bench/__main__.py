@@ -11,6 +11,7 @@
   quant        --quantization none, gguf and int8, each in a fresh process
   speculative  speculative decoding on vs off, each side in a fresh process, interleaved rounds
   step         this tree's engine against another source tree's (--old), each in a fresh process
+  lora         the 64-request workload with 0, 1 and 8 LoRA adapters (rank 16), and one merged
   peers        the 64-request workload on jaxserve, transformers and llama.cpp, side by side
   serving      load against a running `jaxserve serve` over gRPC: TTFT, TPOT, ITL, end-to-end
   structured   64 requests, half of them JSON-schema constrained, against none
@@ -32,7 +33,8 @@ from . import harness
 # commands runs: `serving` never imports jax, and `step` puts another tree's jaxserve first on
 # sys.path before anything imports jaxserve.
 MODULES = {"decode": "decode", "prefill": "decode", "moe": "decode", "device": "decode",
-           "quant": "offline", "speculative": "offline", "step": "offline", "peers": "peers",
+           "quant": "offline", "speculative": "offline", "step": "offline", "lora": "offline",
+           "peers": "peers",
            "serving": "serving", "structured": "serving", "host": "serving"}
 
 
