@@ -180,6 +180,25 @@ def test_mixed_batches_under_tp2_match_peft_alone(tmp_path):
     assert np.allclose(logprobs, want_logprobs, atol=1e-3), name
 
 
+def test_preempted_adapter_requests_recompute_under_their_adapter(tmp_path, checked):
+  """A pool of 13 usable pages of 4 for four requests of 13 + 8 tokens (5-6 pages each; three
+  run at once, the third adapter waiting for a slot): they are preempted as they grow, give up their adapter slots, and are recomputed under their own
+  adapters: every token is peft's alone."""
+  hf = hf_tiny.build(*FAMILIES["llama"])
+  hf.save_pretrained(tmp_path / "base")
+  cfg, params = weights.load_hf_dir(tmp_path / "base")
+  adapters = make_adapters(hf, tmp_path)
+  engine = Engine(checkpoint.build_model(cfg, params), dataclasses.replace(ENGINE, num_pages=14))
+  engine.warmup()
+  runner = checked(runner_of(engine, adapters, cfg))
+  rng = np.random.default_rng(5)
+  jobs = [(list(map(int, rng.integers(0, hf_tiny.VOCAB, 13))), name)
+          for name in ("a1", "a2", None, "a3")]
+  results = runner.generate([(p, GREEDY, n and adapters[n][0]) for p, n in jobs])
+  assert runner.scheduler.num_preemptions > 0
+  check(results, jobs, hf, adapters)
+
+
 def test_a_request_for_an_adapter_not_added_is_refused(setup):
   hf, adapters, engine, cfg = setup
   runner = Runner(engine, MockTokenizer())

@@ -530,6 +530,49 @@ def run_lora(name: str, slots: int, num_requests: int) -> dict:
           "tokens": tokens, "tokens_per_s": tokens / wall, "loadavg": os.getloadavg()[0]}
 
 
+def lora_delta() -> int:
+  """The delta x A B of SmolLM2's up projection (I 576, O 1536) for T tokens spread over 8
+  adapters and the base, rank 16, three ways; median of 20 calls each, in this one process
+  (the three are one program each: the comparison is within a process, not between engines)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxserve.model.lora import LoraRows, LoraWeights
+
+  I, O, R, S = 576, 1536, RANK, NUM_ADAPTERS + 1
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.standard_normal((S, I, R)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((S, R, O)), jnp.float32)
+
+  def onehot(x, slots):
+    return LoraRows.of(LoraWeights({"w": a}, {"w": b}), slots).delta("w", x)
+
+  def gather(x, slots):
+    return jnp.einsum("tr,tro->to", jnp.einsum("ti,tir->tr", x, a[slots]), b[slots])
+
+  def ragged(x, slots):
+    order = jnp.argsort(slots)
+    sizes = jnp.bincount(slots, length=S).astype(jnp.int32)
+    xa = jax.lax.ragged_dot(x[order], a, sizes)
+    out = jax.lax.ragged_dot(xa, b, sizes)
+    return jnp.zeros_like(out).at[order].set(out)
+
+  print("| tokens | one-hot ms | gather ms | ragged_dot ms |")
+  print("|---|---|---|---|")
+  for T in (1, 16, 64, 512):
+    x = jnp.asarray(rng.standard_normal((T, I)), jnp.float32)
+    slots = jnp.asarray(np.arange(T) % S, jnp.int32)
+    ref = onehot(x, slots)
+    cells = []
+    for fn in (onehot, gather, ragged):
+      f = jax.jit(fn)
+      assert np.allclose(f(x, slots), ref, rtol=1e-4, atol=1e-3), fn.__name__
+      cells.append(statistics.median(harness.timed(lambda: f(x, slots).block_until_ready(), 20)))
+    print(f"| {T} | " + " | ".join(f"{1e3 * c:.3f}" for c in cells) + " |")
+  return 0
+
+
 def main_lora(argv=None) -> int:
   """LoRA's cost (issue 37): the 64-request workload (scripts/workloads/peers_64.jsonl) on the
   default model, 16 slots, greedy, each configuration in its own fresh process, rounds
@@ -549,12 +592,18 @@ def main_lora(argv=None) -> int:
   the workload's wall time, its engine steps and the mean step time, each against base's.
   """
   p = harness.parser("lora", main_lora.__doc__)
+  p.add_argument("--delta", action="store_true",
+                 help="instead: the delta of one projection alone, three ways (one-hot over the "
+                 "slots, as model/lora.py; a gather of each token's A and B; jax.lax.ragged_dot "
+                 "over the tokens sorted by slot), at 1 to 512 tokens")
   p.add_argument("--rounds", type=int, default=1)
   p.add_argument("--slots", type=int, default=16)
   p.add_argument("--configs", default=",".join(LORA_CONFIGS))
   p.add_argument("--requests", type=int, default=64, help="the workload's first N (smoke runs)")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # One configuration, here.
   args = p.parse_args(argv)
+  if args.delta:
+    return lora_delta()
   if args.child:
     print(json.dumps(run_lora(args.child, args.slots, args.requests)), flush=True)
     return 0
