@@ -546,7 +546,9 @@ def lora_delta() -> int:
   b = jnp.asarray(rng.standard_normal((S, R, O)), jnp.float32)
 
   def onehot(x, slots):
-    return LoraRows.of(LoraWeights({"w": a}, {"w": b}), slots).delta("w", x)
+    layer = LoraWeights({"w": a}, {"w": b})  # One layer's slots: [Sl, ...].
+    stacked = LoraWeights({"w": a[None]}, {"w": b[None]})
+    return LoraRows.of(stacked, slots).at_layer(layer).delta("w", x)
 
   def gather(x, slots):
     return jnp.einsum("tr,tro->to", jnp.einsum("ti,tir->tr", x, a[slots]), b[slots])
