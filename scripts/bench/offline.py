@@ -496,7 +496,8 @@ def run_lora(name: str, slots: int, num_requests: int) -> dict:
   from jaxserve.loading import checkpoint
 
   cfg, params, tokenizer = checkpoint.read_source(checkpoint.resolve(None))
-  config = EngineConfig(num_slots=slots, page_size=16, max_model_len=2048, num_pages=512)
+  config = EngineConfig(num_slots=slots, page_size=16, max_model_len=1024, num_pages=513,
+                        prefill_buckets=(64, 128, 256))  # As `peers` runs jaxserve.
   lora_on = name.startswith("lora")
   if lora_on:
     config = dataclasses.replace(config, max_loras=NUM_ADAPTERS, max_lora_rank=RANK)
@@ -610,9 +611,11 @@ def main_lora(argv=None) -> int:
     print(json.dumps(run_lora(args.child, args.slots, args.requests)), flush=True)
     return 0
   flags = ["--slots", str(args.slots), "--requests", str(args.requests)]
-  runs = harness.interleaved(args.configs.split(","), args.rounds,
-                             lambda name: harness.fresh("lora", ["--child", name, *flags]),
-                             reverse_odd=True)
+  def one(name):
+    run = harness.fresh("lora", ["--child", name, *flags])
+    print(json.dumps(run), file=sys.stderr, flush=True)
+    return run
+  runs = harness.interleaved(args.configs.split(","), args.rounds, one, reverse_odd=True)
   pick = {name: harness.median_item(rs, lambda r: r["step_ms"]) for name, rs in runs.items()}
   base = pick.get("base")
   print(f"{args.rounds} rounds (the median round of each), {args.slots} slots, "
