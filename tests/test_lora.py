@@ -182,8 +182,9 @@ def test_mixed_batches_under_tp2_match_peft_alone(tmp_path):
 
 def test_preempted_adapter_requests_recompute_under_their_adapter(tmp_path, checked):
   """A pool of 13 usable pages of 4 for four requests of 13 + 8 tokens (5-6 pages each; three
-  run at once, the third adapter waiting for a slot): they are preempted as they grow, give up their adapter slots, and are recomputed under their own
-  adapters: every token is peft's alone."""
+  run at once, the third adapter waiting for a slot): they are preempted as they grow, give up
+  their adapter slots, and are recomputed under their own adapters: every token is peft's
+  alone."""
   hf = hf_tiny.build(*FAMILIES["llama"])
   hf.save_pretrained(tmp_path / "base")
   cfg, params = weights.load_hf_dir(tmp_path / "base")
