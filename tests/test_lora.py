@@ -157,11 +157,12 @@ def test_ngram_proposals_are_verified_under_each_requests_adapter(tmp_path, chec
   check(results, jobs, hf, adapters)
 
 
-def test_mixed_batches_under_tp2_match_peft_alone(tmp_path):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_mixed_batches_under_tp2_match_peft_alone(tmp_path, family):
   """Two fake CPU devices, tp 2 (sharding_worker.py): three adapters over two slots, mixed with
   the base model; each request's tokens and logprobs are peft's alone, and the row-parallel
   targets' A is split over the devices."""
-  hf = hf_tiny.build(*FAMILIES["llama"])
+  hf = hf_tiny.build(*FAMILIES[family])
   hf.save_pretrained(tmp_path / "base")
   adapters = make_adapters(hf, tmp_path)
   rng = np.random.default_rng(4)
