@@ -23,7 +23,9 @@ hashing, the merging into events and the encoding happen on the publisher's thre
 (`EventMirror`), which mirrors each page's hash. Only the full pool's pages (every layer's KV,
 or the global layers' with window pages) are published: a window pool page is reused only
 beside its full page, so the full pool says what a router needs. The router's block size must be
-the engine's page size.
+the engine's page size. With a host tier (host_pages.py) a page saved to host memory is a
+BlockStored of medium "CPU" (its parent is not sent: the host tier keeps no chains), and one
+evicted from there a BlockRemoved of medium "CPU", as vLLM's offloading connector reports them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 
 MEDIUM = "GPU"  # vLLM's name for the accelerator's memory (llm-d's device tier "gpu").
-_STORED, _DROPPED = 0, 1
+HOST_MEDIUM = "CPU"  # ...and for host memory, where its CPU offloading keeps blocks.
+_STORED, _DROPPED, _SAVED, _HOST_DROPPED = 0, 1, 2, 3
 
 
 def cbor(value) -> bytes:
@@ -117,6 +120,14 @@ class KVEventLog:
     """`page` lost its key: evicted from the cache, or freed while not findable."""
     self._ops.append((_DROPPED, page, evicted))
 
+  def saved(self, page: int, slot: int) -> None:
+    """Device `page`'s KV was saved to host `slot` (before the page is evicted)."""
+    self._ops.append((_SAVED, page, slot))
+
+  def host_dropped(self, slot: int) -> None:
+    """Host `slot` lost its page: evicted from the host tier."""
+    self._ops.append((_HOST_DROPPED, slot))
+
   def flush(self) -> None:
     if self._ops:
       ops, self._ops = self._ops, []
@@ -133,6 +144,7 @@ class EventMirror:
   def __post_init__(self):
     self._root = root_hash(self.seed)
     self._hash: dict[int, bytes] = {}  # page -> its block hash, while it has a key.
+    self._host: dict[int, bytes] = {}  # host slot -> its block hash.
 
   def events(self, ops: Sequence[tuple]) -> list[list]:
     out: list[list] = []
@@ -152,14 +164,20 @@ class EventMirror:
           out.append(["BlockStored", [external(h)], parent_ext, list(tokens), self.page_size,
                       None, MEDIUM])
         last_stored = page
+      elif op[0] == _SAVED:
+        _, page, slot = op
+        self._host[slot] = h = self._hash[page]
+        out.append(["BlockStored", [external(h)], None, [], self.page_size, None, HOST_MEDIUM])
+        last_stored = None
       else:
-        _, page, evicted = op
-        h = self._hash.pop(page, None)
+        evicted, h, medium = True, self._host.pop(op[1], None), HOST_MEDIUM
+        if op[0] == _DROPPED:
+          evicted, h, medium = op[2], self._hash.pop(op[1], None), MEDIUM
         if evicted and h is not None:
-          if out and out[-1][0] == "BlockRemoved":
+          if out and out[-1][0] == "BlockRemoved" and out[-1][2] == medium:
             out[-1][1].append(external(h))
           else:
-            out.append(["BlockRemoved", [external(h)], MEDIUM])
+            out.append(["BlockRemoved", [external(h)], medium])
           last_stored = None
     return out
 

@@ -14,6 +14,11 @@ another's KV (the class of vLLM's CVE-2025-25183); a page's own tokens are still
 A new request walks its prompt page by page and reuses every page whose key is cached; only the
 rest is prefilled. When no free page is left, the least recently freed cached page is evicted.
 
+With a host tier (`host_slots`, host_pages.py) an evicted page is saved to host memory first, and
+a prompt that reaches a saved key copies it back into a fresh page: a hit with a copy's cost.
+The copies go into the next plan (`take_copies`): saves (device page -> host slot) before
+loads (host slot -> device page), both before the step, which may overwrite a saved page.
+
 A request's cache salt (vLLM's `cache_salt`) is mixed into its first page's key: only requests
 with the same salt share pages, whatever their tokens. So is its LoRA adapter (`lora`, the
 adapter's LoRARequest.cache_key): KV computed under one adapter is never another's, nor the base
@@ -28,6 +33,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from jaxserve.batching.host_pages import HostHit, HostPages
 from jaxserve.batching.kv_events import KVEventLog
 
 _ROOT_HASH = bytes(32)  # The parent key of a sequence's first page.
@@ -64,7 +70,8 @@ def prefix_keys(token_ids: Sequence[int], page_size: int, cache_salt: str | None
 
 class PageAllocator:
 
-  def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+  def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+               host_slots: int = 0):
     if num_pages < 2:
       raise ValueError(f"num_pages must be >= 2 (page 0 is the scratch page), got {num_pages}")
     self.page_size = page_size
@@ -79,6 +86,11 @@ class PageAllocator:
     self.num_query_tokens = 0  # Tokens looked up in the prefix cache at allocation.
     self.num_hit_tokens = 0  # ...of which were found there.
     self.num_evictions = 0
+    self.num_host_hit_tokens = 0  # ...of which were found in the host tier.
+    # The host tier (None: evicted pages are dropped), and the copies of the plan being built.
+    self.host = HostPages(host_slots) if host_slots and enable_prefix_caching else None
+    self._saves: list[tuple[int, int]] = []  # (device page, host slot)
+    self._loads: list[tuple[int, int]] = []  # (host slot, device page)
     self.events: KVEventLog | None = None  # Set to publish the cache's changes (kv_events.py).
 
   @property
@@ -101,8 +113,8 @@ class PageAllocator:
     return self._ref[page]
 
   def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
-                   lora: str | None = None) -> list[int]:
-    """The cached pages that hold a prefix of `token_ids`.
+                   lora: str | None = None) -> list[int | HostHit]:
+    """The cached pages that hold a prefix of `token_ids`: device pages, or host tier hits.
 
     The page holding the last token never matches: its prefill samples the next token, and
     rewriting a page other requests share is best avoided.
@@ -111,10 +123,10 @@ class PageAllocator:
       return []
     hits = []
     for key, tokens in prefix_keys(token_ids, self.page_size, cache_salt, lora):
-      page = self.find(key, tokens)
-      if page is None:
+      hit = self.find_hit(key, tokens)
+      if hit is None:
         break
-      hits.append(page)
+      hits.append(hit)
     return hits
 
   def find(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
@@ -122,36 +134,78 @@ class PageAllocator:
     page = self._cached.get(key)
     return page if page is not None and self._tokens[page] == tokens else None
 
-  def key_of(self, page: int) -> bytes | None:
-    return self._hash[page]
+  def find_hit(self, key: bytes, tokens: tuple[int, ...]) -> int | HostHit | None:
+    """`find`, then the host tier."""
+    page = self.find(key, tokens)
+    if page is not None or self.host is None:
+      return page
+    return self.host.find(key, tokens)
+
+  def key_of(self, hit: int | HostHit) -> bytes | None:
+    return hit.key if isinstance(hit, HostHit) else self._hash[hit]
 
   def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0, reuse: bool = True,
                    hits: Sequence[int] | None = None) -> bool:
     """Whether `allocate(token_ids, reuse, hits)` would leave at least `num_reserve` pages free."""
     hits = self._hits(token_ids, reuse, hits)
-    num_revived = sum(self._ref[b] == 0 for b in hits)  # Cached hits leave the evictable pool.
-    num_new = self.num_pages_for(len(token_ids)) - len(hits)
+    on_device = [b for b in hits if not isinstance(b, HostHit)]  # Host hits take fresh pages.
+    num_revived = sum(self._ref[b] == 0 for b in on_device)  # They leave the evictable pool.
+    num_new = self.num_pages_for(len(token_ids)) - len(on_device)
     return self.num_free_pages - num_revived >= num_new + num_reserve
 
   def allocate(self, token_ids: Sequence[int], reuse: bool = True,
-               hits: Sequence[int] | None = None) -> tuple[list[int], int]:
+               hits: Sequence[int | HostHit] | None = None,
+               cache_salt: str | None = None) -> tuple[list[int], int]:
     """A page table covering every position of `token_ids`, reusing its cached prefix: `hits`
     when the caller matched it already (a leading part of `match_prefix`'s), else the whole
     match; none when not `reuse` (all fresh pages, for a request that must compute every
     position).
 
-    Returns the table and how many leading tokens already have their KV in it. Check
-    `can_allocate` first.
+    Returns the table and how many leading tokens already have their KV in it (a host hit's
+    once its load has run, before the step). Check `can_allocate` first. `cache_salt` is read
+    by the events only.
     """
     hits = self._hits(token_ids, reuse, hits)
-    for page in hits:
-      self.hold(page)
+    for hit in hits:  # Held (pinned) first: the fresh pages below may evict others.
+      self.host.pin(hit.slot) if isinstance(hit, HostHit) else self.hold(hit)
+    table = []
+    for hit in hits:
+      table.append(self._load(hit, table[-1] if table else None, cache_salt)
+                   if isinstance(hit, HostHit) else hit)
     num_new = self.num_pages_for(len(token_ids)) - len(hits)
-    table = list(hits) + [self._take_fresh() for _ in range(num_new)]
+    table += [self._take_fresh() for _ in range(num_new)]
     num_cached = len(hits) * self.page_size
     self.num_query_tokens += len(token_ids)
     self.num_hit_tokens += num_cached
+    self.num_host_hit_tokens += sum(isinstance(h, HostHit) for h in hits) * self.page_size
     return table, num_cached
+
+  def revive(self, hit: int | HostHit) -> int:
+    """A held device page for one hit: the page itself, or a fresh one its host copy loads."""
+    if isinstance(hit, HostHit):
+      self.host.pin(hit.slot)
+      return self._load(hit, None, None, publish=False)
+    self.hold(hit)
+    return hit
+
+  def _load(self, hit: HostHit, parent: int | None, cache_salt: str | None,
+            publish: bool = True) -> int:
+    """A fresh page that `hit`'s host copy is loaded into (before the plan's step), findable."""
+    page = self._take_fresh()
+    self._loads.append((hit.slot, page))
+    findable = self.register(page, hit.key, hit.tokens)
+    if self.events is not None and publish:
+      self.events.stored(page, parent, hit.tokens, cache_salt if parent is None else None,
+                         findable)
+    return page
+
+  def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(saves, loads) since the last call, for the plan being built: the engine runs the saves
+    (device page -> host slot), then the loads (host slot -> device page), then the step."""
+    copies, self._saves, self._loads = (self._saves, self._loads), [], []
+    if self.host is not None:
+      self.host.unpin_all()
+    return copies
 
   def _hits(self, token_ids, reuse: bool, hits: Sequence[int] | None) -> Sequence[int]:
     if not reuse:
@@ -228,6 +282,7 @@ class PageAllocator:
       page = self._free.popleft()
     else:
       page, _ = self._evictable.popitem(last=False)
+      self._save(page)
       del self._cached[self._hash[page]]
       self._hash[page] = self._tokens[page] = None
       self.num_evictions += 1
@@ -235,3 +290,22 @@ class PageAllocator:
         self.events.dropped(page, evicted=True)
     self._ref[page] = 1
     return page
+
+  def _save(self, page: int) -> None:
+    """Keeps an evicted page's KV in the host tier, unless it is there already or every slot
+    is pinned."""
+    if self.host is None:
+      return
+    key, tokens = self._hash[page], self._tokens[page]
+    hit = self.host.find(key, tokens)
+    if hit is not None:
+      self.host.touch(hit.slot)
+      return
+    slot, evicted = self.host.put(key, tokens)
+    if slot is None:
+      return
+    self._saves.append((page, slot))
+    if self.events is not None:
+      if evicted is not None:
+        self.events.host_dropped(evicted)
+      self.events.saved(page, slot)

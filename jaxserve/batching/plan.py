@@ -71,10 +71,21 @@ class StepPlan:
   # and every later one find the adapter there (Engine.add_lora gave it the weights).
   decode_loras: Sequence[int] = ()
   lora_loads: Sequence[tuple[int, int]] = ()
+  # The host tier's copies (EngineInfo.num_host_pages), run before the step in this order:
+  # (page group, device page, host slot) saves of pages this plan may overwrite, then (page
+  # group, host slot, device page) loads of prefix pages this plan's prompts reuse.
+  kv_saves: Sequence[tuple[int, int, int]] = ()
+  kv_loads: Sequence[tuple[int, int, int]] = ()
 
   @property
   def is_empty(self) -> bool:
     return not self.prefills and not self.decode_slots
+
+  @property
+  def has_work(self) -> bool:
+    """Anything for the engine: a step to run, or slots, adapters or pages to move."""
+    return not self.is_empty or bool(self.free_slots or self.lora_loads or self.kv_saves
+                                     or self.kv_loads)
 
 
 class TokenFuture(Protocol):
@@ -122,6 +133,8 @@ class EngineInfo:
   speculative: SpeculativeConfig | None = None  # Set: decode rows may be verified chunks.
   max_loras: int = 0  # LoRA adapter slots (1..max_loras; 0 is the base model). 0: no LoRA.
   max_cpu_loras: int | None = None  # Adapters that may be added at once (None: any number).
+  # The prefix cache's host tier: pages each pool may keep in host memory (0: none).
+  num_host_pages: int = 0
 
   @property
   def page_groups(self) -> int:

@@ -190,7 +190,7 @@ class Runner:
 
   def _dispatch(self, scheduled: ScheduledStep) -> _Dispatched | None:
     plan = scheduled.plan
-    if plan.is_empty and not plan.free_slots and not plan.lora_loads:
+    if not plan.has_work:
       return None
     # The future's rows: the decode slots, then the chunks that end their prompts.
     pairs = list(zip(plan.prefills, scheduled.prefill_requests))

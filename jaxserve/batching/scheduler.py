@@ -186,7 +186,7 @@ class Scheduler:
     loads, self._lora_loads = tuple(self._lora_loads), []
     decode_loras = tuple(r.lora_slot for r in decodes) if self.loras else ()
     plan = StepPlan(tuple(chunks), tuple(r.slot for r in decodes), tables, released,
-                    decode_loras, loads)
+                    decode_loras, loads, *self.pools.take_copies())
     return ScheduledStep(plan, tuple(prefill_reqs), tuple(decodes))
 
   def _scoring_turn(self) -> bool:

@@ -14,6 +14,10 @@ Both pools register a page under the same prefix key, so a cached prefix is reus
 the window pool still holds the window of its first recomputed position. `tables` is the
 engine's view: each slot's table, then (with window pages) its window table, [S, G * W].
 
+With a host tier each pool keeps its own (EngineInfo.num_host_pages slots each): a page of
+either pool may be a host hit, and `take_copies` hands the plan both pools' copies, by group
+(0 the full pool, 1 the window pool).
+
 Imports no jax.
 """
 
@@ -33,9 +37,10 @@ class PagePools:
   def __init__(self, info: EngineInfo, enable_prefix_caching: bool):
     self.page_size = info.page_size
     self.window = info.window
-    self.full = PageAllocator(info.num_pages, info.page_size, enable_prefix_caching)
-    self.window_pool = (PageAllocator(info.num_window_pages, info.page_size, enable_prefix_caching)
-                        if self.window else None)
+    self.full = PageAllocator(info.num_pages, info.page_size, enable_prefix_caching,
+                              info.num_host_pages)
+    self.window_pool = (PageAllocator(info.num_window_pages, info.page_size, enable_prefix_caching,
+                                      info.num_host_pages) if self.window else None)
     self.max_pages_per_seq = self.full.num_pages_for(info.max_model_len)  # W
     self.tables = np.zeros((info.num_slots, info.page_groups * self.max_pages_per_seq),
                            np.int32)  # [S, G * W]
@@ -62,14 +67,13 @@ class PagePools:
     """Gives `req` (placed in `slot`) pages for every position of its tokens, reusing `hits`;
     returns how many leading tokens already have their KV."""
     tokens = req.all_token_ids
-    table, num_cached = self.full.allocate(tokens, hits=hits)
+    table, num_cached = self.full.allocate(tokens, hits=hits, cache_salt=req.cache_salt)
     req.page_table = table
     self.tables[slot, :len(table)] = table
     if self.window:  # The cached pages' window part, from the window pool.
       req.window_table = [0] * len(hits)
       for i in range(self._first_window_page(num_cached), len(hits)):
-        page = self._cached_window_page(hits, tokens, i)
-        self.window_pool.hold(page)
+        page = self.window_pool.revive(self._cached_window_page(hits, tokens, i))
         self._set_window(req, slot, i, page)
     return num_cached
 
@@ -129,6 +133,17 @@ class PagePools:
       req.window_table = []
     self.tables[req.slot] = 0
 
+  def take_copies(self) -> tuple[tuple, tuple]:
+    """The host tier's copies for the plan being built: ((group, device page, host slot) saves,
+    (group, host slot, device page) loads), the full pool's group 0, the window pool's 1."""
+    saves, loads = [], []
+    for group, pool in enumerate((self.full, self.window_pool)):
+      if pool is not None:
+        s, l = pool.take_copies()
+        saves += [(group, *c) for c in s]
+        loads += [(group, *c) for c in l]
+    return tuple(saves), tuple(loads)
+
   def slot_tables(self) -> np.ndarray:
     """[S, G * W]: a copy of every slot's tables (rows of idle slots are 0), for a plan."""
     return self.tables.copy()
@@ -139,9 +154,10 @@ class PagePools:
     """The first page a local layer's query at `position` attends to."""
     return max(0, position - self.window + 1) // self.page_size
 
-  def _cached_window_page(self, hits: Sequence[int], token_ids, i: int) -> int | None:
-    """The window pool's cached page for page i of `token_ids`, whose full page is hits[i]."""
-    return self.window_pool.find(self.full.key_of(hits[i]), self._page_tokens(token_ids, i))
+  def _cached_window_page(self, hits: Sequence, token_ids, i: int):
+    """The window pool's cached page (or host hit) for page i of `token_ids`, whose full page
+    is hits[i]."""
+    return self.window_pool.find_hit(self.full.key_of(hits[i]), self._page_tokens(token_ids, i))
 
   def _page_tokens(self, token_ids, i: int) -> tuple[int, ...]:
     return tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])

@@ -163,6 +163,10 @@ class EngineConfig:
   max_loras: int = 0
   max_lora_rank: int = 16
   max_cpu_loras: int | None = None
+  # The prefix cache's host tier (engine/host_kv.py): GiB of host memory that keeps evicted KV
+  # pages for prefix hits to copy back (vLLM's --kv-offloading-size). 0: evicted pages are
+  # dropped. It sets the host pool's shape.
+  kv_offload_gib: float = 0.0
 
   def __post_init__(self):
     if not isinstance(self.quantization, Quantization):
@@ -193,6 +197,14 @@ class EngineConfig:
     if self.attention_backend is not None:
       self.check_backend(self.attention_backend)
     self._check_lora()
+    if self.kv_offload_gib < 0:
+      raise ValueError(f"EngineConfig.kv_offload_gib must be >= 0, got {self.kv_offload_gib}")
+    if self.kv_offload_gib and self.kv_layout is KVLayout.CONTIGUOUS:
+      raise ValueError("kv_offload_gib needs a paged KV layout: the contiguous one shares no "
+                       "pages, so it has no prefix cache to offload")
+    if self.kv_offload_gib and self.speculative is not None and self.speculative.method == "draft":
+      raise ValueError("kv_offload_gib does not run with a draft model yet (its cache's pages "
+                       "would need copying too)")
 
   def _check_lora(self) -> None:
     if self.max_loras < 0 or self.max_lora_rank < 1:

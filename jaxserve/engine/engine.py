@@ -28,6 +28,7 @@ from jaxserve.config import (
 )
 from jaxserve.engine import adapters, assembly, placement
 from jaxserve.engine.draft import check_draft
+from jaxserve.engine.host_kv import HostKV
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.model import kv_cache
@@ -181,6 +182,9 @@ class Engine:
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
     mesh = None if self.assembly.shardings is None else self.assembly.shardings.mesh
     self.loras = adapters.DeviceLoras.of(model.cfg, config, mesh)  # LoRA adapters; or None.
+    if config.kv_offload_gib and jax.process_count() > 1:
+      raise ValueError("kv_offload_gib runs on one host, not across processes yet")
+    self.host_kv = HostKV.of(self.cache, config.kv_offload_gib, config.max_pages_per_seq)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
@@ -208,7 +212,8 @@ class Engine:
                       window=self.model_config.sliding_window if windowed else None,
                       num_window_pages=self.cache.window.num_pages if windowed else 0,
                       speculative=c.speculative, max_loras=c.max_loras,
-                      max_cpu_loras=c.max_cpu_loras)
+                      max_cpu_loras=c.max_cpu_loras,
+                      num_host_pages=0 if self.host_kv is None else self.host_kv.num_slots)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
            run=None) -> TokenFuture | None:
@@ -219,6 +224,8 @@ class Engine:
     call in place of `run_step`."""
     for slot, lora_id in plan.lora_loads:  # Before the step: it may run the adapter.
       self.loras.load(slot, lora_id)
+    if plan.kv_saves or plan.kv_loads:  # Before the step, which may overwrite saved pages.
+      self.cache = self.host_kv.copy(self.cache, plan.kv_saves, plan.kv_loads)
     if plan.is_empty:
       return None
     args, rows = self.step_args(plan, bitmask)
@@ -264,6 +271,8 @@ class Engine:
       self.run_step(program.args, [])
     if self.loras is not None:
       self.loras.warmup()
+    if self.host_kv is not None:
+      self.cache = self.host_kv.warmup(self.cache)
     jax.block_until_ready(self.state)  # An output of the last step: it has run.
 
 

@@ -29,6 +29,18 @@ FAMILIES = {
     "phi3": ("Phi3Config", dict(SMALL, sliding_window=8, pad_token_id=0)),
 }
 
+# Gemma 3's every specific path: a window shorter than the prompt, a layer pattern that is not
+# the 5:1 one, two RoPE bases and linear scaling, query_pre_attn_scalar != head_dim, a final
+# logit cap. (An attention cap is set too: Gemma 3 ignores it, in transformers and here.)
+GEMMA3_LAYERS = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+GEMMA3 = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+    layer_types=list(GEMMA3_LAYERS), query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+    final_logit_softcapping=3.0, max_position_embeddings=128, initializer_range=0.2,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
 
 def build(config_class: str, kwargs: dict, norms: tuple[float, float] = (0.5, 1.5)):
   """A transformers model of `config_class` (a transformers name), random weights, its norm

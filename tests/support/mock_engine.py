@@ -54,10 +54,11 @@ class MockEngine:
                max_model_len: int = 128, max_prefill_len: int = 16,
                next_token: Callable[[Sequence[int]], int] = next_plus_one,
                window: int | None = None, num_window_pages: int = 0,
-               vocab_size: int = 2**31 - 1):
+               vocab_size: int = 2**31 - 1, num_host_pages: int = 0):
     """`window`: the engine has window pages (EngineInfo.window): every position is written
     through the window table too, and every step checks that the last `window` positions of
-    each query read back through it as through the page table."""
+    each query read back through it as through the page table. `num_host_pages`: a host tier of
+    that many pages a pool, whose copies move the pages' token ids."""
     self.num_slots = num_slots
     self.page_size = page_size
     self.num_pages = num_pages
@@ -66,11 +67,14 @@ class MockEngine:
     self.can_share_pages = True
     self.info = EngineInfo(num_slots, page_size, num_pages, max_model_len, max_prefill_len,
                            can_share_pages=True, vocab_size=vocab_size,
-                           window=window, num_window_pages=num_window_pages)
+                           window=window, num_window_pages=num_window_pages,
+                           num_host_pages=num_host_pages)
     self.window = window
     self.window_pages = np.full((max(num_window_pages, 1), page_size), -1, np.int64)
     self.next_token = next_token
     self.pages = np.full((num_pages, page_size), -1, np.int64)  # [pages, page_size] token ids
+    self.host = [np.full((num_host_pages, page_size), -1, np.int64) for _ in range(2)]
+    self.num_saved = self.num_loaded = 0
     self.page_writes = np.zeros(num_pages, np.int64)  # Positions written, per page.
     self.num_prefill_tokens = 0  # Prompt tokens whose KV the engine computed.
     self.num_decode_steps = 0
@@ -86,6 +90,14 @@ class MockEngine:
     prompt."""
     for slot in plan.free_slots:
       self._free(slot)
+    pools = (self.pages, self.window_pages)
+    for group, page, slot in plan.kv_saves:  # Saves, then loads, then the step.
+      self.host[group][slot] = pools[group][page]
+      self.num_saved += 1
+    for group, slot, page in plan.kv_loads:
+      assert (self.host[group][slot] >= 0).all(), f"host slot {slot} was never saved"
+      pools[group][page] = self.host[group][slot]
+      self.num_loaded += 1
     if plan.is_empty:
       return MockFuture(np.zeros(0, np.int32), self, "free")
     self.num_steps += 1

@@ -1,0 +1,200 @@
+"""The prefix cache's host tier on the engine side: a host pool of pages, and the programs that
+copy pages between it and the device cache (batching/host_pages.py keeps the index).
+
+Each page group of the cache (the KV pool, and with window pages the window pool) has its own
+host pool, one numpy array per cache array, [N, L, ...] (N host slots; a slot's page is one
+contiguous block). A plan's copies run before its step (StepPlan.kv_saves, kv_loads):
+
+  save   one program gathers a batch of device pages into pinned host memory (its output's
+         memory kind: the device-to-host copy is the compiler's, dispatched like a step, so it
+         waits on nothing); the bytes land in the pool at a later call (`land`), by when the
+         gather has run: it only waited for the step before it
+  load   the slots' bytes, taken from the pool and put in pinned host memory, are scattered
+         into the donated cache by one program: the cache is updated in place
+
+Batches are padded to `copy_buckets` pages (powers of 4, up to a sequence's pages), so every
+program is compiled at warm-up; padding reads and writes the scratch page.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
+
+HOST_MEMORY = "pinned_host"
+
+
+def copy_buckets(max_pages: int) -> tuple[int, ...]:
+  """Pages one copy program moves: 1, 4, 16, ... up to `max_pages` (a sequence's pages)."""
+  sizes, b = [], 1
+  while b < max_pages:
+    sizes.append(b)
+    b *= 4
+  return tuple(sizes) + (max_pages,)
+
+
+def page_groups(cache) -> tuple[KVCache, ...]:
+  """The cache's page pools, in the plan's group order."""
+  if isinstance(cache, WindowedKV):
+    return cache.full, cache.window
+  if isinstance(cache, KVCache):
+    return (cache,)
+  raise ValueError(f"the host tier runs on a KVCache or WindowedKV, not {type(cache).__name__} "
+                   "(a draft model's cache)")
+
+
+def with_groups(cache, groups: Sequence[KVCache]):
+  if isinstance(cache, WindowedKV):
+    return dataclasses.replace(cache, full=groups[0], window=groups[1])
+  return groups[0]
+
+
+def page_bytes(cache) -> int:
+  """Bytes of one page in every group: what a host slot of each pool holds together."""
+  return sum(math.prod(x.shape) // x.shape[1] * x.dtype.itemsize
+             for g in page_groups(cache) for x in jax.tree.leaves(g))
+
+
+def gather_pages(group: KVCache, ids):
+  """[n, L, ...] of each cache array: pages `ids` of every layer."""
+  return jax.tree.map(lambda x: jnp.moveaxis(x[:, ids], 1, 0), group)
+
+
+def scatter_pages(group: KVCache, ids, pages, placed=None):
+  """`group` with pages `ids` of every layer set to `pages` ([n, L, ...] each, from host
+  memory: `placed` gives each array's device sharding to move it to first)."""
+  placed = placed or jax.tree.map(lambda _: None, group)
+
+  def put(x, p, sharding):
+    if sharding is not None:
+      p = jax.device_put(p, sharding)
+    return x.at[:, ids].set(jnp.moveaxis(p, 0, 1).astype(x.dtype))
+  return jax.tree.map(put, group, pages, placed)
+
+
+def host_sharding(sharding, ndim: int):
+  """An array's sharding with its first two axes swapped, in pinned host memory."""
+  if isinstance(sharding, NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(spec[1], spec[0], *spec[2:]),
+                         memory_kind=HOST_MEMORY)
+  return sharding.with_memory_kind(HOST_MEMORY)
+
+
+def copy_programs(group: KVCache, shardings: KVCache):
+  """(save, load): the jitted programs of one page group whose arrays have `shardings`."""
+  host = jax.tree.map(lambda x, s: host_sharding(s, x.ndim), group, shardings)
+  save = jax.jit(gather_pages, out_shardings=host)
+  load = jax.jit(lambda g, ids, pages: scatter_pages(g, ids, pages, shardings),
+                 out_shardings=shardings, donate_argnums=0)
+  return save, load, host
+
+
+class HostKV:
+
+  def __init__(self, cache, num_slots: int, max_pages: int):
+    """A host pool of `num_slots` pages for each page group of `cache` (committed arrays)."""
+    self.num_slots = num_slots
+    self.buckets = copy_buckets(max_pages)
+    self._groups = []
+    for group in page_groups(cache):
+      shardings = jax.tree.map(lambda x: x.sharding, group)
+      pool = jax.tree.map(lambda x: np.zeros((num_slots, x.shape[0], *x.shape[2:]), x.dtype),
+                          group)  # Zero pages cost no memory until written.
+      self._groups.append((pool, *copy_programs(group, shardings)))
+    self._pending: collections.deque = collections.deque()  # (group, slots, pinned arrays)
+    self.num_saved = self.num_loaded = 0
+
+  @classmethod
+  def of(cls, cache, gib: float, max_pages: int) -> HostKV | None:
+    """The host tier `gib` GiB buys for `cache`; None for 0."""
+    if not gib:
+      return None
+    num_slots = int(gib * 2**30 // page_bytes(cache))
+    if num_slots < 1:
+      raise ValueError(f"kv_offload_gib {gib} holds no KV page (one is "
+                       f"{page_bytes(cache) / 2**20:.2f} MiB)")
+    return cls(cache, num_slots, max_pages)
+
+  def copy(self, cache, saves: Sequence[tuple[int, int, int]],
+           loads: Sequence[tuple[int, int, int]]):
+    """Runs a plan's saves, then its loads; returns the cache (donated to the loads)."""
+    self.land()  # Earlier plans' saves: they ran before the last step, so they are done.
+    groups = list(page_groups(cache))
+    for g, pages, slots in _by_group(saves):
+      for ids, n in self._batches(pages):
+        out = self._groups[g][1](groups[g], ids)
+        self._pending.append((g, slots[:n], out))
+        slots = slots[n:]
+      self.num_saved += len(pages)
+    if loads:
+      loading = {(g, s) for g, s, _ in loads}
+      if any((g, s) in loading for g, slots, _ in self._pending for s in slots):
+        self.land()  # This plan saved a page it also loads: rare, and it waits for the copy.
+      for g, slots, pages in _by_group(loads):
+        pool, _, load, host = self._groups[g]
+        for ids, n in self._batches(pages):
+          rows = np.zeros(len(ids), np.int64)
+          rows[:n] = slots[:n]
+          data = jax.tree.map(lambda p, sh: jax.device_put(p[rows], sh), pool, host)
+          groups[g] = load(groups[g], ids, data)
+          slots = slots[n:]
+        self.num_loaded += len(pages)
+    return with_groups(cache, groups)
+
+  def land(self) -> None:
+    """Writes every dispatched save's bytes into the host pool (waiting for its copy)."""
+    while self._pending:
+      g, slots, out = self._pending.popleft()
+      jax.tree.map(lambda p, x: p.__setitem__(slots, np.asarray(x)[:len(slots)]),
+                   self._groups[g][0], out)
+
+  def read(self, group: int, slots: Sequence[int]) -> Any:
+    """The pool's bytes of `slots`: a KVCache of [n, L, ...] numpy arrays (P/D's export)."""
+    self.land()
+    return jax.tree.map(lambda p: p[list(slots)], self._groups[group][0])
+
+  def write(self, group: int, slots: Sequence[int], pages: Any) -> None:
+    """Sets the pool's bytes of `slots` to `pages` (P/D's import), shaped as `read` gives."""
+    self.land()
+    jax.tree.map(lambda p, x: p.__setitem__(list(slots), x), self._groups[group][0], pages)
+
+  def warmup(self, cache):
+    """Compiles every copy program on padding (the scratch page); returns the cache."""
+    groups = list(page_groups(cache))
+    for g, (pool, save, load, host) in enumerate(self._groups):
+      for n in self.buckets:
+        ids = np.full(n, SCRATCH_PAGE, np.int32)
+        jax.block_until_ready(save(groups[g], ids))
+        data = jax.tree.map(lambda p, sh: jax.device_put(np.zeros((n, *p.shape[1:]), p.dtype),
+                                                         sh), pool, host)
+        groups[g] = load(groups[g], ids, data)
+    return with_groups(cache, groups)
+
+  def _batches(self, pages: Sequence[int]):
+    """(ids padded to a bucket, how many are real) for each batch of `pages`."""
+    top = self.buckets[-1]
+    for i in range(0, len(pages), top):
+      part = pages[i:i + top]
+      size = next(b for b in self.buckets if b >= len(part))
+      ids = np.full(size, SCRATCH_PAGE, np.int32)
+      ids[:len(part)] = part
+      yield ids, len(part)
+
+
+def _by_group(copies: Sequence[tuple[int, int, int]]):
+  """(group, firsts, seconds) of each group's copies, in order."""
+  by = collections.defaultdict(lambda: ([], []))
+  for g, a, b in copies:
+    by[g][0].append(a)
+    by[g][1].append(b)
+  return [(g, a, b) for g, (a, b) in sorted(by.items())]

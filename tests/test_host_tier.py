@@ -1,0 +1,182 @@
+"""The prefix cache's host tier on the mock engine, whose copies move pages' token ids: every
+token as the reference's, prefixes the device pool cannot hold served from host memory, and
+nothing left held."""
+
+import dataclasses
+
+import jax
+import msgpack
+import pytest
+
+from jaxserve.batching.host_pages import HostHit
+from jaxserve.batching.kv_events import EventMirror, KVEventLog
+from jaxserve.batching.kv_pages import PageAllocator
+from jaxserve.batching.runner import Runner
+from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, SamplingParams, SchedulerConfig
+from jaxserve.config.engine import window_pages_per_seq
+from jaxserve.engine import engine, host_kv
+from jaxserve.engine.engine import Engine
+from jaxserve.loading import checkpoint, weights
+from jaxserve.model import kv_cache
+from support import hf_tiny
+from support.mock_engine import (
+  MockEngine,
+  MockTokenizer,
+  assert_all_free,
+  reference_generate,
+  weighted_sum,
+)
+from support.tiny import TINY_ENGINE, count_compiles
+
+PAGE, SLOTS = 4, 2
+
+
+def chat(runner, num_chats=4, turns=4, new_tokens=6, max_tokens=5):
+  """A multi-turn workload, round robin over `num_chats` conversations: each turn's prompt is
+  the last turn's prompt and answer and a few new tokens. Checks each answer against the
+  reference; returns the runner's scheduler."""
+  history = [[(7 * c + j) % 90 + 1 for j in range(10)] for c in range(num_chats)]
+  for turn in range(turns):
+    for c in range(num_chats):
+      prompt = history[c] + [(11 * c + 3 * turn + j) % 90 + 1 for j in range(new_tokens)]
+      out = runner.generate([(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                     ignore_eos=True))])[0]
+      assert list(out.token_ids) == reference_generate(prompt, max_tokens, weighted_sum)
+      history[c] = prompt + list(out.token_ids)
+  assert_all_free(runner.scheduler)
+  return runner.scheduler
+
+
+def runner(num_host_pages=0, window=None, num_pages=16):
+  """14 usable pages of 4: one conversation's context (up to 54 tokens) at a time."""
+  kw = {}
+  if window:
+    kw = dict(window=window, num_window_pages=1 + SLOTS * window_pages_per_seq(window, PAGE, 8))
+  engine = MockEngine(num_slots=SLOTS, page_size=PAGE, num_pages=num_pages, max_model_len=64,
+                      max_prefill_len=8, next_token=weighted_sum, num_host_pages=num_host_pages,
+                      **kw)
+  return Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=8))
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["pages", "window-pages"])
+def test_a_host_tier_serves_the_prefixes_the_device_pool_evicted(window):
+  without, with_tier = chat(runner(window=window)), chat(runner(64, window=window))
+  pages = with_tier.pages
+  assert pages.host.num_used > 0 and pages.num_host_hit_tokens > 0
+  assert with_tier.num_prefill_tokens * 3 <= without.num_prefill_tokens, (
+      with_tier.num_prefill_tokens, without.num_prefill_tokens)
+  assert without.pages.num_hit_tokens < pages.num_hit_tokens - pages.num_host_hit_tokens / 2
+
+
+def test_a_full_host_tier_evicts_its_least_recent_and_stays_exact():
+  tiny = chat(runner(3))  # 3 host pages: most saves evict another.
+  assert tiny.pages.host.num_evictions > 0 and tiny.pages.host.num_used == 3
+
+
+def test_saves_and_host_evictions_are_events_of_medium_cpu():
+  pages = PageAllocator(num_pages=3, page_size=2, host_slots=1)  # 2 usable pages.
+  ops = []
+  pages.events = KVEventLog(ops.extend)
+  mirror = EventMirror(page_size=2)
+  a, _ = pages.allocate([1, 2, 3])
+  pages.cache_pages(a, [1, 2, 3], 0, 1)
+  pages.free(a)  # Page a[0] cached, evictable.
+  b, _ = pages.allocate([5, 6, 7, 8])  # Both pages: a[0] is evicted, saved to the host.
+  pages.cache_pages(b, [5, 6, 7, 8], 0, 2)
+  pages.free(b)
+  pages.allocate([9, 9, 9, 9])  # b's pages evicted, tail first: each saved over the last.
+  pages.events.flush()
+  events = mirror.events(ops)
+  kinds = [(e[0], e[-1]) for e in events]
+  assert kinds == [("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "GPU"),
+                   ("BlockStored", "GPU"), ("BlockRemoved", "CPU"), ("BlockStored", "CPU"),
+                   ("BlockRemoved", "GPU"), ("BlockRemoved", "CPU"), ("BlockStored", "CPU"),
+                   ("BlockRemoved", "GPU")], kinds
+  assert events[1][1] == events[0][1] and events[4][1] == events[1][1]  # The same block.
+  assert msgpack.unpackb(msgpack.packb(events)) == events
+  saves, loads = pages.take_copies()
+  assert saves == [(a[0], 0), (b[1], 0), (b[0], 0)] and loads == []
+
+
+def test_a_host_hit_is_loaded_into_a_fresh_page_and_pinned_while_the_plan_builds():
+  pages = PageAllocator(num_pages=4, page_size=2, host_slots=2)  # 3 usable pages.
+  t, _ = pages.allocate([1, 2, 3, 4, 5])
+  pages.cache_pages(t, [1, 2, 3, 4, 5], 0, 2)
+  pages.free(t)
+  u, _ = pages.allocate([7, 7, 7, 7, 7])  # All 3 pages: t's two cached ones saved.
+  pages.free(u)
+  saves, _ = pages.take_copies()
+  assert sorted(s for _, s in saves) == [0, 1]
+  hits = pages.match_prefix([1, 2, 3, 4, 6])
+  assert len(hits) == 2 and all(isinstance(h, HostHit) for h in hits)
+  assert pages.can_allocate([1, 2, 3, 4, 6], hits=hits)
+  table, num_cached = pages.allocate([1, 2, 3, 4, 6], hits=hits)
+  assert num_cached == 4 and pages.num_host_hit_tokens == 4
+  saves, loads = pages.take_copies()
+  assert [slot for slot, _ in loads] == [h.slot for h in hits]
+  assert [page for _, page in loads] == table[:2]
+  assert not saves  # u's pages have no keys: nothing to save, and the pinned slots stay.
+  assert pages.find_hit(pages.key_of(table[0]), (1, 2)) == table[0]  # On the device again.
+
+
+# The real engine: the copies are programs, the pages real KV.
+
+GEMMA_ENGINE = EngineConfig(num_slots=2, page_size=4, num_pages=40, max_model_len=64,
+                            prefill_buckets=(16,), compilation_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+  """Gemma 3 with window pages: a tiny random model that transformers saved."""
+  pytest.importorskip("transformers")
+  path = tmp_path_factory.mktemp("tiny_gemma3")
+  hf_tiny.build("Gemma3TextConfig", hf_tiny.GEMMA3, norms=(-0.5, 0.5)).save_pretrained(path)
+  return checkpoint.build_model(*weights.load_hf_dir(path))
+
+def engine_chat(model, config, vocab: int, num_chats=4, turns=3):
+  """The multi-turn workload on a warmed-up engine: (every answer, the scheduler, the compiles
+  and traces while it ran)."""
+  engine = Engine(model, config)
+  engine.warmup()
+  run = Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=16))
+  history = [[(7 * c + j) % vocab for j in range(12)] for c in range(num_chats)]
+  answers = []
+  with count_compiles() as counts:
+    for turn in range(turns):
+      prompts = [history[c] + [(11 * c + 5 * turn + j) % vocab for j in range(9)]
+                 for c in range(num_chats)]
+      outs = run.generate([(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+                           for p in prompts])
+      answers += [list(o.token_ids) for o in outs]
+      history = [p + list(o.token_ids) for p, o in zip(prompts, outs)]
+  assert_all_free(run.scheduler)
+  return answers, run.scheduler, counts
+
+
+def host_gib(config, model_cfg, pages: int) -> float:
+  return pages * host_kv.page_bytes(jax.eval_shape(lambda: kv_cache.create(model_cfg, config)))\
+      / 2**30
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8-kv", "gemma3-window-pages"])
+def test_greedy_tokens_are_the_same_with_and_without_the_host_tier(kind, tiny_model, request):
+  if kind == "gemma3-window-pages":
+    model = request.getfixturevalue("tiny_gemma3")
+    config = dataclasses.replace(GEMMA_ENGINE, num_pages=17)  # 16 usable pages of 4.
+  else:
+    model = tiny_model
+    config = dataclasses.replace(TINY_ENGINE, num_pages=9, num_slots=2,  # 8 usable pages of 8.
+                                 prefill_buckets=(16,),
+                                 kv_dtype=KVDtype.INT8 if kind == "int8-kv" else None)
+  config = engine.engine_config_for(config, AttentionBackend.REFERENCE)
+  vocab = model.cfg.vocab_size
+  plain, without, _ = engine_chat(model, config, vocab)
+  tiered = dataclasses.replace(config, kv_offload_gib=host_gib(config, model.cfg, 64))
+  answers, with_tier, counts = engine_chat(model, tiered, vocab)
+  assert answers == plain
+  assert counts["compile"] == 0 and counts["trace"] == 0, counts
+  pages = with_tier.pages
+  assert pages.num_host_hit_tokens > 0 and pages.host.num_used > 0
+  assert with_tier.num_prefill_tokens < without.num_prefill_tokens
+  if kind == "gemma3-window-pages":
+    assert with_tier.window_pages.host.num_used > 0
