@@ -4,7 +4,6 @@ nothing left held."""
 
 import dataclasses
 
-import jax
 import msgpack
 import pytest
 
@@ -14,10 +13,9 @@ from jaxserve.batching.kv_pages import PageAllocator
 from jaxserve.batching.runner import Runner
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, SamplingParams, SchedulerConfig
 from jaxserve.config.engine import window_pages_per_seq
-from jaxserve.engine import engine, host_kv
+from jaxserve.engine import engine
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, weights
-from jaxserve.model import kv_cache
 from support import hf_tiny
 from support.mock_engine import (
   MockEngine,
@@ -26,7 +24,7 @@ from support.mock_engine import (
   reference_generate,
   weighted_sum,
 )
-from support.tiny import TINY_ENGINE, count_compiles
+from support.tiny import TINY_ENGINE, count_compiles, host_tier_gib
 
 PAGE, SLOTS = 4, 2
 
@@ -153,11 +151,6 @@ def engine_chat(model, config, vocab: int, num_chats=4, turns=3):
   return answers, run.scheduler, counts
 
 
-def host_gib(config, model_cfg, pages: int) -> float:
-  return pages * host_kv.page_bytes(jax.eval_shape(lambda: kv_cache.create(model_cfg, config)))\
-      / 2**30
-
-
 @pytest.mark.parametrize("kind", ["float32", "int8-kv", "gemma3-window-pages"])
 def test_greedy_tokens_are_the_same_with_and_without_the_host_tier(kind, tiny_model, request):
   if kind == "gemma3-window-pages":
@@ -171,7 +164,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_host_tier(kind, tiny_mo
   config = engine.engine_config_for(config, AttentionBackend.REFERENCE)
   vocab = model.cfg.vocab_size
   plain, without, _ = engine_chat(model, config, vocab)
-  tiered = dataclasses.replace(config, kv_offload_gib=host_gib(config, model.cfg, 64))
+  tiered = dataclasses.replace(config, kv_offload_gib=host_tier_gib(model.cfg, config, 64))
   answers, with_tier, counts = engine_chat(model, tiered, vocab)
   assert answers == plain
   assert counts["compile"] == 0 and counts["trace"] == 0, counts

@@ -15,8 +15,10 @@ import grpc
 from absl import logging
 from google.protobuf.message import DecodeError
 
+from jaxserve.api import kv_transfer
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
+from jaxserve.batching.request import RequestRejected
 from jaxserve.config import Constraint, SamplingParams
 from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
@@ -64,6 +66,8 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
             self.Tokenize, _decoder(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             self.GetModelInfo, _decoder(pb.GetModelInfoRequest), pb.ModelInfo.SerializeToString),
+        "PrefillKV": grpc.unary_stream_rpc_method_handler(
+            self.PrefillKV, _decoder(pb.PrefillKVRequest), pb.KVPage.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -86,6 +90,30 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
       await self._abort(context, e)
     except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
       logging.exception("Generate failed")
+      await self._abort(context, ApiError(Status.INTERNAL, "internal error; see the server log"))
+
+  async def PrefillKV(self, request: pb.PrefillKVRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KVPage]:
+    """P/D's prefill side (api/kv_transfer.py): the prompt's KV pages, after its prefill."""
+    try:
+      service = self._host.current_service()
+      async with service.accept(bearer_token(context.invocation_metadata())) as acc:
+        request = _decoded(request)
+        lora = service.check_model(request.model)
+        ids = await acc.work(service.encode, Prompt(token_ids=list(request.token_ids)))
+        try:
+          pages = kv_transfer.prefill(service.runner, ids, request.cache_salt or None, lora,
+                                      request.request_id or None)
+          async with contextlib.aclosing(pages) as stream:
+            async for page in stream:
+              acc.answered = True
+              yield page
+        except (RequestRejected, ValueError) as e:
+          raise gateway.invalid(str(e)) from e
+    except ApiError as e:
+      await self._abort(context, e)
+    except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
+      logging.exception("PrefillKV failed")
       await self._abort(context, ApiError(Status.INTERNAL, "internal error; see the server log"))
 
   async def Tokenize(self, request: pb.TokenizeRequest,

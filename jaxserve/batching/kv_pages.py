@@ -199,6 +199,14 @@ class PageAllocator:
                          findable)
     return page
 
+  def adopt(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
+    """A host tier slot for a page that arrives from elsewhere (P/D: kv_handoff.py), whose
+    bytes the caller writes; None when the tier has no slot to give."""
+    slot, evicted = self.host.put(key, tokens)
+    if evicted is not None and self.events is not None:
+      self.events.host_dropped(evicted)
+    return slot
+
   def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(saves, loads) since the last call, for the plan being built: the engine runs the saves
     (device page -> host slot), then the loads (host slot -> device page), then the step."""

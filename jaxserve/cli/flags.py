@@ -58,6 +58,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
   add_window_flag(p)
   add_parallel_flags(p)
   add_speculative_flag(p)
+  add_offload_flag(p)
+
+
+def add_offload_flag(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                 help="GiB of host memory for the prefix cache's host tier: evicted KV pages are "
+                 "kept there and copied back on a prefix hit (vLLM's --kv-offloading-size; "
+                 "default 0: dropped)")
 
 
 def add_speculative_flag(p: argparse.ArgumentParser) -> None:
@@ -188,10 +196,17 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         ep=args.ep, window_pages=args.window_pages,
                         speculative=args.speculative_config,
                         quantization=Quantization(args.quantization),
-                        **lora_engine_flags(args))
+                        kv_offload_gib=_offload_gib(args), **lora_engine_flags(args))
   # The platform's default backend too, so a bad pair fails here, before the model loads.
   config.check_backend(backend or default_attention_backend(platform))
   return config
+
+
+def _offload_gib(args: argparse.Namespace) -> float:
+  """--kv-offload-gib, 1 GiB by default for a P/D role, whose pages travel through the tier."""
+  if not args.kv_offload_gib and getattr(args, "kv_role", "both") != "both":
+    return 1.0
+  return args.kv_offload_gib
 
 
 def add_compile_flags(p: argparse.ArgumentParser) -> None:
@@ -211,4 +226,5 @@ def add_compile_flags(p: argparse.ArgumentParser) -> None:
                  help="expert parallelism: chips a mixture of experts' experts split over")
   add_window_flag(p)
   add_speculative_flag(p)
+  add_offload_flag(p)
   p.add_argument("--json", action="store_true", help="print the reports as JSON")

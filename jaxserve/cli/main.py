@@ -128,7 +128,8 @@ def _server_config(args):
       tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler,
       kv_events=args.kv_events_config, prefix_cache_scope=args.prefix_cache_scope,
       work_threads=args.work_threads, work_queue=args.work_queue,
-      http_read_timeout_s=args.http_read_timeout)
+      http_read_timeout_s=args.http_read_timeout, kv_role=args.kv_role, kv_peer=args.kv_peer,
+      kv_peer_api_key=args.kv_peer_api_key)
 
 
 def _kv_events_config(text: str):
@@ -161,7 +162,20 @@ def _add_serve_parser(sub) -> None:
   s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
   flags.add_lora_flags(s)
   _add_serve_queue_flags(s)
+  _add_kv_role_flags(s)
   s.set_defaults(run=run_serve)
+
+
+def _add_kv_role_flags(s) -> None:
+  s.add_argument("--kv-role", choices=("prefill", "decode", "both"), default="both",
+                 help="prefill/decode disaggregation: prefill serves prompts' KV pages to decode "
+                 "servers (gRPC PrefillKV); decode brings each prompt's KV from --kv-peer before "
+                 "queueing it; both (the default): every prompt prefilled here. prefill and "
+                 "decode keep a host tier (--kv-offload-gib, default 1 for them)")
+  s.add_argument("--kv-peer", default=None,
+                 help="with --kv-role decode: the prefill server's gRPC host:port")
+  s.add_argument("--kv-peer-api-key", default=None,
+                 help="the API key to call --kv-peer with, when it has a --keys-file")
 
 
 def _add_serve_queue_flags(s) -> None:

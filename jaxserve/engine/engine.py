@@ -184,7 +184,9 @@ class Engine:
     self.loras = adapters.DeviceLoras.of(model.cfg, config, mesh)  # LoRA adapters; or None.
     if config.kv_offload_gib and jax.process_count() > 1:
       raise ValueError("kv_offload_gib runs on one host, not across processes yet")
-    self.host_kv = HostKV.of(self.cache, config.kv_offload_gib, config.max_pages_per_seq)
+    self.host_kv = HostKV.of(self.cache, config.kv_offload_gib, config.max_pages_per_seq,
+                             lambda: self.cache)
+    self.page_store = self.host_kv  # P/D's page bytes (batching/kv_handoff.py); or None.
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages

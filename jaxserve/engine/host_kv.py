@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -101,9 +101,11 @@ def copy_programs(group: KVCache, shardings: KVCache):
 
 class HostKV:
 
-  def __init__(self, cache, num_slots: int, max_pages: int):
-    """A host pool of `num_slots` pages for each page group of `cache` (committed arrays)."""
+  def __init__(self, cache, num_slots: int, max_pages: int, current: Callable[[], Any]):
+    """A host pool of `num_slots` pages for each page group of `cache` (committed arrays);
+    `current()` gives the engine's cache as it is now (P/D's export reads it)."""
     self.num_slots = num_slots
+    self._current = current
     self.buckets = copy_buckets(max_pages)
     self._groups = []
     for group in page_groups(cache):
@@ -115,7 +117,7 @@ class HostKV:
     self.num_saved = self.num_loaded = 0
 
   @classmethod
-  def of(cls, cache, gib: float, max_pages: int) -> HostKV | None:
+  def of(cls, cache, gib: float, max_pages: int, current: Callable[[], Any]) -> HostKV | None:
     """The host tier `gib` GiB buys for `cache`; None for 0."""
     if not gib:
       return None
@@ -123,7 +125,7 @@ class HostKV:
     if num_slots < 1:
       raise ValueError(f"kv_offload_gib {gib} holds no KV page (one is "
                        f"{page_bytes(cache) / 2**20:.2f} MiB)")
-    return cls(cache, num_slots, max_pages)
+    return cls(cache, num_slots, max_pages, current)
 
   def copy(self, cache, saves: Sequence[tuple[int, int, int]],
            loads: Sequence[tuple[int, int, int]]):
@@ -158,15 +160,39 @@ class HostKV:
       jax.tree.map(lambda p, x: p.__setitem__(slots, np.asarray(x)[:len(slots)]),
                    self._groups[g][0], out)
 
-  def read(self, group: int, slots: Sequence[int]) -> Any:
-    """The pool's bytes of `slots`: a KVCache of [n, L, ...] numpy arrays (P/D's export)."""
-    self.land()
-    return jax.tree.map(lambda p: p[list(slots)], self._groups[group][0])
+  # P/D's page bytes (batching/kv_handoff.py PageStore): one page of a group is its arrays'
+  # bytes, each [L, ...], in the pool's leaf order.
 
-  def write(self, group: int, slots: Sequence[int], pages: Any) -> None:
-    """Sets the pool's bytes of `slots` to `pages` (P/D's import), shaped as `read` gives."""
+  def layout(self) -> tuple[str, ...]:
+    return tuple(" ".join(f"{x.dtype}{list(x.shape[1:])}" for x in jax.tree.leaves(pool))
+                 for pool, *_ in self._groups)
+
+  def export(self, group: int, pages: Sequence[int]) -> list[bytes]:
+    """Device pages' bytes, gathered by the save program from the current cache."""
+    out, save = [], self._groups[group][1]
+    cache = page_groups(self._current())[group]
+    for ids, n in self._batches(list(pages)):
+      arrays = [np.asarray(x) for x in jax.tree.leaves(save(cache, ids))]
+      out += [b"".join(a[i].tobytes() for a in arrays) for i in range(n)]
+    return out
+
+  def read(self, group: int, slots: Sequence[int]) -> list[bytes]:
     self.land()
-    jax.tree.map(lambda p, x: p.__setitem__(list(slots), x), self._groups[group][0], pages)
+    leaves = jax.tree.leaves(self._groups[group][0])
+    return [b"".join(p[s].tobytes() for p in leaves) for s in slots]
+
+  def write(self, group: int, slots: Sequence[int], pages: Sequence[bytes]) -> None:
+    """Sets slots' bytes; ValueError for a page of the wrong size."""
+    self.land()
+    leaves = jax.tree.leaves(self._groups[group][0])
+    sizes = [p[0].nbytes for p in leaves]
+    for slot, data in zip(slots, pages):
+      if len(data) != sum(sizes):
+        raise ValueError(f"a page of group {group} is {sum(sizes)} bytes, got {len(data)}")
+      at = 0
+      for p, size in zip(leaves, sizes):
+        p[slot] = np.frombuffer(data, p.dtype, size // p.dtype.itemsize, at).reshape(p.shape[1:])
+        at += size
 
   def warmup(self, cache):
     """Compiles every copy program on padding (the scratch page); returns the cache."""

@@ -105,6 +105,8 @@ class Metrics:
     self.generation_tokens = count("generation_tokens", "Output tokens sent.")
     self.requests = count("request_success", "Finished requests.", ("finished_reason",))
     self.rejected = count("request_rejected", "Requests refused before the queue.", ("code",))
+    self.kv_transfers = count("kv_transfers", "P/D handoffs from the prefill server, by outcome "
+                              "(ok, or why pages were recomputed).", ("outcome",))
 
   def watch(self, scheduler: Scheduler, model_name: str = "") -> None:
     """Reads `scheduler` at each scrape, and serves every family again under vLLM's names."""
@@ -155,6 +157,12 @@ class _SchedulerCollector:
                               value=pages.num_hit_tokens)
     yield CounterMetricFamily("jaxserve:num_preemptions", "Requests preempted.",
                               value=s.num_preemptions)
+    if pages.host is not None:
+      yield CounterMetricFamily("jaxserve:prefix_cache_host_hits",
+                                "Prompt tokens found in the host tier.",
+                                value=pages.num_host_hit_tokens)
+      yield GaugeMetricFamily("jaxserve:kv_offload_pages", "KV pages in the host tier.",
+                              value=pages.host.num_used)
     if s.speculative is not None:
       yield from _speculative_metrics(s.spec_stats)
     if s.loras is not None:

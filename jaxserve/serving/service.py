@@ -57,8 +57,11 @@ class Service:
 
   def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str,
                gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False,
-               pool: WorkPool | None = None, read_lora: Callable[[str], Any] | None = None):
-    """`read_lora(path)`: reads a LoRA adapter's folder (serving/adapters.py); None: LoRA off."""
+               pool: WorkPool | None = None, read_lora: Callable[[str], Any] | None = None,
+               kv_peer: Any = None):
+    """`read_lora(path)`: reads a LoRA adapter's folder (serving/adapters.py); None: LoRA off.
+    `kv_peer`: a decode server's prefill server (api/kv_transfer.KVPeer), whose `fetch` brings
+    each request's prompt KV before it is queued; None: every prompt is prefilled here."""
     self.runner = runner
     self.tokenizer = tokenizer
     self.model_name = model_name
@@ -78,6 +81,7 @@ class Service:
     self.max_prompt_chars = self.max_model_len * tokenizer.max_token_chars
     self.constraint_gate = ConstraintGate(runner.runner.constraints)
     self.adapters = Adapters(runner, model_name, read_lora)
+    self.kv_peer = kv_peer
 
   def model_info(self) -> dict[str, Any]:
     """The fields of the proto's ModelInfo."""
@@ -240,6 +244,8 @@ class Service:
 
   async def generate(self, acc: Accepted, run: Run) -> AsyncIterator[Chunk]:
     """One run's chunks. Its tokens are settled with the key when it ends."""
+    if self.kv_peer is not None:  # P/D: the prompt's KV from the prefill server, if it comes.
+      await self.kv_peer.fetch(self.runner, run.request)
     try:
       stream = self.runner.submit_request(run.request)
     except ValueError as e:  # A request id in use.

@@ -36,6 +36,16 @@ def count_compiles():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def host_tier_gib(model_cfg: ModelConfig, config: EngineConfig, pages: int) -> float:
+  """EngineConfig.kv_offload_gib for a host tier of `pages` pages (config after
+  engine.engine_config_for, which picks the KV layout)."""
+  from jaxserve.engine import host_kv
+  from jaxserve.model import kv_cache
+
+  cache = jax.eval_shape(lambda: kv_cache.create(model_cfg, config))
+  return pages * host_kv.page_bytes(cache) / 2**30
+
+
 def dense_logits(model: Transformer, ids, page_size: int = 16):
   """[len(ids), V] logits of one full forward over `ids` on a fresh cache: the no-reuse reference.
 

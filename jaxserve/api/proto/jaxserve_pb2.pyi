@@ -234,3 +234,33 @@ class ModelInfo(_message.Message):
     has_chat_template: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillKVRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "model", "request_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    model: str
+    request_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class KVPage(_message.Message):
+    __slots__ = ("layout", "num_pages", "first_token", "group", "index", "data", "crc32")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    layout: _containers.RepeatedScalarFieldContainer[str]
+    num_pages: int
+    first_token: int
+    group: int
+    index: int
+    data: bytes
+    crc32: int
+    def __init__(self, layout: _Optional[_Iterable[str]] = ..., num_pages: _Optional[int] = ..., first_token: _Optional[int] = ..., group: _Optional[int] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...

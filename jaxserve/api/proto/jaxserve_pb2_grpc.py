@@ -50,6 +50,11 @@ class JaxserveStub:
                 request_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.PrefillKV = channel.unary_stream(
+                '/jaxserve.v1.Jaxserve/PrefillKV',
+                request_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.PrefillKVRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.KVPage.FromString,
+                _registered_method=True)
 
 
 class JaxserveServicer:
@@ -76,6 +81,16 @@ class JaxserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillKV(self, request, context):
+        """Prefill/decode disaggregation, on a server started with --kv-role prefill (or both): prefills
+        a prompt (and samples its first token), then streams the KV pages its prefix cache keeps for
+        it, for a decode server (--kv-role decode) to import. A first message with the layout, then
+        one message a page. A server-to-server call: keep it off a public endpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +108,11 @@ def add_JaxserveServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ModelInfo.SerializeToString,
+            ),
+            'PrefillKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillKV,
+                    request_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.PrefillKVRequest.FromString,
+                    response_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.KVPage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +197,33 @@ class Jaxserve:
             '/jaxserve.v1.Jaxserve/GetModelInfo',
             jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.GetModelInfoRequest.SerializeToString,
             jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/jaxserve.v1.Jaxserve/PrefillKV',
+            jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.PrefillKVRequest.SerializeToString,
+            jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.KVPage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,161 @@
+"""Prefill/decode disaggregation between two servers of the tiny checkpoint in this process: a
+decode server (kv_role decode) that brings each prompt's KV pages from a prefill server over
+gRPC. Its answers are a lone server's, and every fault of the handoff (a corrupt page, a stream
+cut short, a peer that dies mid-stream, a decode host tier too small) only costs the pages that
+did not come: they are recomputed, and no page stays held on either side."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.api.proto import jaxserve_pb2_grpc
+from jaxserve.config import AttentionBackend, SamplingParams
+from jaxserve.engine.engine import Engine, engine_config_for
+from support import server_harness as h
+from support.tiny import count_compiles, host_tier_gib
+
+MAX_TOKENS = 8
+
+
+def _engine(path: str, num_host_pages: int) -> Engine:
+  """The served engine's shapes (its steps load from the compilation cache), and a host tier."""
+  model, tokenizer = h.load(path)
+  config = engine_config_for(h.ENGINE, AttentionBackend.REFERENCE)
+  config = dataclasses.replace(config, kv_offload_gib=host_tier_gib(model.cfg, config,
+                                                                    num_host_pages))
+  engine = Engine(model, config, tokenizer.stop_ids)
+  engine.warmup()
+  return engine
+
+
+class FaultyPeer(jaxserve_pb2_grpc.JaxserveServicer):
+  """A prefill server's stand-in that relays the real one's PrefillKV, with a fault: `mode`
+  "corrupt" flips a byte of page `at`, "cut" ends the stream before it, "die" fails the call
+  with UNAVAILABLE there (what a prefill server that dies mid-stream looks like)."""
+
+  def __init__(self, target: str):
+    self.stub = jaxserve_pb2_grpc.JaxserveStub(grpc.insecure_channel(target))
+    self.mode, self.at = None, 2
+
+  def PrefillKV(self, request, context):
+    for i, msg in enumerate(self.stub.PrefillKV(request, timeout=60)):
+      if i == self.at + 1:  # Message 0 is the header.
+        if self.mode == "cut":
+          return
+        if self.mode == "die":
+          context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill server went away")
+        if self.mode == "corrupt":
+          msg.data = bytes([msg.data[0] ^ 1]) + msg.data[1:]
+      yield msg
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_checkpoint):
+  path = str(tiny_checkpoint)
+  tokenizer = h.load(path)[1]
+  prefill = h.serve(_engine(path, 64), tokenizer, kv_role="prefill")
+  peer = FaultyPeer(prefill.grpc_address)
+  relay = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+  jaxserve_pb2_grpc.add_JaxserveServicer_to_server(peer, relay)
+  relay_port = relay.add_insecure_port("127.0.0.1:0")
+  relay.start()
+  decode = h.serve(_engine(path, 64), tokenizer, kv_role="decode", kv_peer=prefill.grpc_address)
+  faulty = h.serve(_engine(path, 3), tokenizer, kv_role="decode",
+                   kv_peer=f"127.0.0.1:{relay_port}")  # A host tier of 3 pages.
+  yield prefill, decode, faulty, peer
+  for srv in (prefill, decode, faulty):
+    srv.close()
+  relay.stop(0)
+
+
+def prompts(seed: int, n: int = 3) -> list[list[int]]:
+  """Prompts of 70-110 tokens (4-6 full pages of 16) that no other test sends."""
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(5, 4000, int(rng.integers(70, 110)))] for _ in range(n)]
+
+
+def answers(srv, token_ids: list[list[int]]) -> list[list[int]]:
+  with grpc.insecure_channel(srv.grpc_address) as channel:
+    stub = h.stub(channel)
+    out = []
+    for ids in token_ids:
+      msgs = h.generate(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
+                                                 max_tokens=MAX_TOKENS, temperature=0.0), None)
+      out.append([t for m in msgs for t in m.token_ids])
+  return out
+
+
+def reference(tiny_checkpoint, token_ids):
+  engine, tokenizer = h.reference_engine(str(tiny_checkpoint))
+  done = h.offline(engine, tokenizer, [(ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+                                      for ids in token_ids])
+  return [list(c.token_ids) for c in done]
+
+
+def outcomes(srv, outcome: str) -> float:
+  """The decode server's count of handoffs that ended in `outcome`."""
+  value = srv.server.metrics.registry.get_sample_value("jaxserve:kv_transfers_total",
+                                                       {"outcome": outcome})
+  return value or 0
+
+
+def assert_nothing_held(*servers):
+  for srv in servers:
+    h.wait_idle(srv)
+    pages = srv.scheduler.pages
+    assert all(pages.ref_count(p) == 0 for p in range(pages.num_pages))
+
+
+def test_the_decode_server_answers_as_one_server_from_the_prefill_servers_pages(
+    servers, tiny_checkpoint):
+  prefill, decode, _, _ = servers
+  ids = prompts(1)
+  want = reference(tiny_checkpoint, ids)
+  before = decode.scheduler.num_prefill_tokens
+  with count_compiles() as counts:
+    got = answers(decode, ids)
+  assert got == want
+  assert counts["compile"] == 0, counts
+  peer = decode.server.service.kv_peer
+  full_pages = sum((len(p) - 1) // 16 for p in ids)
+  assert peer.num_pages == full_pages and outcomes(decode, "ok") == 3
+  assert decode.scheduler.pages.num_host_hit_tokens == 16 * full_pages
+  # The decode server computed only each prompt's last partial page (and its output).
+  assert decode.scheduler.num_prefill_tokens - before == sum(len(p) for p in ids) - 16 * full_pages
+  assert prefill.scheduler.num_prefill_tokens >= sum(len(p) for p in ids)
+  assert_nothing_held(prefill, decode)
+
+
+@pytest.mark.parametrize("mode, outcome, seed", [("corrupt", "corrupt", 2),
+                                                 ("cut", "incomplete", 3),
+                                                 ("die", "unavailable", 4)])
+def test_a_faulty_handoff_recomputes_what_did_not_arrive(servers, tiny_checkpoint, mode, outcome,
+                                                         seed):
+  prefill, _, faulty, peer = servers
+  peer.mode, peer.at = mode, 2
+  ids = prompts(seed, 1)
+  want = reference(tiny_checkpoint, ids)
+  before, hits = outcomes(faulty, outcome), faulty.scheduler.pages.num_host_hit_tokens
+  assert answers(faulty, ids) == want
+  assert outcomes(faulty, outcome) == before + 1
+  # The two pages before the fault were taken (the host tier holds 3), the rest recomputed.
+  assert faulty.scheduler.pages.num_host_hit_tokens - hits == 2 * 16
+  assert_nothing_held(prefill, faulty)
+
+
+def test_a_host_tier_too_small_takes_what_it_can(servers, tiny_checkpoint):
+  prefill, _, faulty, peer = servers
+  peer.mode = None
+  ids = prompts(5, 1)  # 4-6 pages into a host tier of 3.
+  want = reference(tiny_checkpoint, ids)
+  hits = faulty.scheduler.pages.num_host_hit_tokens
+  assert answers(faulty, ids) == want
+  assert faulty.scheduler.pages.num_host_hit_tokens - hits == 3 * 16
+  assert outcomes(faulty, "host_tier_full") == 1
+  assert_nothing_held(prefill, faulty)
