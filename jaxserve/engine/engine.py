@@ -182,11 +182,8 @@ class Engine:
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
     mesh = None if self.assembly.shardings is None else self.assembly.shardings.mesh
     self.loras = adapters.DeviceLoras.of(model.cfg, config, mesh)  # LoRA adapters; or None.
-    if config.kv_offload_gib and jax.process_count() > 1:
-      raise ValueError("kv_offload_gib runs on one host, not across processes yet")
-    self.host_kv = HostKV.of(self.cache, config.kv_offload_gib, config.max_pages_per_seq,
-                             lambda: self.cache)
-    self.page_store = self.host_kv  # P/D's page bytes (batching/kv_handoff.py); or None.
+    # The prefix cache's host tier, and P/D's page bytes (batching/kv_handoff.py); or None.
+    self.host_kv = self.page_store = HostKV.of(self.cache, config, lambda: self.cache)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages

@@ -117,10 +117,13 @@ class HostKV:
     self.num_saved = self.num_loaded = 0
 
   @classmethod
-  def of(cls, cache, gib: float, max_pages: int, current: Callable[[], Any]) -> HostKV | None:
-    """The host tier `gib` GiB buys for `cache`; None for 0."""
+  def of(cls, cache, config, current: Callable[[], Any]) -> HostKV | None:
+    """The host tier config.kv_offload_gib (EngineConfig) buys for `cache`; None for 0."""
+    gib, max_pages = config.kv_offload_gib, config.max_pages_per_seq
     if not gib:
       return None
+    if jax.process_count() > 1:
+      raise ValueError("kv_offload_gib runs on one host, not across processes yet")
     num_slots = int(gib * 2**30 // page_bytes(cache))
     if num_slots < 1:
       raise ValueError(f"kv_offload_gib {gib} holds no KV page (one is "
