@@ -180,9 +180,8 @@ class Engine:
     self.assembly, params = _assemble(model, draft, config, backend)
     self.shardings = self.assembly.shardings
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
-    mesh = None if self.assembly.shardings is None else self.assembly.shardings.mesh
-    self.loras = adapters.DeviceLoras.of(model.cfg, config, mesh)  # LoRA adapters; or None.
-    # The prefix cache's host tier, and P/D's page bytes (batching/kv_handoff.py); or None.
+    # LoRA adapters; the prefix cache's host tier, P/D's page bytes (kv_handoff.py); or None.
+    self.loras = adapters.DeviceLoras.of(model.cfg, config, self.shardings and self.shardings.mesh)
     self.host_kv = self.page_store = HostKV.of(self.cache, config, lambda: self.cache)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
