@@ -171,8 +171,7 @@ class Engine:
       config = size_kv_pool(config, model, draft)
     self.model_config: ModelConfig = model.cfg
     self.config = config
-    self.num_slots = config.num_slots
-    self.page_size = config.page_size
+    self.num_slots, self.page_size = config.num_slots, config.page_size
     self.max_prefill_len = config.prefill_buckets[-1]
     self.backend = backend
     enable_compilation_cache(config.compilation_cache_dir)
