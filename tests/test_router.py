@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -23,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.loading import checkpoint
+from support.server_process import ServerProcess, healthy
 
 pytestmark = pytest.mark.real_model
 
@@ -41,39 +41,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
-  try:
-    with urllib.request.urlopen(url + "/health", timeout=2) as r:
-      return r.status == 200
-  except OSError:
-    return False
-
-
-class Replica:
+class Replica(ServerProcess):
   """One `jaxserve serve` process on free ports."""
 
   def __init__(self, log_dir):
-    self.log = log_dir / "stderr.log"
-    args = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--model",
-            str(checkpoint.resolve(None)), "--grpc-port", "0", "--http-port", "0", *REPLICA_FLAGS]
-    with open(self.log, "w") as stderr:
-      self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    ports = dict(re.findall(r"(\w+)=(\d+)", self.proc.stdout.readline()))
-    assert "http" in ports, self.log.read_text()[-3000:]
-    self.url = f"http://127.0.0.1:{ports['http']}"
+    super().__init__(str(checkpoint.resolve(None)), REPLICA_FLAGS, log_dir, wait=False)
 
   def num_finished(self) -> float:
-    with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-      text = r.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text)
-               if f.name == "jaxserve:request_success" for s in f.samples
-               if s.name.endswith("_total"))
-
-  def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.kill()
-      self.proc.wait()
+    return self.metric("jaxserve:request_success")
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +59,7 @@ def replicas(tmp_path_factory):
   try:
     for i in range(2):
       started.append(Replica(tmp_path_factory.mktemp(f"replica{i}")))
-      deadline = time.monotonic() + 600
-      while not _healthy(started[-1].url):
-        assert started[-1].proc.poll() is None, started[-1].log.read_text()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+      started[-1].wait_healthy()
     yield started
   finally:
     for r in started:
@@ -110,7 +81,7 @@ class Router:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     self.url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
-    while not _healthy(self.url):
+    while not healthy(self.url):
       assert self.proc.poll() is None and time.monotonic() < deadline
       time.sleep(0.2)
     self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
