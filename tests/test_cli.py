@@ -85,3 +85,16 @@ def test_serve_takes_vllms_lora_flags(capsys):
   with pytest.raises(SystemExit):
     parse("--enable-lora", "--lora-modules", "no-path")
   assert "--lora-modules takes name=path" in capsys.readouterr().err
+
+
+def test_serve_takes_the_host_tier_and_pd_role_flags(capsys):
+  parse = lambda *extra: cli.build_parser().parse_args(["serve", *FLAGS[2:], *extra])
+  assert flags.engine_config(parse(), "cpu").kv_offload_gib == 0
+  assert flags.engine_config(parse("--kv-offload-gib", "2.5"), "cpu").kv_offload_gib == 2.5
+  # A P/D role's pages travel through the host tier: 1 GiB unless given.
+  assert flags.engine_config(parse("--kv-role", "prefill"), "cpu").kv_offload_gib == 1.0
+  argv = ["serve", "--model", "no-such-model", "--kv-role", "decode", "--grpc-port", "0",
+          "--http-port", "-1", *FLAGS[2:]]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "jaxserve: error: ServerConfig: a decode server (kv_role decode) needs kv_peer" in err
