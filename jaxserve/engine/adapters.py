@@ -56,7 +56,7 @@ class DeviceLoras:
     self._num_layers = cfg.num_layers
     # Committed where the steps read them, as every write's output is: one program for both.
     place = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else
-             placement.lora_shardings(mesh, cfg, config))
+             placement.lora_shardings(mesh, abstract_weights(cfg, config)))
     create = lambda: lora.LoraWeights.create(cfg, config.max_loras + 1, self.rank, self.dtype)
     self.weights = jax.jit(create, out_shardings=place)()
     self._write = jax.jit(lora.write, donate_argnums=0, out_shardings=place)

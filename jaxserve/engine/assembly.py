@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
-from jaxserve.engine import placement
+from jaxserve.engine import adapters, placement
 from jaxserve.engine.draft import check_draft, create_cache
 from jaxserve.engine.step import DecodeState, step
 from jaxserve.engine.step_args import Packer, StepArgs, StepShape
@@ -90,7 +90,8 @@ class Assembly:
       return None
     params = s.params
     if self.config.max_loras:  # The adapter slots beside the weights (engine/adapters.py).
-      params = (params, placement.lora_shardings(s.mesh, self.model, self.config))
+      params = (params, placement.lora_shardings(
+          s.mesh, adapters.abstract_weights(self.model, self.config)))
     return (params, s.cache, s.state, jax.tree.map(lambda _: s.replicated, args), s.replicated)
 
   def place(self, params, stop_ids: Sequence[int]) -> tuple:

@@ -84,11 +84,11 @@ def slots_sharding(mesh: Mesh, tree):
 _ROW_PARALLEL = ("wo", "w_down")
 
 
-def lora_shardings(mesh: Mesh, cfg: ModelConfig, config: EngineConfig):
-  """model.lora.LoraWeights of NamedShardings: A [L, Sl, I, R] and B [L, Sl, R, O] per target."""
+def lora_shardings(mesh: Mesh, shapes: lora.LoraWeights):
+  """model.lora.LoraWeights of NamedShardings for the slots `shapes` (engine/adapters.py's
+  abstract_weights): A [L, Sl, I, R] and B [L, Sl, R, O] per target."""
   tp = mesh.shape[axes.MODEL]
-  shapes = jax.eval_shape(lambda: lora.LoraWeights.create(cfg, config.max_loras + 1,
-                                                          config.max_lora_rank, np.float32))
+
   def split(x, axis: int | None):
     spec = [None] * x.ndim
     if axis is not None and x.shape[axis] % tp == 0:
