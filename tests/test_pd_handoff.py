@@ -159,3 +159,19 @@ def test_a_host_tier_too_small_takes_what_it_can(servers, tiny_checkpoint):
   assert faulty.scheduler.pages.num_host_hit_tokens - hits == 3 * 16
   assert outcomes(faulty, "host_tier_full") == 1
   assert_nothing_held(prefill, faulty)
+
+
+def test_a_follow_up_brings_only_the_pages_the_decode_server_lacks(servers, tiny_checkpoint):
+  prefill, decode, _, _ = servers
+  first = prompts(6, 1)[0][:40]
+  answer = answers(decode, [first])[0]
+  follow_up = first + answer + [int(t) for t in np.random.default_rng(9).integers(5, 4000, 40)]
+  peer, transfers = decode.server.service.kv_peer, outcomes(decode, "ok")
+  pages_before = peer.num_pages
+  assert answers(decode, [follow_up]) == reference(tiny_checkpoint, [follow_up])
+  # Its first turn's pages are the decode server's own: only the new full pages travelled.
+  assert peer.num_pages - pages_before == (len(follow_up) - 1) // 16 - (len(first) - 1) // 16
+  assert outcomes(decode, "ok") == transfers + 1
+  answers(decode, [follow_up])  # Every full page cached here: no handoff at all.
+  assert outcomes(decode, "ok") == transfers + 1 and peer.num_pages - pages_before > 0
+  assert_nothing_held(prefill, decode)

@@ -103,7 +103,7 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
         ids = await acc.work(service.encode, Prompt(token_ids=list(request.token_ids)))
         try:
           pages = kv_transfer.prefill(service.runner, ids, request.cache_salt or None, lora,
-                                      request.request_id or None)
+                                      request.request_id or None, request.cached_pages)
           async with contextlib.aclosing(pages) as stream:
             async for page in stream:
               acc.answered = True

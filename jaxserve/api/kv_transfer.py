@@ -56,8 +56,10 @@ def _lora_key(lora: LoRARequest | None) -> str | None:
 
 
 async def prefill(runner: AsyncRunner, token_ids: Sequence[int], cache_salt: str | None,
-                  lora: LoRARequest | None, request_id: str | None) -> AsyncIterator[pb.KVPage]:
-  """The prefill server's side: the prompt run to its first token, then its pages streamed."""
+                  lora: LoRARequest | None, request_id: str | None,
+                  skip: int = 0) -> AsyncIterator[pb.KVPage]:
+  """The prefill server's side: the prompt run to its first token, then its pages streamed
+  but the first `skip` (the decode server's already)."""
   store = runner.runner.engine.page_store
   if store is None:
     raise ValueError("this server keeps no page copies: start it with --kv-role prefill")
@@ -72,7 +74,7 @@ async def prefill(runner: AsyncRunner, token_ids: Sequence[int], cache_salt: str
     stream.abort()  # The caller left before the prefill ended: it is dropped.
   scheduler = runner.runner.scheduler
   pages = await runner.on_engine(lambda: kv_handoff.export_prefix(
-      scheduler, store, req.prompt_token_ids, cache_salt, _lora_key(lora)))
+      scheduler, store, req.prompt_token_ids, cache_salt, _lora_key(lora), skip))
   yield pb.KVPage(layout=store.layout(), num_pages=len(pages), first_token=first)
   for page in pages:
     yield pb.KVPage(group=page.group, index=page.index, data=page.data,
@@ -95,13 +97,16 @@ class KVPeer:
   async def fetch(self, runner: AsyncRunner, req: Request) -> int:
     """Prefills `req`'s prompt on the peer and imports its pages; how many were imported. Never
     raises for the peer's faults: the request then recomputes what did not arrive."""
-    store = runner.runner.engine.page_store
-    if (len(req.prompt_token_ids) - 1) // runner.engine_info.page_size == 0:
-      return 0  # No full page a prefix hit could reuse: nothing to bring.
+    store, scheduler = runner.runner.engine.page_store, runner.runner.scheduler
+    ids, lora = req.prompt_token_ids, _lora_key(req.lora)
+    have = await runner.on_engine(lambda: kv_handoff.num_cached(scheduler, ids, req.cache_salt,
+                                                                lora))
+    if have == (len(ids) - 1) // runner.engine_info.page_size:
+      return 0  # Every full page a prefix hit could reuse is here (or there is none).
     pages: list[kv_handoff.Page] = []
     outcome = "ok"
     try:
-      await self._receive(req, store.layout(), pages)
+      await self._receive(req, store.layout(), pages, have)
     except TransferError as e:
       outcome = e.outcome
       logging.warning("KV handoff of %s from %s: %s; recomputing from page %d", req.request_id,
@@ -110,9 +115,8 @@ class KVPeer:
       outcome = "unavailable" if e.code() is grpc.StatusCode.UNAVAILABLE else "rpc_error"
       logging.warning("KV handoff of %s from %s failed: %s %s; recomputing from page %d",
                       req.request_id, self.address, e.code().name, e.details(), len(pages))
-    scheduler = runner.runner.scheduler
     imported = await runner.on_engine(lambda: kv_handoff.import_prefix(
-        scheduler, store, req.prompt_token_ids, pages, req.cache_salt, _lora_key(req.lora)))
+        scheduler, store, ids, pages, req.cache_salt, lora))
     if outcome == "ok" and imported < len(pages):
       outcome = "host_tier_full" if imported else "not_imported"
     self.num_pages += imported
@@ -120,16 +124,18 @@ class KVPeer:
       self._counter.labels(outcome).inc()
     return imported
 
-  async def _receive(self, req: Request, layout: Sequence[str],
-                     pages: list[kv_handoff.Page]) -> None:
-    """Appends each intact page, in stream order, to `pages`; raises at the first fault."""
+  async def _receive(self, req: Request, layout: Sequence[str], pages: list[kv_handoff.Page],
+                     skip: int) -> None:
+    """Appends each intact page, in stream order, to `pages` (all but the first `skip`);
+    raises at the first fault."""
     if self._channel is None:
       options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
       self._channel = grpc.aio.insecure_channel(self.address, options=options)
     stub = jaxserve_pb2_grpc.JaxserveStub(self._channel)
     call = stub.PrefillKV(pb.PrefillKVRequest(
         token_ids=req.prompt_token_ids, cache_salt=req.cache_salt or "",
-        model="" if req.lora is None else req.lora.lora_name, request_id=req.request_id),
+        model="" if req.lora is None else req.lora.lora_name, request_id=req.request_id,
+        cached_pages=skip),
         metadata=self._metadata, timeout=self._timeout)
     try:
       header = None

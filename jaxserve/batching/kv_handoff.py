@@ -56,9 +56,11 @@ class Page:
 
 
 def export_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[int],
-                  cache_salt: str | None = None, lora: str | None = None) -> list[Page]:
+                  cache_salt: str | None = None, lora: str | None = None,
+                  skip: int = 0) -> list[Page]:
   """The cached pages of `token_ids`'s prefix, in prompt order: those of the KV pool up to the
-  first one not cached, and the window pool's among them that are."""
+  first one not cached, and the window pool's among them that are; none of the first `skip`
+  (which the receiver has)."""
   found: dict[int, list[tuple[int, int | HostHit]]] = {}
   pools = _pools(scheduler)
   for index, (key, tokens) in enumerate(prefix_keys(token_ids, scheduler.page_size,
@@ -66,6 +68,8 @@ def export_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
     hits = [pool.find_hit(key, tokens) for pool in pools]
     if hits[0] is None:
       break
+    if index < skip:
+      continue
     for group, hit in enumerate(hits):
       if hit is not None:
         found.setdefault(group, []).append((index, hit))
@@ -104,6 +108,12 @@ def import_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
   for group, (slots, blobs) in writes.items():
     store.write(group, slots, blobs)
   return sum(len(s) for s, _ in writes.values())
+
+
+def num_cached(scheduler: Scheduler, token_ids: Sequence[int], cache_salt: str | None = None,
+               lora: str | None = None) -> int:
+  """How many of `token_ids`'s full pages an admission would reuse now (either tier)."""
+  return len(scheduler.pools.match(token_ids, cache_salt, lora))
 
 
 def _pools(scheduler: Scheduler):

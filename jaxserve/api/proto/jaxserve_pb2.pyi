@@ -236,16 +236,18 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillKVRequest(_message.Message):
-    __slots__ = ("token_ids", "cache_salt", "model", "request_id")
+    __slots__ = ("token_ids", "cache_salt", "model", "request_id", "cached_pages")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     model: str
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    cached_pages: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., cached_pages: _Optional[int] = ...) -> None: ...
 
 class KVPage(_message.Message):
     __slots__ = ("layout", "num_pages", "first_token", "group", "index", "data", "crc32")
