@@ -22,8 +22,8 @@ import pytest
 
 from jaxserve.cli import main as cli
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, Quantization
-from jaxserve.engine import assembly, compile_plan, targets
-from jaxserve.engine.engine import Engine
+from jaxserve.engine import assembly, compile_plan, host_kv, targets
+from jaxserve.engine.engine import Engine, engine_config_for
 from jaxserve.engine.step_args import StepShape
 from jaxserve.model import kv_cache
 from jaxserve.planning import capacity
@@ -82,6 +82,10 @@ def compiled(name: str):
   return compile_plan.compile_programs(target, model, config), compile_plan.kv_pool(model, config)
 
 
+def tree_bytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def weight_bytes(model, quantization=Quantization.NONE) -> int:
   params = compile_plan.abstract_weights(model, "bfloat16", quantization)[1]
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -112,6 +116,21 @@ def test_plan_compile_lists_the_programs_warmup_runs(tiny_model, monkeypatch):
                    (True, False, True)}  # Decode-only, prefill-only, mixed, scoring.
 
 
+def test_plan_compile_lists_the_offload_copies_the_host_tier_warms_up(tiny_model):
+  """With a host tier, the page copies `HostKV.warmup` compiles (one each) are the copy programs
+  `plan --compile` lists after the steps: a save and a load of each bucket, 1, 4, 16 pages."""
+  config = dataclasses.replace(TINY_ENGINE, kv_offload_gib=0.01)
+  engine = Engine(tiny_model, config)
+  with count_compiles() as counts:
+    engine.cache = engine.host_kv.warmup(engine.cache)
+  programs = compile_plan.engine_programs(TINY, config, engine.backend)
+  copies = [p for p in programs if isinstance(p.shape, host_kv.CopyShape)]
+  assert programs[-len(copies):] == copies
+  assert [p.name for p in copies] == [f"kv {kind} pages={n} group=0" for n in (1, 4, 16)
+                                      for kind in ("save", "load")]
+  assert counts["compile"] == len(copies), counts
+
+
 def test_neediest_are_the_largest_of_each_kind():
   """The probe compiles, picked without compiling: the most rows of each kind of step."""
   config = dataclasses.replace(TINY_ENGINE, num_slots=16, prefill_buckets=(16, 32, 64))
@@ -119,6 +138,10 @@ def test_neediest_are_the_largest_of_each_kind():
   assert compile_plan.neediest(programs) == [
       "step D=16 T=0 W=16", "step D=0 T=64 W=16", "step D=16 T=64 W=16",
       "step D=0 T=64 W=16 scored"]
+  offload = dataclasses.replace(config, kv_offload_gib=0.01)  # The copies of the most pages too.
+  programs = compile_plan.engine_programs(TINY, offload, AttentionBackend.PALLAS_TPU)
+  assert compile_plan.neediest(programs)[4:] == ["kv save pages=16 group=0",
+                                                 "kv load pages=16 group=0"]
 
 
 @pytest.mark.parametrize("name", [case(n) for n in CASES])
@@ -140,6 +163,54 @@ def test_every_program_compiles_with_its_memory_reported(name):
 
 
 TEMP_BOUND = "temp <= 0.05 * kv + 256 MiB"
+# Gemma 3's layers, one local and one global, at 1,024 tokens (64 pages a sequence): two page
+# groups, each copied in batches of 1, 4, 16 and 64 pages; without window pages, one group.
+GEMMA3_2L = dataclasses.replace(GEMMA3_270M, num_layers=2, local_layers=(True, False),
+                                vocab_size=512, name="gemma-3-270m-2-layers")
+OFFLOAD = dict(num_pages=512, max_model_len=1024, kv_offload_gib=1.0)
+
+
+@functools.cache
+def compiled_copies(window_pages: bool):
+  """(reports, page groups): the copy programs and, with window pages, the mixed step, on v5e."""
+  config = EngineConfig(**{**SMALL, **OFFLOAD, "window_pages": window_pages})
+  wanted = lambda programs: [p.name for p in programs if isinstance(p.shape, host_kv.CopyShape)
+                             or window_pages and p.name == "step D=1 T=32 W=128"]
+  reports = compile_plan.compile_programs("v5e", GEMMA3_2L, config, only=wanted)
+  resolved = engine_config_for(config, AttentionBackend.PALLAS_TPU)
+  return reports, host_kv.page_groups(jax.eval_shape(lambda: kv_cache.create(GEMMA3_2L,
+                                                                             resolved)))
+
+
+@skip_without("v5e")
+@pytest.mark.parametrize("window_pages", [True, False], ids=["window-pages", "one-pool"])
+def test_offload_copies_compile_in_place_beside_the_steps_on_v5e(window_pages):
+  """Every page copy compiles for v5e: a load updates its group in place (the group's bytes
+  aliased) from pages in host memory, a save writes its pages to pinned host memory, and each
+  holds its batch on the device once, beside the weights and the cache it counts as resident.
+  The mixed step still compiles and updates both pools in place."""
+  reports, groups = compiled_copies(window_pages)
+  steps = [r for r in reports if r["name"].startswith("step")]
+  copies = {r["name"]: r for r in reports if r["name"].startswith("kv")}
+  assert len(steps) == window_pages and len(groups) == 1 + window_pages
+  assert list(copies) == [f"kv {kind} pages={n} group={g}" for g in range(len(groups))
+                          for n in (1, 4, 16, 64) for kind in ("save", "load")]
+  weights, cache = weight_bytes(GEMMA3_2L), sum(tree_bytes(g) for g in groups)
+  for g, group in enumerate(groups):
+    page = host_kv.page_bytes(group)
+    for n in (1, 4, 16, 64):
+      save, load = (copies[f"kv {kind} pages={n} group={g}"] for kind in ("save", "load"))
+      assert save["compiled"] and load["compiled"], (save, load)
+      assert load["alias_bytes"] == load["output_bytes"] == tree_bytes(group), load
+      assert load["host_argument_bytes"] == save["host_output_bytes"] == n * page, (save, load)
+      assert save["output_bytes"] == save["alias_bytes"] == 0, save
+      for r in (save, load):
+        assert tree_bytes(group) <= r["argument_bytes"] < tree_bytes(group) + 2**10, r
+        assert n * page <= r["temp_bytes"] <= 2 * n * page + MIB, r
+        assert weights + cache <= compile_plan.need_bytes(r) <= weights + cache + r["temp_bytes"] \
+            + 32 * MIB, r  # Resident: the weights, the other group, the decode state.
+  for r in steps:
+    assert r["compiled"] and r["alias_bytes"] >= cache, r
 
 
 @pytest.mark.parametrize("name", [case("llama-3-8b-lora-v6e")])

@@ -14,6 +14,11 @@ the pool the lines predict give their own slopes (a step's temp can grow near a 
 lines give the pool, and compiling every program once at it confirms it (or refits the lines
 and shrinks it). The compiler's verdict is the final word. Compiles run `COMPILE_WORKERS` at a
 time.
+
+With a host tier (`kv_offload_gib`) the page-copy programs (engine/host_kv.py) are programs too:
+each holds a batch of pages on the device on its way to or from pinned host memory, beside the
+weights and the cache, which it does not take (`resident_bytes` counts them in its need). The
+host pool itself is host memory: it takes nothing from the KV pool.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 from typing import Any, Callable, Collection
@@ -28,9 +34,10 @@ from typing import Any, Callable, Collection
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, Quantization
-from jaxserve.engine import adapters, assembly, placement, targets
+from jaxserve.engine import adapters, assembly, host_kv, placement, targets
 from jaxserve.engine.draft import create_cache
 from jaxserve.engine.engine import engine_config_for
 from jaxserve.engine.step_args import StepShape
@@ -48,9 +55,10 @@ COMPILE_WORKERS = min(4, os.cpu_count() or 1)
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """One warm-up program (assembly.Program) on abstract arguments, as targets.lower takes it."""
+  """One warm-up program (assembly.Program, or a host tier's page copy) on abstract arguments,
+  as targets.lower takes it."""
   name: str
-  shape: StepShape
+  shape: StepShape | host_kv.CopyShape
   scored: bool
   fn: Callable
   args: tuple  # Pytrees of ShapeDtypeStructs.
@@ -58,6 +66,9 @@ class Program:
   shardings: tuple | None = None  # Over a mesh (tp > 1): each argument's, and the results'.
   out_shardings: Any = None
   verified: bool = False
+  # Device bytes the engine holds beside the program's arguments while it runs (a copy's: the
+  # weights, the decode state and the cache's other groups).
+  resident_bytes: int = 0
 
   def lowering(self, device) -> Callable:
     """The program's lowering for `device` (targets.compile_reports runs it)."""
@@ -99,10 +110,37 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
     params = (params, adapters.abstract_weights(model, config))
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-  return [Program(p.name, p.shape, p.scored, asm.step,
-                  (params, asm.cache, asm.state, abstract(p.args), stop_ids), assembly.DONATE,
-                  asm.arg_shardings(p.args), asm.out_shardings(p.extra_output), p.verified)
-          for p in asm.programs()]
+  steps = [Program(p.name, p.shape, p.scored, asm.step,
+                   (params, asm.cache, asm.state, abstract(p.args), stop_ids), assembly.DONATE,
+                   asm.arg_shardings(p.args), asm.out_shardings(p.extra_output), p.verified)
+           for p in asm.programs()]
+  if not config.kv_offload_gib:
+    return steps
+  return steps + copy_programs(asm, steps[0], devices[0] if devices else jax.devices()[0])
+
+
+def copy_programs(asm: assembly.Assembly, step: Program, device) -> list[Program]:
+  """The host tier's page copies (host_kv.abstract_copies: what HostKV.warmup compiles), on
+  `device` or over the steps' mesh; each holds what `step` takes but its own step arguments and
+  the copy's page group."""
+  s = asm.shardings
+  shardings = (s.cache if s is not None
+               else jax.tree.map(lambda _: SingleDeviceSharding(device), asm.cache))
+  held = [0, 1, 2, 4]  # Of (params, cache, state, args, stop ids): all but the step's own.
+  resident = _device_bytes([step.args[i] for i in held],
+                           None if step.shardings is None else [step.shardings[i] for i in held])
+  return [Program(shape.name, shape, False, copy.fn, args, copy.donate, placed,
+                  copy.out_shardings, resident_bytes=resident - _device_bytes(args[0], placed[0]))
+          for shape, copy, args, placed in host_kv.abstract_copies(
+              asm.cache, shardings, asm.config.max_pages_per_seq)]
+
+
+def _device_bytes(tree, shardings=None) -> int:
+  """Bytes of `tree`'s arrays on one device: each one's shard under `shardings` (None: whole)."""
+  if shardings is None:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  return sum(jax.tree.leaves(jax.tree.map(
+      lambda x, sh: math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize, tree, shardings)))
 
 
 def draft_model(config: EngineConfig) -> ModelConfig | None:
@@ -116,9 +154,11 @@ def draft_model(config: EngineConfig) -> ModelConfig | None:
 
 def need_bytes(report: dict[str, Any]) -> int:
   """What a compiled program holds at its peak: its arguments, its temp, and its outputs less
-  those written into donated inputs."""
+  those written into donated inputs (device memory: host memory's are counted apart), with what
+  the engine holds beside it (`resident_bytes`)."""
   r = report
-  return r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"] - r["alias_bytes"]
+  return (r.get("resident_bytes", 0) + r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"]
+          - r["alias_bytes"])
 
 
 def compile_programs(target: str, model: ModelConfig, config: EngineConfig,
@@ -129,8 +169,9 @@ def compile_programs(target: str, model: ModelConfig, config: EngineConfig,
   `workers` compiles at a time."""
   devices, programs = target_programs(target, model, config)
   names = {only} if isinstance(only, str) else only(programs) if callable(only) else only
-  return targets.compile_reports([(p.name, p.lowering(devices[0])) for p in programs
-                                  if names is None or p.name in names], workers)
+  chosen = [p for p in programs if names is None or p.name in names]
+  reports = targets.compile_reports([(p.name, p.lowering(devices[0])) for p in chosen], workers)
+  return [{**r, "resident_bytes": p.resident_bytes} for p, r in zip(chosen, reports)]
 
 
 def target_programs(target: str, model: ModelConfig, config: EngineConfig):
@@ -146,27 +187,35 @@ def target_programs(target: str, model: ModelConfig, config: EngineConfig):
 
 def neediest(programs: list[Program]) -> list[str]:
   """The names of the programs that need the most memory, picked by shape, without compiling:
-  of each kind (decode-only, prefill-only, mixed, scoring), the one of the most decode rows and
-  prefill tokens (a step's activations grow with its rows, and every step holds the same
-  weights and cache)."""
-  largest: dict[tuple, Program] = {}
+  of each kind (decode-only, prefill-only, mixed, scoring; a group's saves, its loads), the one
+  of the most decode rows and prefill tokens (a step's activations grow with its rows, and every
+  step holds the same weights and cache), or of the most pages (a copy holds its batch)."""
+  largest: dict[tuple, tuple[Any, Program]] = {}
   for p in programs:
-    kind = (p.scored, p.verified, p.shape.decode_rows > 0, p.shape.prefill_tokens > 0)
-    if kind not in largest or p.shape[:2] >= largest[kind].shape[:2]:
-      largest[kind] = p
-  return [p.name for p in largest.values()]
+    kind, size = _kind_and_size(p)
+    if kind not in largest or size >= largest[kind][0]:
+      largest[kind] = (size, p)
+  return [p.name for _, p in largest.values()]
+
+
+def _kind_and_size(p: Program) -> tuple[tuple, Any]:
+  if isinstance(p.shape, host_kv.CopyShape):
+    return ("copy", p.shape.load, p.shape.group), p.shape.pages
+  return (p.scored, p.verified, p.shape.decode_rows > 0, p.shape.prefill_tokens > 0), p.shape[:2]
 
 
 def kv_pool(model: ModelConfig, config: EngineConfig) -> dict[str, int]:
   """The pool of `config` as the engine allocates it: pages (scratch page 0 included), tokens a
   sequence can use (the scratch page holds none), bytes (all devices'; `device_bytes`: each
-  one's, under tp). The layout is the kernels' unless the config names one."""
+  one's, under tp), and the host tier's pages (in host memory, beside the pool). The layout is
+  the kernels' unless the config names one."""
   config = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
   cache = jax.eval_shape(lambda: create_cache(model, config, draft_model(config)))
   pages, size = cache.num_pages, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
   window = cache.window.num_pages if isinstance(cache, kv_cache.WindowedKV) else 0
   return {"pages": pages, "page_size": config.page_size, "tokens": (pages - 1) * config.page_size,
-          "bytes": size, "device_bytes": size // config.tp, "window_pages": window}
+          "bytes": size, "device_bytes": size // config.tp, "window_pages": window,
+          "host_pages": host_kv.num_host_slots(cache, config.kv_offload_gib)}
 
 
 def compile_engine(target: str, model: ModelConfig, config: EngineConfig,
@@ -282,12 +331,16 @@ def _with_pages(config: EngineConfig, pages: int) -> EngineConfig:
 
 
 def format_table(result: dict[str, Any]) -> str:
-  """The result of `compile_engine` as a table, one program a row, sizes in MiB."""
+  """The result of `compile_engine` as a table, one program a row, sizes in MiB (host: the
+  bytes a program reads from or writes to host memory)."""
   mib = lambda n: "-" if n is None else f"{n / 2**20:,.1f}"
   rows = [f"{'program':<28} {'compiled':>8} {'argument':>10} {'temp':>10} {'output':>10} "
-          f"{'alias':>10}  (MiB) {'lower':>6} {'compile':>8}"]
+          f"{'alias':>10} {'host':>10}  (MiB) {'lower':>6} {'compile':>8}"]
   for r in result["programs"]:
+    host = r["host_argument_bytes"]
+    host = None if host is None else host + r["host_output_bytes"]
     sizes = [mib(r[k]) for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")]
+    sizes.append(mib(host))
     rows.append(f"{r['name']:<28} {'yes' if r['compiled'] else 'NO':>8} "
                 + " ".join(f"{x:>10}" for x in sizes)
                 + f"  {r['lower_seconds']:>11.1f}s {r['seconds']:>7.1f}s")
@@ -295,8 +348,9 @@ def format_table(result: dict[str, Any]) -> str:
       rows.append(f"  error: {r['error'][:300]}")
   pool = result["kv_pool"]
   window = f" + {pool['window_pages']} window pages" if pool.get("window_pages") else ""
+  host = f"; host tier: {pool['host_pages']} pages" if pool.get("host_pages") else ""
   rows.append(f"KV pool: {pool['pages']} pages{window} of {pool['page_size']} tokens "
-              f"({pool['tokens']} tokens), {mib(pool['bytes'])} MiB; "
+              f"({pool['tokens']} tokens), {mib(pool['bytes'])} MiB{host}; "
               f"pools compiled: {result['tries']}")
   worst = max((need_bytes(r) for r in result["programs"] if r["compiled"]), default=0)
   rows.append(f"{result['target']}: largest need {mib(worst)} MiB of "
@@ -318,7 +372,8 @@ def run_compile(args) -> int:
                         compilation_cache_dir=None, window_pages=args.window_pages,
                         speculative=args.speculative_config,
                         quantization=args.quantization, max_loras=getattr(args, "max_loras", 0),
-                        max_lora_rank=getattr(args, "max_lora_rank", 16))
+                        max_lora_rank=getattr(args, "max_lora_rank", 16),
+                        kv_offload_gib=args.kv_offload_gib)
   try:
     result = compile_engine(args.compile, model, config)
   except ValueError as e:  # The pool cannot fit (weights beyond the memory): say so, no trace.

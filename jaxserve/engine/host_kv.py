@@ -13,15 +13,18 @@ contiguous block). A plan's copies run before its step (StepPlan.kv_saves, kv_lo
          into the donated cache by one program: the cache is updated in place
 
 Batches are padded to `copy_buckets` pages (powers of 4, up to a sequence's pages), so every
-program is compiled at warm-up; padding reads and writes the scratch page.
+program is compiled at warm-up; padding reads and writes the scratch page. `copy_programs`
+defines the programs once: HostKV jits them, and `abstract_copies` lists them on abstract
+arguments, as `plan --compile` compiles them for a chip (engine/compile_plan.py).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,11 @@ def page_bytes(cache) -> int:
              for g in page_groups(cache) for x in jax.tree.leaves(g))
 
 
+def num_host_slots(cache, gib: float) -> int:
+  """Pages of every group that `gib` GiB of host memory hold (the plan reports it too)."""
+  return int(gib * 2**30 // page_bytes(cache))
+
+
 def gather_pages(group: KVCache, ids):
   """[n, L, ...] of each cache array: pages `ids` of every layer."""
   return jax.tree.map(lambda x: jnp.moveaxis(x[:, ids], 1, 0), group)
@@ -81,6 +89,11 @@ def scatter_pages(group: KVCache, ids, pages, placed=None):
   return jax.tree.map(put, group, pages, placed)
 
 
+def host_shape(x, n: int) -> tuple[int, ...]:
+  """[n, L, ...]: `n` pages of cache array `x` ([L, P, ...]), as host memory holds them."""
+  return (n, x.shape[0], *x.shape[2:])
+
+
 def host_sharding(sharding, ndim: int):
   """An array's sharding with its first two axes swapped, in pinned host memory."""
   if isinstance(sharding, NamedSharding):
@@ -90,13 +103,61 @@ def host_sharding(sharding, ndim: int):
   return sharding.with_memory_kind(HOST_MEMORY)
 
 
-def copy_programs(group: KVCache, shardings: KVCache):
-  """(save, load): the jitted programs of one page group whose arrays have `shardings`."""
+class CopyShape(NamedTuple):
+  """What sets a copy program: a save or a load, of `pages` pages of page group `group`."""
+  load: bool
+  group: int
+  pages: int
+
+  @property
+  def name(self) -> str:
+    return f"kv {'load' if self.load else 'save'} pages={self.pages} group={self.group}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyProgram:
+  """One group's save or load: `fn` as jitted with `donate` and `out_shardings`. HostKV jits it
+  and `plan --compile` lowers it on abstract arguments (`abstract_copies`): one definition."""
+  fn: Callable
+  donate: tuple[int, ...]
+  out_shardings: Any
+  host: Any  # The host pages' shardings (pinned host memory), [n, L, ...] each.
+
+  def jit(self):
+    return jax.jit(self.fn, donate_argnums=self.donate, out_shardings=self.out_shardings)
+
+
+def copy_programs(group: KVCache, shardings: KVCache) -> tuple[CopyProgram, CopyProgram]:
+  """(save, load): the programs of one page group whose arrays have `shardings`. The save's
+  output is in pinned host memory; the load updates the donated group in place."""
   host = jax.tree.map(lambda x, s: host_sharding(s, x.ndim), group, shardings)
-  save = jax.jit(gather_pages, out_shardings=host)
-  load = jax.jit(lambda g, ids, pages: scatter_pages(g, ids, pages, shardings),
-                 out_shardings=shardings, donate_argnums=0)
-  return save, load, host
+  save = CopyProgram(gather_pages, (), host, host)
+  load = CopyProgram(functools.partial(scatter_pages, placed=shardings), (0,), shardings, host)
+  return save, load
+
+
+def abstract_copies(cache, shardings, max_pages: int) -> list[tuple[CopyShape, CopyProgram,
+                                                                    tuple, tuple]]:
+  """[(shape, program, abstract arguments, their shardings)] of every copy program
+  `HostKV.warmup` compiles, in its order, for `cache` (ShapeDtypeStructs) with `shardings`: a
+  save takes the group and page ids [n] (on every device), a load the host pages too."""
+  out = []
+  for g, (group, placed) in enumerate(zip(page_groups(cache), page_groups(shardings))):
+    save, load = copy_programs(group, placed)
+    on_all = _replicated(jax.tree.leaves(placed)[0])
+    for n in copy_buckets(max_pages):
+      ids = jax.ShapeDtypeStruct((n,), jnp.int32)
+      pages = jax.tree.map(lambda x: jax.ShapeDtypeStruct(host_shape(x, n), x.dtype), group)
+      out += [(CopyShape(False, g, n), save, (group, ids), (placed, on_all)),
+              (CopyShape(True, g, n), load, (group, ids, pages), (placed, on_all, load.host))]
+  return out
+
+
+def _replicated(sharding):
+  """Where page ids go: on every device of `sharding`'s mesh (or on its one device)."""
+  if isinstance(sharding, NamedSharding):
+    return NamedSharding(sharding.mesh, PartitionSpec())
+  return sharding
 
 
 class HostKV:
@@ -110,9 +171,10 @@ class HostKV:
     self._groups = []
     for group in page_groups(cache):
       shardings = jax.tree.map(lambda x: x.sharding, group)
-      pool = jax.tree.map(lambda x: np.zeros((num_slots, x.shape[0], *x.shape[2:]), x.dtype),
-                          group)  # Zero pages cost no memory until written.
-      self._groups.append((pool, *copy_programs(group, shardings)))
+      # Zero pages cost no memory until written.
+      pool = jax.tree.map(lambda x: np.zeros(host_shape(x, num_slots), x.dtype), group)
+      save, load = copy_programs(group, shardings)
+      self._groups.append((pool, save.jit(), load.jit(), load.host))
     self._pending: collections.deque = collections.deque()  # (group, slots, pinned arrays)
     self.num_saved = self.num_loaded = 0
 
@@ -124,7 +186,7 @@ class HostKV:
       return None
     if jax.process_count() > 1:
       raise ValueError("kv_offload_gib runs on one host, not across processes yet")
-    num_slots = int(gib * 2**30 // page_bytes(cache))
+    num_slots = num_host_slots(cache, gib)
     if num_slots < 1:
       raise ValueError(f"kv_offload_gib {gib} holds no KV page (one is "
                        f"{page_bytes(cache) / 2**20:.2f} MiB)")

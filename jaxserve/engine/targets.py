@@ -89,15 +89,15 @@ def lower(fn: Callable, abstract_args: Sequence[Any], device: jax.Device | None,
   `jax.stages.Compiled`), to run on any thread.
 
   `abstract_args` are pytrees of arrays or ShapeDtypeStructs (placed on `device` here, or, for a
-  program over a mesh of abstract devices, on `shardings`: one pytree of shardings per argument,
-  with `out_shardings` for the results); arguments `donate` are donated, as the engine donates
-  its cache and state."""
+  program over a mesh of abstract devices or one reading host memory, on `shardings`: one pytree
+  of shardings per argument, with `out_shardings` for the results); arguments `donate` are
+  donated, as the engine donates its cache and state."""
   if shardings is None:
     args, jit_options = on_device(tuple(abstract_args), device), {}
   else:
     place = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
     args = tuple(jax.tree.map(place, a, sh) for a, sh in zip(abstract_args, shardings))
-    device = jax.tree.leaves(shardings[0])[0].mesh.devices.flat[0]
+    device = next(iter(jax.tree.leaves(shardings[0])[0].device_set))  # Sets the platform.
     jit_options = {"out_shardings": out_shardings}
   options = dict(_COMPILER_OPTIONS[_PLATFORM_OF_DEVICE[device.platform]])
   with quant.lowering_for(device.platform):
@@ -110,10 +110,11 @@ def compile_report(fn: Callable, abstract_args: Sequence[Any], device: jax.Devic
                    shardings: Sequence[Any] | None = None, out_shardings: Any = None,
                    ) -> dict[str, Any]:
   """Compiles `fn(*abstract_args)` for `device` (see `lower`) and reports it: {name, compiled,
-  error, argument_bytes, temp_bytes, output_bytes, alias_bytes, seconds, lower_seconds}. The
-  error is the compiler's message (None when it compiled), the byte counts come from
-  `memory_analysis()` (None on failure; per device over a mesh), `seconds` is the compile's wall
-  time and `lower_seconds` the lowering's (tracing included)."""
+  error, argument_bytes, temp_bytes, output_bytes, alias_bytes, host_argument_bytes,
+  host_output_bytes, seconds, lower_seconds}. The error is the compiler's message (None when it
+  compiled), the byte counts come from `memory_analysis()` (None on failure; per device over a
+  mesh; the first four in device memory, the host ones in host memory: a page copy's),
+  `seconds` is the compile's wall time and `lower_seconds` the lowering's (tracing included)."""
   lowering = functools.partial(lower, fn, abstract_args, device, donate=donate,
                                shardings=shardings, out_shardings=out_shardings)
   return compile_reports([(name or getattr(fn, "__name__", "program"), lowering)])[0]
@@ -152,6 +153,7 @@ def _report(name: str, memory_or_error, seconds: float = 0.0, lowered: float = 0
             ) -> dict[str, Any]:
   report = {"name": name, "compiled": False, "error": None, "argument_bytes": None,
             "temp_bytes": None, "output_bytes": None, "alias_bytes": None,
+            "host_argument_bytes": None, "host_output_bytes": None,
             "seconds": round(seconds, 1), "lower_seconds": round(lowered, 1)}
   if isinstance(memory_or_error, Exception):
     e = memory_or_error
@@ -159,4 +161,6 @@ def _report(name: str, memory_or_error, seconds: float = 0.0, lowered: float = 0
   m = memory_or_error
   return {**report, "compiled": True, "argument_bytes": m.argument_size_in_bytes,
           "temp_bytes": m.temp_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-          "alias_bytes": m.alias_size_in_bytes}
+          "alias_bytes": m.alias_size_in_bytes,
+          "host_argument_bytes": m.host_argument_size_in_bytes,
+          "host_output_bytes": m.host_output_size_in_bytes}
