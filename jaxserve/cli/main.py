@@ -264,8 +264,8 @@ def _add_compile_flags(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   if args.command == "plan" and args.compile:
-    from jaxserve.engine import compile_plan
-    return compile_plan.run_compile(args)
+    from jaxserve.cli import plan_compile
+    return plan_compile.run_compile(args)
   if args.command == "plan":
     return plan_cli.run_plan(args)
   try:
