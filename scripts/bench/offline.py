@@ -847,7 +847,8 @@ def main_offload(argv=None) -> int:
                    default=field.default)
   p.add_argument("--small", action="store_true", help="SMALL_CHAT's shape for the flags not given")
   p.add_argument("--model", default=None, help="model path or name (default: the default model)")
-  p.add_argument("--tiers", default=",".join(OFFLOAD_TIERS))
+  p.add_argument("--tiers", default=",".join(OFFLOAD_TIERS),
+                 help="the tiers to run in order, each in a fresh process (the ratios need both)")
   p.add_argument("--child", choices=OFFLOAD_TIERS, default=None, help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else argv
   if "--small" in argv:
