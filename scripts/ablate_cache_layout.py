@@ -16,6 +16,19 @@ For each variant (layout x page size x KV dtype) on one model and one replayed m
              reference's (free-running: one early divergence changes the rest of its sequence).
   max err    max |logit| error of a teacher-forced forward against the float32 reference.
 
+The host tier (EngineConfig.kv_offload_gib) is a dimension of its own, on a workload it is for:
+a multi-turn chat (scripts/bench/offline.py's `Chat`, the `python -m scripts.bench offload`
+workload) whose final prompts need 4x the device pool's pages, so a conversation's prefix is
+evicted before its next turn. For a few variants, without the tier and with one that holds every
+prefix:
+
+  hit rate   prompt tokens found in the prefix cache, on the device / in host memory
+  saved      prompt tokens the host tier's hits spared recomputing
+  prefill    prefill tokens computed
+  TTFT       mean and median time to first token (first token less arrival; a turn arrives when
+             its conversation's last answer is back)
+  same       greedy answers identical to the variant's without the tier
+
 Writes results.md, fragmentation.png and summary.png into --out.
 Usage: python scripts/ablate_cache_layout.py --out /tmp/ablation [--quick] [--model PATH]
 """
@@ -25,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import sys
 import time
 
 import jax.numpy as jnp
@@ -51,6 +65,9 @@ from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import Transformer
 from jaxserve.planning import capacity
 
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # The root: scripts.bench.
+from scripts.bench import offline  # noqa: E402
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -71,6 +88,11 @@ FULL = ([Variant(TM, z, F32) for z in (16, 8, 32, 64, 128)]
         + [Variant(TM, 16, d) for d in (KVDtype.BFLOAT16, KVDtype.INT8, KVDtype.FLOAT8_E4M3)])
 QUICK = [Variant(TM, 16, F32), Variant(KVLayout.RAGGED, 16, F32),
          Variant(KVLayout.CONTIGUOUS, 16, F32), Variant(TM, 16, KVDtype.INT8)]
+# The host tier's variants (a paged layout: the contiguous one has no prefix cache to offload),
+# run on the bench's chat (--quick: its small one).
+TIER_FULL = [Variant(TM, 16, F32), Variant(TM, 16, KVDtype.INT8)]
+TIER_QUICK = [Variant(TM, 16, F32)]
+TIERS = ("none", "host")
 
 
 def tiny_like(vocab_size: int) -> ModelConfig:
@@ -173,6 +195,27 @@ def decode_ms(engine: Engine, s: Settings, context: int) -> float:
   return 1e3 * float(np.median(times))
 
 
+def chat_replay(model, tokenizer, variant: Variant, chat: offline.Chat) -> list[dict]:
+  """The chat on `variant`, each tier on its own engine (warmed up: no compile in a TTFT): one
+  row per tier."""
+  chat = dataclasses.replace(chat, page_size=variant.page_size)
+  messages = offline.chat_messages(tokenizer, chat)
+  rows = []
+  for tier in TIERS:
+    config = offline.chat_config(chat, messages, model.cfg, tier, kv_layout=variant.layout,
+                                 kv_dtype=variant.kv_dtype,
+                                 attention_backend=AttentionBackend.REFERENCE,
+                                 compilation_cache_dir=None)
+    engine = Engine(model, config)
+    engine.warmup()
+    result = offline.run_chat(Runner(engine, tokenizer), messages, chat)
+    rows.append(dict(variant=variant, tier=tier, **offline.chat_summary(result),
+                     same=result["answers"] == rows[0]["answers"] if rows else True,
+                     answers=result["answers"],
+                     pool_ratio=offline.chat_pool_ratio(messages, chat)))
+  return rows
+
+
 def _forward(model, ids, layout, kv_dtype, page_size):
   n = ids.shape[0]
   pages = n // page_size
@@ -196,7 +239,8 @@ def agreement(outputs, ref_outputs) -> float:
   return same / sum(len(r) for r in ref_outputs)
 
 
-def run(args) -> list[dict]:
+def run(args) -> tuple[list[dict], list[dict]]:
+  """(the layout variants' rows, the host tier's rows)."""
   # Quick: one prefill bucket and one decode width per variant, so few compilations.
   s = (Settings(num_requests=8, num_slots=4, max_model_len=128, prefill_bucket=64,
                 budget_bytes=2**19, timed_steps=5) if args.quick else
@@ -222,11 +266,16 @@ def run(args) -> list[dict]:
                      agree=agreement(outputs, ref_outputs),
                      err=logit_error(model, probe, variant, ref_logits),
                      kv_bytes=engine.cache.num_bytes))
-  write_report(pathlib.Path(args.out), rows, s, model.cfg)
-  return rows
+  chat = offline.SMALL_CHAT if args.quick else offline.Chat()
+  tier_rows = [row for variant in tqdm.tqdm(TIER_QUICK if args.quick else TIER_FULL,
+                                            desc="host tier", unit="variant")
+               for row in chat_replay(model, tokenizer, variant, chat)]
+  write_report(pathlib.Path(args.out), rows, s, model.cfg, tier_rows, chat)
+  return rows, tier_rows
 
 
-def write_report(out: pathlib.Path, rows, s: Settings, model_cfg) -> None:
+def write_report(out: pathlib.Path, rows, s: Settings, model_cfg, tier_rows=(),
+                 chat: offline.Chat | None = None) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -242,6 +291,17 @@ def write_report(out: pathlib.Path, rows, s: Settings, model_cfg) -> None:
     lines.append(f"| {r['variant'].name} | {r['fit']} | {np.mean(r['frag']):.3f} | "
                  f"{r['step_ms']:.2f} | {r['hit']:.3f} | {r['agree']:.3f} | {r['err']:.4f} | "
                  f"{r['kv_bytes'] / 2**20:.1f} |")
+  if tier_rows:
+    ratio = tier_rows[0]["pool_ratio"]
+    lines += ["", f"## Host tier: {chat.conversations} chats x {chat.turns} turns, "
+              f"{chat.clients} clients, the final prompts' pages {ratio:.2f}x the device pool's",
+              "", "| variant | tier | hit rate device / host | saved | prefill | TTFT mean s | "
+              "TTFT median s | wall s | same |", "|---" * 9 + "|"]
+    for r in tier_rows:
+      lines.append(f"| {r['variant'].name} | {r['tier']} | {r['device_hit_rate']:.3f} / "
+                   f"{r['host_hit_rate']:.3f} | {r['saved_tokens']} | {r['prefill_tokens']} | "
+                   f"{r['ttft_mean_s']:.3f} | {r['ttft_median_s']:.3f} | {r['wall_s']:.1f} | "
+                   f"{'yes' if r['same'] else 'NO'} |")
   (out / "results.md").write_text("\n".join(lines) + "\n")
   fig, ax = plt.subplots(figsize=(8, 4))
   for r in rows:

@@ -46,7 +46,8 @@ def test_workload_mixes_lengths_and_shared_prefixes():
 
 def test_quick_ablation_writes_table_and_plots(tiny_checkpoint, tmp_path):
   out = tmp_path / "ablation"
-  rows = ablate.run(ablate.argparse.Namespace(quick=True, model=str(tiny_checkpoint), out=str(out)))
+  rows, tier_rows = ablate.run(ablate.argparse.Namespace(quick=True, model=str(tiny_checkpoint),
+                                                         out=str(out)))
   table = (out / "results.md").read_text()
   assert (out / "fragmentation.png").stat().st_size > 1000
   assert (out / "summary.png").stat().st_size > 1000
@@ -63,3 +64,11 @@ def test_quick_ablation_writes_table_and_plots(tiny_checkpoint, tmp_path):
   assert contiguous["hit"] == 0 and paged["hit"] > 0  # The workload shares prefixes.
   assert np.mean(contiguous["frag"]) > np.mean(paged["frag"])  # A slot holds max_len positions.
   assert contiguous["fit"] < paged["fit"] < by_name["token-major/16 int8"]["fit"]
+  # The host tier on the chat whose prefixes the device pool cannot hold: hits from host memory
+  # that the run without it recomputes, and the same greedy answers.
+  assert "## Host tier" in table
+  none, host = tier_rows
+  assert (none["tier"], host["tier"]) == ("none", "host") and none["pool_ratio"] >= 4
+  assert none["host_hit_rate"] == 0 == none["saved_tokens"] and host["host_hit_rate"] > 0
+  assert host["prefill_tokens"] == none["prefill_tokens"] - host["saved_tokens"]
+  assert host["same"] and host["ttft_mean_s"] > 0

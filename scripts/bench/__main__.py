@@ -12,6 +12,8 @@
   speculative  speculative decoding on vs off, each side in a fresh process, interleaved rounds
   step         this tree's engine against another source tree's (--old), each in a fresh process
   lora         the 64-request workload with 0, 1 and 8 LoRA adapters (rank 16), and one merged
+  offload      a multi-turn chat whose prefixes need 4x the device KV pool, with and without the
+               prefix cache's host tier (--kv-offload-gib), each in a fresh process
   peers        the 64-request workload on jaxserve, transformers and llama.cpp, side by side
   serving      load against a running `jaxserve serve` over gRPC: TTFT, TPOT, ITL, end-to-end
   structured   64 requests, half of them JSON-schema constrained, against none
@@ -34,6 +36,7 @@ from . import harness
 # sys.path before anything imports jaxserve.
 MODULES = {"decode": "decode", "prefill": "decode", "moe": "decode", "device": "decode",
            "quant": "offline", "speculative": "offline", "step": "offline", "lora": "offline",
+           "offload": "offline",
            "peers": "peers",
            "serving": "serving", "structured": "serving", "host": "serving"}
 
