@@ -66,16 +66,13 @@ def test_a_handoff_between_two_processes_gives_one_engines_tokens(kind, request,
   rng = np.random.default_rng(7)
   prompts = [[int(t) for t in rng.integers(5, 4000, n)] for n in (75, 101, 90)]
   want = reference(path, kv_dtype, prompts)  # Its programs then load from the compile cache.
-  # Both warm up at once: a server names its ports before it loads the model.
   prefill = ServerProcess(path, flags + ["--kv-role", "prefill"],
-                          tmp_path_factory.mktemp(f"prefill-{kind}"), wait=False)
+                          tmp_path_factory.mktemp(f"prefill-{kind}"))
   decode = None
   try:
     decode = ServerProcess(path, flags + ["--kv-role", "decode", "--kv-peer",
                                           prefill.grpc_address],
-                           tmp_path_factory.mktemp(f"decode-{kind}"), wait=False)
-    prefill.wait_healthy()
-    decode.wait_healthy()
+                           tmp_path_factory.mktemp(f"decode-{kind}"))
     assert answers(decode.grpc_address, prompts[:2]) == want[:2]
     full_pages = sum((len(p) - 1) // PAGE for p in prompts[:2])
     assert decode.metric("jaxserve:kv_transfers", outcome="ok") == 2
