@@ -7,6 +7,7 @@ import dataclasses
 import msgpack
 import pytest
 
+from jaxserve.batching import kv_handoff
 from jaxserve.batching.host_pages import HostHit
 from jaxserve.batching.kv_events import EventMirror, KVEventLog
 from jaxserve.batching.kv_pages import PageAllocator
@@ -173,3 +174,15 @@ def test_greedy_tokens_are_the_same_with_and_without_the_host_tier(kind, tiny_mo
   assert with_tier.num_prefill_tokens < without.num_prefill_tokens
   if kind == "gemma3-window-pages":
     assert with_tier.window_pages.host.num_used > 0
+
+
+def test_an_import_the_store_refuses_leaves_no_slot_that_could_be_found():
+  class Refusing:  # The engine's side of kv_handoff.PageStore, refusing a page's size.
+    def write(self, group, slots, pages):
+      raise ValueError("a page of group 0 is 8 bytes, got 3")
+
+  scheduler = runner(16).scheduler
+  tokens = list(range(1, 14))  # 3 full pages of 4 before the one holding the last token.
+  pages = [kv_handoff.Page(0, i, b"bad") for i in range(3)]
+  assert kv_handoff.import_prefix(scheduler, Refusing(), tokens, pages) == 0
+  assert scheduler.pages.host.num_used == 0 and scheduler.pools.match(tokens) == []

@@ -87,8 +87,9 @@ def import_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
                   pages: Sequence[Page], cache_salt: str | None = None,
                   lora: str | None = None) -> int:
   """Puts `pages` (of `token_ids`'s prefix) in the host tier of their pools, but those the
-  cache has already; returns how many it took. Nothing is held: a page evicted from the host
-  tier before the request is admitted is recomputed."""
+  cache has already; returns how many it took (none of a group with a page the store refuses:
+  a slot whose bytes were never written must not be found). Nothing is held: a page evicted
+  from the host tier before the request is admitted is recomputed."""
   pools = _pools(scheduler)
   by_index = {(p.group, p.index): p.data for p in pages}
   writes: dict[int, tuple[list[int], list[bytes]]] = {}
@@ -105,9 +106,15 @@ def import_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
       if slot is not None:
         slots.append(slot)
         blobs.append(data)
+  taken = 0
   for group, (slots, blobs) in writes.items():
-    store.write(group, slots, blobs)
-  return sum(len(s) for s, _ in writes.values())
+    try:
+      store.write(group, slots, blobs)
+      taken += len(slots)
+    except ValueError:  # A page of the wrong size: none of the group's is kept.
+      for slot in slots:
+        pools[group].host.drop(slot)
+  return taken
 
 
 def num_cached(scheduler: Scheduler, token_ids: Sequence[int], cache_salt: str | None = None,

@@ -247,13 +247,14 @@ class HostKV:
     return [b"".join(p[s].tobytes() for p in leaves) for s in slots]
 
   def write(self, group: int, slots: Sequence[int], pages: Sequence[bytes]) -> None:
-    """Sets slots' bytes; ValueError for a page of the wrong size."""
+    """Sets slots' bytes; ValueError, writing none, for a page of the wrong size."""
     self.land()
     leaves = jax.tree.leaves(self._groups[group][0])
     sizes = [p[0].nbytes for p in leaves]
-    for slot, data in zip(slots, pages):
+    for data in pages:  # All checked before any is written.
       if len(data) != sum(sizes):
         raise ValueError(f"a page of group {group} is {sum(sizes)} bytes, got {len(data)}")
+    for slot, data in zip(slots, pages):
       at = 0
       for p, size in zip(leaves, sizes):
         p[slot] = np.frombuffer(data, p.dtype, size // p.dtype.itemsize, at).reshape(p.shape[1:])
