@@ -215,3 +215,26 @@ def test_a_deeply_nested_grammar_compiles_in_the_gate_without_crashing(constrain
   grammar = ConstraintGate(constraints, timeout_s=300).compile("a", SamplingParams(constraint=deep))
   matcher = grammar.matcher(tokenizer.encode("x" * 64, add_bos=False))
   assert matcher.num_tokens > 0 and not matcher.error and not matcher.can_end
+
+
+def _compile_threads() -> set[threading.Thread]:
+  return {t for t in threading.enumerate() if t.name.startswith("constraint-compile")}
+
+
+def test_a_gate_holds_threads_only_while_it_compiles_and_they_end_with_it(constraints):
+  """A server test suite creates a gate per Service: its threads (256 MiB stacks each) must not
+  outlive it, nor start before a compile needs them."""
+  import gc
+
+  before = _compile_threads()
+  gate = ConstraintGate(constraints, num_threads=3)
+  assert _compile_threads() == before
+  for n, regex in enumerate(["[ij]", "[kl]x", "[mn]y"]):  # One at a time: one thread does.
+    gate.compile(f"k{n}", SamplingParams(constraint=Constraint.regex(regex)))
+  started = _compile_threads() - before
+  assert len(started) == 1
+  del gate
+  gc.collect()
+  for t in started:
+    t.join(timeout=10)
+  assert not any(t.is_alive() for t in started)

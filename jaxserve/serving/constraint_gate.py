@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import queue
 import threading
+import weakref
 
 from jaxserve.batching.constrained import Constraints
 from jaxserve.config import SamplingParams
@@ -120,29 +121,53 @@ class ConstraintGate:
 
 
 class _DeepStackPool:
-  """`num_threads` daemon threads with COMPILE_STACK_BYTES stacks, running submitted calls in
-  order (concurrent.futures' pool cannot set its threads' stack size)."""
+  """Up to `num_threads` daemon threads with COMPILE_STACK_BYTES stacks, running submitted calls
+  in order (concurrent.futures' pool cannot set its threads' stack size). A thread starts with
+  the call that finds every started one busy, so a gate that compiles nothing holds none; the
+  threads hold the queue, not the pool, and end when the pool is collected."""
 
   def __init__(self, num_threads: int):
     self._calls: queue.SimpleQueue = queue.SimpleQueue()
-    previous = threading.stack_size(COMPILE_STACK_BYTES)  # Read by each thread as it starts.
-    try:
-      for n in range(num_threads):
-        threading.Thread(target=self._work, name=f"constraint-compile-{n}", daemon=True).start()
-    finally:
-      threading.stack_size(previous)
+    self._num_threads, self._started, self._busy = num_threads, 0, 0
+    self._lock = threading.Lock()
+    weakref.finalize(self, _stop, self._calls, num_threads)
 
   def submit(self, fn, *args) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
+    with self._lock:
+      self._busy += 1
+      if self._busy > self._started < self._num_threads:
+        self._start_thread()
+    future.add_done_callback(self._done)
     self._calls.put((future, fn, args))
     return future
 
-  def _work(self) -> None:
-    while True:
-      future, fn, args = self._calls.get()
-      if not future.set_running_or_notify_cancel():  # Cancelled while it waited.
-        continue
-      try:
-        future.set_result(fn(*args))
-      except BaseException as e:  # pylint: disable=broad-except  (the caller gets it)
-        future.set_exception(e)
+  def _done(self, _) -> None:
+    with self._lock:
+      self._busy -= 1
+
+  def _start_thread(self) -> None:
+    previous = threading.stack_size(COMPILE_STACK_BYTES)  # Read by the thread as it starts.
+    try:
+      threading.Thread(target=_work, args=(self._calls,), daemon=True,
+                       name=f"constraint-compile-{self._started}").start()
+    finally:
+      threading.stack_size(previous)
+    self._started += 1
+
+
+def _work(calls: queue.SimpleQueue) -> None:
+  while (call := calls.get()) is not None:
+    future, fn, args = call
+    if not future.set_running_or_notify_cancel():  # Cancelled while it waited.
+      continue
+    try:
+      future.set_result(fn(*args))
+    except BaseException as e:  # pylint: disable=broad-except  (the caller gets it)
+      future.set_exception(e)
+    del future, fn, args, call  # Nothing of a call outlives it.
+
+
+def _stop(calls: queue.SimpleQueue, num_threads: int) -> None:
+  for _ in range(num_threads):  # One for each thread that may have started.
+    calls.put(None)
