@@ -3,7 +3,9 @@ tiny server per server-test module. What tests share that is not a fixture is in
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
 # libtpu (the test extra, for compiling to TPU here) takes a lock per process; tests and their
@@ -28,6 +30,33 @@ pytest_plugins = ("support.skip_allowlist",)  # --allowed-skips, which .ci/run p
 # another module or a server subprocess, loads them instead of compiling. A load still counts
 # as a compile in support.tiny.count_compiles, so no recompile goes unseen.
 enable_compilation_cache(EngineConfig.compilation_cache_dir)
+
+
+# XLA:CPU maps each compiled program's code and data into the process (about 2,800 mappings for a
+# tiny engine's warm-up), and Linux refuses a process more than vm.max_map_count (65,530 by
+# default): a run that kept every module's engines alive got there after ~990 tests, and XLA died
+# (SIGSEGV on CI, SIGABRT here). A module's engines go with it; past MAX_MAPS mappings the jit
+# caches go too (what later modules share then loads from the persistent cache).
+MAX_MAPS = 40_000
+
+
+def num_mappings() -> int:
+  with open("/proc/self/maps") as f:
+    return sum(1 for _ in f)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_modules_programs(request):
+  yield
+  if not sys.platform.startswith("linux"):
+    return
+  gc.collect()
+  if num_mappings() > MAX_MAPS:
+    jax.clear_caches()
+    gc.collect()
+  if os.environ.get("JAXSERVE_TEST_MAPS_LOG"):
+    with open(os.environ["JAXSERVE_TEST_MAPS_LOG"], "a") as f:
+      f.write(f"{request.module.__name__} {num_mappings()}\n")
 
 
 @pytest.fixture(scope="session")
