@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence, Union
 from jaxserve.batching.request import Completion
 from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, LoRARequest, SamplingParams, SchedulerConfig
-from jaxserve.engine import placement
+from jaxserve.engine import compiles, placement
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
 from jaxserve.loading import lora as lora_loading
@@ -122,6 +122,7 @@ class Loaded:
   # adapters served from the start, (name, path, adapter) each (`serve --lora-modules`).
   read_lora: Callable[[str], Any] | None = None
   lora_modules: tuple[tuple[str, str, Any], ...] = ()
+  num_compiles: Callable[[], int] | None = None  # The process's XLA compiles (engine/compiles).
 
 
 def load_engine(model: str | None, engine_config: EngineConfig,
@@ -140,7 +141,8 @@ def load_engine(model: str | None, engine_config: EngineConfig,
   engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids,
                   draft=load_draft(engine_config, model, transformer, tokenizer))
   engine.warmup()
-  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules)
+  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules,
+                compiles.num_compiles)
 
 
 def load_draft(engine_config: EngineConfig, model: str | None, transformer, tokenizer):

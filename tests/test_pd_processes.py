@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation between two OS processes: `jaxserve serve --kv-role prefill` and
 `jaxserve serve --kv-role decode --kv-peer ...`, for a plain engine, one with int8 KV and one
 with window pages (Gemma 3). The decode server's greedy tokens are those of one engine alone,
-its prompts' full pages came from the prefill server, neither side holds a page afterwards, and
-once the prefill server is killed the decode server still answers, recomputing."""
+its prompts' full pages came from the prefill server, neither side holds a page afterwards or
+compiled a program after its warm-up, and once the prefill server is killed the decode server
+still answers, recomputing."""
 
 from __future__ import annotations
 
@@ -73,16 +74,20 @@ def test_a_handoff_between_two_processes_gives_one_engines_tokens(kind, request,
     decode = ServerProcess(path, flags + ["--kv-role", "decode", "--kv-peer",
                                           prefill.grpc_address],
                            tmp_path_factory.mktemp(f"decode-{kind}"))
+    warm = {server: server.metric("jaxserve:xla_compiles") for server in (prefill, decode)}
+    assert all(warm.values())  # Each warm-up compiled (or loaded) its programs.
     assert answers(decode.grpc_address, prompts[:2]) == want[:2]
     full_pages = sum((len(p) - 1) // PAGE for p in prompts[:2])
     assert decode.metric("jaxserve:kv_transfers", outcome="ok") == 2
     assert decode.metric("jaxserve:prefix_cache_host_hits") == PAGE * full_pages
     for server in (prefill, decode):  # Nothing held: every page is free or only cached.
       assert server.metric("jaxserve:kv_cache_usage_perc") == 0
+      assert server.metric("jaxserve:xla_compiles") == warm[server]  # None after warm-up.
     prefill.stop()  # The decode server goes on alone, recomputing.
     assert answers(decode.grpc_address, prompts[2:]) == want[2:]
     assert decode.metric("jaxserve:kv_transfers", outcome="unavailable") == 1
     assert decode.metric("jaxserve:kv_cache_usage_perc") == 0
+    assert decode.metric("jaxserve:xla_compiles") == warm[decode]
   finally:
     prefill.stop()
     if decode is not None:

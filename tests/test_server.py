@@ -344,6 +344,8 @@ def test_metrics_show_the_request(stub, srv):
   assert after[("jaxserve:num_requests_waiting", ())] == 0
   assert after[("jaxserve:kv_cache_usage_perc", ())] == 0  # Cached pages are evictable: free.
   assert ("jaxserve:num_preemptions_total", ()) in after
+  assert before[("jaxserve:xla_compiles_total", ())] > 0  # The warm-up's.
+  assert delta("jaxserve:xla_compiles_total") == 0  # And none for a request.
 
 
 def test_the_log_line_breaks_down_the_wait_without_the_prompt(stub, caplog):

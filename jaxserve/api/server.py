@@ -267,7 +267,7 @@ class Server:
     gc.freeze()
     self._runner = AsyncRunner(runner, on_failure=self._engine_died)
     self._runner.start()
-    self.metrics.watch(runner.scheduler, loaded.model_name)
+    self.metrics.watch(runner.scheduler, loaded.model_name, loaded.num_compiles)
     self._pool = WorkPool(self.config.work_threads, self.config.work_queue)
     self.service = Service(self._runner, loaded.tokenizer, loaded.model_name, self.gateway,
                            self.metrics, self.config.log_prompts, self._pool,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import prometheus_client
 from absl import logging
@@ -108,9 +108,11 @@ class Metrics:
     self.kv_transfers = count("kv_transfers", "P/D handoffs from the prefill server, by outcome "
                               "(ok, or why pages were recomputed).", ("outcome",))
 
-  def watch(self, scheduler: Scheduler, model_name: str = "") -> None:
-    """Reads `scheduler` at each scrape, and serves every family again under vLLM's names."""
-    engine = _SchedulerCollector(scheduler)
+  def watch(self, scheduler: Scheduler, model_name: str = "",
+            num_compiles: Callable[[], int] | None = None) -> None:
+    """Reads `scheduler` (and `num_compiles()`, the process's XLA compiles) at each scrape, and
+    serves every family again under vLLM's names."""
+    engine = _SchedulerCollector(scheduler, num_compiles)
     self.registry.register(engine)
     pages = scheduler.pages
     self.registry.register(VllmCollector(
@@ -137,8 +139,8 @@ class _SchedulerCollector:
   """Engine state read at scrape time. The scheduler lives on the engine thread; these are
   single reads of ints and container lengths, which need no lock."""
 
-  def __init__(self, scheduler: Scheduler):
-    self._scheduler = scheduler
+  def __init__(self, scheduler: Scheduler, num_compiles: Callable[[], int] | None):
+    self._scheduler, self._num_compiles = scheduler, num_compiles
 
   def collect(self) -> Iterator:
     s = self._scheduler
@@ -157,6 +159,10 @@ class _SchedulerCollector:
                               value=pages.num_hit_tokens)
     yield CounterMetricFamily("jaxserve:num_preemptions", "Requests preempted.",
                               value=s.num_preemptions)
+    if self._num_compiles is not None:
+      yield CounterMetricFamily("jaxserve:xla_compiles", "XLA programs compiled (or loaded from "
+                                "the compilation cache); none after warm-up.",
+                                value=self._num_compiles())
     if pages.host is not None:
       yield CounterMetricFamily("jaxserve:prefix_cache_host_hits",
                                 "Prompt tokens found in the host tier.",
