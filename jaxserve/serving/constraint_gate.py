@@ -158,14 +158,17 @@ class _DeepStackPool:
 
 def _work(calls: queue.SimpleQueue) -> None:
   while (call := calls.get()) is not None:
-    future, fn, args = call
-    if not future.set_running_or_notify_cancel():  # Cancelled while it waited.
-      continue
-    try:
-      future.set_result(fn(*args))
-    except BaseException as e:  # pylint: disable=broad-except  (the caller gets it)
-      future.set_exception(e)
-    del future, fn, args, call  # Nothing of a call outlives it.
+    _run(*call)
+    del call  # Nothing of a call outlives it (its future's callback holds the pool).
+
+
+def _run(future: concurrent.futures.Future, fn, args) -> None:
+  if not future.set_running_or_notify_cancel():  # Cancelled while it waited.
+    return
+  try:
+    future.set_result(fn(*args))
+  except BaseException as e:  # pylint: disable=broad-except  (the caller gets it)
+    future.set_exception(e)
 
 
 def _stop(calls: queue.SimpleQueue, num_threads: int) -> None:
