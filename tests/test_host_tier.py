@@ -7,7 +7,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from jaxserve.batching import kv_handoff
+from jaxserve.batching import kv_events, kv_handoff
 from jaxserve.batching.host_pages import HostHit
 from jaxserve.batching.kv_events import EventMirror, KVEventLog
 from jaxserve.batching.kv_pages import PageAllocator
@@ -186,3 +186,26 @@ def test_an_import_the_store_refuses_leaves_no_slot_that_could_be_found():
   pages = [kv_handoff.Page(0, i, b"bad") for i in range(3)]
   assert kv_handoff.import_prefix(scheduler, Refusing(), tokens, pages) == 0
   assert scheduler.pages.host.num_used == 0 and scheduler.pools.match(tokens) == []
+
+
+def test_pages_a_decode_server_imports_are_events_with_the_hashes_a_router_computes():
+  class Store:  # The engine's side of kv_handoff.PageStore: takes every page.
+    def write(self, group, slots, pages):
+      pass
+
+  scheduler = runner(3).scheduler  # 3 host pages: the second prompt's import evicts one.
+  ops = []
+  scheduler.pages.events = KVEventLog(ops.extend)
+  first, second = list(range(1, 14)), list(range(50, 59))  # 3 and 2 full pages before the last.
+  for tokens in first, second:
+    pages = [kv_handoff.Page(0, i, b"") for i in range(len(tokens) // PAGE)]
+    assert kv_handoff.import_prefix(scheduler, Store(), tokens, pages, cache_salt="s") == (
+        len(tokens) - 1) // PAGE
+  scheduler.pages.events.flush()
+  events = EventMirror(page_size=PAGE).events(ops)
+  router = [kv_events.prompt_hashes(t, PAGE, cache_salt="s") for t in (first, second)]
+  stored = [e[1] for e in events if e[0] == "BlockStored"]
+  assert all(e[-1] == "CPU" for e in events), events
+  assert stored == [[h] for h in router[0][:3] + router[1][:2]], (stored, router)
+  removed = [h for e in events if e[0] == "BlockRemoved" for h in e[1]]
+  assert len(removed) == 2 and set(removed) <= set(router[0][:3]), removed

@@ -25,7 +25,9 @@ or the global layers' with window pages) are published: a window pool page is re
 beside its full page, so the full pool says what a router needs. The router's block size must be
 the engine's page size. With a host tier (host_pages.py) a page saved to host memory is a
 BlockStored of medium "CPU" (its parent is not sent: the host tier keeps no chains), and one
-evicted from there a BlockRemoved of medium "CPU", as vLLM's offloading connector reports them.
+evicted from there a BlockRemoved of medium "CPU", as vLLM's offloading connector reports them;
+a page a decode server takes from its prefill peer (kv_handoff.py) is a BlockStored of medium
+"CPU" too, hashed from the prompt it came with.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 MEDIUM = "GPU"  # vLLM's name for the accelerator's memory (llm-d's device tier "gpu").
 HOST_MEDIUM = "CPU"  # ...and for host memory, where its CPU offloading keeps blocks.
-_STORED, _DROPPED, _SAVED, _HOST_DROPPED = 0, 1, 2, 3
+_STORED, _DROPPED, _SAVED, _HOST_DROPPED, _ADOPTED = 0, 1, 2, 3, 4
 
 
 def cbor(value) -> bytes:
@@ -91,15 +93,21 @@ def external(h: bytes) -> int:
   return int.from_bytes(h[24:], "big")
 
 
-def prompt_hashes(token_ids: Sequence[int], page_size: int, seed: str = "",
-                  cache_salt: str | None = None) -> list[int]:
-  """The hashes of every full block of `token_ids`, as a router computes them for a prompt."""
-  parent, out = root_hash(seed), []
+def chain(root: bytes, token_ids: Sequence[int], page_size: int,
+          cache_salt: str | None = None) -> list[bytes]:
+  """The 32-byte hashes of every full block of `token_ids`, the first one's parent `root`."""
+  parent, out = root, []
   for i in range(len(token_ids) // page_size):
     parent = block_hash(parent, token_ids[i * page_size:(i + 1) * page_size],
                         cache_salt if i == 0 else None)
-    out.append(external(parent))
+    out.append(parent)
   return out
+
+
+def prompt_hashes(token_ids: Sequence[int], page_size: int, seed: str = "",
+                  cache_salt: str | None = None) -> list[int]:
+  """The hashes of every full block of `token_ids`, as a router computes them for a prompt."""
+  return [external(h) for h in chain(root_hash(seed), token_ids, page_size, cache_salt)]
 
 
 class KVEventLog:
@@ -123,6 +131,12 @@ class KVEventLog:
   def saved(self, page: int, slot: int) -> None:
     """Device `page`'s KV was saved to host `slot` (before the page is evicted)."""
     self._ops.append((_SAVED, page, slot))
+
+  def adopted(self, token_ids: Sequence[int], slots: Sequence[tuple[int, int]],
+              cache_salt: str | None) -> None:
+    """Host slots took pages of `token_ids`'s prefix from elsewhere (P/D: kv_handoff.py), as
+    (page index in the prompt, slot) pairs."""
+    self._ops.append((_ADOPTED, tuple(token_ids), tuple(slots), cache_salt))
 
   def host_dropped(self, slot: int) -> None:
     """Host `slot` lost its page: evicted from the host tier."""
@@ -164,10 +178,18 @@ class EventMirror:
           out.append(["BlockStored", [external(h)], parent_ext, list(tokens), self.page_size,
                       None, MEDIUM])
         last_stored = page
-      elif op[0] == _SAVED:
-        _, page, slot = op
-        self._host[slot] = h = self._hash[page]
-        out.append(["BlockStored", [external(h)], None, [], self.page_size, None, HOST_MEDIUM])
+      elif op[0] in (_SAVED, _ADOPTED):
+        if op[0] == _SAVED:
+          slots = [(op[2], self._hash[op[1]])]
+        else:
+          _, tokens, adopted, salt = op
+          hashes = chain(self._root, tokens[:(max(i for i, _ in adopted) + 1) * self.page_size],
+                         self.page_size, salt)
+          slots = [(slot, hashes[i]) for i, slot in adopted]
+        for slot, h in slots:
+          self._host[slot] = h
+          out.append(["BlockStored", [external(h)], None, [], self.page_size, None,
+                      HOST_MEDIUM])
         last_stored = None
       else:
         evicted, h, medium = True, self._host.pop(op[1], None), HOST_MEDIUM

@@ -92,28 +92,33 @@ def import_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
   from the host tier before the request is admitted is recomputed."""
   pools = _pools(scheduler)
   by_index = {(p.group, p.index): p.data for p in pages}
-  writes: dict[int, tuple[list[int], list[bytes]]] = {}
+  writes: dict[int, tuple[list[int], list[int], list[bytes]]] = {}
   for index, (key, tokens) in enumerate(prefix_keys(token_ids, scheduler.page_size,
                                                     cache_salt, lora)):
     for group, pool in enumerate(pools):
       data = by_index.get((group, index))
       if data is None or pool.host is None or pool.find_hit(key, tokens) is not None:
         continue
-      slots, blobs = writes.setdefault(group, ([], []))
+      indices, slots, blobs = writes.setdefault(group, ([], [], []))
       if len(slots) >= pool.host.num_slots:
         continue  # More would evict this prompt's own first pages.
       slot = pool.adopt(key, tokens)
       if slot is not None:
+        indices.append(index)
         slots.append(slot)
         blobs.append(data)
   taken = 0
-  for group, (slots, blobs) in writes.items():
+  for group, (indices, slots, blobs) in writes.items():
     try:
       store.write(group, slots, blobs)
-      taken += len(slots)
     except ValueError:  # A page of the wrong size: none of the group's is kept.
       for slot in slots:
         pools[group].host.drop(slot)
+      continue
+    taken += len(slots)
+    events = pools[group].events
+    if group == 0 and events is not None and slots:  # Routers index the KV pool's pages.
+      events.adopted(token_ids, list(zip(indices, slots)), cache_salt)
   return taken
 
 
