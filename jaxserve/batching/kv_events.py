@@ -179,14 +179,7 @@ class EventMirror:
                       None, MEDIUM])
         last_stored = page
       elif op[0] in (_SAVED, _ADOPTED):
-        if op[0] == _SAVED:
-          slots = [(op[2], self._hash[op[1]])]
-        else:
-          _, tokens, adopted, salt = op
-          hashes = chain(self._root, tokens[:(max(i for i, _ in adopted) + 1) * self.page_size],
-                         self.page_size, salt)
-          slots = [(slot, hashes[i]) for i, slot in adopted]
-        for slot, h in slots:
+        for slot, h in self._host_slots(op):
           self._host[slot] = h
           out.append(["BlockStored", [external(h)], None, [], self.page_size, None,
                       HOST_MEDIUM])
@@ -202,6 +195,16 @@ class EventMirror:
             out.append(["BlockRemoved", [external(h)], medium])
           last_stored = None
     return out
+
+
+  def _host_slots(self, op: tuple) -> list[tuple[int, bytes]]:
+    """The (host slot, block hash) pairs a save or an import (P/D) filled."""
+    if op[0] == _SAVED:
+      return [(op[2], self._hash[op[1]])]
+    _, tokens, adopted, salt = op
+    last = max(i for i, _ in adopted)
+    hashes = chain(self._root, tokens[:(last + 1) * self.page_size], self.page_size, salt)
+    return [(slot, hashes[i]) for i, slot in adopted]
 
 
 def batch(events: list[list], ts: float | None = None) -> list:
