@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import kernels_cpu
-from jaxserve.loading import gguf_blocks
+from jaxserve.loading import checkpoint, gguf_blocks
 from jaxserve.model import quant
 from kernels_cpu import library
 from kernels_cpu.reference import packed, qmatmul_reference, unpacked
@@ -209,7 +209,8 @@ def test_packed_for_kernel_packs_4_bit_layers_only():
 
 def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, caplog):
   """The library hidden (as on a machine that had no compiler at install): available() is False
-  with one log line, and quant.linear gives the same numbers through XLA."""
+  with one log line, `auto` keeps float weights, and quant.linear gives the same numbers through
+  XLA."""
   rng = np.random.default_rng(4)
   raw = blocks_of("Q8_0", 32, 64, rng)
   t = lambda a: np.ascontiguousarray(a.T)
@@ -223,6 +224,7 @@ def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, ca
       patch.setattr(library, "library_path", lambda: None)
       library.available.cache_clear()
       assert not kernels_cpu.available() and not kernels_cpu.available()
+      assert not checkpoint.blocks_are_faster("cpu")  # --quantization auto keeps float.
       graphdef, state = nnx.split(w)
       g = jax.jit(lambda state, x: f(nnx.merge(graphdef, state), x))
       assert "jaxserve_qmatmul" not in g.lower(state, x).as_text()

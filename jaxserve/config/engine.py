@@ -62,18 +62,18 @@ class Quantization(enum.Enum):
   AUTO = "auto"
 
 
-# Platforms where serving GGUF blocks was measured at least as fast as float: none yet
-# (docs/models.md, "Quantized weights"). On XLA:CPU a dot cannot read int8: each layer's weights
-# are dequantized into a float32 copy first, and the default model's decode step took 1.5x
-# float's time at 1 slot (BENCHMARKS.md, 2026-12-02). TPU and GPU are not measured yet.
-GGUF_FASTER_ON: tuple[str, ...] = ()
+def pick_quantization(mode: Quantization, has_blocks: bool, blocks_are_faster: bool
+                      ) -> Quantization:
+  """What `mode` means for a source (`has_blocks`: it stores quantized weights): AUTO is GGUF
+  where the step reads the blocks faster than float (`blocks_are_faster`: on one CPU with
+  kernels_cpu built, loading/checkpoint.py asks), else NONE; GGUF refused for a float source.
 
-
-def pick_quantization(mode: Quantization, has_blocks: bool, platform: str) -> Quantization:
-  """What `mode` means for a source (`has_blocks`: it stores quantized weights) on `platform`
-  (jax.default_backend()'s name): AUTO resolved, and GGUF refused for a float source."""
+  Measured (BENCHMARKS.md, "CPU kernels", 2026-12-03): with the kernels the default model's
+  decode step takes 0.43x / 0.89x / 0.92x float32's at 1 / 16 / 64 slots, and prefill 0.97x.
+  Without them XLA:CPU's dot reads float only (each layer's weights dequantized into a float32
+  copy first: 1.5x float's step at 1 slot); TPU and GPU are not measured yet."""
   if mode is Quantization.AUTO:
-    return Quantization.GGUF if has_blocks and platform in GGUF_FASTER_ON else Quantization.NONE
+    return Quantization.GGUF if has_blocks and blocks_are_faster else Quantization.NONE
   if mode is Quantization.GGUF and not has_blocks:
     raise ValueError("--quantization gguf needs a source that stores quantized blocks (a .gguf "
                      "file, a packaged model, or a checkpoint converted with --quantization "

@@ -68,15 +68,23 @@ def read_source(src, blocks: bool = False) -> tuple[ModelConfig, dict, Tokenizer
                           "checkpoint")
 
 
+def blocks_are_faster(platform: str) -> bool:
+  """Whether a step on `platform` reads quantized blocks faster than float weights: on one CPU
+  with kernels_cpu built (pick_quantization says what was measured)."""
+  with quant.lowering_for(platform):
+    return quant.reads_in_place()
+
+
 def read_quantized(src, mode: Quantization, platform: str
                    ) -> tuple[ModelConfig, dict, Tokenizer, Quantization]:
   """read_source with the weights in the form `mode` asks (pick_quantization: AUTO resolved for
   `platform`), and the mode it resolved to."""
   src = pathlib.Path(src)
   is_gguf = src.suffix == ".gguf"
-  wants_blocks = pick_quantization(mode, True, platform) is Quantization.GGUF
+  faster = blocks_are_faster(platform)
+  wants_blocks = pick_quantization(mode, True, faster) is Quantization.GGUF
   cfg, params, tokenizer = read_source(src, blocks=is_gguf and wants_blocks)
-  mode = pick_quantization(mode, is_gguf or quantize.is_quantized(params), platform)
+  mode = pick_quantization(mode, is_gguf or quantize.is_quantized(params), faster)
   if mode is Quantization.INT8:
     params = quantize.to_int8(params)
   elif mode is Quantization.NONE:
@@ -143,7 +151,8 @@ def load_model(model: str | None = None, dtype: str = "float32", mesh=None,
   """`mesh` (placement.mesh_for(engine_config)): each weight goes straight to its shards.
   `quantization`: how the weights are stored on the device (pick_quantization)."""
   platform = jax.default_backend()
-  wants_blocks = pick_quantization(quantization, True, platform) is Quantization.GGUF
+  wants_blocks = pick_quantization(quantization, True,
+                                   blocks_are_faster(platform)) is Quantization.GGUF
   if wants_blocks and (model is None or model in pull.PACKAGED_MODELS):
     src = pull.gguf_path(pull.PACKAGED_MODELS.get(model, pull.DEFAULT_MODEL))
   else:
