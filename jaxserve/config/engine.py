@@ -68,8 +68,8 @@ def pick_quantization(mode: Quantization, has_blocks: bool, blocks_are_faster: b
   where the step reads the blocks faster than float (`blocks_are_faster`: on one CPU with
   kernels_cpu built, loading/checkpoint.py asks), else NONE; GGUF refused for a float source.
 
-  Measured (BENCHMARKS.md, "CPU kernels", 2026-12-03): with the kernels the default model's
-  decode step takes 0.43x / 0.89x / 0.92x float32's at 1 / 16 / 64 slots, and prefill 0.97x.
+  Measured (BENCHMARKS.md, "CPU kernels", 2026-12-04): with the kernels the default model's
+  decode step takes 0.34x / 0.73x / 0.74x float32's at 1 / 16 / 64 slots, and prefill 1.00x.
   Without them XLA:CPU's dot reads float only (each layer's weights dequantized into a float32
   copy first: 1.5x float's step at 1 slot); TPU and GPU are not measured yet."""
   if mode is Quantization.AUTO:

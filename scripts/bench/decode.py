@@ -242,7 +242,7 @@ def main_decode(argv=None) -> None:
   """Decode step time, prefill throughput and the memory-bandwidth roofline, on the default model.
 
     python -m scripts.bench decode [--model NAME] [--batches 1,8,32] [--context 256] [--startup]
-        [--layers scan|unrolled] [--quantization none|gguf|int8]
+        [--layers scan|unrolled] [--quantization auto|none|gguf|int8]
     python -m scripts.bench decode --compare smollm2-135m-instruct,gemma-3-270m [--batches 1,8]
     python -m scripts.bench decode --batches 16,64 --sampling [--sampling-baseline OLD_SAMPLE_PY]
         [--sampling-only]
@@ -275,8 +275,9 @@ def main_decode(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tokens/s")
   parser.add_argument("--startup", action="store_true", help="also time cold and warm start-up")
-  parser.add_argument("--quantization", choices=("none", "gguf", "int8"), default="none",
-                      help="how the weights are stored (EngineConfig.quantization)")
+  parser.add_argument("--quantization", choices=("auto", "none", "gguf", "int8"), default="auto",
+                      help="how the weights are stored (EngineConfig.quantization; auto, the "
+                           "default, is gguf on a CPU with kernels_cpu built)")
   parser.add_argument("--layers", choices=("scan", "unrolled"), default="scan",
                       help="EngineConfig.unroll_layers False (the default) or True")
   parser.add_argument("--sampling", action="store_true",

@@ -110,6 +110,44 @@ def matmul_scan() -> None:
                                  for k, v in times.items()), flush=True)
 
 
+def kernel_scan(rows: list[int]) -> None:
+  """kernels_cpu's matmuls alone at the default model's shapes: 30 layers of Q4_1 (packed) q/k/v,
+  o, gate, up and down under one scan, then the Q8_0 tied head [49152, 576] (random values of
+  those types): the median of 200 runs at each M, and the bytes read a second."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import kernels_cpu
+  from kernels_cpu.reference import packed
+
+  L, D, F, V, G = 30, 576, 1536, 49152, 32
+  rng = np.random.default_rng(0)
+
+  def q4_1(K, N):
+    values = packed(rng.integers(0, 16, (L, K, N), dtype=np.int8), 1)
+    return tuple(jnp.asarray(a) for a in (values, rng.random((L, K // G, N), np.float32) / 100,
+                                          -rng.random((L, K // G, N), np.float32) / 100))
+
+  qkv, o, gate, up, down = q4_1(D, D + 2 * 192), q4_1(D, D), q4_1(D, F), q4_1(D, F), q4_1(F, D)
+  head = (jnp.asarray(rng.integers(-127, 128, (V, D), dtype=np.int8)),
+          jnp.asarray(rng.random((V, D // G), np.float32) / 100))
+
+  def layer(h, i):
+    mm = lambda x, w: kernels_cpu.qmatmul(x, *w, layer=i)
+    h = h + mm(mm(h, qkv)[:, :D], o)
+    return h + mm(mm(h, gate) * mm(h, up), down) / 1000, None
+
+  step = jax.jit(lambda h: kernels_cpu.qmatmul(jax.lax.scan(layer, h, jnp.arange(L))[0], *head,
+                                               nk=True))
+  nbytes = sum(a.nbytes for w in (qkv, o, gate, up, down, head) for a in w)
+  for m in rows:
+    x = jnp.asarray(rng.standard_normal((m, D), np.float32))
+    t = float(np.median(harness.timed(lambda: step(x).block_until_ready(), 200)))
+    print(f"M={m}: {1e3 * t:.2f} ms, {nbytes / t / 1e9:.1f} GB/s of {nbytes / 1e6:.0f} MB",
+          flush=True)
+
+
 def main_quant(argv=None) -> None:
   """Weight quantization on CPU: decode step time at 1, 16 and 64 slots and the 64-request
   workload, for --quantization none, gguf and int8 on the default model, each mode in its own
@@ -118,6 +156,7 @@ def main_quant(argv=None) -> None:
     python -m scripts.bench quant [--slots-list 1,16,64] [--steps 32] [--requests 64]
         [--layers scan|unrolled]
     python -m scripts.bench quant --matmul   # the layer scan behind `auto`'s choice
+    python -m scripts.bench quant --kernel 1,4,7   # kernels_cpu's matmuls alone, M rows
 
   A decode step's time is the difference of two runs through the offline API that differ only in
   output length (max_tokens `steps` and 2 * `steps`, ignore_eos, 8-token prompts), divided by
@@ -131,11 +170,16 @@ def main_quant(argv=None) -> None:
   p.add_argument("--requests", type=int, default=64)
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--matmul", action="store_true", help="only the layer scan, in this process")
+  p.add_argument("--kernel", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                 metavar="M,...", help="only kernels_cpu's matmuls at these rows, in this process")
   p.add_argument("--layers", choices=("scan", "unrolled"), default="scan",
                  help="EngineConfig.unroll_layers False (the default) or True")
   args = p.parse_args(argv)
   if args.matmul:
     matmul_scan()
+    return
+  if args.kernel:
+    kernel_scan(args.kernel)
     return
   if args.mode:
     print(json.dumps(measure(args.mode, args)))
