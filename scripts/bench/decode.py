@@ -195,7 +195,7 @@ def startup_seconds() -> tuple[float, float]:
 
 def measure(args) -> dict:
   """One model's figures, in this process."""
-  model, _ = checkpoint.load_model(args.model)
+  model, _ = checkpoint.load_model(args.model, quantization=Quantization(args.quantization))
   rows = []
   for batch in (int(b) for b in args.batches.split(",")):
     ms = decode_ms(model, batch, args.context, args.steps)
@@ -211,7 +211,8 @@ def compare(args) -> None:
     load = os.getloadavg()[0]
     out = harness.fresh("decode", ["--json", "--model", name, "--batches", args.batches,
                                    "--context", str(args.context), "--steps", str(args.steps),
-                                   "--prefill", str(args.prefill)])
+                                   "--prefill", str(args.prefill),
+                                   "--quantization", args.quantization])
     results.append({**out, "load": load})
   base = results[0]
   print("| model | load avg at start | " + " | ".join(
