@@ -143,7 +143,7 @@ Task TaskFor(int64_t isa, bool nk) {
 // finds none left and returns at once: the caller waits only for pieces already begun. The
 // caller counts as one of the pool's threads: with as many helpers as the pool has
 // threads, one more thread than cores ran, and a descheduled one held the whole call back (at
-// M = 1 on 2 cores, the layer matmuls' median 1.25x slower than with one helper fewer).
+// M = 1 on 2 cores, the kernel's matmuls about 1.2x slower than with one helper fewer).
 void ParallelFor(ffi::ThreadPool& pool, const Problem& p, Task task, int64_t total,
                  int64_t piece) {
   struct Shared {

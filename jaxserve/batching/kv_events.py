@@ -196,7 +196,6 @@ class EventMirror:
           last_stored = None
     return out
 
-
   def _host_slots(self, op: tuple) -> list[tuple[int, bytes]]:
     """The (host slot, block hash) pairs a save or an import (P/D) filled."""
     if op[0] == _SAVED:
