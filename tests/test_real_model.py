@@ -19,8 +19,9 @@ pytestmark = pytest.mark.real_model
 
 RAW = "What is a mortgage rate? A mortgage rate is"
 CHAT = [{"role": "user", "content": "What is a mortgage rate?"}]
-# The GGUF's own blocks (`auto` serves float since they measured slower on CPU): greedy tokens
-# equal transformers' on the same GGUF, and the logits the float model's, in this mode too. One
+# The GGUF's own blocks, as `auto` (the default) serves them on a CPU with kernels_cpu built
+# (named, so that without the library it is this mode still): greedy tokens equal transformers'
+# on the same GGUF, and the logits the float model's. One
 # prefill bucket: 6 programs to compile (a prompt past it is still prefilled in chunks); 16 slots
 # (95 usable pages hold 16 x 80 tokens), so `continuations` decodes its 32 sequences in 2 waves,
 # not 8: the same tokens (greedy decoding does not depend on the batch), in 0.43x the time.
