@@ -89,8 +89,9 @@ def add_quantization_flag(p: argparse.ArgumentParser) -> None:
   d = _default(EngineConfig, "quantization").value
   p.add_argument("--quantization", default=d, choices=[q.value for q in Quantization],
                  help="how weights are stored: none (float), int8 (per output channel, from any "
-                 "source), gguf (a GGUF source's own blocks), auto (gguf for a GGUF source where "
-                 f"it was measured faster: no platform yet; else none) (default {d})")
+                 "source), gguf (a GGUF source's own blocks), auto (gguf for a quantized source on "
+                 f"one CPU with the CPU kernels built, where it was measured faster; else none) "
+                 f"(default {d})")
 
 
 def add_window_flag(p: argparse.ArgumentParser) -> None:
