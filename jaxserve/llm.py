@@ -122,7 +122,7 @@ class Loaded:
   # adapters served from the start, (name, path, adapter) each (`serve --lora-modules`).
   read_lora: Callable[[str], Any] | None = None
   lora_modules: tuple[tuple[str, str, Any], ...] = ()
-  num_compiles: Callable[[], int] | None = None  # The process's XLA compiles (engine/compiles).
+  num_compiles: Callable[[], int] = compiles.num_compiles  # The process's XLA compiles.
 
 
 def load_engine(model: str | None, engine_config: EngineConfig,
@@ -141,8 +141,7 @@ def load_engine(model: str | None, engine_config: EngineConfig,
   engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids,
                   draft=load_draft(engine_config, model, transformer, tokenizer))
   engine.warmup()
-  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules,
-                compiles.num_compiles)
+  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules)
 
 
 def load_draft(engine_config: EngineConfig, model: str | None, transformer, tokenizer):

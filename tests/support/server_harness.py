@@ -22,7 +22,6 @@ from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
 from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine import compiles
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
 
@@ -100,7 +99,7 @@ class ServerThread:
 def serve(engine: Engine, tokenizer, name: str = "tiny", keys_file: str | None = None,
           **config) -> ServerThread:
   """A started server of `engine` on free ports; `config` holds other ServerConfig fields."""
-  loaded = llm.Loaded(engine, tokenizer, name, num_compiles=compiles.num_compiles)
+  loaded = llm.Loaded(engine, tokenizer, name)
   cfg = server.ServerConfig(grpc_port=0, http_port=0, keys_file=keys_file, **config)
   return ServerThread(server.Server(lambda: loaded, cfg)).start()
 
