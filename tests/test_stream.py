@@ -1,6 +1,8 @@
 """The asyncio streaming API over a runner stepping on a background thread."""
 
 import asyncio
+import random
+import time
 
 import pytest
 
@@ -142,3 +144,39 @@ def test_an_engine_error_reaches_every_open_stream():
       arunner.stop()
 
   assert asyncio.run(main()) == 2
+
+
+def test_engine_calls_whose_callers_are_cancelled_never_reach_the_loop():
+  """200 on_engine calls, each cancelled 0-2 ms after it was made, while two streams run: a call
+  cancelled before the engine thread takes it never runs, one it took runs once to its end, and
+  the engine loop serves on (each stream's tokens are the reference's)."""
+  ran, returned = [], []
+
+  def call(i):
+    ran.append(i)
+    time.sleep(0.0002)  # Long enough for some cancels to land while it runs.
+    if i % 7 == 0:
+      raise ValueError("the caller's own error")
+    return i
+
+  async def one(ar, i, delay_s):
+    task = asyncio.ensure_future(ar.on_engine(lambda: call(i)))
+    await asyncio.sleep(delay_s)
+    task.cancel()
+    try:
+      returned.append(await task)
+    except (asyncio.CancelledError, ValueError):
+      pass
+
+  async def test(ar):
+    streams = [ar.submit([1, 2, 3], greedy(60)), ar.submit([5], greedy(60))]
+    rng = random.Random(0)
+    await asyncio.gather(*(one(ar, i, rng.uniform(0, 0.002)) for i in range(200)))
+    after = ar.submit([9], greedy(5))
+    return await asyncio.gather(*(collect(s) for s in [*streams, after]))
+
+  outs = serve(test, engine=MockEngine(num_slots=2, num_pages=64, next_token=weighted_sum))
+  for prompt, n, got in zip(([1, 2, 3], [5], [9]), (60, 60, 5), outs):
+    assert [t for o in got for t in o.token_ids] == reference_generate(prompt, n, weighted_sum)
+  assert len(ran) == len(set(ran)) and set(returned) <= set(ran)
+  assert 0 < len(ran) < 200  # Some ran, some were cancelled before the engine thread took them.

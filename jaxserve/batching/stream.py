@@ -123,17 +123,26 @@ class AsyncRunner:
 
   async def on_engine(self, fn: Callable[[], Any]) -> Any:
     """fn() on the engine thread, between two steps (what changes the runner's state, such as
-    adding an adapter): its result, or its exception raised here."""
+    adding an adapter): its result, or its exception raised here.
+
+    Nothing a caller does reaches the engine loop: a caller cancelled before the engine thread
+    takes the call leaves it undone (fn never runs); once fn has started it runs to its end
+    (whoever must see its effect, serving/adapters.py, shields its await), and neither its
+    exception nor a caller gone by then touches the loop."""
     if self._error is not None:
       raise EngineDead("the engine loop failed") from self._error
     done: concurrent.futures.Future = concurrent.futures.Future()
     self._calls.add(done)
 
     def run(_):
+      if not done.set_running_or_notify_cancel():
+        return  # The caller left first: undone.
       try:
-        done.set_result(fn())
+        result = fn()
       except Exception as e:  # pylint: disable=broad-except  (the caller's to handle)
         done.set_exception(e)
+      else:
+        done.set_result(result)  # A running future cannot be cancelled: this cannot raise.
     self._inbox.put((run, None))
     try:
       return await asyncio.wrap_future(done)
