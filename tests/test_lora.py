@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from jaxserve.batching.request import RequestRejected
 from jaxserve.batching.runner import Runner
@@ -342,3 +344,71 @@ def test_llm_generate_takes_lora_requests_as_vllms(default_model, tmp_path):
   assert llm.remove_lora(1) and llm.list_loras() == {2}
   with pytest.raises(ValueError, match="need enable_lora"):
     lora_config(EngineConfig(), False, 2, None)
+
+
+def test_non_finite_adapters_are_refused_by_tensor_and_scaling(base):
+  """A NaN in one lora_B, an Inf in one lora_A, and an infinite lora_alpha: each refused, naming
+  what is not finite."""
+  hf, cfg, root = base
+  lora, _ = make_adapters(hf, root, [("nan", dict(r=4, target_modules=["q_proj"]))])["nan"]
+  folder = root / "nan"
+  tensors = safetensors.numpy.load_file(folder / "adapter_model.safetensors")
+  for part, value in (("lora_B", np.nan), ("lora_A", np.inf)):
+    bad = {k: v.copy() for k, v in tensors.items()}
+    name = next(k for k in sorted(bad) if part in k)
+    bad[name][0, 0] = value
+    safetensors.numpy.save_file(bad, folder / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=f"tensor {re.escape(name)} holds NaN or Inf"):
+      load_adapter(folder, cfg, 8)
+  safetensors.numpy.save_file(tensors, folder / "adapter_model.safetensors")
+  config = json.loads((folder / "adapter_config.json").read_text())
+  (folder / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("inf")}))
+  with pytest.raises(ValueError, match="lora_alpha must be a finite number"):
+    load_adapter(folder, cfg, 8)
+
+
+def test_a_non_finite_slot_leaves_base_rows_and_other_adapters_exact(setup, checked):
+  """a2's host copy forced to hold a NaN in B (past the loader's check) and slot 2's A forced to
+  NaN on the device: base rows and a1's rows batched with them still equal peft's; unloading an
+  adapter zeros its slot."""
+  hf, adapters, engine, cfg = setup
+  runner = checked(runner_of(engine, {k: adapters[k] for k in ("a1", "a2")}, cfg))
+  a1, a2 = adapters["a1"][0], adapters["a2"][0]
+  copies = engine.loras._copies[engine.loras._key_of[a2.lora_int_id]][0]
+  copies["wq"][1][0, 0, 0] = np.nan
+  prompts = [[5, 9, 2, 7, 1, 3], [8, 8, 1, 4], [2, 6, 6]]
+  jobs = [(prompts[0], None), (prompts[1], "a1"), (prompts[2], "a2")]
+  with count_compiles() as counts:
+    out = runner.generate([(p, GREEDY, n and adapters[n][0]) for p, n in jobs])
+  slot = runner.scheduler.loras.slot_of(a2.lora_int_id)
+  weights = engine.loras.weights  # Committed as the steps want them: .at[] keeps that.
+  poisoned = {t: x.at[:, slot].set(np.nan) for t, x in weights.a.items()}
+  engine.loras.weights = dataclasses.replace(weights, a=poisoned)
+  with count_compiles() as more:
+    again = runner.generate([(p, GREEDY, n and adapters[n][0]) for p, n in jobs])
+    assert runner.remove_lora(a2.lora_int_id)
+  assert counts == more == {"trace": 0, "compile": 0}
+  check(out[:2], jobs[:2], hf, adapters)
+  check(again[:2], jobs[:2], hf, adapters)
+  for x in (*engine.loras.weights.a.values(), *engine.loras.weights.b.values()):
+    assert not np.asarray(x[:, slot]).any()  # Zeros, NaN gone.
+  assert runner.remove_lora(a1.lora_int_id)
+
+
+def test_one_host_copy_per_adapter_content_at_its_own_rank(setup):
+  """The same folder under two names is one host copy, kept at the adapter's rank (a3: 4, the
+  slots' 16), and goes when its last name does."""
+  hf, adapters, engine, cfg = setup
+  a3 = adapters["a3"][0]
+  twin = LoRARequest("a3-twin", 9, a3.lora_path)
+  runner = Runner(engine, MockTokenizer())
+  before = engine.loras.num_host_copies
+  for lora in (a3, twin):
+    runner.add_lora(lora, load_adapter(lora.lora_path, cfg, ENGINE.max_lora_rank))
+  assert engine.loras.num_host_copies == before + 1
+  a, b = next(iter(engine.loras._copies[engine.loras._key_of[9]][0].values()))
+  assert a.shape[-1] == b.shape[-2] == 4
+  runner.remove_lora(a3.lora_int_id)
+  assert engine.loras.num_host_copies == before + 1
+  runner.remove_lora(9)
+  assert engine.loras.num_host_copies == before

@@ -163,6 +163,7 @@ class Engine(Protocol):
     """Keeps a host copy of adapter `lora_id` (loading.lora.LoraAdapter) for plans to load."""
     ...
 
-  def remove_lora(self, lora_id: int) -> None:
-    """Drops the host copy; no plan loads it again until it is added again."""
+  def remove_lora(self, lora_id: int, slot: int | None = None) -> None:
+    """Drops the host copy, and zeros `slot`, the device slot it was in (None: none); no plan
+    loads it again until it is added again."""
     ...

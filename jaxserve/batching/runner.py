@@ -149,8 +149,9 @@ class Runner:
              if r.lora is not None and r.lora.lora_int_id == lora_id]
     if users:
       raise ValueError(f"LoRA adapter id {lora_id} is in use by {len(users)} requests")
+    slot = self.scheduler.loras.slot_of(lora_id)
     self.scheduler.loras.forget(lora_id)
-    self.engine.remove_lora(lora_id)
+    self.engine.remove_lora(lora_id, slot)
     del self.loras[lora_id]
     return True
 

@@ -86,8 +86,8 @@ class LoraConfig:
     r, alpha = d.get("r"), d.get("lora_alpha", d.get("r"))
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
       raise ValueError(f"{source}: r must be an int >= 1, got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-      raise ValueError(f"{source}: lora_alpha must be a number, got {alpha!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+      raise ValueError(f"{source}: lora_alpha must be a finite number, got {alpha!r}")
     targets = d.get("target_modules")
     if isinstance(targets, str):  # A regex over module paths: the tensors say what it matched.
       targets = None

@@ -60,27 +60,49 @@ class DeviceLoras:
     create = lambda: lora.LoraWeights.create(cfg, config.max_loras + 1, self.rank, self.dtype)
     self.weights = jax.jit(create, out_shardings=place)()
     self._write = jax.jit(lora.write, donate_argnums=0, out_shardings=place)
-    self._host: dict[int, tuple[dict, dict]] = {}
+    # Host copies at each adapter's own rank, one per content (the same files under two names
+    # are one copy): adapter id -> its content's key -> (its targets' (A, B), its users).
+    self._key_of: dict[int, str] = {}
+    self._copies: dict[str, tuple[dict, set[int]]] = {}
 
   def add(self, lora_id: int, adapter) -> None:
-    """adapter: loading.lora.LoraAdapter; padded to the slots' rank, in the engine's dtype."""
+    """adapter: loading.lora.LoraAdapter, kept at its rank in the engine's dtype."""
     if adapter.rank > self.rank:
       raise ValueError(f"a LoRA adapter of rank {adapter.rank}: max_lora_rank is {self.rank}")
+    key = adapter.digest or f"id {lora_id}"
+    if key not in self._copies:
+      self._copies[key] = ({t: (a.astype(self.dtype), b.astype(self.dtype))
+                            for t, (a, b) in adapter.weights.items()}, set())
+    self._copies[key][1].add(lora_id)
+    self._key_of[lora_id] = key
+
+  def remove(self, lora_id: int, slot: int | None = None) -> None:
+    """Forgets adapter `lora_id`'s host copy (the last user's drops it) and zeros `slot`, the
+    device slot it was in (None: in none), so nothing of it stays on the device."""
+    key = self._key_of.pop(lora_id, None)
+    if key is not None:
+      users = self._copies[key][1]
+      users.discard(lora_id)
+      if not users:
+        del self._copies[key]
+    if slot is not None:
+      self.weights = self._write(self.weights, np.int32(slot), *self._zeros())
+
+  @property
+  def num_host_copies(self) -> int:
+    return len(self._copies)
+
+  def load(self, slot: int, lora_id: int) -> None:
+    """Writes adapter `lora_id`'s host copy into `slot` (after every step dispatched so far),
+    zero-padded to the slots' rank."""
+    if lora_id not in self._key_of:
+      raise ValueError(f"LoRA adapter id {lora_id} was not added to the engine")
     a, b = self._zeros()
-    for target, (a_LIr, b_LrO) in adapter.weights.items():
+    for target, (a_LIr, b_LrO) in self._copies[self._key_of[lora_id]][0].items():
       r = a_LIr.shape[-1]
       a[target][..., :r] = a_LIr
       b[target][:, :r] = b_LrO
-    self._host[lora_id] = (a, b)
-
-  def remove(self, lora_id: int) -> None:
-    self._host.pop(lora_id, None)
-
-  def load(self, slot: int, lora_id: int) -> None:
-    """Writes adapter `lora_id`'s host copy into `slot` (after every step dispatched so far)."""
-    if lora_id not in self._host:
-      raise ValueError(f"LoRA adapter id {lora_id} was not added to the engine")
-    self.weights = self._write(self.weights, np.int32(slot), *self._host[lora_id])
+    self.weights = self._write(self.weights, np.int32(slot), a, b)
 
   def warmup(self) -> None:
     """Compiles the write (zeros into slot 0, which holds zeros)."""

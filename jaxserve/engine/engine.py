@@ -256,9 +256,10 @@ class Engine:
       raise ValueError("LoRA is off: build the engine with EngineConfig(max_loras=N)")
     self.loras.add(lora_id, adapter)
 
-  def remove_lora(self, lora_id: int) -> None:
+  def remove_lora(self, lora_id: int, slot: int | None = None) -> None:
+    """Forgets adapter `lora_id`; zeros the device slot it was in (`slot`, None: none)."""
     if self.loras is not None:
-      self.loras.remove(lora_id)
+      self.loras.remove(lora_id, slot)
 
   def warmup(self) -> None:
     """Compiles every program of the assembly (each step shape, and the scoring variant of the

@@ -10,6 +10,7 @@ a ValueError naming it; nothing here touches a device.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 import re
@@ -28,10 +29,13 @@ _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.
 @dataclasses.dataclass(frozen=True)
 class LoraAdapter:
   """One adapter's weights on the host: target (our weight name) -> (A [L, I, r], B [L, r, O])
-  float32, B times the scaling. Targets the adapter does not have are absent."""
+  float32, B times the scaling. Targets the adapter does not have are absent. `digest`: the
+  sha256 of its two files, which names its content (two folders of the same files share one
+  host copy in the engine)."""
 
   config: LoraConfig
   weights: dict[str, tuple[np.ndarray, np.ndarray]]
+  digest: str = ""
 
   @property
   def rank(self) -> int:
@@ -46,6 +50,7 @@ def load_adapter(path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
     raise ValueError(f"LoRA adapter {path}: rank {config.r} is more than max_lora_rank "
                      f"{max_rank}")
   tensors = _read_tensors(path)
+  _check_finite(tensors, path)
   found = _by_target(tensors, path, cfg.num_layers)
   dims = target_dims(cfg)
   weights = {}
@@ -56,8 +61,26 @@ def load_adapter(path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
     for i, pair in layers.items():
       a_rI, b_Or = _checked(pair, (I, O), config.r, f"{path}: layer {i} {target}")
       a[i], b[i] = a_rI.T, b_Or.T * config.scaling
+      if not np.isfinite(b[i]).all():
+        raise ValueError(f"LoRA adapter {path}: layer {i} {target}'s lora_B times the scaling "
+                         f"{config.scaling:g} is not finite in float32")
     weights[target] = (a, b)
-  return LoraAdapter(config, weights)
+  return LoraAdapter(config, weights, _digest(path))
+
+
+def _digest(path: pathlib.Path) -> str:
+  h = hashlib.sha256()
+  for name in (CONFIG, WEIGHTS):
+    h.update((path / name).read_bytes())
+  return h.hexdigest()
+
+
+def _check_finite(tensors: dict[str, np.ndarray], path) -> None:
+  """A NaN or Inf in any tensor is refused by the tensor's name: one would reach every row of
+  every step it runs in."""
+  for key, value in tensors.items():
+    if not np.isfinite(np.asarray(value, np.float32)).all():
+      raise ValueError(f"LoRA adapter {path}: tensor {key} holds NaN or Inf values")
 
 
 def read_config(path: pathlib.Path) -> LoraConfig:

@@ -9,8 +9,11 @@ adapter is written into a slot by `write`, the slot a traced index: loading, swa
 evicting one compiles nothing.
 
 The delta of a step's T tokens: x [T, I] times every slot's A ([T, Sl, R]: T * Sl * I * R
-multiply-adds, small while slots are few), each token's own slot kept by a one-hot mask, then one
-dot over (Sl, R) against the stacked B, so no [T, I, R] copy of anyone's A is gathered. A grouped
+multiply-adds, small while slots are few), each token's own slot selected by a one-hot mask, then
+one dot over (Sl, R) against the stacked B, so no [T, I, R] copy of anyone's A is gathered. That
+dot multiplies every slot's B (by zero where a token's slot is another), so no slot may hold a
+non-finite value: the loader refuses them, `write` zeros an adapter that has one, and an unloaded
+adapter's slot is zeroed (engine/adapters.py). A grouped
 matmul (jax.lax.ragged_dot over the tokens sorted by slot, as moe.py runs the experts) costs
 less past a few slots; not measured yet.
 """
@@ -45,9 +48,12 @@ class LoraWeights:
 
 def write(weights: LoraWeights, slot, a: dict, b: dict) -> LoraWeights:
   """`weights` with slot `slot` (an int32 scalar, traced) holding a [L, I, R] and b [L, R, O]
-  per target (every target: zeros where the adapter has none)."""
-  put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new[:, None].astype(x.dtype),
-                                                           slot, axis=1)
+  per target (every target: zeros where the adapter has none). An adapter with any NaN or Inf
+  (which the loader refuses) is written as zeros: the slot's B meets every token's row in the
+  delta's contraction, where 0 * NaN would be NaN."""
+  finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in [*a.values(), *b.values()]]))
+  put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(
+      x, jnp.where(finite, new, 0)[:, None].astype(x.dtype), slot, axis=1)
   return LoraWeights({t: put(x, a[t]) for t, x in weights.a.items()},
                      {t: put(x, b[t]) for t, x in weights.b.items()})
 
@@ -75,7 +81,9 @@ class LoraRows:
     each token's adapter's x @ A @ B."""
     a_SIR, b_SRO = self.weights.a[target], self.weights.b[target]
     x_TI = x.reshape(-1, a_SIR.shape[1]).astype(a_SIR.dtype)
-    xa_TSR = jnp.einsum("ti,sir->tsr", x_TI, a_SIR) * self.onehot[:, :, None]
+    # Selected, not multiplied, by the mask: another slot's NaN or Inf in x @ A stays out of
+    # this token's row (0 * NaN is NaN).
+    xa_TSR = jnp.where(self.onehot[:, :, None] > 0, jnp.einsum("ti,sir->tsr", x_TI, a_SIR), 0)
     return jnp.einsum("tsr,sro->to", xa_TSR, b_SRO)
 
   def add(self, target: str, x, y):
