@@ -79,6 +79,17 @@ def test_serve_takes_vllms_lora_flags(capsys):
   config = flags.engine_config(args, "cpu")
   assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (4, 32, 8)
   assert flags.engine_config(parse("--enable-lora"), "cpu").max_loras == 1  # vLLM's default.
+  # Host copies: vLLM's default (max_loras), or enough for every --lora-modules adapter.
+  assert flags.engine_config(parse("--enable-lora", "--max-loras", "2"), "cpu").max_cpu_loras == 2
+  three = parse("--enable-lora", "--lora-modules", "a=/a", "b=/b", "c=/c")
+  assert flags.engine_config(three, "cpu").max_cpu_loras == 3
+  # Run-time loads: off unless asked, and then only from under --lora-root.
+  server_config = lambda *extra: cli._server_config(parse("--enable-lora", *extra))
+  assert server_config("--lora-root", "/x").runtime_lora_roots is None
+  on = server_config("--enable-runtime-lora-updates", "--lora-root", "/x", "--lora-root", "/y")
+  assert on.runtime_lora_roots == ("/x", "/y")
+  with pytest.raises(ValueError, match=r"need at least one directory .* \(--lora-root DIR\)"):
+    server_config("--enable-runtime-lora-updates")
   assert flags.engine_config(parse(), "cpu").max_loras == 0
   with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
     flags.engine_config(parse("--lora-modules", "a=/tmp/a"), "cpu")

@@ -7,7 +7,11 @@ request alone (a tiny random Llama with the default model's tokenizer, adapters 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import random
+import shutil
 import threading
 
 import grpc
@@ -19,6 +23,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.llm import Loaded, lora_reader
 from jaxserve.loading import checkpoint
+from jaxserve.serving.adapters import Adapters
+from jaxserve.serving.gateway import ANONYMOUS, ApiError, ApiKey, Gateway, Status
 from jaxserve.serving.requests import Prompt
 from support import hf_tiny
 from support import server_harness as h
@@ -53,7 +59,8 @@ def served(default_model, tmp_path_factory):
   a1 = adapters["a1"][0].lora_path
   loaded = Loaded(engine, tokenizer, "tiny-base", read, (("a1", a1, read(a1)),))
   keys = h.write_keys(root / "keys.json")
-  cfg = h.server.ServerConfig(grpc_port=0, http_port=0, keys_file=keys)
+  cfg = h.server.ServerConfig(grpc_port=0, http_port=0, keys_file=keys,
+                              runtime_lora_roots=(str(root),))
   st = h.ServerThread(h.server.Server(lambda: loaded, cfg)).start()
   yield st, {name: peft_model for name, (_, peft_model) in adapters.items()}, hf, root
   st.close()
@@ -71,8 +78,11 @@ def test_models_lists_the_base_and_its_adapters(served):
   st, _, _, root = served
   listed = {m.id: m for m in client(st).models.list().data}
   assert set(listed) == {"tiny-base", "a1"}
-  status, card = call(st, "/v1/models/a1")
+  status, card = call(st, "/v1/models/a1", key="ops")
   assert status == 200 and card["parent"] == "tiny-base" and card["root"] == str(root / "a1")
+  status, card = call(st, "/v1/models/a1")  # Not an admin: the server's paths are not shown.
+  assert status == 200 and card["root"] == "a1" and str(root) not in json.dumps(
+      call(st, "/v1/models")[1])
   status, body = call(st, "/v1/models/nope")
   assert status == 404 and "'a1'" in body["error"]["message"]
 
@@ -100,16 +110,29 @@ def test_grpc_names_the_adapter_in_model(served):
   assert tokens == reference(peft_models["a1"], ids)[0]
 
 
-def test_load_and_unload_behind_the_key_with_refusals_by_name(served, tmp_path):
+def test_load_and_unload_behind_the_admin_key_with_refusals_by_name(served, tmp_path):
+  """Loads and unloads are an admin key's (others 403, no key 401); folders outside the LoRA
+  root, a link out of it and a missing folder get the same 404; then a2 loads, serves in turn
+  with a1 in one slot, and unloads, compiling nothing."""
   st, peft_models, _, root = served
   a2 = {"lora_name": "a2", "lora_path": str(root / "a2")}
-  load = lambda body, key="alice": call(st, "/v1/load_lora_adapter", body, "POST", key=key)
-  unload = lambda body, key="alice": call(st, "/v1/unload_lora_adapter", body, "POST", key=key)
+  load = lambda body, key="ops": call(st, "/v1/load_lora_adapter", body, "POST", key=key)
+  unload = lambda body, key="ops": call(st, "/v1/unload_lora_adapter", body, "POST", key=key)
   assert load(a2, key=None)[0] == 401 and unload({"lora_name": "a1"}, key="sk-wrong")[0] == 401
-  (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 8}))
-  (tmp_path / "adapter_model.safetensors").write_bytes(b"not safetensors")
-  refusals = [(load({"lora_name": "x", "lora_path": str(tmp_path / "none")}), 404, "no folder"),
-              (load({"lora_name": "x", "lora_path": str(tmp_path)}), 400, "safetensors"),
+  for status, body in (load(a2, key="alice"), unload({"lora_name": "a1"}, key="alice")):
+    assert status == 403 and "admin key" in body["error"]["message"]
+  corrupt = root / "corrupt"
+  corrupt.mkdir(exist_ok=True)
+  (corrupt / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 8}))
+  (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors")
+  outside = shutil.copytree(root / "a2", tmp_path / "a2-copy")
+  (root / "link").unlink(missing_ok=True)
+  (root / "link").symlink_to(outside)
+  hidden = [load({"lora_name": "x", "lora_path": str(path)})
+            for path in (root / "none", outside, root / "link", root / "a2" / ".." / "..")]
+  assert {(status, body["error"]["message"].split("folder ")[0]) for status, body in hidden} == {
+      (404, "LoRA adapter 'x': no adapter ")}  # Missing or not allowed: the same answer.
+  refusals = [(load({"lora_name": "x", "lora_path": str(corrupt)}), 400, "safetensors"),
               (load({"lora_name": "a1", "lora_path": a2["lora_path"]}), 400, "already"),
               (load({"lora_name": "x"}), 400, "lora_path"),
               (unload({"lora_name": "nope"}), 404, "not loaded")]
@@ -131,6 +154,87 @@ def test_load_and_unload_behind_the_key_with_refusals_by_name(served, tmp_path):
   assert {m.id for m in client(st).models.list().data} == {"tiny-base", "a1"}
 
 
+def test_loads_and_unloads_cancelled_at_any_point_leave_every_state_consistent(served):
+  """60 loads and unloads of one folder under six names, each cancelled 0-30 ms after it began,
+  while a1 streams: the stream is peft's, and afterwards the names served are exactly the
+  engine's adapters; each can be unloaded."""
+  st, peft_models, _, root = served
+  service = st.server.service
+  runner = service.runner
+  work = lambda fn, *args: asyncio.get_running_loop().run_in_executor(None, fn, *args)
+  rng = random.Random(0)
+
+  async def one(i):
+    name = f"c{i % 6}"
+    op = (service.adapters.load(name, str(root / "a2"), work, True) if i % 2 == 0 else
+          service.adapters.unload(name, True))
+    task = asyncio.ensure_future(op)
+    await asyncio.sleep(rng.uniform(0, 0.03))
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+      await task
+
+  async def storm():
+    await asyncio.gather(*(one(i) for i in range(60)))
+    await asyncio.sleep(0.5)  # Shielded loads and unloads finish.
+    engine_side = await runner.on_engine(lambda: sorted(l.lora_name for l in
+                                                        runner.runner.loras.values()))
+    return engine_side, sorted(a.lora_name for a in service.adapters.served())
+
+  ids = chat_ids(st)
+  stream = client(st).chat.completions.create(model="a1", messages=CHAT, max_tokens=N,
+                                              temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+  engine_side, served_names = asyncio.run_coroutine_threadsafe(storm(), st.loop).result(60)
+  text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+  assert text == expected_text(st, peft_models["a1"], ids)
+  assert engine_side == served_names and "a1" in served_names
+  for name in set(served_names) - {"a1"}:
+    asyncio.run_coroutine_threadsafe(service.adapters.unload(name, True), st.loop).result(60)
+  assert [m.id for m in client(st).models.list().data] == ["tiny-base", "a1"]
+  assert service.refusing is None
+
+
+@pytest.mark.parametrize("op", ["add_lora", "remove_lora"])
+def test_a_load_or_unload_whose_caller_leaves_while_the_engine_runs_it_completes(served, op,
+                                                                               monkeypatch):
+  """The caller cancelled while the engine thread is inside the add (or remove): it completes,
+  and the served names say so."""
+  st, _, _, root = served
+  service = st.server.service
+  inner, entered, gate = service.runner.runner, threading.Event(), threading.Event()
+  real = getattr(inner, op)
+
+  def held(*args):
+    entered.set()
+    gate.wait(10)
+    return real(*args)
+
+  async def cancelled_midway(start):
+    task = asyncio.ensure_future(start())
+    await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+    task.cancel()
+    gate.set()
+    with contextlib.suppress(asyncio.CancelledError):
+      await task
+    await asyncio.sleep(0.2)
+    return [a.lora_name for a in service.adapters.served()]
+
+  work = lambda fn, *args: asyncio.get_running_loop().run_in_executor(None, fn, *args)
+  run = lambda coro: asyncio.run_coroutine_threadsafe(coro, st.loop).result(30)
+  if op == "remove_lora":
+    run(service.adapters.load("late", str(root / "a2"), work, True))
+  monkeypatch.setattr(inner, op, held)
+  start = ((lambda: service.adapters.load("late", str(root / "a2"), work, True))
+           if op == "add_lora" else (lambda: service.adapters.unload("late", True)))
+  names = run(cancelled_midway(start))
+  monkeypatch.undo()
+  assert ("late" in names) == (op == "add_lora")
+  assert sorted(l.lora_name for l in inner.loras.values()) == sorted(names)
+  if op == "add_lora":
+    run(service.adapters.unload("late", True))
+
+
 def test_an_adapter_in_use_is_not_unloaded_and_its_request_goes_on(served):
   st, peft_models, _, _ = served
   ids = chat_ids(st)
@@ -146,7 +250,7 @@ def test_an_adapter_in_use_is_not_unloaded_and_its_request_goes_on(served):
   worker = threading.Thread(target=stream)
   worker.start()
   assert started.wait(60)
-  status, body = call(st, "/v1/unload_lora_adapter", {"lora_name": "a1"}, "POST")
+  status, body = call(st, "/v1/unload_lora_adapter", {"lora_name": "a1"}, "POST", key="ops")
   assert status == 400 and "in use" in body["error"]["message"]
   _, metrics = call(st, "/metrics")
   info = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
@@ -155,3 +259,16 @@ def test_an_adapter_in_use_is_not_unloaded_and_its_request_goes_on(served):
   assert "".join(text) == st.server.service.tokenizer.detokenize(
       reference(peft_models["a1"], ids, 90)[0])
   assert [m.id for m in client(st).models.list().data] == ["tiny-base", "a1"]
+
+
+def test_run_time_updates_are_off_unless_asked_and_then_an_admins():
+  """Without --enable-runtime-lora-updates no one may load or unload (403 naming the flag);
+  with a keys file only an admin key may; without one, the operator's opt-in lets any caller."""
+  adapters = Adapters(None, "base", read=lambda path: None, runtime_roots=None)
+  for call_ in (adapters.load("x", "/tmp", None, True), adapters.unload("x", True)):
+    with pytest.raises(ApiError, match="--enable-runtime-lora-updates") as e:
+      asyncio.run(call_)
+    assert e.value.status is Status.PERMISSION_DENIED
+  keys = [ApiKey("t", b"1"), ApiKey("ops", b"2", admin=True)]
+  assert [Gateway(keys).may_administer(k) for k in keys] == [False, True]
+  assert Gateway(None).may_administer(ANONYMOUS) and not ANONYMOUS.admin

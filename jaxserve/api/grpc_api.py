@@ -32,6 +32,7 @@ STATUS_CODES = {
     Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Status.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Status.INTERNAL: grpc.StatusCode.INTERNAL,

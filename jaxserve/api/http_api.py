@@ -35,10 +35,12 @@ from jaxserve.serving.requests import Accepted
 from jaxserve.serving.service import Service
 
 HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.NOT_FOUND: 404, Status.UNAUTHENTICATED: 401,
-               Status.RESOURCE_EXHAUSTED: 429, Status.UNAVAILABLE: 503, Status.INTERNAL: 500}
+               Status.PERMISSION_DENIED: 403, Status.RESOURCE_EXHAUSTED: 429,
+               Status.UNAVAILABLE: 503, Status.INTERNAL: 500}
 _ERROR_TYPES = {Status.INVALID_ARGUMENT: "invalid_request_error",
                 Status.NOT_FOUND: "invalid_request_error",
                 Status.UNAUTHENTICATED: "authentication_error",
+                Status.PERMISSION_DENIED: "permission_error",
                 Status.RESOURCE_EXHAUSTED: "rate_limit_error",
                 Status.UNAVAILABLE: "service_unavailable", Status.INTERNAL: "internal_error"}
 MAX_BODY_BYTES = 8 * 2**20  # As gRPC's largest message (server.py).
@@ -146,14 +148,15 @@ class _Api:
 
   async def models(self, request: web.Request) -> web.Response:
     async def run(service, key):
-      return web.json_response({"object": "list", "data": _model_cards(service)})
+      return web.json_response({"object": "list", "data": _model_cards(service, key.admin)})
     return await self._handle(request, run)
 
   async def model(self, request: web.Request) -> web.Response:
     async def run(service, key):
       lora = service.check_model(request.match_info["model"])
       name = service.model_name if lora is None else lora.lora_name
-      return web.json_response(next(c for c in _model_cards(service) if c["id"] == name))
+      cards = _model_cards(service, key.admin)
+      return web.json_response(next(c for c in cards if c["id"] == name))
     return await self._handle(request, run)
 
   async def load_lora_adapter(self, request: web.Request) -> web.Response:
@@ -161,7 +164,8 @@ class _Api:
     async def run(service, acc, body):
       fields = await acc.work(openai_request.parse_body, body)
       lora = await service.adapters.load(fields.get("lora_name"), fields.get("lora_path"),
-                                         acc.work)
+                                         acc.work,
+                                         service.gateway.may_administer(acc.lease.key))
       return web.Response(text=f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
     return await self._work(request, run, limited=False)
 
@@ -169,7 +173,7 @@ class _Api:
     """vLLM's: {"lora_name"}; refused while a request uses it."""
     async def run(service, acc, body):
       name = (await acc.work(openai_request.parse_body, body)).get("lora_name")
-      await service.adapters.unload(name)
+      await service.adapters.unload(name, service.gateway.may_administer(acc.lease.key))
       return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
     return await self._work(request, run, limited=False)
 
@@ -299,14 +303,16 @@ def _delta(fmt, chunk, index: int) -> bytes:
   return work_pool.dumps(fmt.delta(chunk, index))
 
 
-def _model_cards(service: Service) -> list[dict]:
+def _model_cards(service: Service, admin: bool) -> list[dict]:
   """The base model's card, then each LoRA adapter's (its `parent` the base, its `root` its
-  folder, as vLLM's)."""
+  folder as vLLM's for an admin key, its name for anyone else: the server's paths are not a
+  tenant's business)."""
   card = lambda name, root, parent: {"id": name, "object": "model", "created": 0,
                                      "owned_by": "jaxserve", "root": root, "parent": parent,
                                      "max_model_len": service.max_model_len}
   return [card(service.model_name, service.model_name, None),
-          *(card(a.lora_name, a.lora_path, service.model_name) for a in service.adapters.served())]
+          *(card(a.lora_name, a.lora_path if admin else a.lora_name, service.model_name)
+            for a in service.adapters.served())]
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -75,6 +75,9 @@ class ServerConfig:
   kv_peer: str | None = None
   kv_peer_api_key: str | None = None
   prefix_cache_scope: str | None = None  # "key" or "global"; None: "key" with keys, else global.
+  # Run-time LoRA loads and unloads (serving/adapters.py): None off; else on, for admin keys,
+  # reading adapter folders only from under these directories.
+  runtime_lora_roots: tuple[str, ...] | None = None
   # Each request's CPU work (parsing, tokenizing, constraint compiles, large responses) runs on
   # this many threads; a request that finds work_queue others waiting gets RESOURCE_EXHAUSTED.
   work_threads: int = 4
@@ -90,6 +93,9 @@ class ServerConfig:
     if (self.kv_role == "decode") != (self.kv_peer is not None):
       raise ValueError("ServerConfig: a decode server (kv_role decode) needs kv_peer, the "
                        "prefill server's host:port; only a decode server takes one")
+    if self.runtime_lora_roots is not None and not self.runtime_lora_roots:
+      raise ValueError("ServerConfig: run-time LoRA updates (--enable-runtime-lora-updates) need "
+                       "at least one directory to load adapters from (--lora-root DIR)")
     for field in ("drain_timeout_s", "work_queue"):
       if getattr(self, field) < 0:
         raise ValueError(f"ServerConfig.{field} must be >= 0, got {getattr(self, field)}")
@@ -271,7 +277,8 @@ class Server:
     self._pool = WorkPool(self.config.work_threads, self.config.work_queue)
     self.service = Service(self._runner, loaded.tokenizer, loaded.model_name, self.gateway,
                            self.metrics, self.config.log_prompts, self._pool,
-                           getattr(loaded, "read_lora", None), self._kv_peer(loaded.engine))
+                           getattr(loaded, "read_lora", None), self._kv_peer(loaded.engine),
+                           self.config.runtime_lora_roots)
     for name, path, adapter in getattr(loaded, "lora_modules", ()):  # Read by `load` already.
       await self.service.adapters.add(name, path, adapter)
     if self._shutdown_at is not None:  # SIGTERM came while it warmed up.

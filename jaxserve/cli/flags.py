@@ -154,7 +154,12 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--max-lora-rank", type=int, default=d("max_lora_rank"),
                  help="the largest adapter rank (every slot is padded to it)")
   p.add_argument("--max-cpu-loras", type=int, default=None,
-                 help="adapters loaded at once (default: no limit)")
+                 help="adapters loaded at once (default: --max-loras)")
+  p.add_argument("--enable-runtime-lora-updates", action="store_true",
+                 help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only "
+                 "when there is a keys file; folders only from under --lora-root)")
+  p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                 help="a directory run-time loads may read adapters from (repeatable)")
 
 
 def lora_module(text: str) -> tuple[str, str]:
@@ -175,8 +180,11 @@ def lora_engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "lora_modules", ()):
       raise ValueError("--lora-modules needs --enable-lora")
     return {}
-  return dict(max_loras=args.max_loras or 1, max_lora_rank=args.max_lora_rank,
-              max_cpu_loras=args.max_cpu_loras)
+  # vLLM's default host limit (max_loras), raised to hold every --lora-modules adapter: loads
+  # past it are refused by name, so no client can fill the server's memory with adapters.
+  max_loras = args.max_loras or 1
+  return dict(max_loras=max_loras, max_lora_rank=args.max_lora_rank,
+              max_cpu_loras=args.max_cpu_loras or max(max_loras, len(args.lora_modules)))
 
 
 def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:

@@ -129,7 +129,8 @@ def _server_config(args):
       kv_events=args.kv_events_config, prefix_cache_scope=args.prefix_cache_scope,
       work_threads=args.work_threads, work_queue=args.work_queue,
       http_read_timeout_s=args.http_read_timeout, kv_role=args.kv_role, kv_peer=args.kv_peer,
-      kv_peer_api_key=args.kv_peer_api_key)
+      kv_peer_api_key=args.kv_peer_api_key,
+      runtime_lora_roots=tuple(args.lora_root) if args.enable_runtime_lora_updates else None)
 
 
 def _kv_events_config(text: str):

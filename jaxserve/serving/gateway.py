@@ -7,7 +7,11 @@ map the one `Status` to their own codes, so a bad field reads the same in either
 Keys file (JSON); a limit left out or 0 is no limit:
 
   {"keys": [{"key": "sk-alice-...", "name": "alice",
-             "requests_per_minute": 60, "tokens_per_minute": 20000}]}
+             "requests_per_minute": 60, "tokens_per_minute": 20000},
+            {"key": "sk-ops-...", "name": "ops", "admin": true}]}
+
+An admin key may also load and unload LoRA adapters (when the server allows run-time updates)
+and sees their folders in /v1/models.
 
 A request counts once, however many choices (`n`, `best_of`, several prompts) it asks for, and
 it is counted before any work is done on it: a key over its requests per minute is refused
@@ -45,6 +49,7 @@ class Status(enum.Enum):
   INVALID_ARGUMENT = "invalid_argument"
   NOT_FOUND = "not_found"  # A model this server does not serve (OpenAI and vLLM: 404).
   UNAUTHENTICATED = "unauthenticated"
+  PERMISSION_DENIED = "permission_denied"  # A key without the right: admin endpoints.
   RESOURCE_EXHAUSTED = "resource_exhausted"
   UNAVAILABLE = "unavailable"  # Warming up or draining.
   INTERNAL = "internal"
@@ -70,6 +75,7 @@ class ApiKey:
   digest: bytes = dataclasses.field(repr=False)  # sha256 of the key: the key itself is not kept.
   requests_per_minute: int = 0  # 0: no limit.
   tokens_per_minute: int = 0
+  admin: bool = False  # May change what the server runs (LoRA adapters) and see its paths.
 
 
 ANONYMOUS = ApiKey("anonymous", b"")
@@ -97,11 +103,13 @@ def load_keys(path: str | pathlib.Path) -> list[ApiKey]:
     for field, value in zip(("requests_per_minute", "tokens_per_minute"), limits):
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"{where}.{field} must be an int >= 0, got {value!r}")
+    if not isinstance(entry.get("admin", False), bool):
+      raise ValueError(f"{where}.admin must be true or false, got {entry['admin']!r}")
     digest = _digest(entry["key"])
     if digest in seen:
       raise ValueError(f"{where} repeats a key")
     seen.add(digest)
-    keys.append(ApiKey(entry["name"], digest, *limits))
+    keys.append(ApiKey(entry["name"], digest, *limits, entry.get("admin", False)))
   return keys
 
 
@@ -187,6 +195,11 @@ class Gateway:
     if self.prefix_cache_scope == "global" or key is ANONYMOUS:
       return requested
     return f"key:{key.name}" + ("" if requested is None else f"\0{requested}")
+
+  def may_administer(self, key: ApiKey) -> bool:
+    """Whether `key` may change what the server runs: an admin key, or anyone on a server
+    without keys (whose run-time updates its operator turned on)."""
+    return key.admin or self.keys is None
 
   def authenticate(self, presented: str | None) -> ApiKey:
     """The key `presented` (the bearer token) names; raises UNAUTHENTICATED."""

@@ -58,10 +58,11 @@ class Service:
   def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str,
                gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False,
                pool: WorkPool | None = None, read_lora: Callable[[str], Any] | None = None,
-               kv_peer: Any = None):
+               kv_peer: Any = None, runtime_lora_roots: Sequence[str] | None = None):
     """`read_lora(path)`: reads a LoRA adapter's folder (serving/adapters.py); None: LoRA off.
     `kv_peer`: a decode server's prefill server (api/kv_transfer.KVPeer), whose `fetch` brings
-    each request's prompt KV before it is queued; None: every prompt is prefilled here."""
+    each request's prompt KV before it is queued; None: every prompt is prefilled here.
+    `runtime_lora_roots`: where run-time adapter loads may read (None: run-time updates off)."""
     self.runner = runner
     self.tokenizer = tokenizer
     self.model_name = model_name
@@ -80,7 +81,7 @@ class Service:
     # tokenizer spends seconds on it.
     self.max_prompt_chars = self.max_model_len * tokenizer.max_token_chars
     self.constraint_gate = ConstraintGate(runner.runner.constraints)
-    self.adapters = Adapters(runner, model_name, read_lora)
+    self.adapters = Adapters(runner, model_name, read_lora, runtime_lora_roots)
     self.kv_peer = kv_peer
 
   def model_info(self) -> dict[str, Any]:

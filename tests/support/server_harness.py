@@ -33,9 +33,11 @@ ENGINE = EngineConfig(num_slots=4, page_size=16, num_pages=40, max_model_len=128
 # test_structured_output) share it, so the second loads the first's programs from the persistent
 # compilation cache instead of compiling its own.
 SMALL_POOL = dataclasses.replace(ENGINE, num_pages=16)
-KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-abcdef", "carol": "sk-carol-xyz"}
+KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-abcdef", "carol": "sk-carol-xyz",
+        "ops": "sk-ops-admin-42"}
 HEALTH = health_pb2.HealthCheckResponse  # HEALTH.SERVING, HEALTH.NOT_SERVING: what health() says.
-LIMITS = {"bob": {"requests_per_minute": 2}, "carol": {"tokens_per_minute": 60}}
+LIMITS = {"bob": {"requests_per_minute": 2}, "carol": {"tokens_per_minute": 60},
+          "ops": {"admin": True}}  # ops: the admin key (LoRA loads, adapter folders).
 
 
 @functools.lru_cache(maxsize=None)
