@@ -17,7 +17,7 @@ For each variant (layout x page size x KV dtype) on one model and one replayed m
   max err    max |logit| error of a teacher-forced forward against the float32 reference.
 
 The host tier (EngineConfig.kv_offload_gib) is a dimension of its own, on a workload it is for:
-a multi-turn chat (scripts/bench/offline.py's `Chat`, the `python -m scripts.bench offload`
+a multi-turn chat (scripts/bench/offload.py's `Chat`, the `python -m scripts.bench offload`
 workload) whose final prompts need 4x the device pool's pages, so a conversation's prefix is
 evicted before its next turn. For a few variants, without the tier and with one that holds every
 prefix:
@@ -66,7 +66,7 @@ from jaxserve.model.llama import Transformer
 from jaxserve.planning import capacity
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))  # The root: scripts.bench.
-from scripts.bench import offline  # noqa: E402
+from scripts.bench import offload  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,24 +195,24 @@ def decode_ms(engine: Engine, s: Settings, context: int) -> float:
   return 1e3 * float(np.median(times))
 
 
-def chat_replay(model, tokenizer, variant: Variant, chat: offline.Chat) -> list[dict]:
+def chat_replay(model, tokenizer, variant: Variant, chat: offload.Chat) -> list[dict]:
   """The chat on `variant`, each tier on its own engine (warmed up: no compile in a TTFT): one
   row per tier."""
   chat = dataclasses.replace(chat, page_size=variant.page_size)
-  messages = offline.chat_messages(tokenizer, chat)
+  messages = offload.chat_messages(tokenizer, chat)
   rows = []
   for tier in TIERS:
-    config = offline.chat_config(chat, messages, model.cfg, tier, kv_layout=variant.layout,
+    config = offload.chat_config(chat, messages, model.cfg, tier, kv_layout=variant.layout,
                                  kv_dtype=variant.kv_dtype,
                                  attention_backend=AttentionBackend.REFERENCE,
                                  compilation_cache_dir=None)
     engine = Engine(model, config)
     engine.warmup()
-    result = offline.run_chat(Runner(engine, tokenizer), messages, chat)
-    rows.append(dict(variant=variant, tier=tier, **offline.chat_summary(result),
+    result = offload.run_chat(Runner(engine, tokenizer), messages, chat)
+    rows.append(dict(variant=variant, tier=tier, **offload.chat_summary(result),
                      same=result["answers"] == rows[0]["answers"] if rows else True,
                      answers=result["answers"],
-                     pool_ratio=offline.chat_pool_ratio(messages, chat)))
+                     pool_ratio=offload.chat_pool_ratio(messages, chat)))
   return rows
 
 
@@ -266,7 +266,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
                      agree=agreement(outputs, ref_outputs),
                      err=logit_error(model, probe, variant, ref_logits),
                      kv_bytes=engine.cache.num_bytes))
-  chat = offline.SMALL_CHAT if args.quick else offline.Chat()
+  chat = offload.SMALL_CHAT if args.quick else offload.Chat()
   tier_rows = [row for variant in tqdm.tqdm(TIER_QUICK if args.quick else TIER_FULL,
                                             desc="host tier", unit="variant")
                for row in chat_replay(model, tokenizer, variant, chat)]
@@ -275,7 +275,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
 
 
 def write_report(out: pathlib.Path, rows, s: Settings, model_cfg, tier_rows=(),
-                 chat: offline.Chat | None = None) -> None:
+                 chat: offload.Chat | None = None) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

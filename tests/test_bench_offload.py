@@ -1,4 +1,4 @@
-"""scripts/bench/offline.py's `offload` command (`python -m scripts.bench offload`): the chat
+"""scripts/bench/offload.py's `offload` command (`python -m scripts.bench offload`): the chat
 workload's shape and pool sizing, and a small run of both tiers, each in its fresh process, on a
 tiny random model."""
 
@@ -8,7 +8,7 @@ from jaxserve.loading import pull
 from jaxserve.text.tokenizer import Tokenizer
 from support import script_loader
 
-offline = script_loader.load("bench.offline")
+offline = script_loader.load("bench.offload")
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,8 @@ from . import harness
 # commands runs: `serving` never imports jax, and `step` puts another tree's jaxserve first on
 # sys.path before anything imports jaxserve.
 MODULES = {"decode": "decode", "prefill": "decode", "moe": "decode", "device": "decode",
-           "quant": "offline", "speculative": "offline", "step": "offline", "lora": "offline",
-           "offload": "offline",
+           "quant": "quant", "speculative": "speculative", "step": "step", "lora": "lora",
+           "offload": "offload",
            "peers": "peers",
            "serving": "serving", "structured": "serving", "host": "serving"}
 
