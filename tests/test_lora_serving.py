@@ -178,7 +178,7 @@ def test_loads_and_unloads_cancelled_at_any_point_leave_every_state_consistent(s
     await asyncio.gather(*(one(i) for i in range(60)))
     await asyncio.sleep(0.5)  # Shielded loads and unloads finish.
     engine_side = await runner.on_engine(lambda: sorted(l.lora_name for l in
-                                                        runner.runner.loras.values()))
+                                                        runner._runner.loras.values()))
     return engine_side, sorted(a.lora_name for a in service.adapters.served())
 
   ids = chat_ids(st)
@@ -202,7 +202,7 @@ def test_a_load_or_unload_whose_caller_leaves_while_the_engine_runs_it_completes
   and the served names say so."""
   st, _, _, root = served
   service = st.server.service
-  inner, entered, gate = service.runner.runner, threading.Event(), threading.Event()
+  inner, entered, gate = service.runner._runner, threading.Event(), threading.Event()
   real = getattr(inner, op)
 
   def held(*args):

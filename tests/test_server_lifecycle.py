@@ -68,7 +68,7 @@ def test_health_follows_warmup_and_drain(tiny_checkpoint):
     draining.result(10)
   st.call(st.server.stop())
   st.loop.call_soon_threadsafe(st.loop.stop)
-  assert h.idle(st.server.service.runner.runner.scheduler)
+  assert h.idle(st.server.service.runner._runner.scheduler)
 
 
 def test_drain_timeout_aborts_what_is_left(tiny_checkpoint):
@@ -88,7 +88,7 @@ def test_drain_timeout_aborts_what_is_left(tiny_checkpoint):
   assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in e.value.details()
   st.call(st.server.stop())
   st.loop.call_soon_threadsafe(st.loop.stop)
-  assert h.idle(st.server.service.runner.runner.scheduler)
+  assert h.idle(st.server.service.runner._runner.scheduler)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

@@ -147,9 +147,9 @@ def test_an_engine_error_reaches_every_open_stream():
 
 
 def test_engine_calls_whose_callers_are_cancelled_never_reach_the_loop():
-  """200 on_engine calls, each cancelled 0-2 ms after it was made, while two streams run: a call
-  cancelled before the engine thread takes it never runs, one it took runs once to its end, and
-  the engine loop serves on (each stream's tokens are the reference's)."""
+  """200 on_engine calls, each cancelled 0-2 ms (a quarter: 50 ms) after it was made, while two
+  streams run: a call cancelled before the engine thread takes it never runs, one it took runs
+  once to its end, and the engine loop serves on (each stream's tokens are the reference's)."""
   ran, returned = [], []
 
   def call(i):
@@ -171,7 +171,8 @@ def test_engine_calls_whose_callers_are_cancelled_never_reach_the_loop():
   async def test(ar):
     streams = [ar.submit([1, 2, 3], greedy(60)), ar.submit([5], greedy(60))]
     rng = random.Random(0)
-    await asyncio.gather(*(one(ar, i, rng.uniform(0, 0.002)) for i in range(200)))
+    delays = [rng.uniform(0, 0.002) if i % 4 else 0.05 for i in range(200)]  # Some run.
+    await asyncio.gather(*(one(ar, i, delay) for i, delay in enumerate(delays)))
     after = ar.submit([9], greedy(5))
     return await asyncio.gather(*(collect(s) for s in [*streams, after]))
 

@@ -16,10 +16,11 @@ import queue
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
+from jaxserve.batching.constrained import Constraints
 from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.request import Request, RequestOutput
 from jaxserve.batching.runner import Runner
-from jaxserve.config import SamplingParams
+from jaxserve.config import LoRARequest, SamplingParams
 from jaxserve.text.constraint import Grammar
 
 
@@ -65,7 +66,7 @@ class AsyncRunner:
                on_failure: Callable[[BaseException], Awaitable[None]] | None = None):
     """`on_failure` is awaited once, on the event loop, if the engine loop raises: before the
     open streams get their error, so that whoever sees the error also sees its consequences."""
-    self.runner = runner
+    self._runner = runner  # Touched on the engine thread only, but for new_request's reads.
     self._on_failure = on_failure
     self._inbox: queue.SimpleQueue[tuple[Callable, object] | None] = queue.SimpleQueue()
     self._streams: dict[str, RequestStream] = {}  # Touched on the event loop's thread only.
@@ -76,7 +77,30 @@ class AsyncRunner:
 
   @property
   def engine_info(self) -> EngineInfo:
-    return self.runner.engine_info
+    return self._runner.engine_info
+
+  @property
+  def constraints(self) -> Constraints:
+    """The grammar compiler (thread-safe: the serving core compiles on its workers)."""
+    return self._runner.constraints
+
+  def new_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                  request_id: str | None = None, priority: int = 0,
+                  cache_salt: str | None = None, grammar: Grammar | None = None,
+                  lora: LoRARequest | None = None) -> Request:
+    """A request for `submit_request`, on any thread (it reads only fixed limits); raises
+    RequestRejected for one that could never run."""
+    return self._runner.new_request(prompt_ids, sampling, request_id, priority, cache_salt,
+                                    grammar, lora)
+
+  async def add_lora(self, lora: LoRARequest, adapter: Any) -> None:
+    """Makes adapter `lora` available to requests (between two steps); ValueError naming why
+    not."""
+    await self.on_engine(lambda: self._runner.add_lora(lora, adapter))
+
+  async def remove_lora(self, lora_id: int) -> None:
+    """Forgets an adapter (between two steps); ValueError while a request uses it."""
+    await self.on_engine(lambda: self._runner.remove_lora(lora_id))
 
   def start(self) -> None:
     """Starts the engine thread; call from the event loop that will consume the streams."""
@@ -98,12 +122,12 @@ class AsyncRunner:
     """Queues a request; raises at once (RequestRejected, ValueError) if it cannot be taken.
     `grammar`: sampling.constraint compiled already, which the event loop must not do."""
     self._check_id(request_id)
-    return self._queue(self.runner.new_request(prompt_ids, sampling, request_id, priority,
-                                               cache_salt, grammar))
+    return self._queue(self.new_request(prompt_ids, sampling, request_id, priority, cache_salt,
+                                        grammar))
 
   def submit_request(self, req: Request) -> RequestStream:
-    """Queues a request Runner.new_request built (on any thread: the serving core builds them
-    on its workers); raises EngineDead, or ValueError for a request id in use."""
+    """Queues a request `new_request` built (on any thread: the serving core builds them on its
+    workers); raises EngineDead, or ValueError for a request id in use."""
     self._check_id(req.request_id)
     return self._queue(req)
 
@@ -119,7 +143,7 @@ class AsyncRunner:
       raise ValueError(f"request id {request_id!r} is already in use")
 
   def abort(self, request_id: str) -> None:
-    self._inbox.put((self.runner.abort, request_id))
+    self._inbox.put((self._runner.abort, request_id))
 
   async def on_engine(self, fn: Callable[[], Any]) -> Any:
     """fn() on the engine thread, between two steps (what changes the runner's state, such as
@@ -164,8 +188,8 @@ class AsyncRunner:
 
   def _run(self) -> None:
     try:
-      while self._drain_inbox(wait=not self.runner.has_unfinished):
-        outputs = self.runner.step()
+      while self._drain_inbox(wait=not self._runner.has_unfinished):
+        outputs = self._runner.step()
         if outputs:
           self._loop.call_soon_threadsafe(self._deliver, outputs)
     except BaseException as e:  # pylint: disable=broad-except
@@ -189,7 +213,7 @@ class AsyncRunner:
 
   def _add(self, req: Request) -> None:
     try:
-      self.runner.submit(req)
+      self._runner.submit(req)
     except (ValueError, RuntimeError) as e:  # A duplicate id or a full queue.
       self._loop.call_soon_threadsafe(self._fail, req.request_id, e)
 

@@ -93,7 +93,7 @@ class Adapters:
     """Serves an adapter read already (`serve --lora-modules`'s, before the first request)."""
     lora = LoRARequest(name, next(self._ids), path)
     try:
-      await self._runner.on_engine(lambda: self._runner.runner.add_lora(lora, adapter))
+      await self._runner.add_lora(lora, adapter)
     except ValueError as e:
       raise invalid(str(e)) from e
     self._by_name[name] = lora
@@ -114,7 +114,7 @@ class Adapters:
   async def _unload(self, lora: LoRARequest) -> None:
     try:
       try:
-        await self._runner.on_engine(lambda: self._runner.runner.remove_lora(lora.lora_int_id))
+        await self._runner.remove_lora(lora.lora_int_id)
       except ValueError as e:  # In use.
         raise invalid(f"the LoRA adapter {lora.lora_name!r} cannot be unloaded now: "
                       f"{e}") from e

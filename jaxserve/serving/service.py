@@ -80,7 +80,7 @@ class Service:
     # Longer text cannot fit the context whatever its tokens: it is refused (or cut) before the
     # tokenizer spends seconds on it.
     self.max_prompt_chars = self.max_model_len * tokenizer.max_token_chars
-    self.constraint_gate = ConstraintGate(runner.runner.constraints)
+    self.constraint_gate = ConstraintGate(runner.constraints)
     self.adapters = Adapters(runner, model_name, read_lora, runtime_lora_roots)
     self.kv_peer = kv_peer
 
@@ -234,8 +234,8 @@ class Service:
         seed = p.sampling.seed if p.sampling.seed is None else (p.sampling.seed + run) % _SEEDS
         sampling = p.sampling.for_run(seed, next(max_tokens))
         try:
-          request = self.runner.runner.new_request(p.prompt_ids, sampling, inp.request_id,
-                                                   inp.priority, salt, grammar, p.lora)
+          request = self.runner.new_request(p.prompt_ids, sampling, inp.request_id,
+                                            inp.priority, salt, grammar, p.lora)
         except (RequestRejected, ValueError) as e:  # Too big for the KV pool.
           raise gateway.invalid(str(e)) from e
         runs.append(Run(inp, request, p.tokenize_s, p.chunk_tokens))

@@ -95,7 +95,7 @@ class ServerThread:
 
   @property
   def scheduler(self):
-    return self.server.service.runner.runner.scheduler
+    return self.server.service.runner._runner.scheduler
 
 
 def serve(engine: Engine, tokenizer, name: str = "tiny", keys_file: str | None = None,
