@@ -146,7 +146,8 @@ def main_device(argv=None) -> None:
     python -m scripts.bench device --shape llama-3.1-8b --weights int8 --kv-dtype int8
 
   --runs SLOTS:CONTEXT,...: the decode runs (every slot holding CONTEXT cached tokens).
-  Prints one JSON object (scripts/device_check.sh keeps it)."""
+  Prints a JSON line per run as it ends, then one JSON object of everything (scripts/device_check.sh
+  keeps them)."""
   parser = harness.parser("device", main_device.__doc__)
   parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
   parser.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16")
@@ -167,7 +168,10 @@ def main_device(argv=None) -> None:
   cfg = dataclasses.replace(cfg, num_layers=args.layers or cfg.num_layers)
   model = random_model(cfg, args.weights)
   engine = engine_for(model, args)
-  runs = [decode_run(engine, model, args, s, c) for s, c in args.runs]
+  runs = []
+  for slots, context in args.runs:  # Each run's line at once: a run cut short keeps the others.
+    runs.append(decode_run(engine, model, args, slots, context))
+    print(json.dumps({"run": runs[-1]}), flush=True)
   print(json.dumps({"device": jax.devices()[0].device_kind, "shape": cfg.name,
                     "layers": cfg.num_layers, "weights": args.weights, "kv_dtype": args.kv_dtype,
                     "copy_bytes_per_s": args.copy_rate, "matmul_flops_per_s": args.matmul_rate,
