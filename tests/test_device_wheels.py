@@ -8,7 +8,11 @@ lacks."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -74,3 +78,26 @@ def test_a_missing_or_extra_wheel_is_named(tmp_path):
   problems = device_wheels.check(tmp_path, _pyproject(tmp_path, "gguf"))
   assert any("llguidance==1.9.1: no such wheel" in p for p in problems)
   assert any("stray-1.0-py3-none-any.whl: not in CARRY" in p for p in problems)
+
+
+def test_the_dry_run_passes_and_prints_both_modes():
+  """`bash scripts/device_check.sh --dry-run`, as the issue's CPU check asks: the wheel set
+  complete (from .whl/ or this environment's copies), every step of --smoke and the full run."""
+  env = dict(os.environ, PYTHON=sys.executable)
+  out = subprocess.run(["bash", str(ROOT / "scripts/device_check.sh"), "--dry-run"], env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "wheel set complete" in out.stdout
+  for step in ("probe", "kernels", "kernel_sweep", "bench_8b_bf16", "bench_8b_int8", "served"):
+    assert f"+ [{step}, " in out.stdout
+
+
+def test_the_summary_keeps_exit_codes_pytest_lines_and_json(tmp_path):
+  (tmp_path / "steps.jsonl").write_text('{"step": "a", "rc": 1, "seconds": 3, "limit": 9}\n')
+  (tmp_path / "a.log").write_text('noise\n{"run": {"slots": 1}}\n{not json\n'
+                                  "==== 2 passed, 1 failed in 3.1s ====\n")
+  out = subprocess.run([sys.executable, str(ROOT / "scripts/device/summary.py"), str(tmp_path),
+                        "--smoke"], capture_output=True, text=True, check=True)
+  step, = json.loads(out.stdout)["steps"]
+  assert (step["rc"], step["pytest"], step["json"]) == (1, "2 passed, 1 failed in 3.1s",
+                                                        [{"run": {"slots": 1}}])
