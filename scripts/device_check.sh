@@ -8,7 +8,7 @@
 #
 #   bash scripts/device_check.sh --fetch-wheels  # here, once: download .whl/ (10 MiB), check it
 #   bash scripts/device_check.sh --dry-run       # here: is the wheel set complete? print steps
-#   bash scripts/device_check.sh --smoke         # on the H200 first: about 5 minutes at most
+#   bash scripts/device_check.sh --smoke         # on the H200 first: about 3 minutes at most
 #   bash scripts/device_check.sh                 # on the H200: every step, under 8 minutes
 # On the device tool: command `bash scripts/device_check.sh --smoke`, carry [".whl"].
 set -uo pipefail
@@ -18,7 +18,7 @@ case $MODE in --full|--smoke|--dry-run|--fetch-wheels) ;; *) echo "usage: $0 [--
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/device_check_out}
 WORK=$(mktemp -d)  # The logs, packed at the end: the tool brings back 8 files at most.
-BUDGET=${DEVICE_CHECK_BUDGET:-$([ "$MODE" = --smoke ] && echo 285 || echo 455)}  # Seconds, all steps.
+BUDGET=${DEVICE_CHECK_BUDGET:-$([ "$MODE" = --smoke ] && echo 180 || echo 455)}  # Seconds, all steps.
 START=$SECONDS
 
 if [ "$MODE" = --fetch-wheels ]; then exec "$PY" -m scripts.device_wheels fetch; fi
@@ -71,13 +71,13 @@ BENCH=("$PY" -m scripts.bench device)
 EIGHT_B=(--shape llama-3.1-8b --runs 1:4096,64:2048,256:1024 --prefill 2048 --steps 10)
 
 run_steps() {  # run_steps --smoke|--full
-step probe 40 "$PY" -m jaxserve.compat
+step probe 30 "$PY" -m jaxserve.compat
 if [ "$1" = --smoke ]; then
   # A few kernel cases compiled by Triton: f32 mixed, bf16 window decode, int8 mixed.
-  step kernels 75 "${KERNELS[@]}" -k "kernel_matches_reference and (n9k3h64z16 or n9k3h64z32)"
-  step engine_pallas 55 "${TESTS[@]}" tests/test_backend_pallas.py -k matches_reference
-  step families 50 "${TESTS[@]}" tests/test_families.py -k "greedy_through and (qwen3 or mistral)"
-  step bench_1b 60 "${BENCH[@]}" --layers 4 --runs 1:1024,16:1024 --prefill 512 --steps 3 \
+  step kernels 45 "${KERNELS[@]}" -k "kernel_matches_reference and (n9k3h64z16 or n9k3h64z32)"
+  step engine_pallas 35 "${TESTS[@]}" tests/test_backend_pallas.py -k matches_reference
+  step families 30 "${TESTS[@]}" tests/test_families.py -k "greedy_through and (qwen3 or mistral)"
+  step bench_1b 40 "${BENCH[@]}" --layers 4 --runs 1:1024,16:1024 --prefill 512 --steps 3 \
     --copy-gib 1 --matmul-n 4096
 else
   step kernel_sweep 100 "${KERNELS[@]}" -k "kernel_matches_reference or float8_per_tensor"
@@ -95,7 +95,7 @@ if [ "$MODE" = --dry-run ]; then
     "--upgrade --target /tmp/jaxserve-site .whl/*.whl; PYTHONPATH=/tmp/jaxserve-site:\$PWD" \
     "(and scripts/device first if flax.nnx does not import)"
   for mode in --smoke --full; do echo "== $mode"; START=$SECONDS
-    BUDGET=$([ $mode = --smoke ] && echo 285 || echo 455); run_steps $mode; done
+    BUDGET=$([ $mode = --smoke ] && echo 180 || echo 455); run_steps $mode; done
   exit 0
 fi
 run_steps "$MODE"
