@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import jax
 
-# jax.monitoring's event for one backend compile (jax._src.dispatch.BACKEND_COMPILE_EVENT).
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+from jaxserve.compat import BACKEND_COMPILE_EVENT  # jax.monitoring's event for one compile.
+
 _count = [0]
 
 

@@ -6,8 +6,9 @@
                alone, cold vs warm start-up; --compare models, each in a fresh process
   prefill      long prompts against short ones, as LLM() chunks them, against the FLOPs floor
   moe          a small mixture of experts' decode step beside a dense model of the same active size
-  device       decode steps of a Llama-3.2-1B-shaped model on an accelerator, as a fraction of its
-               memory bandwidth (scripts/device_check.sh)
+  device       decode steps and a prefill of a Llama-3.2-1B- or 3.1-8B-shaped model on an
+               accelerator, against its copy bandwidth and matmul rate measured in the same run
+               (scripts/device_check.sh)
   quant        --quantization none, gguf and int8, each in a fresh process
   speculative  speculative decoding on vs off, each side in a fresh process, interleaved rounds
   step         this tree's engine against another source tree's (--old), each in a fresh process
@@ -34,7 +35,7 @@ from . import harness
 # Command -> the module of this package that holds it. A module is imported only when one of its
 # commands runs: `serving` never imports jax, and `step` puts another tree's jaxserve first on
 # sys.path before anything imports jaxserve.
-MODULES = {"decode": "decode", "prefill": "decode", "moe": "decode", "device": "decode",
+MODULES = {"decode": "decode", "prefill": "decode", "moe": "decode", "device": "device",
            "quant": "quant", "speculative": "speculative", "step": "step", "lora": "lora",
            "offload": "offload",
            "peers": "peers",

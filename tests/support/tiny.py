@@ -8,8 +8,8 @@ import contextlib
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src import dispatch
 
+from jaxserve import compat
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.llama import Transformer
 
@@ -23,7 +23,7 @@ TINY_ENGINE = EngineConfig(num_slots=4, page_size=8, num_pages=48, max_model_len
 def count_compiles():
   """Counts jit traces and backend compilations while the block runs: {'trace': n, 'compile': m}."""
   counts = {"trace": 0, "compile": 0}
-  names = {dispatch.JAXPR_TRACE_EVENT: "trace", dispatch.BACKEND_COMPILE_EVENT: "compile"}
+  names = {compat.JAXPR_TRACE_EVENT: "trace", compat.BACKEND_COMPILE_EVENT: "compile"}
 
   def listener(event, duration, **_):
     if event in names:
