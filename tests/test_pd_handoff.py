@@ -21,6 +21,7 @@ from support import server_harness as h
 from support.tiny import count_compiles, host_tier_gib
 
 MAX_TOKENS = 8
+PEER_KEY = "sk-kv-peer-0123"  # The P/D credential: no tenant's key.
 
 
 def _engine(path: str, num_host_pages: int) -> Engine:
@@ -44,7 +45,8 @@ class FaultyPeer(jaxserve_pb2_grpc.JaxserveServicer):
     self.mode, self.at = None, 2
 
   def PrefillKV(self, request, context):
-    for i, msg in enumerate(self.stub.PrefillKV(request, timeout=60)):
+    credential = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
+    for i, msg in enumerate(self.stub.PrefillKV(request, metadata=credential, timeout=60)):
       if i == self.at + 1:  # Message 0 is the header.
         if self.mode == "cut":
           return
@@ -56,17 +58,22 @@ class FaultyPeer(jaxserve_pb2_grpc.JaxserveServicer):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_checkpoint):
+def servers(tiny_checkpoint, tmp_path_factory):
+  """A prefill server with tenants of its own (API keys, so prefix caching is scoped by key)
+  and the peer credential; two decode servers that present it, one through `FaultyPeer`."""
   path = str(tiny_checkpoint)
   tokenizer = h.load(path)[1]
-  prefill = h.serve(_engine(path, 64), tokenizer, kv_role="prefill")
+  keys = h.write_keys(tmp_path_factory.mktemp("pd_keys") / "keys.json")
+  prefill = h.serve(_engine(path, 64), tokenizer, kv_role="prefill", keys_file=keys,
+                    kv_peer_api_key=PEER_KEY)
   peer = FaultyPeer(prefill.grpc_address)
   relay = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
   jaxserve_pb2_grpc.add_JaxserveServicer_to_server(peer, relay)
   relay_port = relay.add_insecure_port("127.0.0.1:0")
   relay.start()
-  decode = h.serve(_engine(path, 64), tokenizer, kv_role="decode", kv_peer=prefill.grpc_address)
-  faulty = h.serve(_engine(path, 3), tokenizer, kv_role="decode",
+  decode = h.serve(_engine(path, 64), tokenizer, kv_role="decode", kv_peer=prefill.grpc_address,
+                   kv_peer_api_key=PEER_KEY)
+  faulty = h.serve(_engine(path, 3), tokenizer, kv_role="decode", kv_peer_api_key=PEER_KEY,
                    kv_peer=f"127.0.0.1:{relay_port}")  # A host tier of 3 pages.
   yield prefill, decode, faulty, peer
   for srv in (prefill, decode, faulty):
@@ -175,3 +182,48 @@ def test_a_follow_up_brings_only_the_pages_the_decode_server_lacks(servers, tiny
   answers(decode, [follow_up])  # Every full page cached here: no handoff at all.
   assert outcomes(decode, "ok") == transfers + 1 and peer.num_pages - pages_before > 0
   assert_nothing_held(prefill, decode)
+
+
+def prefill_kv(srv, ids: list[int], key: str | None = PEER_KEY, salt: str = "") -> list:
+  """Every message of one PrefillKV call to `srv`, presenting `key`."""
+  with grpc.insecure_channel(srv.grpc_address) as channel:
+    metadata = (("authorization", f"Bearer {key}"),) if key else None
+    return list(h.stub(channel).PrefillKV(pb.PrefillKVRequest(token_ids=ids, cache_salt=salt),
+                                          metadata=metadata, timeout=60))
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong", h.KEYS["alice"]],
+                         ids=["missing", "wrong", "a-tenants-key"])
+def test_prefill_kv_answers_only_the_peer_credential(servers, key):
+  prefill = servers[0]
+  with pytest.raises(grpc.RpcError) as e:
+    prefill_kv(prefill, prompts(10, 1)[0], key)
+  assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+  assert "peer credential" in e.value.details()
+
+
+def test_prefill_kv_is_refused_on_a_server_that_is_not_a_prefill_server(servers):
+  decode = servers[1]  # It keeps a host tier, and its pages, as a prefill server would.
+  with pytest.raises(grpc.RpcError) as e:
+    prefill_kv(decode, prompts(11, 1)[0])
+  assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+  assert "--kv-role prefill" in e.value.details()
+
+
+def test_a_peers_salt_cannot_reach_a_tenants_cached_pages(servers):
+  """The tenant alice's prompt is cached under her key's scope; a PrefillKV that names her
+  scoped salt runs under the peer's own scope: it recomputes the prompt, hits nothing."""
+  prefill = servers[0]
+  ids = prompts(12, 1)[0]
+  with grpc.insecure_channel(prefill.grpc_address) as channel:
+    h.generate(h.stub(channel), pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_tokens=1,
+                                                   temperature=0.0), "alice")
+  h.wait_idle(prefill)
+  pages = prefill.scheduler.pages
+  hits, computed = pages.num_hit_tokens, prefill.scheduler.num_prefill_tokens
+  msgs = prefill_kv(prefill, ids, salt="key:alice")  # What the gateway salts alice's with.
+  assert msgs[0].num_pages == (len(ids) - 1) // 16  # It answered: the right credential.
+  assert pages.num_hit_tokens == hits
+  assert prefill.scheduler.num_prefill_tokens - computed == len(ids)
+  prefill_kv(prefill, ids, salt="key:alice")  # Its own scope's pages it does reuse.
+  assert pages.num_hit_tokens - hits == 16 * ((len(ids) - 1) // 16)

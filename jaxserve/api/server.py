@@ -38,7 +38,7 @@ import grpc
 from absl import logging
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from jaxserve.api import http_api, kv_transfer, reflection_v1
+from jaxserve.api import http_api, kv_link, kv_transfer, reflection_v1
 from jaxserve.api.grpc_api import SERVICE_NAME, Servicer
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.stream import AsyncRunner
@@ -109,6 +109,9 @@ class Server:
     self.gateway = Gateway(load_keys(config.keys_file) if config.keys_file else None,
                            prefix_cache_scope=config.prefix_cache_scope)
     self.service: Service | None = None
+    # PrefillKV's check, on a prefill server only (api/grpc_api.py refuses it elsewhere).
+    self.kv_gate = kv_link.PeerGate(config.kv_peer_api_key) if config.kv_role == "prefill" \
+        else None
     self.ports: dict[str, int] = {}
     self._load = load
     self._grpc: grpc.aio.Server | None = None
