@@ -107,7 +107,8 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
       service = self._host.current_service()
       peer = gate.check(bearer_token(context.invocation_metadata()))
       async with service.accept(None, as_key=peer) as acc:
-        async with contextlib.aclosing(self._pages(service, acc, _decoded(request))) as pages:
+        async with contextlib.aclosing(self._pages(service, acc, _decoded(request),
+                                                   gate.identity)) as pages:
           async for page in pages:
             acc.answered = True
             yield page
@@ -117,14 +118,17 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
       logging.exception("PrefillKV failed")
       await self._abort(context, ApiError(Status.INTERNAL, "internal error; see the server log"))
 
-  async def _pages(self, service: Service, acc: Any,
-                   request: pb.PrefillKVRequest) -> AsyncIterator[pb.KVPage]:
+  async def _pages(self, service: Service, acc: Any, request: pb.PrefillKVRequest,
+                   identity: Any) -> AsyncIterator[pb.KVPage]:
+    """PrefillKV's answer; no prompt: the header alone (a decode server's check at start)."""
     lora = service.check_model(request.model)
     salt = service.gateway.cache_salt(acc.lease.key, request.cache_salt or None)
-    ids = await acc.work(service.encode, Prompt(token_ids=list(request.token_ids)))
+    model = await acc.work(identity.of, lora)  # An adapter's files are read once.
+    ids = await acc.work(service.encode, Prompt(token_ids=list(request.token_ids))) \
+        if request.token_ids else []
     try:
       pages = kv_transfer.prefill(service.runner, ids, salt, lora, request.request_id or None,
-                                  request.cached_pages)
+                                  request.cached_pages, model)
       async with contextlib.aclosing(pages) as stream:
         async for page in stream:
           yield page

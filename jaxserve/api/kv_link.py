@@ -45,6 +45,25 @@ def is_loopback(host: str) -> bool:
     return False
 
 
+def check_config(c) -> None:
+  """api/server.ServerConfig's P/D fields; ValueError naming the one at fault."""
+  if c.kv_role not in ("prefill", "decode", "both"):
+    raise ValueError(f"ServerConfig.kv_role must be prefill, decode or both, got {c.kv_role!r}")
+  if (c.kv_role == "decode") != (c.kv_peer is not None):
+    raise ValueError("ServerConfig: a decode server (kv_role decode) needs kv_peer, the "
+                     "prefill server's host:port; only a decode server takes one")
+  if c.kv_peer_tls_ca is not None and c.kv_role != "decode":
+    raise ValueError("ServerConfig.kv_peer_tls_ca verifies a decode server's kv_peer: only a "
+                     "decode server takes one")
+  if c.kv_role == "prefill" and not c.kv_peer_api_key and not is_loopback(c.host):
+    raise ValueError(f"ServerConfig: a prefill server bound to {c.host} needs kv_peer_api_key "
+                     "(--kv-peer-api-key), the credential its decode servers present: without "
+                     "one anyone who reaches it could read its prefix cache (bind it to "
+                     "127.0.0.1 to go without)")
+  if not c.kv_peer_timeout_s > 0:
+    raise ValueError(f"ServerConfig.kv_peer_timeout_s must be > 0, got {c.kv_peer_timeout_s}")
+
+
 def _digest(key: str) -> bytes:
   return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
@@ -59,6 +78,7 @@ class PeerGate:
   def __init__(self, api_key: str | None):
     """`api_key` None: any caller (a prefill server bound to loopback only)."""
     self._digest = None if api_key is None else _digest(api_key)
+    self.identity: ModelIdentity | None = None  # The server's model, once it is loaded.
 
   def check(self, presented: str | None) -> ApiKey:
     """The identity the call runs under; UNAUTHENTICATED unless it presented the credential."""
@@ -133,6 +153,10 @@ class Circuit:
       return False
     self._probing = True
     return True
+
+  def abandon(self) -> None:
+    """A request that asked the peer and left before the answer: it tells nothing."""
+    self._probing = False
 
   def record(self, failed: bool) -> None:
     self._probing = False
