@@ -24,7 +24,7 @@ from jaxserve import llm
 from jaxserve.api import kv_link, kv_transfer, server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
-from jaxserve.config import AttentionBackend, SamplingParams
+from jaxserve.config import AttentionBackend, LoRARequest, SamplingParams
 from jaxserve.engine.engine import Engine, engine_config_for
 from jaxserve.engine.fingerprint import weights_fingerprint
 from support import server_harness as h
@@ -400,3 +400,16 @@ def test_a_decode_server_whose_peer_is_no_prefill_server_does_not_start(servers)
                         decode.server.service.tokenizer, kv_peer=decode.grpc_address,
                         kv_peer_api_key=PEER_KEY)
   assert "UNIMPLEMENTED" in error and "--kv-role prefill" in error
+
+
+def test_an_adapter_is_named_by_its_files(tmp_path):
+  """A handoff under an adapter carries its folder's digest: another folder under the same
+  name, or the same name reloaded from changed files, is another model."""
+  identity = kv_link.ModelIdentity("weights")
+  (tmp_path / "adapter_config.json").write_text("{}")
+  (tmp_path / "adapter_model.safetensors").write_bytes(b"1")
+  first = identity.of(LoRARequest("a", 1, str(tmp_path)))
+  assert identity.of(None) == "weights" and first.startswith("weights lora:")
+  (tmp_path / "adapter_model.safetensors").write_bytes(b"2")
+  assert identity.of(LoRARequest("a", 1, str(tmp_path))) == first  # Read once, when first used.
+  assert identity.of(LoRARequest("a", 2, str(tmp_path))) != first  # Reloaded: read again.

@@ -244,7 +244,7 @@ class KVPeer:
         cached_pages=skip))
     head = None
     try:
-      model = await asyncio.to_thread(self.identity.of, req.lora)  # An adapter's files: once.
+      model = await self._model(req.lora)
       async for msg in call:
         if head is None:
           head = msg
@@ -258,6 +258,13 @@ class KVPeer:
       announced = "no header" if head is None else f"{head.num_pages} announced"
       raise TransferError("incomplete", f"the stream ended after {batches.num_received} pages "
                           f"({announced})")
+
+  async def _model(self, lora: LoRARequest | None) -> str:
+    """This server's fingerprint for `lora` (an adapter's files are read once, on a worker)."""
+    try:
+      return await asyncio.to_thread(self.identity.of, lora)
+    except OSError as e:  # Its folder is gone: no peer's pages can be shown to be its.
+      raise TransferError("model_mismatch", f"the adapter's files cannot be read: {e}") from e
 
   def _check_header(self, head: pb.KVPage | None, store, model: str) -> None:
     layout = tuple(store.layout())
