@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import shutil
 import subprocess
+import threading
 import time
 
 import grpc
@@ -413,3 +414,25 @@ def test_an_adapter_is_named_by_its_files(tmp_path):
   (tmp_path / "adapter_model.safetensors").write_bytes(b"2")
   assert identity.of(LoRARequest("a", 1, str(tmp_path))) == first  # Read once, when first used.
   assert identity.of(LoRARequest("a", 2, str(tmp_path))) != first  # Reloaded: read again.
+
+
+def test_the_prefill_servers_engine_thread_only_dispatches_the_copies(servers, tiny_checkpoint,
+                                                                      monkeypatch):
+  """The pages' bytes are read on a worker, not between two of the prefill server's steps."""
+  prefill, decode = servers[:2]
+  store = prefill.server.service.runner.runner.engine.page_store
+  threads = []
+
+  def recording(method):
+    def dispatch(group, pages):
+      read = method(group, pages)
+      threads.append(("dispatch", threading.current_thread().name))
+      return lambda: threads.append(("read", threading.current_thread().name)) or read()
+    return dispatch
+  for name in ("export", "read"):
+    monkeypatch.setattr(store, name, recording(getattr(store, name)))
+  ids = prompts(19, 1)
+  assert same(answers(decode, ids), reference(tiny_checkpoint, ids))
+  assert {t for kind, t in threads if kind == "dispatch"} == {"jaxserve-runner"}
+  reads = [t for kind, t in threads if kind == "read"]
+  assert reads and "jaxserve-runner" not in reads
