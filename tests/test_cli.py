@@ -109,3 +109,19 @@ def test_serve_takes_the_host_tier_and_pd_role_flags(capsys):
   assert cli.main(argv) == 2
   err = capsys.readouterr().err
   assert "jaxserve: error: ServerConfig: a decode server (kv_role decode) needs kv_peer" in err
+
+
+def test_a_prefill_server_beyond_loopback_needs_the_peer_credential():
+  """PrefillKV would answer anyone who reaches it; on loopback only, it may go without."""
+  argv = ["serve", "--model", "no-such-model", "--kv-role", "prefill", *FLAGS[2:]]
+  parse = lambda *extra: cli.build_parser().parse_args([*argv, *extra])
+  with pytest.raises(ValueError, match=r"a prefill server bound to 0.0.0.0 needs kv_peer_api_key "
+                     r"\(--kv-peer-api-key\)"):
+    cli._server_config(parse("--host", "0.0.0.0"))
+  for args in (parse("--host", "0.0.0.0", "--kv-peer-api-key", "sk-peer"), parse()):
+    assert cli._server_config(args).kv_role == "prefill"
+  assert cli._server_config(parse("--kv-peer-tls-ca", "ca.pem", "--kv-peer-timeout", "2",
+                                  "--kv-role", "decode", "--kv-peer", "10.0.0.2:50061"))\
+      .kv_peer_timeout_s == 2
+  with pytest.raises(ValueError, match="kv_peer_tls_ca verifies a decode server's kv_peer"):
+    cli._server_config(parse("--kv-peer-tls-ca", "ca.pem"))

@@ -1,10 +1,13 @@
 """The prefix cache's host tier on the mock engine, whose copies move pages' token ids: every
 token as the reference's, prefixes the device pool cannot hold served from host memory, and
-nothing left held."""
+nothing left held. On the real engine: every token's logprob within 1e-5 of a run without the
+tier, and a run whose copy left one page's load out fails that comparison."""
 
 import dataclasses
 
+import jax
 import msgpack
+import numpy as np
 import pytest
 
 from jaxserve.batching import kv_events, kv_handoff
@@ -132,28 +135,45 @@ def tiny_gemma3(tmp_path_factory):
   hf_tiny.build("Gemma3TextConfig", hf_tiny.GEMMA3, norms=(-0.5, 0.5)).save_pretrained(path)
   return checkpoint.build_model(*weights.load_hf_dir(path))
 
-def engine_chat(model, config, vocab: int, num_chats=4, turns=3):
-  """The multi-turn workload on a warmed-up engine: (every answer, the scheduler, the compiles
-  and traces while it ran)."""
-  engine = Engine(model, config)
-  engine.warmup()
+def engine_chat(engine: Engine, vocab: int, num_chats=4, turns=3):
+  """The multi-turn workload on a warmed-up engine, with a fresh Runner: (every answer's tokens
+  and their logprobs and top 5's, the scheduler, the compiles and traces while it ran)."""
   run = Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=16))
   history = [[(7 * c + j) % vocab for j in range(12)] for c in range(num_chats)]
   answers = []
+  # The top 5's logprobs too: a random tiny model's chosen token is often certain (logprob 0,
+  # blind to any change), the runners-up's are not.
+  sampling = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
   with count_compiles() as counts:
     for turn in range(turns):
       prompts = [history[c] + [(11 * c + 5 * turn + j) % vocab for j in range(9)]
                  for c in range(num_chats)]
-      outs = run.generate([(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-                           for p in prompts])
-      answers += [list(o.token_ids) for o in outs]
+      outs = run.generate([(p, sampling) for p in prompts])
+      answers += [(list(o.token_ids), [(lp.logprob, *lp.top_logprobs) for lp in o.logprobs])
+                  for o in outs]
       history = [p + list(o.token_ids) for p, o in zip(prompts, outs)]
   assert_all_free(run.scheduler)
   return answers, run.scheduler, counts
 
 
+def warm(model, config) -> Engine:
+  engine = Engine(model, config)
+  engine.warmup()
+  return engine
+
+
+def same(got, want) -> bool:
+  """Every token the same, and its logprobs within 1e-5 (and 1e-6 of their size: a runner-up's
+  logprob of -30 is 4e-6 from the next float32)."""
+  return all(g[0] == w[0] and np.allclose(g[1], w[1], rtol=1e-6, atol=1e-5)
+             for g, w in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("kind", ["float32", "int8-kv", "gemma3-window-pages"])
-def test_greedy_tokens_are_the_same_with_and_without_the_host_tier(kind, tiny_model, request):
+def test_every_logprob_is_the_same_with_and_without_the_host_tier(kind, tiny_model, request,
+                                                                  monkeypatch):
+  """And the comparison sees a wrong page: the same run, with one page's load left out of a
+  copy (that device page keeps what it held), is no longer the plain run's."""
   if kind == "gemma3-window-pages":
     model = request.getfixturevalue("tiny_gemma3")
     config = dataclasses.replace(GEMMA_ENGINE, num_pages=17)  # 16 usable pages of 4.
@@ -164,16 +184,28 @@ def test_greedy_tokens_are_the_same_with_and_without_the_host_tier(kind, tiny_mo
                                  kv_dtype=KVDtype.INT8 if kind == "int8-kv" else None)
   config = engine.engine_config_for(config, AttentionBackend.REFERENCE)
   vocab = model.cfg.vocab_size
-  plain, without, _ = engine_chat(model, config, vocab)
-  tiered = dataclasses.replace(config, kv_offload_gib=host_tier_gib(model.cfg, config, 64))
-  answers, with_tier, counts = engine_chat(model, tiered, vocab)
-  assert answers == plain
+  plain, without, _ = engine_chat(warm(model, config), vocab)
+  tiered = warm(model, dataclasses.replace(
+      config, kv_offload_gib=host_tier_gib(model.cfg, config, 64)))
+  answers, with_tier, counts = engine_chat(tiered, vocab)
+  assert same(answers, plain)
   assert counts["compile"] == 0 and counts["trace"] == 0, counts
   pages = with_tier.pages
   assert pages.num_host_hit_tokens > 0 and pages.host.num_used > 0
   assert with_tier.num_prefill_tokens < without.num_prefill_tokens
   if kind == "gemma3-window-pages":
     assert with_tier.window_pages.host.num_used > 0
+  copy, skipped = tiered.host_kv.copy, []
+
+  def skip_one_load(cache, saves, loads):
+    if loads and not skipped:
+      skipped.append(loads[0])
+      loads = loads[1:]
+    return copy(cache, saves, loads)
+  monkeypatch.setattr(tiered.host_kv, "copy", skip_one_load)
+  # A fresh engine's pages (the run would allocate the pages it did before, holding that KV).
+  tiered.cache = jax.tree.map(jax.numpy.zeros_like, tiered.cache)
+  assert not same(engine_chat(tiered, vocab)[0], plain) and skipped
 
 
 def test_an_import_the_store_refuses_leaves_no_slot_that_could_be_found():

@@ -1,11 +1,14 @@
 """Prefill/decode disaggregation between two OS processes: `jaxserve serve --kv-role prefill` and
 `jaxserve serve --kv-role decode --kv-peer ...`, for a plain engine, one with int8 KV and one
 with window pages (Gemma 3). The decode server's greedy tokens are those of one engine alone,
-its prompts' full pages came from the prefill server, neither side holds a page afterwards or
+its prompts' full pages came from the prefill server, neither side holds a page of either pool
+(the KV pool, Gemma 3's window pool) afterwards or
 compiled a program after its warm-up, and once the prefill server is killed the decode server
 still answers, recomputing."""
 
 from __future__ import annotations
+
+import urllib.request
 
 import grpc
 import numpy as np
@@ -58,6 +61,14 @@ def answers(address: str, prompts) -> list[list[int]]:
              for t in m.token_ids] for p in prompts]
 
 
+def usage(server: ServerProcess, pools: list[str]) -> list[float]:
+  """Each pool's gauge (1 = every page held), which the server must report."""
+  with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+    text = r.read().decode()
+  assert all(f"{pool} " in text for pool in pools), pools
+  return [server.metric(pool) for pool in pools]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_handoff_between_two_processes_gives_one_engines_tokens(kind, request,
                                                                  tmp_path_factory):
@@ -80,13 +91,15 @@ def test_a_handoff_between_two_processes_gives_one_engines_tokens(kind, request,
     full_pages = sum((len(p) - 1) // PAGE for p in prompts[:2])
     assert decode.metric("jaxserve:kv_transfers", outcome="ok") == 2
     assert decode.metric("jaxserve:prefix_cache_host_hits") == PAGE * full_pages
-    for server in (prefill, decode):  # Nothing held: every page is free or only cached.
-      assert server.metric("jaxserve:kv_cache_usage_perc") == 0
+    pools = ["jaxserve:kv_cache_usage_perc"] + (
+        ["jaxserve:kv_window_usage_perc"] if kind == "gemma3-window-pages" else [])
+    for server in (prefill, decode):  # Nothing held: every page of both pools free or cached.
+      assert usage(server, pools) == [0] * len(pools)
       assert server.metric("jaxserve:xla_compiles") == warm[server]  # None after warm-up.
     prefill.stop()  # The decode server goes on alone, recomputing.
     assert answers(decode.grpc_address, prompts[2:]) == want[2:]
     assert decode.metric("jaxserve:kv_transfers", outcome="unavailable") == 1
-    assert decode.metric("jaxserve:kv_cache_usage_perc") == 0
+    assert usage(decode, pools) == [0] * len(pools)
     assert decode.metric("jaxserve:xla_compiles") == warm[decode]
   finally:
     prefill.stop()

@@ -49,6 +49,8 @@ _SAMPLING_FIELDS = (*SamplingParams.SAMPLER_FIELDS, "seed")  # Fields with prese
 class ServiceHost(Protocol):
   """server.Server, as the front ends see it."""
 
+  kv_gate: Any  # api/kv_link.PeerGate on a prefill server (PrefillKV's check); else None.
+
   def current_service(self) -> Service: ...
 
 
@@ -95,27 +97,44 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
 
   async def PrefillKV(self, request: pb.PrefillKVRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KVPage]:
-    """P/D's prefill side (api/kv_transfer.py): the prompt's KV pages, after its prefill."""
+    """P/D's prefill side (api/kv_transfer.py): the prompt's KV pages, after its prefill. Only
+    a prefill server answers, only to the peer credential (api/kv_link.PeerGate); the decode
+    server's salt is scoped under the peer's identity, as a key's requests are."""
+    gate = self._host.kv_gate
+    if gate is None:
+      await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PrefillKV is served only by a "
+                          "prefill server (--kv-role prefill)")
     try:
       service = self._host.current_service()
-      async with service.accept(bearer_token(context.invocation_metadata())) as acc:
-        request = _decoded(request)
-        lora = service.check_model(request.model)
-        ids = await acc.work(service.encode, Prompt(token_ids=list(request.token_ids)))
-        try:
-          pages = kv_transfer.prefill(service.runner, ids, request.cache_salt or None, lora,
-                                      request.request_id or None, request.cached_pages)
-          async with contextlib.aclosing(pages) as stream:
-            async for page in stream:
-              acc.answered = True
-              yield page
-        except (RequestRejected, ValueError) as e:
-          raise gateway.invalid(str(e)) from e
+      peer = gate.check(bearer_token(context.invocation_metadata()))
+      async with service.accept(None, as_key=peer) as acc:
+        async with contextlib.aclosing(self._pages(service, acc, _decoded(request),
+                                                   gate.identity)) as pages:
+          async for page in pages:
+            acc.answered = True
+            yield page
     except ApiError as e:
       await self._abort(context, e)
     except Exception:  # pylint: disable=broad-except  (a bug: report it, keep serving)
       logging.exception("PrefillKV failed")
       await self._abort(context, ApiError(Status.INTERNAL, "internal error; see the server log"))
+
+  async def _pages(self, service: Service, acc: Any, request: pb.PrefillKVRequest,
+                   identity: Any) -> AsyncIterator[pb.KVPage]:
+    """PrefillKV's answer; no prompt: the header alone (a decode server's check at start)."""
+    lora = service.check_model(request.model)
+    salt = service.gateway.cache_salt(acc.lease.key, request.cache_salt or None)
+    model = await acc.work(identity.of, lora)  # An adapter's files are read once.
+    ids = await acc.work(service.encode, Prompt(token_ids=list(request.token_ids))) \
+        if request.token_ids else []
+    try:
+      pages = kv_transfer.prefill(service.runner, ids, salt, lora, request.request_id or None,
+                                  request.cached_pages, model)
+      async with contextlib.aclosing(pages) as stream:
+        async for page in stream:
+          yield page
+    except (RequestRejected, ValueError) as e:
+      raise gateway.invalid(str(e)) from e
 
   async def Tokenize(self, request: pb.TokenizeRequest,
                      context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

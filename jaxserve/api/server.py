@@ -38,7 +38,7 @@ import grpc
 from absl import logging
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from jaxserve.api import http_api, kv_transfer, reflection_v1
+from jaxserve.api import http_api, kv_link, kv_transfer, reflection_v1
 from jaxserve.api.grpc_api import SERVICE_NAME, Servicer
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.stream import AsyncRunner
@@ -68,12 +68,16 @@ class ServerConfig:
   log_prompts: bool = False
   scheduler: SchedulerConfig = SchedulerConfig()
   kv_events: KVEventsConfig | None = None  # Publish the prefix cache's changes (vLLM's events).
-  # Prefill/decode disaggregation (api/kv_transfer.py): "prefill" serves PrefillKV, "decode"
-  # brings each prompt's KV from the prefill server at `kv_peer` (host:port of its gRPC API,
-  # called with `kv_peer_api_key`); "both": neither role, every prompt prefilled here.
+  # Prefill/decode disaggregation (api/kv_transfer.py, the link api/kv_link.py): "prefill"
+  # serves PrefillKV to the holders of `kv_peer_api_key` (required unless bound to loopback);
+  # "decode" brings each prompt's KV from the prefill server at `kv_peer` (host:port of its
+  # gRPC API) presenting `kv_peer_api_key`, over TLS verified by `kv_peer_tls_ca` when given,
+  # each handoff within `kv_peer_timeout_s`; "both": neither role, every prompt prefilled here.
   kv_role: str = "both"
   kv_peer: str | None = None
   kv_peer_api_key: str | None = None
+  kv_peer_tls_ca: str | None = None
+  kv_peer_timeout_s: float = 10.0
   prefix_cache_scope: str | None = None  # "key" or "global"; None: "key" with keys, else global.
   # Run-time LoRA loads and unloads (serving/adapters.py): None off; else on, for admin keys,
   # reading adapter folders only from under these directories.
@@ -87,12 +91,7 @@ class ServerConfig:
   def __post_init__(self):
     if (self.tls_cert is None) != (self.tls_key is None):
       raise ValueError("ServerConfig: give both tls_cert and tls_key, or neither")
-    if self.kv_role not in ("prefill", "decode", "both"):
-      raise ValueError(f"ServerConfig.kv_role must be prefill, decode or both, got "
-                       f"{self.kv_role!r}")
-    if (self.kv_role == "decode") != (self.kv_peer is not None):
-      raise ValueError("ServerConfig: a decode server (kv_role decode) needs kv_peer, the "
-                       "prefill server's host:port; only a decode server takes one")
+    kv_link.check_config(self)
     if self.runtime_lora_roots is not None and not self.runtime_lora_roots:
       raise ValueError("ServerConfig: run-time LoRA updates (--enable-runtime-lora-updates) need "
                        "at least one directory to load adapters from (--lora-root DIR)")
@@ -115,6 +114,9 @@ class Server:
     self.gateway = Gateway(load_keys(config.keys_file) if config.keys_file else None,
                            prefix_cache_scope=config.prefix_cache_scope)
     self.service: Service | None = None
+    # PrefillKV's check, on a prefill server only (api/grpc_api.py refuses it elsewhere).
+    self.kv_gate = kv_link.PeerGate(config.kv_peer_api_key) if config.kv_role == "prefill" \
+        else None
     self.ports: dict[str, int] = {}
     self._load = load
     self._grpc: grpc.aio.Server | None = None
@@ -250,17 +252,11 @@ class Server:
     await self._grpc.start()
     await self._set_health(_NOT_SERVING)
 
-  def _kv_peer(self, engine) -> kv_transfer.KVPeer | None:
-    c = self.config
-    if c.kv_role != "both" and engine.page_store is None:
-      raise ValueError(f"kv_role {c.kv_role} needs the engine's page copies: give it a host "
-                       "tier (EngineConfig.kv_offload_gib, --kv-offload-gib)")
-    if c.kv_role != "decode":
-      return None
-    return kv_transfer.KVPeer(c.kv_peer, c.kv_peer_api_key, counter=self.metrics.kv_transfers)
-
   async def _load_and_serve(self) -> None:
     loaded = await _in_daemon_thread(self._load)
+    # P/D's check at start, before the engine is used: a peer that refuses fails the start.
+    peer = await kv_transfer.start(self.config, getattr(loaded.engine, "page_store", None),
+                                   self.kv_gate, self.metrics.kv_transfers)
     runner = Runner(loaded.engine, loaded.tokenizer, self.config.scheduler)
     self._kv_publisher = kv_publisher.start(self.config.kv_events, runner.scheduler)
     # The constraint compiler reads the vocabulary in C, holding the GIL for a few hundred ms:
@@ -277,7 +273,7 @@ class Server:
     self._pool = WorkPool(self.config.work_threads, self.config.work_queue)
     self.service = Service(self._runner, loaded.tokenizer, loaded.model_name, self.gateway,
                            self.metrics, self.config.log_prompts, self._pool,
-                           getattr(loaded, "read_lora", None), self._kv_peer(loaded.engine),
+                           getattr(loaded, "read_lora", None), peer,
                            self.config.runtime_lora_roots)
     for name, path, adapter in getattr(loaded, "lora_modules", ()):  # Read by `load` already.
       await self.service.adapters.add(name, path, adapter)

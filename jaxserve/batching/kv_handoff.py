@@ -11,41 +11,23 @@ copy and prefills only the rest, so its first token is its own, sampled as witho
 (vLLM's NIXL connector also leaves the last tokens to the decode side). Whatever did not arrive
 is recomputed: a shorter prefix, or none.
 
-Both run on the engine thread, between steps (AsyncRunner.on_engine): the prefix cache is the
-scheduler's, and the bytes are read and written by the engine's `PageStore` (engine/host_kv.py).
+The selection of pages and their import run on the engine thread, between steps
+(AsyncRunner.on_engine): the prefix cache is the scheduler's. The bytes move off it: the
+engine's `PageStore` (engine/host_kv.py) only dispatches an export's copies there (the caller
+reads the bytes on a worker), and a decode server imports pages in batches as they arrive
+(`Importer`), so it never holds more than a batch of them.
 Imports no jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Callable, Sequence
 
 from jaxserve.batching.host_pages import HostHit
 from jaxserve.batching.kv_pages import prefix_keys
+from jaxserve.batching.plan import PageStore
 from jaxserve.batching.scheduler import Scheduler
-
-
-class PageStore(Protocol):
-  """The engine's page bytes: one page of one group is one `bytes` (its arrays' bytes, each
-  [L, ...] in order, as `layout` names them)."""
-
-  def layout(self) -> tuple[str, ...]:
-    """Each page group's arrays, names, shapes and dtypes: two engines can exchange pages only
-    when theirs are equal."""
-    ...
-
-  def export(self, group: int, pages: Sequence[int]) -> list[bytes]:
-    """Device pages' bytes (waits for the steps dispatched before)."""
-    ...
-
-  def read(self, group: int, slots: Sequence[int]) -> list[bytes]:
-    """Host tier slots' bytes."""
-    ...
-
-  def write(self, group: int, slots: Sequence[int], pages: Sequence[bytes]) -> None:
-    """Sets host tier slots' bytes."""
-    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +39,11 @@ class Page:
 
 def export_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[int],
                   cache_salt: str | None = None, lora: str | None = None,
-                  skip: int = 0) -> list[Page]:
+                  skip: int = 0) -> Callable[[], list[Page]]:
   """The cached pages of `token_ids`'s prefix, in prompt order: those of the KV pool up to the
   first one not cached, and the window pool's among them that are; none of the first `skip`
-  (which the receiver has)."""
+  (which the receiver has). Selects them and dispatches their copies; the callable, for a
+  worker, gives the pages."""
   found: dict[int, list[tuple[int, int | HostHit]]] = {}
   pools = _pools(scheduler)
   for index, (key, tokens) in enumerate(prefix_keys(token_ids, scheduler.page_size,
@@ -73,53 +56,76 @@ def export_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
     for group, hit in enumerate(hits):
       if hit is not None:
         found.setdefault(group, []).append((index, hit))
-  pages = []
+  parts = []
   for group, hits in found.items():
     on_device = [(i, h) for i, h in hits if not isinstance(h, HostHit)]
     on_host = [(i, h) for i, h in hits if isinstance(h, HostHit)]
-    data = store.export(group, [h for _, h in on_device]) + store.read(
-        group, [h.slot for _, h in on_host])
-    pages += [Page(group, i, d) for (i, _), d in zip(on_device + on_host, data)]
-  return sorted(pages, key=lambda p: (p.index, p.group))
+    parts += [(group, on_device, store.export(group, [h for _, h in on_device])),
+              (group, on_host, store.read(group, [h.slot for _, h in on_host]))]
+
+  def pages() -> list[Page]:
+    out = [Page(g, i, d) for g, hits, data in parts for (i, _), d in zip(hits, data())]
+    return sorted(out, key=lambda p: (p.index, p.group))
+  return pages
+
+
+class Importer:
+  """Puts one prompt's pages in the host tier of their pools, batch by batch, as they arrive
+  (each `add` on the engine thread): each pool takes at most its host tier's size of them
+  (more would evict the prompt's own first pages), and none it has already. Nothing is held:
+  a page evicted before the request is admitted is recomputed."""
+
+  def __init__(self, scheduler: Scheduler, store: PageStore, token_ids: Sequence[int],
+               cache_salt: str | None = None, lora: str | None = None):
+    self._pools, self._store = _pools(scheduler), store
+    self._token_ids, self._cache_salt = token_ids, cache_salt
+    self._keys = list(prefix_keys(token_ids, scheduler.page_size, cache_salt, lora))
+    self._num_taken = [0] * len(self._pools)
+
+  def add(self, pages: Sequence[Page]) -> int:
+    """How many of `pages` it took (none of a group with a page the store refuses: a slot
+    whose bytes were never written must not be found)."""
+    writes: dict[int, tuple[list[int], list[int], list[bytes]]] = {}
+    for page in sorted(pages, key=lambda p: (p.index, p.group)):
+      slot = self._adopt(page)
+      if slot is not None:
+        indices, slots, blobs = writes.setdefault(page.group, ([], [], []))
+        indices.append(page.index)
+        slots.append(slot)
+        blobs.append(page.data)
+    return sum(self._write(group, *batch) for group, batch in writes.items())
+
+  def _adopt(self, page: Page) -> int | None:
+    """The host slot `page` goes to, or None."""
+    if not (0 <= page.group < len(self._pools) and 0 <= page.index < len(self._keys)):
+      return None
+    pool, (key, tokens) = self._pools[page.group], self._keys[page.index]
+    if pool.host is None or pool.find_hit(key, tokens) is not None or (
+        self._num_taken[page.group] >= pool.host.num_slots):
+      return None
+    slot = pool.adopt(key, tokens)
+    if slot is not None:
+      self._num_taken[page.group] += 1
+    return slot
+
+  def _write(self, group: int, indices: list[int], slots: list[int], blobs: list[bytes]) -> int:
+    pool = self._pools[group]
+    try:
+      self._store.write(group, slots, blobs)
+    except ValueError:  # A page of the wrong size: none of the batch's is kept.
+      for slot in slots:
+        pool.host.drop(slot)
+      return 0
+    if group == 0 and pool.events is not None:  # Routers index the KV pool's pages.
+      pool.events.adopted(self._token_ids, list(zip(indices, slots)), self._cache_salt)
+    return len(slots)
 
 
 def import_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[int],
                   pages: Sequence[Page], cache_salt: str | None = None,
                   lora: str | None = None) -> int:
-  """Puts `pages` (of `token_ids`'s prefix) in the host tier of their pools, but those the
-  cache has already; returns how many it took (none of a group with a page the store refuses:
-  a slot whose bytes were never written must not be found). Nothing is held: a page evicted
-  from the host tier before the request is admitted is recomputed."""
-  pools = _pools(scheduler)
-  by_index = {(p.group, p.index): p.data for p in pages}
-  writes: dict[int, tuple[list[int], list[int], list[bytes]]] = {}
-  for index, (key, tokens) in enumerate(prefix_keys(token_ids, scheduler.page_size,
-                                                    cache_salt, lora)):
-    for group, pool in enumerate(pools):
-      data = by_index.get((group, index))
-      if data is None or pool.host is None or pool.find_hit(key, tokens) is not None:
-        continue
-      indices, slots, blobs = writes.setdefault(group, ([], [], []))
-      if len(slots) >= pool.host.num_slots:
-        continue  # More would evict this prompt's own first pages.
-      slot = pool.adopt(key, tokens)
-      if slot is not None:
-        indices.append(index)
-        slots.append(slot)
-        blobs.append(data)
-  taken = 0
-  for group, (indices, slots, blobs) in writes.items():
-    try:
-      store.write(group, slots, blobs)
-    except ValueError:  # A page of the wrong size: none of the group's is kept.
-      for slot in slots:
-        pools[group].host.drop(slot)
-      continue
-    taken += len(slots)
-    events = pools[group].events
-    if group == 0 and events is not None and slots:  # Routers index the KV pool's pages.
-      events.adopted(token_ids, list(zip(indices, slots)), cache_salt)
-  return taken
+  """`pages` (of `token_ids`'s prefix) in one batch (`Importer`); how many were taken."""
+  return Importer(scheduler, store, token_ids, cache_salt, lora).add(pages)
 
 
 def num_cached(scheduler: Scheduler, token_ids: Sequence[int], cache_salt: str | None = None,

@@ -10,7 +10,7 @@ from its `TokenFuture` and hands them to the scheduler in one call (`Scheduler.u
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -142,11 +142,42 @@ class EngineInfo:
     return 2 if self.window else 1
 
 
+class PageStore(Protocol):
+  """The engine's page bytes: one page of one group is one `bytes` (its arrays' bytes, each
+  [L, ...] in order, as `layout` names them)."""
+
+  def layout(self) -> tuple[str, ...]:
+    """Each page group's arrays, names, shapes and dtypes: two engines can exchange pages only
+    when theirs are equal."""
+    ...
+
+  def page_nbytes(self, group: int) -> int:
+    """Bytes of one page of group `group`."""
+    ...
+
+  def fingerprint(self) -> str:
+    """The weights' fingerprint: pages travel only between engines of the same weights."""
+    ...
+
+  def export(self, group: int, pages: Sequence[int]) -> Callable[[], list[bytes]]:
+    """Dispatches a copy of device pages; the callable (any thread) gives their bytes."""
+    ...
+
+  def read(self, group: int, slots: Sequence[int]) -> Callable[[], list[bytes]]:
+    """Copies host tier slots; the callable (any thread) gives their bytes."""
+    ...
+
+  def write(self, group: int, slots: Sequence[int], pages: Sequence[bytes]) -> None:
+    """Sets host tier slots' bytes."""
+    ...
+
+
 class Engine(Protocol):
   """The device side, as the runner sees it. `jaxserve.engine.engine.Engine` is the real one; the
   tests have a mock whose tokens can be worked out by hand."""
 
   info: EngineInfo
+  page_store: PageStore | None  # Its pages' bytes, for P/D handoffs; None: no host tier.
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture:
     """Runs the whole plan in one call: writes every chunk's KV, decodes every decode slot. The

@@ -16,8 +16,9 @@ import queue
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
+from jaxserve.batching import kv_handoff
 from jaxserve.batching.constrained import Constraints
-from jaxserve.batching.plan import EngineInfo
+from jaxserve.batching.plan import EngineInfo, PageStore
 from jaxserve.batching.request import Request, RequestOutput
 from jaxserve.batching.runner import Runner
 from jaxserve.config import LoRARequest, SamplingParams
@@ -92,6 +93,30 @@ class AsyncRunner:
     RequestRejected for one that could never run."""
     return self._runner.new_request(prompt_ids, sampling, request_id, priority, cache_salt,
                                     grammar, lora)
+
+  @property
+  def page_store(self) -> PageStore | None:
+    """The engine's page bytes (P/D handoffs); None: it keeps no host tier."""
+    return self._runner.engine.page_store
+
+  async def num_cached(self, token_ids: Sequence[int], cache_salt: str | None,
+                       lora: str | None) -> int:
+    """How many of the prompt's full pages an admission would reuse now (either tier)."""
+    return await self.on_engine(lambda: kv_handoff.num_cached(
+        self._runner.scheduler, token_ids, cache_salt, lora))
+
+  async def export_prefix(self, token_ids: Sequence[int], cache_salt: str | None,
+                          lora: str | None, skip: int) -> Callable[[], list[kv_handoff.Page]]:
+    """The prompt's cached pages but the first `skip`: their copies dispatched between two
+    steps; the callable (any thread) gives them."""
+    return await self.on_engine(lambda: kv_handoff.export_prefix(
+        self._runner.scheduler, self.page_store, token_ids, cache_salt, lora, skip))
+
+  def importer(self, token_ids: Sequence[int], cache_salt: str | None,
+               lora: str | None) -> kv_handoff.Importer:
+    """Puts the prompt's pages in the host tier: its `add` runs through `on_engine`."""
+    return kv_handoff.Importer(self._runner.scheduler, self.page_store, token_ids, cache_salt,
+                               lora)
 
   async def add_lora(self, lora: LoRARequest, adapter: Any) -> None:
     """Makes adapter `lora` available to requests (between two steps); ValueError naming why

@@ -129,7 +129,8 @@ def _server_config(args):
       kv_events=args.kv_events_config, prefix_cache_scope=args.prefix_cache_scope,
       work_threads=args.work_threads, work_queue=args.work_queue,
       http_read_timeout_s=args.http_read_timeout, kv_role=args.kv_role, kv_peer=args.kv_peer,
-      kv_peer_api_key=args.kv_peer_api_key,
+      kv_peer_api_key=args.kv_peer_api_key, kv_peer_tls_ca=args.kv_peer_tls_ca,
+      kv_peer_timeout_s=args.kv_peer_timeout,
       runtime_lora_roots=tuple(args.lora_root) if args.enable_runtime_lora_updates else None)
 
 
@@ -176,7 +177,16 @@ def _add_kv_role_flags(s) -> None:
   s.add_argument("--kv-peer", default=None,
                  help="with --kv-role decode: the prefill server's gRPC host:port")
   s.add_argument("--kv-peer-api-key", default=None,
-                 help="the API key to call --kv-peer with, when it has a --keys-file")
+                 help="the P/D peer credential (no tenant's key): a prefill server answers "
+                 "PrefillKV only to it (required unless --host is loopback); a decode server "
+                 "presents it to --kv-peer")
+  s.add_argument("--kv-peer-tls-ca", default=None,
+                 help="with --kv-role decode: PEM CA (or self-signed certificate) that verifies "
+                 "--kv-peer's TLS certificate (its --tls-cert); unset: plain text")
+  s.add_argument("--kv-peer-timeout", type=float, default=10.0,
+                 help="with --kv-role decode: seconds a handoff (the peer's prefill included) "
+                 "may take before the prompt is prefilled here; a peer that fails is skipped "
+                 "for a while (circuit breaker)")
 
 
 def _add_serve_queue_flags(s) -> None:

@@ -181,7 +181,7 @@ class Engine:
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
     # LoRA adapters; the prefix cache's host tier, P/D's page bytes (kv_handoff.py); or None.
     self.loras = adapters.DeviceLoras.of(model.cfg, config, self.shardings and self.shardings.mesh)
-    self.host_kv = self.page_store = HostKV.of(self.cache, config, lambda: self.cache)
+    self.host_kv = self.page_store = HostKV.of(self.cache, config, lambda: self.cache, self._params)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.
     self.num_pages = self.cache.num_pages
@@ -199,6 +199,9 @@ class Engine:
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
+
+  def _params(self):
+    return self.params
 
   def _engine_info(self) -> EngineInfo:
     """What the host side knows of this engine (batching.plan.EngineInfo)."""

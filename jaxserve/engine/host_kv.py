@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve.engine.fingerprint import weights_fingerprint
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
 
 HOST_MEMORY = "pinned_host"
@@ -162,11 +163,14 @@ def _replicated(sharding):
 
 class HostKV:
 
-  def __init__(self, cache, num_slots: int, max_pages: int, current: Callable[[], Any]):
+  def __init__(self, cache, num_slots: int, max_pages: int, current: Callable[[], Any],
+               weights: Callable[[], Any] = dict):
     """A host pool of `num_slots` pages for each page group of `cache` (committed arrays);
-    `current()` gives the engine's cache as it is now (P/D's export reads it)."""
+    `current()` gives the engine's cache as it is now (P/D's export reads it), `weights()` its
+    parameters (P/D's fingerprint)."""
     self.num_slots = num_slots
-    self._current = current
+    self._current, self._weights = current, weights
+    self._fingerprint: str | None = None
     self.buckets = copy_buckets(max_pages)
     self._groups = []
     for group in page_groups(cache):
@@ -179,7 +183,8 @@ class HostKV:
     self.num_saved = self.num_loaded = 0
 
   @classmethod
-  def of(cls, cache, config, current: Callable[[], Any]) -> HostKV | None:
+  def of(cls, cache, config, current: Callable[[], Any],
+         weights: Callable[[], Any] = dict) -> HostKV | None:
     """The host tier config.kv_offload_gib (EngineConfig) buys for `cache`; None for 0."""
     gib, max_pages = config.kv_offload_gib, config.max_pages_per_seq
     if not gib:
@@ -190,7 +195,7 @@ class HostKV:
     if num_slots < 1:
       raise ValueError(f"kv_offload_gib {gib} holds no KV page (one is "
                        f"{page_bytes(cache) / 2**20:.2f} MiB)")
-    return cls(cache, num_slots, max_pages, current)
+    return cls(cache, num_slots, max_pages, current, weights)
 
   def copy(self, cache, saves: Sequence[tuple[int, int, int]],
            loads: Sequence[tuple[int, int, int]]):
@@ -228,23 +233,42 @@ class HostKV:
   # P/D's page bytes (batching/kv_handoff.py PageStore): one page of a group is its arrays'
   # bytes, each [L, ...], in the pool's leaf order.
 
+  def fingerprint(self) -> str:
+    """The weights' (engine/fingerprint.py), computed at the first call."""
+    if self._fingerprint is None:
+      self._fingerprint = weights_fingerprint(self._weights())
+    return self._fingerprint
+
+  def page_nbytes(self, group: int) -> int:
+    return sum(p[0].nbytes for p in jax.tree.leaves(self._groups[group][0]))
+
   def layout(self) -> tuple[str, ...]:
     return tuple(" ".join(f"{x.dtype}{list(x.shape[1:])}" for x in jax.tree.leaves(pool))
                  for pool, *_ in self._groups)
 
-  def export(self, group: int, pages: Sequence[int]) -> list[bytes]:
-    """Device pages' bytes, gathered by the save program from the current cache."""
-    out, save = [], self._groups[group][1]
+  def export(self, group: int, pages: Sequence[int]) -> Callable[[], list[bytes]]:
+    """Dispatches the save program's gather of device pages from the current cache (it waits
+    for nothing: the steps after it may donate the cache); the callable, for any thread,
+    waits for the copy and gives the pages' bytes."""
+    save = self._groups[group][1]
     cache = page_groups(self._current())[group]
-    for ids, n in self._batches(list(pages)):
-      arrays = [np.asarray(x) for x in jax.tree.leaves(save(cache, ids))]
-      out += [b"".join(a[i].tobytes() for a in arrays) for i in range(n)]
-    return out
+    outs = [(save(cache, ids), n) for ids, n in self._batches(list(pages))]
 
-  def read(self, group: int, slots: Sequence[int]) -> list[bytes]:
+    def pages_bytes() -> list[bytes]:
+      out = []
+      for gathered, n in outs:
+        arrays = [np.asarray(x) for x in jax.tree.leaves(gathered)]
+        out += [b"".join(a[i].tobytes() for a in arrays) for i in range(n)]
+      return out
+    return pages_bytes
+
+  def read(self, group: int, slots: Sequence[int]) -> Callable[[], list[bytes]]:
+    """Copies host slots out of the pool (one gather an array: the engine may overwrite the
+    slots once it moves on); the callable, for any thread, gives their bytes."""
     self.land()
-    leaves = jax.tree.leaves(self._groups[group][0])
-    return [b"".join(p[s].tobytes() for p in leaves) for s in slots]
+    rows = np.asarray(slots, np.int64)
+    copies = [p[rows] for p in jax.tree.leaves(self._groups[group][0])]
+    return lambda: [b"".join(c[i].tobytes() for c in copies) for i in range(len(rows))]
 
   def write(self, group: int, slots: Sequence[int], pages: Sequence[bytes]) -> None:
     """Sets slots' bytes; ValueError, writing none, for a page of the wrong size."""

@@ -153,6 +153,10 @@ class _SchedulerCollector:
     used = 1 - pages.num_free_pages / pages.num_usable_pages
     yield GaugeMetricFamily("jaxserve:kv_cache_usage_perc", "KV pages in use (1 = all).",
                             value=used)
+    window = s.window_pages
+    if window is not None:  # Sliding-window layers' pages (Gemma 3), as the KV pool's above.
+      yield GaugeMetricFamily("jaxserve:kv_window_usage_perc", "Window pages in use (1 = all).",
+                              value=1 - window.num_free_pages / window.num_usable_pages)
     yield CounterMetricFamily("jaxserve:prefix_cache_queries", "Prompt tokens looked up.",
                               value=pages.num_query_tokens)
     yield CounterMetricFamily("jaxserve:prefix_cache_hits", "Prompt tokens found cached.",

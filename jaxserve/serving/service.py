@@ -98,15 +98,15 @@ class Service:
     return self.adapters.resolve(model)
 
   @contextlib.asynccontextmanager
-  async def accept(self, presented_key: str | None,
-                   limited: bool = True) -> AsyncIterator[Accepted]:
+  async def accept(self, presented_key: str | None, limited: bool = True,
+                   as_key: ApiKey | None = None) -> AsyncIterator[Accepted]:
     """Takes one request, with the checks that cost nothing, before any work is done on it:
     UNAVAILABLE while draining, the API key (bearer token) `presented_key`, and with `limited`
     the key's requests per minute (RESOURCE_EXHAUSTED). A request refused later, before its
     answer began, is refunded: it counts as no request; so is one whose client leaves before it
-    reached the engine."""
+    reached the engine. `as_key`: the identity the front end checked itself (the P/D peer's)."""
     self._check_accepting()
-    key = self.gateway.authenticate(presented_key)
+    key = as_key or self.gateway.authenticate(presented_key)
     acc = Accepted(self.pool, key, self.gateway.admit(key) if limited else Lease(None, key))
     self._open.add(acc)
     self._idle.clear()

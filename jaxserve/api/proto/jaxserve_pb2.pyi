@@ -250,10 +250,11 @@ class PrefillKVRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., cached_pages: _Optional[int] = ...) -> None: ...
 
 class KVPage(_message.Message):
-    __slots__ = ("layout", "num_pages", "first_token", "group", "index", "data", "crc32")
+    __slots__ = ("layout", "num_pages", "first_token", "model", "group", "index", "data", "crc32")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -261,8 +262,9 @@ class KVPage(_message.Message):
     layout: _containers.RepeatedScalarFieldContainer[str]
     num_pages: int
     first_token: int
+    model: str
     group: int
     index: int
     data: bytes
     crc32: int
-    def __init__(self, layout: _Optional[_Iterable[str]] = ..., num_pages: _Optional[int] = ..., first_token: _Optional[int] = ..., group: _Optional[int] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    def __init__(self, layout: _Optional[_Iterable[str]] = ..., num_pages: _Optional[int] = ..., first_token: _Optional[int] = ..., model: _Optional[str] = ..., group: _Optional[int] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
