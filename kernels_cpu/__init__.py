@@ -9,7 +9,7 @@ built (setup.py) and registers its targets with XLA once; without it (no compile
 `available()` is False, one log line says so, and the engine keeps XLA's path.
 """
 
-from kernels_cpu.library import ISAS, available, supported_isas
+from kernels_cpu.library import ISAS, available, measured_faster, supported_isas
 from kernels_cpu.qmatmul import qmatmul
 
-__all__ = ["ISAS", "available", "qmatmul", "supported_isas"]
+__all__ = ["ISAS", "available", "measured_faster", "qmatmul", "supported_isas"]

@@ -47,12 +47,24 @@ def available() -> bool:
   return True
 
 
+def cpu_flags() -> list[str]:
+  """The CPU's feature flags, as Linux reports them (none where it does not)."""
+  return Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+
+
 def supported_isas() -> list[str]:
   """The instruction sets this CPU runs (the sweep test runs each)."""
-  flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+  flags = cpu_flags()
   out = ["scalar"]
   if "avx2" in flags and "fma" in flags:
     out.append("avx2")
   if "avx512f" in flags and "avx512bw" in flags:
     out.append("avx512")
   return out
+
+
+def measured_faster() -> bool:
+  """Whether the kernels run a path that was measured faster than XLA's float one: AVX2 or
+  AVX-512 (BENCHMARKS.md, "CPU kernels"); the scalar path, all a CPU without AVX2 runs, was
+  not measured, so `--quantization auto` keeps float weights there."""
+  return "avx2" in supported_isas()

@@ -109,3 +109,32 @@ def test_the_scope_flag(capsys):
   assert "invalid choice: 'tenant'" in capsys.readouterr().err
   with pytest.raises(ValueError, match="prefix_cache_scope must be one of"):
     Gateway([], prefix_cache_scope="tenant")
+
+
+def test_vllms_api_key_flag_is_one_admin_key_every_request_must_send(capsys):
+  """`serve --api-key KEY` (vLLM's): a request without it or with another is 401 (HTTP) and
+  UNAUTHENTICATED (gRPC); with it, served; the key is an admin's; not with --keys-file."""
+  from jaxserve.cli import main
+
+  config = main._server_config(main.build_parser().parse_args(["serve", "--api-key", "sk-1"]))
+  assert config.api_key == "sk-1"
+  with pytest.raises(ValueError, match="not both"):
+    main._server_config(main.build_parser().parse_args(["serve", "--api-key", "sk-1",
+                                                        "--keys-file", "keys.json"]))
+  srv = mock_serving.serve(api_key="sk-1")
+  try:
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert call(srv, "/v1/completions", body, "POST", key=None)[0] == 401
+    assert call(srv, "/v1/completions", body, "POST", key="sk-2")[0] == 401
+    assert post(srv, body, key="sk-1")["usage"]["completion_tokens"] == 1
+    request = pb.GenerateRequest(text="hi", max_tokens=1)
+    with grpc.insecure_channel(srv.grpc_address) as channel:
+      with pytest.raises(grpc.RpcError) as e:
+        list(h.stub(channel).Generate(request, timeout=30))
+      assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+      out = list(h.stub(channel).Generate(request, metadata=(("authorization", "Bearer sk-1"),),
+                                          timeout=30))
+      assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert [k.admin for k in srv.server.gateway.keys] == [True]
+  finally:
+    srv.close()

@@ -21,7 +21,8 @@ from kernels_cpu import library
 from kernels_cpu.reference import packed, qmatmul_reference, unpacked
 from support.gguf_random import random_blocks
 
-pytestmark = pytest.mark.skipif(not kernels_cpu.available(), reason="kernels_cpu not built")
+# Every test but the hidden-library one needs the library (that one runs without it too).
+built = pytest.mark.skipif(not kernels_cpu.available(), reason="kernels_cpu not built")
 
 TOLERANCE = 1e-4  # Of the largest |y|: float32 accumulation in another order.
 
@@ -49,21 +50,25 @@ def relative_error(y, ref) -> float:
   return float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
 
 
+@built
 @pytest.mark.parametrize("isa", library.supported_isas())
 @pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("type_name", [*gguf_blocks.READERS, "int8"])
 def test_sweep_matches_the_reference(type_name, nk, isa):
-  """N = 200 leaves columns past the last whole tile; M covers one row, a verifying chunk, row
-  blocks of 8 and a remainder."""
+  """N = 202 leaves kn columns past the last whole tile and, not a multiple of 4, nk rows of W
+  past the last four-row tile (the one-row `NK` tile); M reaches every row tile: 1 to 8 rows
+  (one row, a verifying chunk of 7, and the remainders 2-7 after blocks of 8), blocks of 8
+  and a remainder."""
   rng = np.random.default_rng(0)
-  values, scale, minimum = operands(blocks_of(type_name, 200, 512, rng), nk)
-  for M in (1, 3, 5, 8, 17, 64):
+  values, scale, minimum = operands(blocks_of(type_name, 202, 512, rng), nk)
+  for M in (1, 2, 3, 4, 5, 6, 7, 8, 17, 64):
     x = jnp.asarray(rng.standard_normal((M, 512), dtype=np.float32))
     y = kernels_cpu.qmatmul(x, values, scale, minimum, nk=nk, isa=isa)
     ref = qmatmul_reference(x, values, scale, minimum, nk=nk)
-    assert y.shape == (M, 200) and relative_error(y, ref) <= TOLERANCE, (M, relative_error(y, ref))
+    assert y.shape == (M, 202) and relative_error(y, ref) <= TOLERANCE, (M, relative_error(y, ref))
 
 
+@built
 @pytest.mark.parametrize("isa", library.supported_isas())
 @pytest.mark.parametrize("type_name", PACKABLE)
 def test_packed_values_match_the_reference(type_name, isa):
@@ -87,6 +92,7 @@ def test_packing_by_hand():
     packed(np.array([[-1], [2]], np.int8), axis=0)
 
 
+@built
 @pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk"])
 def test_the_largest_prefill_bucket(nk):
   rng = np.random.default_rng(1)
@@ -96,6 +102,7 @@ def test_the_largest_prefill_bucket(nk):
   assert relative_error(y, qmatmul_reference(x, values, scale, minimum, nk=nk)) <= TOLERANCE
 
 
+@built
 def test_the_reference_by_hand():
   """W [K=2, N=2] in groups of 2 along K: column 0 scale 0.5, minimum 1; column 1 scale 2, no
   shift. x = [1, 3]: y0 = 1 * (2 * 0.5 + 1) + 3 * (-4 * 0.5 + 1) = -1; y1 = 1 * 2 * -1 +
@@ -109,6 +116,7 @@ def test_the_reference_by_hand():
   assert kernels_cpu.qmatmul(x, values, scale, minimum, isa="scalar").tolist() == [[-1.0, 16.0]]
 
 
+@built
 @pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk"])
 def test_stacked_layers_read_by_index_inside_a_scan(nk):
   """values [L, ...] with the scan's index: each step's product is its own layer's."""
@@ -125,6 +133,7 @@ def test_stacked_layers_read_by_index_inside_a_scan(nk):
     assert relative_error(ys[i], qmatmul_reference(x, v, s, m, nk=nk)) <= TOLERANCE
 
 
+@built
 def test_the_wrapper_refuses_what_the_kernel_cannot_take():
   v, s = jnp.zeros((64, 8), jnp.int8), jnp.ones((2, 8), jnp.float32)
   x = jnp.zeros((1, 64), jnp.float32)
@@ -151,6 +160,7 @@ def quantized(shape, blocks: gguf_blocks.Blocks, in_axes) -> quant.Quantized:
   return w
 
 
+@built
 def test_linear_runs_the_kernel_on_cpu_and_xla_elsewhere():
   """quant.linear of a quantized wq [D, N, H]: the CPU program calls the kernel and gives the
   dequantized einsum's numbers; lowered for a TPU, the program has no CPU custom call."""
@@ -177,6 +187,7 @@ def test_linear_runs_the_kernel_on_cpu_and_xla_elsewhere():
   assert "platform_index" not in traced and "jaxserve_qmatmul" not in traced
 
 
+@built
 def test_packed_for_kernel_packs_4_bit_layers_only():
   """A stacked Q4_1 weight [L, D, F] is packed along D (its input axis), a signed one (Q6_K's
   -32..31) is not; layouts_of reads 4 bits back, and the packed weight's dequantized numbers
@@ -211,6 +222,7 @@ def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, ca
   """The library hidden (as on a machine that had no compiler at install): available() is False
   with one log line, `auto` keeps float weights, and quant.linear gives the same numbers through
   XLA."""
+  built_here = kernels_cpu.available()
   rng = np.random.default_rng(4)
   raw = blocks_of("Q8_0", 32, 64, rng)
   t = lambda a: np.ascontiguousarray(a.T)
@@ -232,4 +244,4 @@ def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, ca
     assert sum("CPU kernels not built" in r.message for r in caplog.records) == 1
   finally:
     library.available.cache_clear()
-  assert kernels_cpu.available()
+  assert kernels_cpu.available() is built_here

@@ -111,7 +111,18 @@ def test_auto_picks_the_blocks_where_they_were_measured_faster():
   assert pick_quantization(auto, True, True) is Quantization.GGUF
   assert pick_quantization(auto, False, True) is Quantization.NONE
   assert pick_quantization(auto, True, False) is Quantization.NONE
-  assert checkpoint.blocks_are_faster("cpu") is kernels_cpu.available()
+  assert checkpoint.blocks_are_faster("cpu") is (kernels_cpu.available() and
+                                                 "avx2" in kernels_cpu.supported_isas())
   assert not checkpoint.blocks_are_faster("tpu") and not checkpoint.blocks_are_faster("gpu")
   with pytest.raises(ValueError, match="needs a source that stores quantized blocks"):
     pick_quantization(Quantization.GGUF, False, True)
+
+
+def test_auto_keeps_float_weights_on_a_cpu_without_avx2(monkeypatch):
+  """The kernels' scalar path (all a CPU without AVX2 runs) was never measured faster than
+  XLA's float one: auto keeps float there, whatever the library."""
+  monkeypatch.setattr(kernels_cpu.library, "cpu_flags", lambda: ["fpu", "sse4_2", "avx", "fma"])
+  assert kernels_cpu.supported_isas() == ["scalar"]
+  assert not checkpoint.blocks_are_faster("cpu")
+  monkeypatch.setattr(kernels_cpu.library, "cpu_flags", lambda: ["avx2", "fma"])
+  assert checkpoint.blocks_are_faster("cpu") is kernels_cpu.available()

@@ -45,7 +45,7 @@ from jaxserve.batching.stream import AsyncRunner
 from jaxserve.config import SchedulerConfig
 from jaxserve.config.kv_events import KVEventsConfig
 from jaxserve.serving import kv_publisher
-from jaxserve.serving.gateway import ApiError, Gateway, Status, load_keys
+from jaxserve.serving.gateway import ApiError, Gateway, Status, load_keys, one_key
 from jaxserve.serving.metrics import Metrics
 from jaxserve.serving.service import Service
 from jaxserve.serving.work_pool import WorkPool, settle
@@ -62,6 +62,7 @@ class ServerConfig:
   http_port: int | None = 8000  # The OpenAI-compatible API; None: off.
   metrics_port: int | None = None  # None: /metrics on the HTTP port.
   keys_file: str | None = None  # None: no API keys, no limits.
+  api_key: str | None = None  # vLLM's --api-key: one admin key, no limits (not with keys_file).
   drain_timeout_s: float = 30.0
   tls_cert: str | None = None  # PEM files; both or neither.
   tls_key: str | None = None
@@ -92,6 +93,9 @@ class ServerConfig:
     if (self.tls_cert is None) != (self.tls_key is None):
       raise ValueError("ServerConfig: give both tls_cert and tls_key, or neither")
     kv_link.check_config(self)
+    if self.api_key is not None and self.keys_file is not None:
+      raise ValueError("ServerConfig: give keys_file (--keys-file) or api_key (--api-key), not "
+                       "both")
     if self.runtime_lora_roots is not None and not self.runtime_lora_roots:
       raise ValueError("ServerConfig: run-time LoRA updates (--enable-runtime-lora-updates) need "
                        "at least one directory to load adapters from (--lora-root DIR)")
@@ -111,8 +115,10 @@ class Server:
     from its caller: the engine side is above the front ends, which never import it."""
     self.config = config
     self.metrics = Metrics()
-    self.gateway = Gateway(load_keys(config.keys_file) if config.keys_file else None,
-                           prefix_cache_scope=config.prefix_cache_scope)
+    keys = load_keys(config.keys_file) if config.keys_file else None
+    if config.api_key is not None:
+      keys = [one_key(config.api_key)]
+    self.gateway = Gateway(keys, prefix_cache_scope=config.prefix_cache_scope)
     self.service: Service | None = None
     # PrefillKV's check, on a prefill server only (api/grpc_api.py refuses it elsewhere).
     self.kv_gate = kv_link.PeerGate(config.kv_peer_api_key) if config.kv_role == "prefill" \

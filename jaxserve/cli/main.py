@@ -124,9 +124,10 @@ def _server_config(args):
   return server.ServerConfig(
       host=args.host, grpc_port=args.grpc_port,
       http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
-      keys_file=args.keys_file, drain_timeout_s=args.drain_timeout, tls_cert=args.tls_cert,
-      tls_key=args.tls_key, log_prompts=args.log_prompts, scheduler=scheduler,
-      kv_events=args.kv_events_config, prefix_cache_scope=args.prefix_cache_scope,
+      keys_file=args.keys_file, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
+      tls_cert=args.tls_cert, tls_key=args.tls_key, log_prompts=args.log_prompts,
+      scheduler=scheduler, kv_events=args.kv_events_config,
+      prefix_cache_scope=args.prefix_cache_scope,
       work_threads=args.work_threads, work_queue=args.work_queue,
       http_read_timeout_s=args.http_read_timeout, kv_role=args.kv_role, kv_peer=args.kv_peer,
       kv_peer_api_key=args.kv_peer_api_key, kv_peer_tls_ca=args.kv_peer_tls_ca,
@@ -156,7 +157,10 @@ def _add_serve_parser(sub) -> None:
   s.add_argument("--metrics-port", type=int, default=None,
                  help="Prometheus port; unset: /metrics on the HTTP port")
   s.add_argument("--keys-file", default=None, help='JSON API keys and their limits, {"keys": '
-                 '[{"key", "name", "requests_per_minute", "tokens_per_minute"}]}; unset: no keys')
+                 '[{"key", "name", "requests_per_minute", "tokens_per_minute", "admin"}]}; unset: '
+                 'no keys')
+  s.add_argument("--api-key", default=None, help="vLLM's: one key every request must send "
+                 "(no limits; an admin key), instead of --keys-file")
   s.add_argument("--drain-timeout", type=float, default=30.0,
                  help="seconds from SIGTERM to exit: requests accepted before it finish within "
                  "it, or are cut shortly before its end (UNAVAILABLE)")

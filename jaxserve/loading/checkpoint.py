@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kernels_cpu
 from jaxserve.config import ModelConfig, Quantization, pick_quantization
 from jaxserve.engine import placement
 from jaxserve.loading import pull, quantize, weights
@@ -70,9 +71,10 @@ def read_source(src, blocks: bool = False) -> tuple[ModelConfig, dict, Tokenizer
 
 def blocks_are_faster(platform: str) -> bool:
   """Whether a step on `platform` reads quantized blocks faster than float weights: on one CPU
-  with kernels_cpu built (pick_quantization says what was measured)."""
+  with kernels_cpu built, where they run AVX2 or wider (pick_quantization says what was
+  measured)."""
   with quant.lowering_for(platform):
-    return quant.reads_in_place()
+    return quant.reads_in_place() and kernels_cpu.measured_faster()
 
 
 def read_quantized(src, mode: Quantization, platform: str

@@ -86,6 +86,13 @@ def _digest(key: str) -> bytes:
   return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+def one_key(key: str) -> ApiKey:
+  """vLLM's --api-key: the server's one key, with no limits, an admin's."""
+  if not key:
+    raise ValueError("--api-key must not be empty")
+  return ApiKey("api-key", _digest(key), admin=True)
+
+
 def load_keys(path: str | pathlib.Path) -> list[ApiKey]:
   """Reads a keys file; raises ValueError naming the entry and field that is wrong."""
   try:
