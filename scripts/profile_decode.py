@@ -163,8 +163,7 @@ def profile(engine: Engine, tables: np.ndarray, context: int, steps: int,
 def plan_op_times(engine: Engine, plan: StepPlan, steps: int) -> collections.Counter:
   """ms per step of each part (op_parts) of the program `plan` runs, over `steps` runs, traced."""
   args, _ = engine.step_args(plan)
-  scored = args.verify_rows is not None or args.prefill_targets is not None  # Engine.run_step's.
-  jitted = engine._step_scored if scored else engine._step
+  jitted = engine._steps[plan.kind]
   parts = op_parts(jitted.lower(engine.params, engine.cache, engine.state, args,
                                 engine.stop_ids).compile().as_text())
   with tempfile.TemporaryDirectory() as trace_dir:

@@ -51,7 +51,9 @@ def _serve(engine, args: dict) -> dict:
 
 def _num_compiled(engine) -> list[int]:
   """Compiled versions of the jitted step (one per StepShape)."""
-  steps = (engine._step,)
+  from jaxserve.batching.plan import StepKind
+
+  steps = (engine._steps[StepKind.PLAIN],)
   jitted = lambda f: f if hasattr(f, "_cache_size") else f.__wrapped__  # in_mesh wraps the jit.
   return [jitted(f)._cache_size() for f in steps]
 

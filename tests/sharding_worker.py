@@ -95,12 +95,12 @@ def _device0_param_bytes(params) -> int:
 def _collectives(engine, tables) -> dict:
   import numpy as np
 
-  from jaxserve.batching.plan import StepPlan
+  from jaxserve.batching.plan import StepKind, StepPlan
 
   plan = StepPlan(decode_slots=tuple(range(engine.num_slots)),
                   page_tables=np.asarray(tables, np.int32))
   args, _ = engine.step_args(plan)
-  hlo = engine._step.lower(engine.params, engine.cache, engine.state, args,
+  hlo = engine._steps[StepKind.PLAIN].lower(engine.params, engine.cache, engine.state, args,
                            engine.stop_ids).compile().as_text()
   ops = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
   return {op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(") for op in ops}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.batching.plan import PrefillChunk, StepPlan
+from jaxserve.batching.plan import PrefillChunk, StepKind, StepPlan
 from jaxserve.batching.request import FinishReason, RequestRejected
 from jaxserve.batching.runner import Runner
 from jaxserve.config import SamplingParams, SchedulerConfig
@@ -117,7 +117,7 @@ def test_an_unrolled_step_reads_every_weight_in_place(tiny_model):
 
   engine = Engine(tiny_model, dataclasses.replace(TINY_ENGINE, unroll_layers=True))
   args, _ = engine.step_args(StepPlan(decode_slots=(0, 1), page_tables=np.zeros((2, 4), np.int32)))
-  hlo = engine._step.lower(engine.params, engine.cache, engine.state, args,
+  hlo = engine._steps[StepKind.PLAIN].lower(engine.params, engine.cache, engine.state, args,
                            engine.stop_ids).compile().as_text()
   line = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\((%[^)]*)\)(.*)$")
   weights = set(re.findall(r"%(params__layers_\w*?_(?:wq|wk|wv|wo|w_gate|w_up|w_down)___value"

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from jaxserve.batching.plan import StepKind
 from jaxserve.batching.request import Backoff
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.speculative import propose_ngram
@@ -260,7 +261,7 @@ def test_verified_programs_are_warmup_programs():
   assert on.verify_buckets() == (5, 20)  # A run of k + 1 = 5 tokens; 4 of them (max_prefill_seqs).
   assert on.verified_shapes() == [s for s in on.shapes() if s.prefill_tokens] + [
       (d, t, on.width) for d in (0, 4) for t in (5, 20)]
-  args = on.template(on.verified_shapes()[0], verified=True)
+  args = on.template(on.verified_shapes()[0], StepKind.VERIFYING)
   assert args.verify_rows.shape == (args.prefill_slots.shape[0], K + 1)
   assert args.verify_drafts.shape == (args.prefill_slots.shape[0], K)
 
@@ -288,8 +289,8 @@ def test_a_verifying_step_runs_the_head_once(engine):
   again at one slot, on CPU)."""
   V = engine.model_config.vocab_size
   for shape in (engine.packer.verified_shapes()[0], engine.packer.verified_shapes()[-1]):
-    args = engine.packer.template(shape, verified=True)
-    text = engine._step_scored.lower(engine.params, engine.cache, engine.state, args,
+    args = engine.packer.template(shape, StepKind.VERIFYING)
+    text = engine._steps[StepKind.VERIFYING].lower(engine.params, engine.cache, engine.state, args,
                                      engine.stop_ids).as_text()
     heads = [line for line in text.splitlines()
              if "dot_general" in line and f"x{V}xf32>" in line.split("->")[-1]]

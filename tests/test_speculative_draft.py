@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from jaxserve.batching.plan import StepKind
 from jaxserve.config import EngineConfig, SamplingParams, SpeculativeConfig
 from support import speculation
 from support.speculation import run, tokens
@@ -164,7 +165,7 @@ def test_draft_config_flag_on_serve_and_generate_and_plan_programs():
   model = capacity.load_model_config("smollm2-135m")
   config = dataclasses.replace(ENGINE, speculative=want)
   programs = compile_plan.engine_programs(model, config, AttentionBackend.REFERENCE)
-  assert any(p.verified for p in programs)
+  assert any(p.kind is StepKind.VERIFYING for p in programs)
   for p in programs:
     (_, draft_params), cache = p.args[0], p.args[1]
     assert isinstance(cache, DraftedKV) and draft_params is not None

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxserve.batching.plan import StepKind
 from jaxserve.cli import main as cli
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, Quantization
 from jaxserve.engine import assembly, compile_plan, host_kv, targets
@@ -98,22 +99,23 @@ def test_plan_compile_lists_the_programs_warmup_runs(tiny_model, monkeypatch):
   engine, ran = Engine(tiny_model, TINY_ENGINE), []
   run_step = engine.run_step
 
-  def record(args, rows, *rest, **options):
+  def record(args, rows, kind, *rest, **options):
     shape = StepShape(args.decode_slots.shape[0], args.prefill_tokens.shape[0],
                       args.decode_tables.shape[1])
-    ran.append((shape, args.prefill_targets is not None))
-    return run_step(args, rows, *rest, **options)
+    ran.append((shape, kind))
+    return run_step(args, rows, kind, *rest, **options)
 
   monkeypatch.setattr(engine, "run_step", record)
   with count_compiles() as counts:
     engine.warmup()
   programs = compile_plan.engine_programs(TINY, TINY_ENGINE, engine.backend)
-  assert [(p.shape, p.scored) for p in programs] == ran
+  assert [(p.shape, p.kind) for p in programs] == ran
   assert [p.name for p in programs] == [assembly.program_name(*r) for r in ran]
   assert counts["compile"] == len(programs), counts
-  kinds = {(scored, shape.decode_rows > 0, shape.prefill_tokens > 0) for shape, scored in ran}
-  assert kinds == {(False, True, False), (False, False, True), (False, True, True),
-                   (True, False, True)}  # Decode-only, prefill-only, mixed, scoring.
+  kinds = {(kind, shape.decode_rows > 0, shape.prefill_tokens > 0) for shape, kind in ran}
+  plain, scoring = StepKind.PLAIN, StepKind.SCORING
+  assert kinds == {(plain, True, False), (plain, False, True), (plain, True, True),
+                   (scoring, False, True)}  # Decode-only, prefill-only, mixed, scoring.
 
 
 def test_plan_compile_lists_the_offload_copies_the_host_tier_warms_up(tiny_model):
@@ -137,7 +139,7 @@ def test_neediest_are_the_largest_of_each_kind():
   programs = compile_plan.engine_programs(TINY, config, AttentionBackend.PALLAS_TPU)
   assert compile_plan.neediest(programs) == [
       "step D=16 T=0 W=16", "step D=0 T=64 W=16", "step D=16 T=64 W=16",
-      "step D=0 T=64 W=16 scored"]
+      "step D=0 T=64 W=16 scoring"]
   offload = dataclasses.replace(config, kv_offload_gib=0.01)  # The copies of the most pages too.
   programs = compile_plan.engine_programs(TINY, offload, AttentionBackend.PALLAS_TPU)
   assert compile_plan.neediest(programs)[4:] == ["kv save pages=16 group=0",
@@ -151,7 +153,7 @@ def test_every_program_compiles_with_its_memory_reported(name):
   W = EngineConfig(**{**SMALL, **changes}).max_pages_per_seq
   W = W if name != "gemma-3-270m-v5e" else 2 * W  # Both tables of 1,024 / 16 pages.
   assert [r["name"] for r in reports] == [f"step D=1 T=0 W={W}", f"step D=0 T=32 W={W}",
-                                          f"step D=1 T=32 W={W}", f"step D=0 T=32 W={W} scored"]
+                                          f"step D=1 T=32 W={W}", f"step D=0 T=32 W={W} scoring"]
   for r in reports:
     assert r["compiled"] and r["error"] is None, r
     assert all(isinstance(r[k], int) and r[k] >= 0 for k in

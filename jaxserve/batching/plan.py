@@ -4,12 +4,13 @@ Plain dataclasses with no jax. The scheduler builds a `StepPlan` that is final: 
 engine call (at most `EngineInfo.max_prefill_len` prefill tokens, at most `max_prefill_seqs`
 prompts, one chunk per request, and chunks that score their prompt positions in a prefill-only
 plan of their own), and the engine runs it as given. The runner reads the sampled tokens back
-from its `TokenFuture` and hands them to the scheduler in one call (`Scheduler.update`).
+from its `StepFuture` and hands them to the scheduler in one call (`Scheduler.update`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -46,12 +47,29 @@ class PrefillChunk:
   window_table: Sequence[int] = ()
   # Speculative decoding: the last num_drafts of token_ids are proposed, not known. The chunk
   # (is_last) is verified: the engine keeps the longest run of proposals the model agrees with
-  # plus one token of its own (TokenFuture.verified). Its first token and start_pos are read
+  # plus one token of its own (StepFuture.verified). Its first token and start_pos are read
   # from the slot's decode state, as a decode's are: the host's (its latest token, its worst
   # case start) may be a step behind. With a draft model the proposals are placeholders the
   # engine writes its draft's proposals over. The sampling settings are the slot's too.
   num_drafts: int = 0
   lora_slot: int = 0  # The device slot of the request's LoRA adapter (0: the base model).
+
+
+class StepKind(enum.Enum):
+  """What a step computes beside its samples; the engine runs one program per kind and shape."""
+
+  PLAIN = "plain"
+  SCORING = "scoring"  # Prefill only: every chunk scores its prompt positions (prompt logprobs).
+  VERIFYING = "verifying"  # Chunks verify speculative proposals (PrefillChunk.num_drafts).
+
+  @classmethod
+  def of(cls, chunks: Sequence[PrefillChunk]) -> StepKind:
+    """The kind a plan of `chunks` is."""
+    if any(ch.num_drafts for ch in chunks):
+      return cls.VERIFYING
+    if any(ch.prompt_logprob_targets is not None for ch in chunks):
+      return cls.SCORING
+    return cls.PLAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +94,13 @@ class StepPlan:
   # group, host slot, device page) loads of prefix pages this plan's prompts reuse.
   kv_saves: Sequence[tuple[int, int, int]] = ()
   kv_loads: Sequence[tuple[int, int, int]] = ()
+  kind: StepKind | None = None  # The scheduler's; None: the kind its chunks are (StepKind.of).
+
+  def __post_init__(self):
+    kind = StepKind.of(self.prefills)
+    if self.kind not in (None, kind):
+      raise ValueError(f"a plan of {kind.value} chunks cannot be a {self.kind.value} step")
+    object.__setattr__(self, "kind", kind)
 
   @property
   def is_empty(self) -> bool:
@@ -88,7 +113,7 @@ class StepPlan:
                                      or self.kv_loads)
 
 
-class TokenFuture(Protocol):
+class StepFuture(Protocol):
   """Sampled tokens on their way to the host (an async device-to-host copy)."""
 
   def result(self) -> np.ndarray:
@@ -179,7 +204,7 @@ class Engine(Protocol):
   info: EngineInfo
   page_store: PageStore | None  # Its pages' bytes, for P/D handoffs; None: no host tier.
 
-  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture:
+  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> StepFuture:
     """Runs the whole plan in one call: writes every chunk's KV, decodes every decode slot. The
     future holds one sample per `plan.decode_slots` entry, then one per chunk with `is_last` and
     no drafts, in plan order (a verified chunk's tokens come from `verified`). bitmask

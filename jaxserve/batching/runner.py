@@ -3,7 +3,7 @@
 Each step is one engine call (`Engine.step(plan)`: every prefill chunk and decode token of the
 plan). `step()` overlaps host and device. It dispatches step n+1 before it reads step n's tokens:
 
-  schedule(n+1) -> dispatch(n+1) -> read tokens of n (TokenFuture.result) -> outputs of n
+  schedule(n+1) -> dispatch(n+1) -> read tokens of n (StepFuture.result) -> outputs of n
     -> Scheduler.update(tokens of n)
 
 The plan is final: the engine runs it as given, in one call, and the step's tokens go back to the
@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxserve.batching.constrained import Constraints
-from jaxserve.batching.plan import Engine, EngineInfo, TokenFuture
+from jaxserve.batching.plan import Engine, EngineInfo, StepFuture
 from jaxserve.batching.request import (
   Completion,
   FinishReason,
@@ -47,7 +47,7 @@ from jaxserve.text.detokenizer import IncrementalDetokenizer
 class _Dispatched:
   """One step in flight: where its sampled tokens will land, and for whom."""
 
-  future: TokenFuture
+  future: StepFuture
   samples: list[tuple[Request, int]]  # (request, epoch) of each of the future's rows
   # Chunks that score their prompt positions: (plan index, request, epoch, chunk start, length).
   prompts: list[tuple[int, Request, int, int, int]] = dataclasses.field(default_factory=list)
@@ -232,7 +232,7 @@ class Runner:
     return outputs + singles
 
   def _verified(self, req: Request, verified) -> RequestOutput:
-    """One output for a verified run's tokens (TokenFuture.verified), cut at the first that
+    """One output for a verified run's tokens (StepFuture.verified), cut at the first that
     finishes the request; the scheduler takes them and rolls the rest back."""
     accepted, tokens, chosen, top_ids, top_logprobs = verified
     now, num_top, outs = time.monotonic(), req.sampling.logprobs, []
@@ -308,7 +308,7 @@ class Runner:
 
 
 def _token_logprobs(arrays, row: int, num_top: int) -> tuple[TokenLogprobs, ...] | None:
-  """Row `row` of TokenFuture.logprobs() arrays, cut to the request's top `num_top`; None when
+  """Row `row` of StepFuture.logprobs() arrays, cut to the request's top `num_top`; None when
   the request asked for none."""
   if not num_top:
     return None

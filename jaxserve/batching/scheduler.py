@@ -34,7 +34,7 @@ import time
 from typing import Sequence
 
 from jaxserve.batching.lora_slots import LoraSlots
-from jaxserve.batching.plan import Engine, PrefillChunk, StepPlan
+from jaxserve.batching.plan import Engine, PrefillChunk, StepKind, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
 from jaxserve.batching.speculative import SpecStats, holds, proposal, verify_chunk
@@ -169,13 +169,14 @@ class Scheduler:
 
   def schedule(self) -> ScheduledStep:
     self.num_steps += 1
-    decodes, chunks, prefill_reqs = [], [], []
+    decodes, chunks, prefill_reqs, kind = [], [], [], StepKind.PLAIN
     self._scored_last = self._scoring_turn()
     if self._scored_last:
       chunks, prefill_reqs = self._schedule_prefills(admit=True, scoring=True)
-      self._scored_last = bool(chunks)
+      self._scored_last, kind = bool(chunks), StepKind.SCORING
     if not self._scored_last:
       decodes, verifies, num_preempted = self._schedule_decodes()
+      kind = StepKind.VERIFYING if verifies else StepKind.PLAIN
       chunks, prefill_reqs = [c for c, _ in verifies], [r for _, r in verifies]
       # A preemption means memory is short: admitting now would only preempt again.
       more, more_reqs = self._schedule_prefills(admit=not num_preempted, scoring=False,
@@ -186,7 +187,7 @@ class Scheduler:
     loads, self._lora_loads = tuple(self._lora_loads), []
     decode_loras = tuple(r.lora_slot for r in decodes) if self.loras else ()
     plan = StepPlan(tuple(chunks), tuple(r.slot for r in decodes), tables, released,
-                    decode_loras, loads, *self.pools.take_copies())
+                    decode_loras, loads, *self.pools.take_copies(), kind=kind)
     return ScheduledStep(plan, tuple(prefill_reqs), tuple(decodes))
 
   def _scoring_turn(self) -> bool:

@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxserve.batching.plan import StepKind
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
 from jaxserve.engine import adapters, placement
 from jaxserve.engine.draft import check_draft, create_cache
-from jaxserve.engine.step import DecodeState, step
+from jaxserve.engine.step import DecodeState, StepOutput, step
 from jaxserve.engine.step_args import Packer, StepArgs, StepShape
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionSpec
@@ -33,25 +34,18 @@ DONATE = (1, 2)
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """One program warm-up compiles: a step shape, plain or scoring its prompt positions, and the
-  padding arguments (numpy) it runs on."""
+  """One program warm-up compiles: a step kind and shape, and the padding arguments (numpy) it
+  runs on."""
 
-  name: str  # "step D=.. T=.. W=..", " scored" after a scoring one, " verified" a verifying one.
+  name: str  # "step D=.. T=.. W=..", then " scoring" or " verifying" for those kinds.
   shape: StepShape
-  scored: bool
+  kind: StepKind
   args: StepArgs
-  verified: bool = False  # Verifies speculative proposals (EngineConfig.speculative).
-
-  @property
-  def extra_output(self) -> bool:
-    """Whether the step returns a fourth value (prompt logprobs, or the verified tokens)."""
-    return self.scored or self.verified
 
 
-def program_name(shape: StepShape, scored: bool, verified: bool = False) -> str:
+def program_name(shape: StepShape, kind: StepKind = StepKind.PLAIN) -> str:
   D, T, W = shape
-  return f"step D={D} T={T} W={W}" + (" scored" if scored else "") + (
-      " verified" if verified else "")
+  return f"step D={D} T={T} W={W}" + ("" if kind is StepKind.PLAIN else f" {kind.value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +61,19 @@ class Assembly:
   shardings: placement.EngineShardings | None  # Over a mesh; None on one device.
   draft: ModelConfig | None = None  # The speculative draft model's (engine/draft.py).
 
-  def out_shardings(self, scored: bool):
-    """Where a step's results live: (cache, state, out[, prompt or verified]) (`scored`: the
-    fourth is there); None on one device."""
+  def out_shardings(self, kind: StepKind):
+    """Where a `kind` step's results live: (cache, state, StepOutput); None on one device."""
     s = self.shardings
     if s is None:
       return None
-    return (*s.step_out, s.replicated) if scored else s.step_out
+    cache, state, sampled = s.step_out
+    return cache, state, StepOutput(sampled, s.replicated if kind is StepKind.SCORING else None,
+                                    s.replicated if kind is StepKind.VERIFYING else None)
 
-  def jit(self, scored: bool):
-    """The step as the engine calls it: donating the cache and the decode state, and returning
-    them where they live, so no call copies them or recompiles."""
-    out = self.out_shardings(scored)
+  def jit(self, kind: StepKind):
+    """The `kind` step as the engine calls it: donating the cache and the decode state, and
+    returning them where they live, so no call copies them or recompiles."""
+    out = self.out_shardings(kind)
     placed = {} if out is None else {"out_shardings": out}
     return jax.jit(self.step, donate_argnums=DONATE, **placed)
 
@@ -112,16 +107,14 @@ class Assembly:
     return params, cache, jax.device_put(state, device), stop_ids
 
   def programs(self) -> list[Program]:
-    """Every program warm-up compiles, in order: one per step shape (Packer.shapes), then the
-    scoring variant of the prefill-only ones (Packer.scored_shapes), then the verifying variant
-    of those with prefill (Packer.verified_shapes, with speculation)."""
+    """Every program warm-up compiles, in order: a plain one per step shape (Packer.shapes),
+    then the scoring kind of the prefill-only ones (Packer.scored_shapes), then the verifying
+    kind of those with prefill (Packer.verified_shapes, with speculation)."""
     p = self.packer
-    return [Program(program_name(shape, scored), shape, scored, p.template(shape, scored=scored))
-            for scored, shapes in ((False, p.shapes()), (True, p.scored_shapes()))
-            for shape in shapes] + [
-                Program(program_name(shape, False, True), shape, False,
-                        p.template(shape, verified=True), verified=True)
-                for shape in p.verified_shapes()]
+    kinds = ((StepKind.PLAIN, p.shapes()), (StepKind.SCORING, p.scored_shapes()),
+             (StepKind.VERIFYING, p.verified_shapes()))
+    return [Program(program_name(shape, kind), shape, kind, p.template(shape, kind))
+            for kind, shapes in kinds for shape in shapes]
 
 
 def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,

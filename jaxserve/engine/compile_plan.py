@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
+from jaxserve.batching.plan import StepKind
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, Quantization
 from jaxserve.engine import adapters, assembly, host_kv, placement, targets
 from jaxserve.engine.draft import create_cache
@@ -57,13 +58,12 @@ class Program:
   as targets.lower takes it."""
   name: str
   shape: StepShape | host_kv.CopyShape
-  scored: bool
+  kind: StepKind | None  # A step's; None: a page copy.
   fn: Callable
   args: tuple  # Pytrees of ShapeDtypeStructs.
   donate: tuple[int, ...] = ()
   shardings: tuple | None = None  # Over a mesh (tp > 1): each argument's, and the results'.
   out_shardings: Any = None
-  verified: bool = False
   # Device bytes the engine holds beside the program's arguments while it runs (a copy's: the
   # weights, the decode state and the cache's other groups).
   resident_bytes: int = 0
@@ -108,9 +108,9 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
     params = (params, adapters.abstract_weights(model, config))
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-  steps = [Program(p.name, p.shape, p.scored, asm.step,
+  steps = [Program(p.name, p.shape, p.kind, asm.step,
                    (params, asm.cache, asm.state, abstract(p.args), stop_ids), assembly.DONATE,
-                   asm.arg_shardings(p.args), asm.out_shardings(p.extra_output), p.verified)
+                   asm.arg_shardings(p.args), asm.out_shardings(p.kind))
            for p in asm.programs()]
   if not config.kv_offload_gib:
     return steps
@@ -127,7 +127,7 @@ def copy_programs(asm: assembly.Assembly, step: Program, device) -> list[Program
   held = [0, 1, 2, 4]  # Of (params, cache, state, args, stop ids): all but the step's own.
   resident = _device_bytes([step.args[i] for i in held],
                            None if step.shardings is None else [step.shardings[i] for i in held])
-  return [Program(shape.name, shape, False, copy.fn, args, copy.donate, placed,
+  return [Program(shape.name, shape, None, copy.fn, args, copy.donate, placed,
                   copy.out_shardings, resident_bytes=resident - _device_bytes(args[0], placed[0]))
           for shape, copy, args, placed in host_kv.abstract_copies(
               asm.cache, shardings, asm.config.max_pages_per_seq)]
@@ -199,7 +199,7 @@ def neediest(programs: list[Program]) -> list[str]:
 def _kind_and_size(p: Program) -> tuple[tuple, Any]:
   if isinstance(p.shape, host_kv.CopyShape):
     return ("copy", p.shape.load, p.shape.group), p.shape.pages
-  return (p.scored, p.verified, p.shape.decode_rows > 0, p.shape.prefill_tokens > 0), p.shape[:2]
+  return (p.kind, p.shape.decode_rows > 0, p.shape.prefill_tokens > 0), p.shape[:2]
 
 
 def kv_pool(model: ModelConfig, config: EngineConfig) -> dict[str, int]:

@@ -18,7 +18,7 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxserve.batching.plan import EngineInfo, StepPlan
+from jaxserve.batching.plan import EngineInfo, StepKind, StepPlan
 from jaxserve.config import (
   AttentionBackend,
   EngineConfig,
@@ -30,6 +30,7 @@ from jaxserve.engine import adapters, assembly, placement
 from jaxserve.engine.draft import check_draft
 from jaxserve.engine.host_kv import HostKV
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
+from jaxserve.engine.step import StepOutput
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.model import kv_cache
 from jaxserve.model.kv_cache import WindowedKV
@@ -53,76 +54,59 @@ def default_backend() -> AttentionBackend:
   return default_attention_backend(jax.default_backend())
 
 
-class TokenFuture:
-  """The sampled values of one step on their way to the host: the one copy starts now.
+class StepFuture:
+  """One step's StepOutput on its way to the host: every copy starts now.
 
   `result()` and `logprobs()` give the plan's samples in its order: one per decode slot, then one
-  per prompt that ends in the step."""
+  per prompt that ends in the step; a scoring step's `prompt_logprobs(chunk)` and a verifying
+  step's `verified(chunk)` give its chunks' extra results. `chunk_lens`: the plan's chunks'
+  lengths, packed back to back in plan order (where a scoring step's positions are)."""
 
-  def __init__(self, packed: jax.Array, rows: list[int]):
-    self._packed, self._rows = packed, rows
-    self._host = None
-    packed.copy_to_host_async()
+  def __init__(self, out: StepOutput, rows: list[int], chunk_lens: Sequence[int] = ()):
+    self._out, self._rows = out, rows
+    self._starts = np.cumsum([0, *chunk_lens]).tolist()
+    self._host: dict[str, np.ndarray] = {}
+    for x in jax.tree.leaves(out):
+      x.copy_to_host_async()
 
   def _take(self) -> np.ndarray:
-    if self._host is None:
-      self._host = np.asarray(self._packed)[self._rows]
-    return self._host
+    if "sampled" not in self._host:
+      self._host["sampled"] = np.asarray(self._out.sampled)[self._rows]
+    return self._host["sampled"]
 
   def result(self) -> np.ndarray:
     return self._take()[:, 0].copy()
 
   def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(chosen [B], top ids [B, 20], top logprobs [B, 20])."""
-    x, n = self._take(), NUM_TOP_LOGPROBS
-    as_float = lambda a: np.ascontiguousarray(a).view(np.float32)
-    return as_float(x[:, 1]), x[:, 2:2 + n].copy(), as_float(x[:, 2 + n:])
-
-  def prompt_logprobs(self, chunk: int):
-    raise ValueError(f"chunk {chunk} of this step did not ask for prompt logprobs")
-
-  def verified(self, chunk: int):
-    raise ValueError(f"chunk {chunk} of this step verified no proposals")
-
-
-class ScoredFuture(TokenFuture):
-  """A prefill-only step that also scored its prompt positions (engine/prompt_logprobs.py).
-  `chunk_lens`: the plan's chunks' lengths, packed back to back in plan order."""
-
-  def __init__(self, packed, rows, prompt, chunk_lens: Sequence[int]):
-    super().__init__(packed, rows)
-    self._prompt = prompt
-    self._starts = np.cumsum([0, *chunk_lens]).tolist()
-    for x in jax.tree.leaves(prompt):
-      x.copy_to_host_async()
+    return _unpacked(self._take()[:, 1:])
 
   def prompt_logprobs(self, chunk: int):
     """(chosen [n], ranks [n], top ids [n, 20], top logprobs [n, 20]) of the chunk's positions."""
+    p = self._out.prompt
+    if p is None:
+      raise ValueError(f"chunk {chunk} of this step did not ask for prompt logprobs")
     at, end = self._starts[chunk], self._starts[chunk + 1]
-    p = self._prompt
     return tuple(np.asarray(x)[at:end] for x in (p.logprobs, p.ranks, p.top_ids, p.top_logprobs))
-
-
-class VerifiedFuture(TokenFuture):
-  """A step that verified speculative proposals (engine/verify.py): `verified` gives each
-  verified chunk's run."""
-
-  def __init__(self, packed, rows, verified):
-    super().__init__(packed, rows)
-    self._verified = verified
-    self._verified_host = None
-    verified.copy_to_host_async()
 
   def verified(self, chunk: int):
     """(accepted a, tokens [k + 1], chosen logprobs [k + 1], top ids [k + 1, 20], top logprobs
     [k + 1, 20]) of plan.prefills[chunk]: its output is tokens[:a + 1]."""
-    if self._verified_host is None:
-      self._verified_host = np.asarray(self._verified)
-    row, n = self._verified_host[chunk], NUM_TOP_LOGPROBS
-    x = row[1:].reshape(-1, 2 + 2 * n)
-    as_float = lambda a: np.ascontiguousarray(a).view(np.float32)
-    return int(row[0]), x[:, 0].copy(), as_float(x[:, 1]), x[:, 2:2 + n].copy(), as_float(
-        x[:, 2 + n:])
+    if self._out.verified is None:
+      raise ValueError(f"chunk {chunk} of this step verified no proposals")
+    if "verified" not in self._host:
+      self._host["verified"] = np.asarray(self._out.verified)
+    row = self._host["verified"][chunk]
+    x = row[1:].reshape(-1, 2 + 2 * NUM_TOP_LOGPROBS)
+    return (int(row[0]), x[:, 0].copy(), *_unpacked(x[:, 1:]))
+
+
+def _unpacked(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """[n, 1 + 2k] int32 (a logprob's bits, k top ids, their logprobs' bits) -> (logprobs [n],
+  top ids [n, k], top logprobs [n, k])."""
+  n = NUM_TOP_LOGPROBS
+  as_float = lambda a: np.ascontiguousarray(a).view(np.float32)
+  return as_float(x[:, 0]), x[:, 1:1 + n].copy(), as_float(x[:, 1 + n:])
 
 
 def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> EngineConfig:
@@ -194,8 +178,7 @@ class Engine:
     # The cache and decode state are donated: each step updates them in place. Prefill-only
     # steps that also score their prompt positions, and steps that verify speculative
     # proposals, have one more output, so their own jit.
-    self._step = self.assembly.jit(scored=False)
-    self._step_scored = self.assembly.jit(scored=True)
+    self._steps = {kind: self.assembly.jit(kind) for kind in StepKind}
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -216,7 +199,7 @@ class Engine:
                       num_host_pages=0 if self.host_kv is None else self.host_kv.num_slots)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
-           run=None) -> TokenFuture | None:
+           run=None) -> StepFuture | None:
     """Runs the plan as given, in one call; the future holds one sample per decode slot, then
     one per prompt that ends in this step (in plan order). bitmask [samples, ceil(V/32)]: each
     sample's allowed tokens, in that order (None: all free). A plan with nothing to run (only
@@ -229,7 +212,8 @@ class Engine:
     if plan.is_empty:
       return None
     args, rows = self.step_args(plan, bitmask)
-    return (run or self.run_step)(args, rows, [len(ch.token_ids) for ch in plan.prefills])
+    chunk_lens = [len(ch.token_ids) for ch in plan.prefills]
+    return (run or self.run_step)(args, rows, plan.kind, chunk_lens)
 
   # The host inputs of the compiled step are built apart from the call, so that `multihost` can
   # broadcast them from process 0 and make every other process run the same call on them.
@@ -238,20 +222,14 @@ class Engine:
                 ) -> tuple[StepArgs, list[int]]:
     return self.packer.pack(plan, bitmask)
 
-  def run_step(self, args: StepArgs, rows: list[int],
-               chunk_lens: Sequence[int] = ()) -> TokenFuture:
-    """`chunk_lens`: the plan's chunks' lengths, which place them on a scoring step's token
-    axis."""
+  def run_step(self, args: StepArgs, rows: list[int], kind: StepKind = StepKind.PLAIN,
+               chunk_lens: Sequence[int] = ()) -> StepFuture:
+    """The `kind` program on `args` (Packer.pack's for a plan of that kind). `chunk_lens`: the
+    plan's chunks' lengths, which place them on a scoring step's token axis."""
     params = self.params if self.loras is None else (self.params, self.loras.weights)
-    inputs = (params, self.cache, self.state, args, self.stop_ids)
-    if args.verify_rows is not None:
-      self.cache, self.state, out, verified = self._step_scored(*inputs)
-      return VerifiedFuture(out, rows, verified)
-    if args.prefill_targets is None:
-      self.cache, self.state, out = self._step(*inputs)
-      return TokenFuture(out, rows)
-    self.cache, self.state, out, prompt = self._step_scored(*inputs)
-    return ScoredFuture(out, rows, prompt, chunk_lens)
+    self.cache, self.state, out = self._steps[kind](params, self.cache, self.state, args,
+                                                    self.stop_ids)
+    return StepFuture(out, rows, chunk_lens)
 
   def add_lora(self, lora_id: int, adapter) -> None:
     """A host copy of adapter `lora_id` (loading.lora.LoraAdapter), for plans to load."""
@@ -269,7 +247,7 @@ class Engine:
     prefill-only ones): the list `plan --compile` compiles too. Runs only padding: writes only
     to the scratch page."""
     for program in self.assembly.programs():
-      self.run_step(program.args, [])
+      self.run_step(program.args, [], program.kind)
     if self.loras is not None:
       self.loras.warmup()
     if self.host_kv is not None:

@@ -26,7 +26,6 @@ step n runs.
 
 from __future__ import annotations
 
-import enum
 import zlib
 
 import jax
@@ -34,16 +33,14 @@ import numpy as np
 from absl import logging
 from jax.experimental.multihost_utils import broadcast_one_to_all, process_allgather
 
-from jaxserve.batching.plan import StepPlan
-from jaxserve.engine.engine import Engine, TokenFuture
+from jaxserve.batching.plan import StepKind, StepPlan
+from jaxserve.engine.engine import Engine, StepFuture
 from jaxserve.engine.step_args import StepArgs, StepShape
 
-
-class Kind(enum.IntEnum):
-  STOP = 0
-  STEP = 1
-  SCORED_STEP = 2  # A step that also scores its prompt positions (its args carry the targets).
-  VERIFIED_STEP = 3  # A step that verifies speculative proposals (its args carry them).
+# The header's first number: 0 stops the followers, else the step kind's (batching.plan.StepKind)
+# index plus one.
+STOP = 0
+_KINDS = list(StepKind)
 
 
 # The header, [kind, Bd, Tp, W] int32: the step's StepShape, which sets every shape of the arrays
@@ -82,21 +79,20 @@ class LeaderEngine:
     self.num_calls = 0  # Engine steps sent to the followers.
     self._stopped = False
 
-  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> TokenFuture | None:
+  def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> StepFuture | None:
     # Engine.step builds each call's args (raising on a bad plan before anything is sent).
     return self.engine.step(plan, bitmask, run=self._run)
 
-  def _run(self, args: StepArgs, rows: list[int], chunk_lens=()) -> TokenFuture:
+  def _run(self, args: StepArgs, rows: list[int], kind: StepKind, chunk_lens=()) -> StepFuture:
     shape = (args.decode_slots.shape[0], args.prefill_tokens.shape[0], args.decode_tables.shape[1])
-    kind = Kind.SCORED_STEP if args.prefill_targets is not None else Kind.STEP
-    _send(Kind.VERIFIED_STEP if args.verify_rows is not None else kind, shape, args)
+    _send(_KINDS.index(kind) + 1, shape, args)
     self.num_calls += 1
-    return self.engine.run_step(args, rows, chunk_lens)
+    return self.engine.run_step(args, rows, kind, chunk_lens)
 
   def stop(self) -> None:
     """Tells the followers to return from `follow`. Call once no engine call can follow it."""
     if not self._stopped:
-      _send(Kind.STOP, (0, 0, 0), None)
+      _send(STOP, (0, 0, 0), None)
       self._stopped = True
 
 
@@ -111,18 +107,18 @@ def follow(engine: Engine) -> int:
     kind, *shape = (int(x) for x in broadcast_one_to_all(np.zeros(_HEADER_SHAPE, np.int32)))
     # Process 0's numpy scalars come back as 0-d arrays: the same shapes and dtypes to `jit`, so
     # no step recompiles.
-    if kind == Kind.STOP:
+    if kind == STOP:
       logging.info("follower %d: stop after %d steps", jax.process_index(), num_steps)
       return num_steps
-    if kind not in (Kind.STEP, Kind.SCORED_STEP, Kind.VERIFIED_STEP):
+    if not 1 <= kind <= len(_KINDS):
       raise ValueError(f"unknown engine call {kind} from process 0")
-    template = engine.packer.template(StepShape(*shape), scored=kind == Kind.SCORED_STEP,
-                                      verified=kind == Kind.VERIFIED_STEP)
-    engine.run_step(broadcast_one_to_all(template), [])
+    step_kind = _KINDS[kind - 1]
+    template = engine.packer.template(StepShape(*shape), step_kind)
+    engine.run_step(broadcast_one_to_all(template), [], step_kind)
     num_steps += 1
 
 
-def _send(kind: Kind, shape: tuple[int, int, int], args: StepArgs | None) -> None:
+def _send(kind: int, shape: tuple[int, int, int], args: StepArgs | None) -> None:
   """Process 0's side of one call. Its own args are used as they are: the broadcast is only
   for the others."""
   broadcast_one_to_all(np.array([kind, *shape], np.int32))

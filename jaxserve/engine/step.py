@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.engine.draft import DraftedKV, follow, propose
-from jaxserve.engine.prompt_logprobs import score_prompt
+from jaxserve.engine.prompt_logprobs import PromptLogprobs, score_prompt
 from jaxserve.engine.sample import sample
 from jaxserve.engine.sampling_state import SamplingState
 from jaxserve.engine.verify import sample_verifying
@@ -41,15 +41,24 @@ class DecodeState:
     return cls(zeros(), zeros(), SamplingState.create(num_slots, vocab_size))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+  """What every step returns beside the cache and the decode state; one kind of step
+  (batching.plan.StepKind) fills one more field."""
+
+  # [B, 2 + 2 * n] int32: every sequence's Sampled values in one array, one transfer.
+  sampled: jax.Array
+  prompt: PromptLogprobs | None = None  # [Tp]: a scoring step's prompt positions.
+  verified: jax.Array | None = None  # verify.Verified.packed: a verifying step's runs.
+
+
 def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: DecodeState, args,
          stop_ids, *, attn: AttentionSpec, draft=None, lora: bool = False):
-  """args: engine.step_args.StepArgs of device arrays -> (cache, state, out [B, 2 + 2 * n]), and
-  PromptLogprobs [Tp] last when args.prefill_targets is set, or verify.Verified.packed when
-  args.verify_rows is (a verifying step, engine/verify.py). draft: the draft model's graphdef
+  """args: engine.step_args.StepArgs of device arrays (a scoring step's carry prefill_targets, a
+  verifying step's verify_rows) -> (cache, state, StepOutput). draft: the draft model's graphdef
   (speculative method "draft", engine/draft.py); params is then (the target's, the draft's) and
-  cache a DraftedKV. lora (max_loras > 0): the model's params carry its adapters (_model).
-
-  out: every sequence's Sampled values in one int32 array, one transfer (engine.TokenFuture)."""
+  cache a DraftedKV. lora (max_loras > 0): the model's params carry its adapters (_model)."""
   Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
   slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
   live = slots < Bs
@@ -73,14 +82,15 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
   if draft is not None:  # The draft sees every token the target sees.
     cache = DraftedKV(cache, follow(drafter, draft_cache, tokens, meta, attn))
   targets = jnp.where(samples, slots, Bs)
+  verified = None
   if every is None:
     sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
     next_tokens, next_lens = sampled.tokens, kv_lens
   else:  # A verifying step: a verified chunk's sequence moves past its run.
-    sampled, next_tokens, next_lens, prompt, sampling = _verified(
+    sampled, next_tokens, next_lens, verified, sampling = _verified(
         model, every, rows, meta, starts, kv_lens, live, args, stop_ids, sampling, targets)
   state = _write_back(state, sampling, next_tokens, targets, next_lens)
-  return (cache, state, pack_sampled(sampled)) + (() if prompt is None else (prompt,))
+  return cache, state, StepOutput(pack_sampled(sampled), prompt, verified)
 
 
 def _model(graphdef, params, args, lora: bool) -> tuple:

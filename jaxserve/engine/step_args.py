@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from jaxserve.batching.plan import PrefillChunk, StepPlan
+from jaxserve.batching.plan import PrefillChunk, StepKind, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.sampling_state import SamplingRow, SamplingState
 from jaxserve.model.kv_cache import SCRATCH_PAGE
@@ -142,7 +142,6 @@ class Packer:
     chunks, decodes = list(plan.prefills), list(plan.decode_slots)
     self._check(chunks, decodes)
     num_tokens = sum(len(ch.token_ids) for ch in chunks)
-    scored = [ch.prompt_logprob_targets is not None for ch in chunks]
     buckets = c.prefill_buckets
     if chunks and all(ch.num_drafts for ch in chunks):
       buckets = self.verify_buckets() + buckets
@@ -162,9 +161,9 @@ class Packer:
     samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last and not ch.num_drafts]
     args = args._replace(bitmask=self._bitmask(Bd + args.prefill_slots.shape[0], samples,
                                                bitmask))
-    if any(scored):
+    if plan.kind is StepKind.SCORING:
       args = args._replace(prefill_targets=_prompt_targets(chunks, Tp))
-    if any(ch.num_drafts for ch in chunks):
+    if plan.kind is StepKind.VERIFYING:
       args = args._replace(**self._verified(chunks, Bd, args.prefill_slots.shape[0]))
     if c.max_loras:
       args = args._replace(lora_slots=_lora_slots(plan, rows, Tp))
@@ -215,14 +214,15 @@ class Packer:
     if any(scored) and (decodes or not all(scored)):
       raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
 
-  def template(self, shape: StepShape, scored: bool = False, verified: bool = False) -> StepArgs:
-    """Arrays of `shape` that run nothing but padding (warm-up, and multihost's receive buffers)."""
+  def template(self, shape: StepShape, kind: StepKind = StepKind.PLAIN) -> StepArgs:
+    """Arrays of `shape` for a `kind` step that run nothing but padding (warm-up, and
+    multihost's receive buffers)."""
     Bd, Tp, W = shape
     rows = np.full(Bd, self.config.num_slots, np.int32)
-    targets = np.zeros(Tp, np.int32) if scored else None
+    targets = np.zeros(Tp, np.int32) if kind is StepKind.SCORING else None
     args = StepArgs(rows, np.full((Bd, W), SCRATCH_PAGE, np.int32), *self._prefill([], Bd, Tp, W),
                     prefill_targets=targets)
-    if verified:
+    if kind is StepKind.VERIFYING:
       args = args._replace(**self._verified([], Bd, args.prefill_slots.shape[0]))
     if self.config.max_loras:
       args = args._replace(lora_slots=np.zeros(Bd + Tp, np.int32))
