@@ -47,14 +47,9 @@ def available() -> bool:
   return True
 
 
-def cpu_flags() -> list[str]:
-  """The CPU's feature flags, as Linux reports them (none where it does not)."""
-  return Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-
-
 def supported_isas() -> list[str]:
   """The instruction sets this CPU runs (the sweep test runs each)."""
-  flags = cpu_flags()
+  flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
   out = ["scalar"]
   if "avx2" in flags and "fma" in flags:
     out.append("avx2")
@@ -63,8 +58,18 @@ def supported_isas() -> list[str]:
   return out
 
 
+def dispatched_isa() -> str | None:
+  """The instruction set the library runs for isa="auto", as it reports it (its own CPUID
+  check), or None when it is not available."""
+  if not available():
+    return None
+  widest = ctypes.CDLL(str(library_path())).JaxserveWidestIsa
+  widest.restype = ctypes.c_int64
+  return {code: name for name, code in ISAS.items()}[widest()]
+
+
 def measured_faster() -> bool:
   """Whether the kernels run a path that was measured faster than XLA's float one: AVX2 or
   AVX-512 (BENCHMARKS.md, "CPU kernels"); the scalar path, all a CPU without AVX2 runs, was
   not measured, so `--quantization auto` keeps float weights there."""
-  return "avx2" in supported_isas()
+  return dispatched_isa() in ("avx2", "avx512")

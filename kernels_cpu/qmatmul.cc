@@ -200,6 +200,10 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
 
 }  // namespace
 
+// The Isa that isa = auto runs on this CPU, outside XLA (library.py reads it with ctypes):
+// `--quantization auto` picks the kernels only where it is a path that was measured.
+extern "C" int64_t JaxserveWidestIsa() { return Widest(); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmul, QMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

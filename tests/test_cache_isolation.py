@@ -138,3 +138,18 @@ def test_vllms_api_key_flag_is_one_admin_key_every_request_must_send(capsys):
     assert [k.admin for k in srv.server.gateway.keys] == [True]
   finally:
     srv.close()
+
+
+def test_jaxserve_api_key_is_the_api_key_where_no_key_flag_is_given(monkeypatch):
+  """JAXSERVE_API_KEY (vLLM's VLLM_API_KEY): the --api-key of a command line with neither key
+  flag; --api-key and --keys-file win over it; empty, it is unset."""
+  from jaxserve.cli import main
+
+  config = lambda *argv: main._server_config(main.build_parser().parse_args(["serve", *argv]))
+  monkeypatch.setenv("JAXSERVE_API_KEY", "sk-env")
+  assert config().api_key == "sk-env"
+  assert config("--api-key", "sk-1").api_key == "sk-1"
+  from_file = config("--keys-file", "keys.json")
+  assert (from_file.api_key, from_file.keys_file) == (None, "keys.json")
+  monkeypatch.setenv("JAXSERVE_API_KEY", "")
+  assert config().api_key is None

@@ -93,6 +93,19 @@ def test_packing_by_hand():
 
 
 @built
+def test_the_library_reports_the_isa_auto_runs():
+  """dispatched_isa (the library's own CPUID check) is the widest /proc/cpuinfo names, and
+  isa="auto" gives that ISA's bits exactly."""
+  assert library.dispatched_isa() == library.supported_isas()[-1]
+  rng = np.random.default_rng(5)
+  values, scale, minimum = operands(blocks_of("Q4_1", 96, 256, rng), nk=False)
+  x = jnp.asarray(rng.standard_normal((3, 256), dtype=np.float32))
+  auto = kernels_cpu.qmatmul(x, values, scale, minimum)
+  named = kernels_cpu.qmatmul(x, values, scale, minimum, isa=library.dispatched_isa())
+  assert np.array_equal(np.asarray(auto), np.asarray(named))
+
+
+@built
 @pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk"])
 def test_the_largest_prefill_bucket(nk):
   rng = np.random.default_rng(1)

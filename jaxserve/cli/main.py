@@ -124,7 +124,7 @@ def _server_config(args):
   return server.ServerConfig(
       host=args.host, grpc_port=args.grpc_port,
       http_port=None if args.http_port < 0 else args.http_port, metrics_port=args.metrics_port,
-      keys_file=args.keys_file, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
+      keys_file=args.keys_file, api_key=_api_key(args), drain_timeout_s=args.drain_timeout,
       tls_cert=args.tls_cert, tls_key=args.tls_key, log_prompts=args.log_prompts,
       scheduler=scheduler, kv_events=args.kv_events_config,
       prefix_cache_scope=args.prefix_cache_scope,
@@ -133,6 +133,13 @@ def _server_config(args):
       kv_peer_api_key=args.kv_peer_api_key, kv_peer_tls_ca=args.kv_peer_tls_ca,
       kv_peer_timeout_s=args.kv_peer_timeout,
       runtime_lora_roots=tuple(args.lora_root) if args.enable_runtime_lora_updates else None)
+
+
+def _api_key(args) -> str | None:
+  """--api-key, else JAXSERVE_API_KEY where no --keys-file is given (vLLM's VLLM_API_KEY: the
+  key off the command line, which `ps` shows)."""
+  given = args.api_key is not None or args.keys_file is not None
+  return args.api_key if given else os.environ.get("JAXSERVE_API_KEY") or None
 
 
 def _kv_events_config(text: str):
@@ -160,7 +167,7 @@ def _add_serve_parser(sub) -> None:
                  '[{"key", "name", "requests_per_minute", "tokens_per_minute", "admin"}]}; unset: '
                  'no keys')
   s.add_argument("--api-key", default=None, help="vLLM's: one key every request must send "
-                 "(no limits; an admin key), instead of --keys-file")
+                 "(no limits; an admin key), instead of --keys-file; unset: $JAXSERVE_API_KEY")
   s.add_argument("--drain-timeout", type=float, default=30.0,
                  help="seconds from SIGTERM to exit: requests accepted before it finish within "
                  "it, or are cut shortly before its end (UNAVAILABLE)")
