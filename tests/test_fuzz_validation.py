@@ -54,9 +54,8 @@ def service(smol):
   info = EngineInfo(num_slots=1, page_size=16, num_pages=2, max_model_len=MAX_MODEL_LEN,
                     max_prefill_len=16, can_share_pages=True, vocab_size=smol.vocab_size)
   # The serving core's constraint gate compiles with the engine thread's real Constraints.
-  engine_thread = types.SimpleNamespace(
-      constraints=Constraints(smol, info.vocab_size, info.num_slots))
-  runner = types.SimpleNamespace(engine_info=info, runner=engine_thread)
+  runner = types.SimpleNamespace(engine_info=info,
+                                 constraints=Constraints(smol, info.vocab_size, info.num_slots))
   return Service(runner, smol, "tiny", gateway.Gateway(), Metrics())
 
 
