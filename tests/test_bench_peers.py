@@ -1,6 +1,6 @@
 """scripts/bench/peers.py (`python -m scripts.bench peers`): the shipped workload, the report
 arithmetic, and the jaxserve part in --quick mode on a tiny random model (a peer that is not
-installed is reported as skipped)."""
+installed is reported as skipped); how llama.cpp is loaded where its weight repack crashes."""
 
 import json
 import pathlib
@@ -14,6 +14,7 @@ from support import script_loader
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 bp = script_loader.load("bench.peers")
+ps = script_loader.load("bench.peers_systems")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_quick_mode_runs_jaxserve_and_skips_a_missing_peer(tiny_checkpoint, tmp_
   def missing():
     raise ImportError("No module named 'llama_cpp'")
 
-  monkeypatch.setattr(bp, "import_llama_cpp", missing)  # As on a machine without it.
+  monkeypatch.setattr(ps, "import_llama_cpp", missing)  # As on a machine without it.
   out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
   # The shapes of support/server_harness.py's ENGINE: programs the compilation cache holds.
   assert bp.main(["--quick", "--systems", "jaxserve,llama.cpp",
@@ -90,3 +91,43 @@ def test_quick_mode_runs_jaxserve_and_skips_a_missing_peer(tiny_checkpoint, tmp_
   md = out_md.read_text()
   assert (md.startswith("| system | wall s |") and "| jaxserve |" in md
           and "| llama.cpp | skipped" in md)
+
+
+STAND_INS = {  # A llama_cpp package for the probe's throwaway process: how its load ends.
+    "crashes": "import os, signal\nclass Llama:\n  def __init__(self, **kw):\n"
+               "    os.kill(os.getpid(), signal.SIGSEGV)\n",
+    "loads": "class Llama:\n  def __init__(self, **kw): pass\n"
+             "  def generate(self, ids, **kw): yield 7\n",
+    "fails": "raise ImportError('no llama here')\n"}
+
+
+@pytest.mark.parametrize("kind", list(STAND_INS))
+def test_llama_cpp_is_loaded_without_its_repack_where_the_repack_crashes(kind, tmp_path,
+                                                                         monkeypatch):
+  # As llama-cpp-python 0.3.36 does on the Xeon with AMX (exit -11 repacking Q4_1): the probe's
+  # process dies by a signal, and llama.cpp is then loaded with use_extra_bufts = False.
+  (tmp_path / "llama_cpp").mkdir()
+  (tmp_path / "llama_cpp" / "__init__.py").write_text(STAND_INS[kind])
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+  if kind == "fails":
+    with pytest.raises(RuntimeError, match="no llama here"):
+      ps.repack_mode(tmp_path / "model.gguf")
+    return
+  mode, why = ps.repack_mode(tmp_path / "model.gguf")
+  assert (mode, "SIGSEGV" in why) == ((ps.NO_REPACK, True) if kind == "crashes"
+                                      else (ps.REPACK, False))
+
+
+def test_the_repack_setting_reaches_llama_cpps_model_parameters():
+
+  class Params:
+    use_extra_bufts = True
+
+  class Lib:
+    class llama_cpp:
+      llama_model_default_params = Params
+
+  for mode, want in ((ps.NO_REPACK, False), (ps.REPACK, True)):
+    with ps._model_params(Lib, mode):
+      assert Lib.llama_cpp.llama_model_default_params().use_extra_bufts is want
+  assert Lib.llama_cpp.llama_model_default_params is Params  # Restored after.

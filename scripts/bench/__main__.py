@@ -35,7 +35,7 @@ from . import harness
 # Command -> the module of this package that holds it. A module is imported only when one of its
 # commands runs: `serving` never imports jax, and `step` puts another tree's jaxserve first on
 # sys.path before anything imports jaxserve.
-MODULES = {"decode": "decode", "prefill": "decode", "moe": "decode", "device": "device",
+MODULES = {"decode": "decode", "prefill": "decode", "moe": "moe", "device": "device",
            "quant": "quant", "speculative": "speculative", "step": "step", "lora": "lora",
            "offload": "offload",
            "peers": "peers",

@@ -30,6 +30,9 @@ load spike from other processes on the machine hits them alike; the load average
 disturb each other's thread pools). `--single-stream` replaces the workload with one request:
 the chat-templated "What is a mortgage rate?" and 128 greedy tokens (what `jaxserve generate`
 does first for a new user). `--quantization` is jaxserve's (`auto`: the `LLM()` default).
+`--llama-cpp-repack auto` (the default) loads llama.cpp once in a throwaway process first and
+turns its weight repacking off where that load crashes (peers_systems.py); the report says which
+way it ran.
 """
 
 from __future__ import annotations
@@ -37,17 +40,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
-import os
 import pathlib
 import random
 import statistics
-import subprocess
 import sys
-import time
 from typing import Any, Sequence
 
 from . import harness
+from .peers_systems import NO_REPACK, REPACK, Run, install_llama_cpp, load_systems, repack_mode
 
 WORKLOAD = harness.WORKLOAD
 WORDS = ("the a of and to in is that it for on with as was at by from this be are or have not but "
@@ -93,271 +93,6 @@ def write_workload(path: pathlib.Path, work: Sequence[dict]) -> None:
   path.write_text("".join(json.dumps(r) + "\n" for r in work))
 
 
-@dataclasses.dataclass
-class Run:
-  """One system's pass over the workload."""
-
-  system: str
-  wall_s: float
-  generated_tokens: int  # The workload's: sum of max_tokens.
-  prompt_tokens: int
-  mean_ttft_s: float
-  decoded_tokens: int  # What the system computed (a static batch runs to its longest budget).
-  loadavg: tuple[float, float, float]  # 1-minute load average before and after, 5 after.
-  outputs: list[list[int]] = dataclasses.field(repr=False, default_factory=list)
-
-  @property
-  def generated_tokens_per_s(self) -> float:
-    return self.generated_tokens / self.wall_s
-
-  @property
-  def prompt_tokens_per_s(self) -> float:
-    return self.prompt_tokens / self.wall_s
-
-
-def timed(system: str, work: Sequence[dict], go) -> Run:
-  """Runs go() -> (outputs, first-token times, decoded tokens) and measures it."""
-  load_before = os.getloadavg()[0]
-  t0 = time.monotonic()
-  outputs, firsts, decoded = go()
-  wall = time.monotonic() - t0
-  for r, out in zip(work, outputs):
-    if len(out) != r["max_tokens"]:
-      raise RuntimeError(f"{system}: {r['id']} got {len(out)} tokens, wanted {r['max_tokens']}")
-  after = os.getloadavg()
-  return Run(system, wall, sum(r["max_tokens"] for r in work),
-             sum(len(r["prompt_token_ids"]) for r in work),
-             statistics.fmean(f - t0 for f in firsts), decoded, (load_before, after[0], after[1]),
-             outputs)
-
-
-class JaxServe:
-  name = "jaxserve"
-
-  def __init__(self, args: argparse.Namespace):
-    from jaxserve.config import EngineConfig
-    from jaxserve.llm import LLM
-
-    cfg = EngineConfig(num_slots=args.slots, page_size=16, max_model_len=args.max_model_len,
-                       num_pages=args.num_pages, prefill_buckets=args.buckets,
-                       quantization=args.quantization)
-    self.llm = LLM(args.jaxserve_model, engine_config=cfg)
-
-  def run(self, work: Sequence[dict]) -> Run:
-    from jaxserve.config import SamplingParams
-
-    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
-              for r in work]
-
-    def go():
-      done = self.llm.generate([r["prompt_token_ids"] for r in work], params)
-      outputs = [list(c.token_ids) for c in done]
-      return outputs, [c.timings.first_token for c in done], sum(map(len, outputs))
-    return timed(self.name, work, go)
-
-
-class Transformers:
-  name = "transformers"
-
-  def __init__(self, args: argparse.Namespace):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(args.threads)
-    self.torch, self.batch_size = torch, args.hf_batch
-    self.model = AutoModelForCausalLM.from_pretrained(
-        str(args.gguf.parent), gguf_file=args.gguf.name, dtype=torch.float32).eval()
-    self.pad = self.model.generation_config.pad_token_id or 0
-    self._generate([[1, 2, 3]], 2, lambda: None)  # Warm-up: first-call allocations.
-
-  def _generate(self, prompts: Sequence[Sequence[int]], new: int, on_first) -> Any:
-    torch = self.torch
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)  # [B, T], left padded.
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-      ids[row, width - len(p):] = torch.tensor(p)
-      mask[row, width - len(p):] = 1
-    with torch.inference_mode():
-      out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, pad_token_id=self.pad,
-                                streamer=_FirstToken(on_first))
-    return out[:, width:]  # [B, new]
-
-  def run(self, work: Sequence[dict]) -> Run:
-    def go():
-      outputs, firsts, decoded = [], [], 0
-      for start in range(0, len(work), self.batch_size):
-        batch = work[start:start + self.batch_size]
-        new = max(r["max_tokens"] for r in batch)
-        first = []
-        out = self._generate([r["prompt_token_ids"] for r in batch], new,
-                             lambda: first.append(time.monotonic()))
-        outputs += [out[row, :r["max_tokens"]].tolist() for row, r in enumerate(batch)]
-        firsts += first[:1] * len(batch)
-        decoded += new * len(batch)
-      return outputs, firsts, decoded
-    return timed(self.name, work, go)
-
-
-class _FirstToken:
-  """A transformers streamer (put/end): calls `on_first` when the first new tokens arrive."""
-
-  def __init__(self, on_first):
-    self.on_first, self.num_puts = on_first, 0
-
-  def put(self, value):
-    self.num_puts += 1
-    if self.num_puts == 2:  # The first put is the prompt.
-      self.on_first()
-
-  def end(self):
-    pass
-
-
-def import_llama_cpp():
-  import llama_cpp  # Raises ImportError when it is not installed: the system is skipped.
-  return llama_cpp
-
-
-class LlamaCpp:
-  """One request at a time, through the high-level `Llama.generate` (which never stops at EOS)."""
-
-  name = "llama.cpp"
-
-  def __init__(self, args: argparse.Namespace):
-    self.llm = import_llama_cpp().Llama(
-        model_path=str(args.gguf), n_ctx=args.max_model_len, n_batch=512, n_threads=args.threads,
-        n_threads_batch=args.threads, verbose=False)
-    self._generate([1, 2, 3], 2)  # Warm-up.
-
-  def _generate(self, prompt: Sequence[int], n: int, first: list | None = None) -> list[int]:
-    out = []
-    for token in self.llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
-      if not out and first is not None:
-        first.append(time.monotonic())
-      out.append(token)
-      if len(out) == n:
-        return out
-    return out
-
-  def close(self) -> None:
-    self.llm.close()
-
-  def run(self, work: Sequence[dict]) -> Run:
-    def go():
-      firsts = []
-      outputs = [self._generate(r["prompt_token_ids"], r["max_tokens"], firsts) for r in work]
-      return outputs, firsts, sum(map(len, outputs))
-    return timed(self.name, work, go)
-
-
-class LlamaCppParallel:
-  """Continuous batching of `--slots` sequences in one llama.cpp context (its low-level API).
-
-  Each step is one `llama_decode` of a batch: every running sequence's last token, then the whole
-  prompts of newly admitted ones while the batch has room (as llama.cpp's server fills its batch).
-  Greedy: the argmax of each sequence's logits row.
-  """
-
-  name = "llama.cpp-parallel"
-
-  def __init__(self, args: argparse.Namespace):
-    lib = self.lib = import_llama_cpp()
-    lib.llama_backend_init()
-    # llama-cpp-python's own log callback prints what this logger's level lets through.
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    self.model = lib.llama_model_load_from_file(str(args.gguf).encode(),
-                                                lib.llama_model_default_params())
-    p = lib.llama_context_default_params()
-    p.n_ctx = args.slots * args.max_model_len  # Split evenly between the sequences.
-    p.n_batch = p.n_ubatch = self.batch_size = 512
-    p.n_seq_max, p.n_threads, p.n_threads_batch = args.slots, args.threads, args.threads
-    self.ctx = lib.llama_init_from_model(self.model, p)
-    if not self.model or not self.ctx:
-      raise RuntimeError(f"llama.cpp could not load {args.gguf}")
-    self.num_slots = args.slots
-    self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-    self.batch = lib.llama_batch_init(self.batch_size, 0, 1)
-    self._serve([{"prompt_token_ids": [1, 2, 3], "max_tokens": 2}], [0.0])  # Warm-up.
-
-  def run(self, work: Sequence[dict]) -> Run:
-    def go():
-      firsts = [0.0] * len(work)
-      outputs = self._serve(work, firsts)
-      return outputs, firsts, sum(map(len, outputs))
-    return timed(self.name, work, go)
-
-  def _serve(self, work: Sequence[dict], firsts: list[float]) -> list[list[int]]:
-    """Output ids per request; fills `firsts` with each one's first-token time."""
-    lib, mem = self.lib, self.lib.llama_get_memory(self.ctx)
-    outputs = [[] for _ in work]
-    queue, free = list(range(len(work)))[::-1], list(range(self.num_slots))[::-1]
-    running = {}  # slot -> [request index, position of the next token]
-    while queue or running:
-      rows = [(outputs[i][-1], pos, slot, True) for slot, (i, pos) in running.items()]
-      while (queue and free
-             and len(rows) + len(work[queue[-1]]["prompt_token_ids"]) <= self.batch_size):
-        i, slot = queue.pop(), free.pop()
-        lib.llama_memory_seq_rm(mem, slot, -1, -1)
-        ids = work[i]["prompt_token_ids"]
-        rows += [(t, pos, slot, pos == len(ids) - 1) for pos, t in enumerate(ids)]
-        running[slot] = [i, len(ids) - 1]  # Bumped below with the others.
-      self._decode(rows)
-      now = time.monotonic()
-      for j, (_, _, slot, logits) in enumerate(rows):
-        if not logits:
-          continue
-        i = running[slot][0]
-        running[slot][1] += 1
-        outputs[i].append(self._argmax(j))
-        firsts[i] = firsts[i] or now
-        if len(outputs[i]) == work[i]["max_tokens"]:
-          del running[slot]
-          free.append(slot)
-    return outputs
-
-  def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
-    b = self.batch
-    for j, (token, pos, slot, logits) in enumerate(rows):
-      b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = token, pos, 1, logits
-      b.seq_id[j][0] = slot
-    b.n_tokens = len(rows)
-    if self.lib.llama_decode(self.ctx, b) != 0:
-      raise RuntimeError("llama_decode failed")
-
-  def close(self) -> None:
-    """Frees the C objects now: left to interpreter teardown, llama.cpp may crash there."""
-    self.lib.llama_batch_free(self.batch)
-    self.lib.llama_free(self.ctx)
-    self.lib.llama_model_free(self.model)
-
-  def _argmax(self, row: int) -> int:
-    import numpy as np
-    logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row),
-                                   shape=(self.vocab,))
-    return int(logits.argmax())
-
-
-def install_llama_cpp(timeout_s: float) -> str | None:
-  """pip-installs llama-cpp-python (a source build: minutes). None on success, else why not."""
-  try:
-    import_llama_cpp()
-    return None
-  except ImportError:
-    pass
-  print(f"installing llama-cpp-python (compiles llama.cpp; up to {timeout_s:.0f} s)",
-        file=sys.stderr)
-  try:
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python"],
-                          capture_output=True, text=True, timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    return f"pip install llama-cpp-python took over {timeout_s:.0f} s"
-  if done.returncode:
-    return "pip install llama-cpp-python failed: " + done.stderr.strip()[-500:]
-  return None
-
-
 def agreement(run: Run, reference: Run) -> float:
   """Mean fraction of each request's tokens, from the start, identical to the reference's."""
   def prefix(a, b):
@@ -395,6 +130,8 @@ def markdown(report: dict) -> str:
                  f"{r['prompt_tokens_per_s']:.1f} | {r['mean_ttft_s']:.2f} | "
                  + " | ".join(extra) + " |")
   lines += [f"| {name} | skipped: {why} | | | | | | |" for name, why in report["skipped"].items()]
+  if "llama.cpp weights" in report:
+    lines += ["", f"llama.cpp weights: {report['llama.cpp weights']}"]
   return "\n".join(lines)
 
 
@@ -432,46 +169,50 @@ def build_parser() -> argparse.ArgumentParser:
                  help="one chat prompt and 128 greedy tokens instead of the workload")
   p.add_argument("--fresh", action="store_true",
                  help="each system of each round in its own new process")
+  p.add_argument("--llama-cpp-repack", choices=("auto", REPACK, NO_REPACK), default="auto",
+                 help="llama.cpp's weight repacking at load (use_extra_bufts); auto: on unless a "
+                 "throwaway load with it dies, as on the Xeon with AMX")
   p.add_argument("--child", action="store_true",
                  help="(internal, with --fresh) print this process's runs as JSON")
   return p
 
 
-def fresh_rounds(argv: Sequence[str], names: Sequence[str], rounds: int):
+def fresh_rounds(argv: Sequence[str], names: Sequence[str], args: argparse.Namespace):
   """run_rounds with every system of every round in a new process of this command."""
   drop = {"--fresh"}
+  own = ("--systems", "--rounds", "--json", "--markdown", "--llama-cpp-repack")
   base, skip = [], False
   for a in argv:  # This invocation's flags, less the ones each child gets its own of.
     if skip:
       skip = False
-    elif a in ("--systems", "--rounds", "--json", "--markdown"):
+    elif a in own:
       skip = True
-    elif a not in drop and not a.startswith(("--systems=", "--rounds=", "--json=",
-                                             "--markdown=")):
+    elif a not in drop and not a.startswith(tuple(f"{o}=" for o in own)):
       base.append(a)
+  base += ["--llama-cpp-repack", args.llama_cpp_repack, "--rounds", "1", "--child"]
   skipped = {}
 
   def run(name: str) -> list[Run]:
-    child = harness.fresh("peers", [*base, "--systems", name, "--rounds", "1", "--child"])
+    child = harness.fresh("peers", [*base, "--systems", name])
     skipped.update(child["skipped"])
     return [Run(**{**r, "loadavg": tuple(r["loadavg"])}) for r in child["runs"]]
   runs = {n: [r for rs in per_round for r in rs]
-          for n, per_round in harness.interleaved(names, rounds, run).items()}
+          for n, per_round in harness.interleaved(names, args.rounds, run).items()}
   return {n: rs for n, rs in runs.items() if rs}, skipped
 
 
-def load_systems(names: Sequence[str], args: argparse.Namespace) -> tuple[list, dict[str, str]]:
-  classes = {c.name: c for c in (JaxServe, Transformers, LlamaCpp, LlamaCppParallel)}
-  systems, skipped = [], {}
-  for name in names:
-    try:
-      systems.append(classes[name](args))
-    except ImportError as e:  # Not installed: reported, never faked.
-      skipped[name] = f"not installed ({e})" + ("" if args.install_llama_cpp else
-                                                "; pass --install-llama-cpp")
-    except Exception as e:  # A peer that fails to load is skipped with the reason.
-      skipped[name] = f"failed to load: {type(e).__name__}: {e}"
-  return systems, skipped
+def choose_repack(args: argparse.Namespace, llama: bool) -> str | None:
+  """Settles --llama-cpp-repack auto (before any timed run, so children get it as a value)."""
+  if not llama or args.child:
+    return None
+  if args.llama_cpp_repack != "auto":
+    return "as asked"
+  try:
+    args.llama_cpp_repack, why = repack_mode(args.gguf)
+  except Exception as e:  # Not installed or the file missing: the systems report it themselves.
+    args.llama_cpp_repack, why = REPACK, f"not probed ({type(e).__name__})"
+  print(f"llama.cpp: repacking {args.llama_cpp_repack}: {why}", file=sys.stderr, flush=True)
+  return why
 
 
 def run_rounds(systems: Sequence, work: Sequence[dict], rounds: int) -> dict[str, list[Run]]:
@@ -507,11 +248,12 @@ def main(argv=None) -> int:
       return 0
   else:
     work = read_workload(args.workload)
-  install_error = None
-  if args.install_llama_cpp and any(n.startswith("llama.cpp") for n in names):
+  install_error, llama = None, any(n.startswith("llama.cpp") for n in names)
+  if args.install_llama_cpp and llama:
     install_error = install_llama_cpp(args.install_timeout)
+  repack_why = choose_repack(args, llama and not install_error)
   if args.fresh:
-    runs, skipped = fresh_rounds(sys.argv[1:] if argv is None else argv, names, args.rounds)
+    runs, skipped = fresh_rounds(sys.argv[1:] if argv is None else argv, names, args)
   else:
     systems, skipped = load_systems(names, args)
     if install_error:
@@ -530,6 +272,8 @@ def main(argv=None) -> int:
                         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in work),
                         "generated_tokens": sum(r["max_tokens"] for r in work)}
   report["machine"] = {**harness.machine(), "rounds": args.rounds, "fresh_processes": args.fresh}
+  if repack_why:
+    report["llama.cpp weights"] = f"repacking {args.llama_cpp_repack}: {repack_why}"
   table = markdown(report)
   print(table)
   if args.json:
