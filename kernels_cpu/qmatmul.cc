@@ -36,10 +36,20 @@ struct Problem {
   int64_t M, K, N, G;
   const float* xsum;  // [M, K / G]: x's sum over each group (kn)
   bool packed;        // kn only: row pairs (2j, 2j + 1) in the low and high nibbles of row j.
+  // kn only, where rows of values and scales lie: row r, column n at
+  // (n / kTaskColumns) * block + n % kTaskColumns + r * row. Rows as stored, [rows, N]: row = N,
+  // block = kTaskColumns. Tiled (each task's columns one contiguous run, [N / 64, rows, 64]):
+  // row = kTaskColumns, block = rows * kTaskColumns.
+  int64_t row_v, block_v, row_s, block_s;
 };
 
 // Output columns (kn) or rows of W (nk) that one task computes.
 constexpr int64_t kTaskColumns = 64;
+
+// Where row r, column n of a kn array lies (Problem's row and block strides).
+inline int64_t At(int64_t r, int64_t n, int64_t row, int64_t block) {
+  return (n / kTaskColumns) * block + n % kTaskColumns + r * row;
+}
 constexpr int64_t kTaskRowsNK = 16;
 // Rows of x a tile keeps in registers.
 constexpr int kMaxRows = 8;
@@ -171,7 +181,7 @@ void ParallelFor(ffi::ThreadPool& pool, const Problem& p, Task task, int64_t tot
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> minimum,
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool nk,
-                   bool has_min, int64_t isa) {
+                   bool has_min, bool tiled, int64_t isa) {
   if (isa == kAuto) isa = Widest();
   if (!Supported(isa)) return ffi::Error::InvalidArgument("this CPU lacks the asked ISA");
   auto vd = values.dimensions();
@@ -185,6 +195,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const int64_t per_scale = groups * N, G = K / groups;
   const bool packed = values.element_type() == ffi::DataType::U8;
   if (packed && (nk || G % 2)) return ffi::Error::InvalidArgument("packed values: kn, even groups");
+  if (tiled && (nk || N % kTaskColumns)) return ffi::Error::InvalidArgument("tiled: kn, N % 64");
   const int8_t* v = static_cast<const int8_t*>(values.untyped_data()) + l * (packed ? K / 2 : K) * N;
   std::vector<float> xsum(nk ? 0 : M * groups, 0.0f);  // One-row kn tiles factor by group.
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
@@ -194,6 +205,9 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   Problem p{x.typed_data(), v, scale.typed_data() + l * per_scale,
             has_min ? minimum.typed_data() + l * per_scale : nullptr,
             y->typed_data(), M, K, N, G, xsum.data(), packed};
+  const int64_t rows_v = packed ? K / 2 : K, t = kTaskColumns;
+  p.row_v = tiled ? t : N, p.block_v = tiled ? rows_v * t : t;
+  p.row_s = tiled ? t : N, p.block_s = tiled ? groups * t : t;
   ParallelFor(pool, p, TaskFor(isa, nk), N, nk ? kTaskRowsNK : kTaskColumns);
   return ffi::Error::Success();
 }
@@ -215,4 +229,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmul, QMatmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<bool>("nk")
                                   .Attr<bool>("has_min")
+                                  .Attr<bool>("tiled")
                                   .Attr<int64_t>("isa"));

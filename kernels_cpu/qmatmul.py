@@ -3,8 +3,10 @@ weight read where it lies (int8 values, float32 scales and minima per group of G
 
 Layouts: kn, values [K, N] with scale [K / G, N] (a layer's weights in their float layout); nk,
 values [N, K] with scale [N, K / G] (the embedding read as the tied LM head); kn values may be
-packed, uint8 [K / 2, N] (reference.packed: 4-bit values two a byte). Either may carry a
-leading [L] axis, with `layer` (an int32 scalar, traced: the scan's index) picking the matrix.
+packed, uint8 [K / 2, N] (reference.packed: 4-bit values two a byte), and kn arrays may be
+`tiled` (reference.tiled: the same shape, stored as tiles of 64 columns, N % 64 == 0), so that a
+task reads its columns as one run instead of 64 bytes from each row. Either may carry a leading
+[L] axis, with `layer` (an int32 scalar, traced: the scan's index) picking the matrix.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from kernels_cpu import library
 
 
 def qmatmul(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
-            isa: str = "auto"):
+            tiled: bool = False, isa: str = "auto"):
   """y [M, N] float32. Raises ValueError for shapes or dtypes the kernel does not take, or when
   the library is not built (check `library.available()` first)."""
   _check(x_MK, values, scale, minimum, nk, layer, isa)
+  if tiled and (nk or values.shape[-1] % 64):
+    raise ValueError(f"tiled arrays are kn with N a multiple of 64; got {values.shape}, nk={nk}")
   if not library.available():
     raise ValueError("the CPU kernel library is not built (kernels_cpu.available() is False)")
   N = values.shape[-2] if nk else values.shape[-1]
@@ -30,7 +34,7 @@ def qmatmul(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
   return call(x_MK.astype(jnp.float32), values, scale,
               minimum if has_min else jnp.zeros((1,), jnp.float32),
               jnp.asarray(0 if layer is None else layer, jnp.int32),
-              nk=nk, has_min=has_min, isa=np.int64(library.ISAS[isa]))
+              nk=nk, has_min=has_min, tiled=tiled, isa=np.int64(library.ISAS[isa]))
 
 
 def _check(x, values, scale, minimum, nk, layer, isa):

@@ -1,5 +1,5 @@
-"""The jnp reference of qmatmul: dequantize to float32, then one dot. And the packed form of
-4-bit values the kernel reads (two a byte), with its inverse."""
+"""The jnp reference of qmatmul: dequantize to float32, then one dot. And the kernel's storage
+forms with their inverses: 4-bit values packed two a byte, and kn arrays in tiles of 64 columns."""
 
 from __future__ import annotations
 
@@ -23,6 +23,25 @@ def unpacked(values, axis: int):
   return pairs.reshape(shape).astype(jnp.int8)
 
 
+TILE = 64  # Output columns a task of the kernel computes: one tile's run (qmatmul.cc).
+
+
+def tiled(a: np.ndarray) -> np.ndarray:
+  """A kn array [..., R, N] (values, scales or minima) in the kernel's tiled order, same shape:
+  its memory holds [..., N / 64, R, 64], so the rows of one task's 64 columns are one run."""
+  *lead, R, N = a.shape
+  if N % TILE:
+    raise ValueError(f"tiles of {TILE} columns do not divide N = {N}")
+  return np.ascontiguousarray(a.reshape(*lead, R, N // TILE, TILE).swapaxes(-3, -2)).reshape(
+      a.shape)
+
+
+def untiled(a):
+  """tiled's inverse, in jnp (inside a compiled step)."""
+  *lead, R, N = a.shape
+  return a.reshape(*lead, N // TILE, R, TILE).swapaxes(-3, -2).reshape(a.shape)
+
+
 def dequantized(values, scale, minimum, *, nk: bool):
   """values * scale + minimum, float32, each scale repeated over its group of inputs: [K, N]
   (kn) or [N, K] (nk); values uint8 are packed (kn: along K)."""
@@ -34,11 +53,15 @@ def dequantized(values, scale, minimum, *, nk: bool):
   return w if minimum is None else w + jnp.repeat(minimum, group, axis)
 
 
-def qmatmul_reference(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None):
+def qmatmul_reference(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
+                      tiled: bool = False):
   """y [M, N] = x [M, K] @ W, as qmatmul (one matrix, or `layer` of a stacked [L, ...] one)."""
   if layer is not None:
     values, scale = values[layer], scale[layer]
     minimum = None if minimum is None else minimum[layer]
+  if tiled:
+    values, scale = untiled(values), untiled(scale)
+    minimum = None if minimum is None else untiled(minimum)
   w = dequantized(values, scale, minimum, nk=nk)
   spec = "MK,NK->MN" if nk else "MK,KN->MN"
   return jnp.einsum(spec, x_MK.astype(jnp.float32), w, preferred_element_type=jnp.float32)

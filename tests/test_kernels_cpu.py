@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 
 import kernels_cpu
-from jaxserve.loading import checkpoint, gguf_blocks
+from jaxserve.loading import checkpoint, gguf_blocks, kernel_forms
 from jaxserve.model import quant
 from kernels_cpu import library
-from kernels_cpu.reference import packed, qmatmul_reference, unpacked
+from kernels_cpu.reference import packed, qmatmul_reference, tiled, unpacked, untiled
 from support.gguf_random import random_blocks
 
 # Every test but the hidden-library one needs the library (that one runs without it too).
@@ -82,6 +82,38 @@ def test_packed_values_match_the_reference(type_name, isa):
     y = kernels_cpu.qmatmul(x, four_bits, scale, minimum, isa=isa)
     ref = qmatmul_reference(x, values, scale, minimum)
     assert relative_error(y, ref) <= TOLERANCE, (M, relative_error(y, ref))
+
+
+@built
+@pytest.mark.parametrize("isa", library.supported_isas())
+@pytest.mark.parametrize("type_name", [*gguf_blocks.READERS, "int8", "Q4_1 packed"])
+def test_tiled_arrays_give_the_same_products(type_name, isa):
+  """kn arrays in tiles of 64 columns (N = 192: three tiles), one matrix and layer 1 of a
+  stacked [2, ...] one: the bits of the same arrays as stored, and the reference."""
+  rng = np.random.default_rng(3)
+  name, four_bits = type_name.split()[0], type_name.endswith("packed")
+  layers = [operands(blocks_of(name, 192, 256, rng), nk=False) for _ in range(2)]
+  stack = [None if a[0] is None else np.stack([np.asarray(x) for x in a]) for a in zip(*layers)]
+  if four_bits:
+    stack[0] = packed(stack[0], axis=1)
+  as_tiles = [None if a is None else jnp.asarray(tiled(a)) for a in stack]
+  stack = [None if a is None else jnp.asarray(a) for a in stack]
+  for M in (1, 3, 8, 17):
+    x = jnp.asarray(rng.standard_normal((M, 256), dtype=np.float32))
+    y = kernels_cpu.qmatmul(x, *as_tiles, layer=1, tiled=True, isa=isa)
+    assert (y == kernels_cpu.qmatmul(x, *stack, layer=1, isa=isa)).all(), M
+    ref = qmatmul_reference(x, *as_tiles, layer=1, tiled=True)
+    assert relative_error(y, ref) <= TOLERANCE, (M, relative_error(y, ref))
+
+
+def test_tiling_by_hand():
+  a = np.arange(2 * 128).reshape(2, 128)  # [R = 2, N = 128]: two tiles of 64 columns.
+  t = tiled(a)
+  assert t.shape == a.shape
+  assert t.ravel().tolist() == [*range(64), *range(128, 192), *range(64, 128), *range(192, 256)]
+  assert (np.asarray(untiled(jnp.asarray(t))) == a).all()
+  with pytest.raises(ValueError, match="do not divide N = 100"):
+    tiled(np.zeros((2, 100)))
 
 
 def test_packing_by_hand():
@@ -214,7 +246,7 @@ def test_packed_for_kernel_packs_4_bit_layers_only():
         "minimum": stack(lambda b: b.minimum)}
   signed = dict(up, values=up["values"] - 32)
   params = {"layers": {"w_up": up, "w_gate": signed}}
-  out = quant.packed_for_kernel(params)["layers"]
+  out = kernel_forms.packed(params)["layers"]
   assert out["w_up"]["values"].dtype == np.uint8 and out["w_up"]["values"].shape == (L, D // 2, F)
   assert out["w_gate"]["values"] is signed["values"]
   layouts = quant.layouts_of({"layers": out})
@@ -229,6 +261,42 @@ def test_packed_for_kernel_packs_4_bit_layers_only():
   x = jnp.asarray(rng.standard_normal((1, 1, D), dtype=np.float32))
   f = lambda w, x: quant.linear("BTD,DF->BTF", x, w)
   assert relative_error(nnx.jit(f)(w4, x), nnx.jit(f)(w8, x)) <= TOLERANCE
+
+
+@built
+def test_layers_in_tiles_give_the_weights_numbers():
+  """kernel_forms.tiled stores a stacked weight whose output columns make whole tiles of 64
+  (wq [L, D, N, H] with N * H = 128, packed Q4_1) in tiles and names it, leaves one that does
+  not (w_up [L, D, 48]) as it is; the tiled weight's dequantized numbers (XLA's path) and its
+  linear through the kernel are the untiled weight's."""
+  rng = np.random.default_rng(6)
+  L, D, N, H = 2, 64, 2, 64
+  t = lambda a: np.ascontiguousarray(a.T)
+  four = [blocks_of("Q4_1", N * H, D, rng) for _ in range(L)]
+  stack = lambda f, shape: np.stack([t(f(b)).reshape(shape) for b in four])
+  wq = {"values": packed(stack(lambda b: b.values, (D, N, H)), 1),
+        "scale": stack(lambda b: b.scale, (D // 32, N, H)),
+        "minimum": stack(lambda b: b.minimum, (D // 32, N, H))}
+  up = {k: a[..., :48].reshape(L, a.shape[1], 48) for k, a in
+        (("values", wq["values"][:, :, 0]), ("scale", wq["scale"][:, :, 0]),
+         ("minimum", wq["minimum"][:, :, 0]))}
+  params, names = kernel_forms.tiled({"layers": {"wq": wq, "w_up": up}})
+  assert names == {"wq"} and params["layers"]["w_up"] is up
+  assert all(params["layers"]["wq"][k].shape == wq[k].shape for k in wq)
+  assert not (params["layers"]["wq"]["values"] == wq["values"]).all()
+  layouts = quant.layouts_of(params, names)
+  assert layouts["wq"] == quant.Layout(32, True, bits=4, tiled=True) and not layouts["w_up"].tiled
+  ws = {}
+  for name, arrays, layout in (("tiled", params["layers"]["wq"], layouts["wq"]),
+                               ("as stored", wq, quant.Layout(32, True, bits=4))):
+    w = ws[name] = quant.Quantized((D, N, H), (None, None, None), layout, (0,))
+    for k in wq:
+      getattr(w, k)[...] = jnp.asarray(arrays[k][1])
+  assert (quant.dequant(ws["tiled"], jnp.float32) == quant.dequant(ws["as stored"],
+                                                                    jnp.float32)).all()
+  x = jnp.asarray(rng.standard_normal((1, 3, D), dtype=np.float32))
+  f = nnx.jit(lambda w, x: quant.linear("BTD,DNH->BTNH", x, w))
+  assert (f(ws["tiled"], x) == f(ws["as stored"], x)).all()
 
 
 def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, caplog):

@@ -22,7 +22,7 @@ from flax import nnx
 import kernels_cpu
 from jaxserve.config import ModelConfig, Quantization, pick_quantization
 from jaxserve.engine import placement
-from jaxserve.loading import pull, quantize, weights
+from jaxserve.loading import kernel_forms, pull, quantize, weights
 from jaxserve.model import quant
 from jaxserve.model.families import Model, model_class
 from jaxserve.text.tokenizer import Tokenizer
@@ -133,10 +133,12 @@ def build_model(cfg: ModelConfig, params: dict, dtype: str = "float32",
   """Places `params` (numpy, the layout of `weights.to_params`, float or quantized) into the
   family's model: on one device, or with each weight going straight to its shards on `mesh` (no
   device ever holds a full copy). Float weights take `dtype`; quantized ones keep theirs (4-bit
-  values packed two a byte where the CPU kernel reads them: quant.packed_for_kernel)."""
+  values packed two a byte, and a layer's arrays in tiles, where the CPU kernel reads them:
+  kernel_forms.py)."""
+  tiled = frozenset()
   if mesh is None:
-    params = quant.packed_for_kernel(params)
-  graphdef, state = nnx.split(abstract_model(cfg, dtype, quant.layouts_of(params)))
+    params, tiled = kernel_forms.tiled(kernel_forms.packed(params))
+  graphdef, state = nnx.split(abstract_model(cfg, dtype, quant.layouts_of(params, tiled)))
   if mesh is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = jax.tree.map(lambda _: device, params)

@@ -45,13 +45,16 @@ STACKED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # Under params["
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """How one weight is stored: `group` input elements share a scale (None: per output channel,
-  one scale over all input axes), whether each group has a minimum too, and `bits`: 8 (int8
+  one scale over all input axes), whether each group has a minimum too, `bits`: 8 (int8
   values) or 4 (values in [0, 16) two a byte along the last input axis, uint8: the CPU kernel's
-  packed form, kernels_cpu.reference.packed)."""
+  packed form, kernels_cpu.reference.packed), and `tiled`: the arrays (a stacked layer's, read
+  as [K, N]) stored in tiles of 64 output columns, the CPU kernel's streaming order
+  (kernels_cpu.reference.tiled), the shapes unchanged."""
 
   group: int | None = None
   has_min: bool = False
   bits: int = 8
+  tiled: bool = False
 
   def scale_shape(self, shape: tuple[int, ...], in_axes: tuple[int, ...]) -> tuple[int, ...]:
     out = list(shape)
@@ -73,7 +76,8 @@ class Quantized(nnx.Module):
   axis `packed_axis` halved), scale and minimum (float32).
 
   `layer`: None, or (set by llama.run_layers when the scan hands the arrays over whole, [L, ...],
-  for the CPU kernel to read in place) the traced index of the layer this step reads."""
+  for the CPU kernel to read in place) the traced index of the layer this step reads. `tiled`:
+  the arrays, read as [K, N] (the leading `in_rows` axes flattened), are in tiles."""
 
   layer = None
 
@@ -84,6 +88,7 @@ class Quantized(nnx.Module):
     snames = tuple(None if s == 1 and n != 1 else name for s, n, name in zip(sshape, shape, names))
     param = lambda value, names: nnx.Param(value, out_sharding=names, eager_sharding=False)
     self.packed_axis = in_axes[-1] if layout.bits == 4 else None
+    self.tiled, self.in_rows = layout.tiled, len(in_axes)
     if self.packed_axis is not None:
       shape = tuple(n // 2 if a == self.packed_axis else n for a, n in enumerate(shape))
     self.values = param(jnp.zeros(shape, jnp.uint8 if layout.bits == 4 else jnp.int8), names)
@@ -105,6 +110,10 @@ def arrays(w: Quantized) -> tuple:
   out = (w.values[...], w.scale[...], w.minimum[...] if hasattr(w, "minimum") else None)
   if w.layer is not None:
     out = tuple(None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
+                for a in out)
+  if w.tiled:  # One layer's matrix, its first in_rows axes K (tiled layer by layer).
+    flat = lambda a: a.reshape(math.prod(a.shape[:w.in_rows]), -1)
+    out = tuple(None if a is None else kernels_cpu.reference.untiled(flat(a)).reshape(a.shape)
                 for a in out)
   if w.packed_axis is None:
     return out
@@ -138,25 +147,6 @@ def is_stored(path, _) -> bool:
   """An nnx filter: the arrays of a stacked layer's quantized weights (run_layers keeps them
   whole)."""
   return len(path) >= 2 and path[-2] in STACKED and path[-1] in ("values", "scale", "minimum")
-
-
-def packed_for_kernel(params: dict) -> dict:
-  """`params` (numpy, weights.to_params' layout) with each stacked weight whose values are 4-bit
-  without a sign (Q4_1, Q4_K) packed two a byte, which the CPU kernel reads at half the bytes:
-  for a model that runs on one CPU with kernels_cpu built (else `params` as they are)."""
-  if not reads_in_place():
-    return params
-  layers = dict(params["layers"])
-  for name in STACKED:
-    w = layers.get(name)
-    if not isinstance(w, Mapping) or w["values"].dtype != np.int8:
-      continue
-    axis = IN_AXES[name][-1] + 1  # Past the stacked [L] axis.
-    v = w["values"]
-    group = v.shape[axis] // w["scale"].shape[axis]
-    if group % 2 == 0 and v.min(initial=0) >= 0 and v.max(initial=0) < 16:
-      layers[name] = {**w, "values": kernels_cpu.reference.packed(v, axis)}
-  return {**params, "layers": layers}
 
 
 def read_layer(layer: nnx.Module, index) -> None:
@@ -245,7 +235,7 @@ def _kernel_linear(x, w: Quantized, c: int, nk: bool):
 
   minimum = flat(w.minimum[...]) if hasattr(w, "minimum") else None
   y = kernels_cpu.qmatmul(x.reshape(-1, K), flat(w.values[...]), flat(w.scale[...]), minimum,
-                          nk=nk, layer=w.layer)
+                          nk=nk, layer=w.layer, tiled=w.tiled)
   matrix = w.values.shape[lead:]
   rest = matrix[:-c] if nk else matrix[c:]
   return y.reshape(*batch, *rest).astype(x.dtype)
@@ -293,9 +283,10 @@ def layouts_for(mode: Quantization) -> dict[str, Layout] | None:
   return None if layout is None else {name: layout for name in IN_AXES}
 
 
-def layouts_of(params: Mapping) -> dict[str, Layout]:
+def layouts_of(params: Mapping, tiled: frozenset[str] = frozenset()) -> dict[str, Layout]:
   """The layouts a parameter pytree (numpy or jax; `weights.to_params`' layout) stores: a weight
-  held as {"values", "scale"[, "minimum"]} is quantized."""
+  held as {"values", "scale"[, "minimum"]} is quantized; those named in `tiled` are in tiles
+  (loading/kernel_forms.py: the shapes do not tell)."""
   found = {}
   for name, in_axes in IN_AXES.items():
     w = params.get("layers", {}).get(name) if name in STACKED else params.get(name)
@@ -309,6 +300,6 @@ def layouts_of(params: Mapping) -> dict[str, Layout]:
     else:
       last = in_axes[-1] + lead
       group = values[last] * (8 // bits) // scale[last]
-    found[name] = Layout(group, "minimum" in w, bits)
+    found[name] = Layout(group, "minimum" in w, bits, name in tiled)
   return found
 
