@@ -8,6 +8,8 @@ import json
 import os
 import time
 
+import numpy as np
+
 from . import harness
 
 MODES = ("none", "gguf", "int8")
@@ -88,42 +90,69 @@ def matmul_scan() -> None:
                                  for k, v in times.items()), flush=True)
 
 
-def kernel_scan(rows: list[int]) -> None:
+FORMS = ("as stored", "tiled")  # kernel_forms.tiled's order, or each row of [K, N] as it lies.
+
+
+def kernel_scan(rows: list[int], form: str) -> dict:
   """kernels_cpu's matmuls alone at the default model's shapes: 30 layers of Q4_1 (packed) q/k/v,
-  o, gate, up and down under one scan, then the Q8_0 tied head [49152, 576] (random values of
-  those types): the median of 200 runs at each M, and the bytes read a second."""
+  o, gate, up and down under one scan, their arrays `form` (random values of that type), then
+  the Q8_0 tied head [49152, 576]: the median of 200 runs at each M, the bytes read a second,
+  and this process's copy bandwidth (decode.copy_bandwidth) to hold them against."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
   import kernels_cpu
-  from kernels_cpu.reference import packed
+  from kernels_cpu.reference import packed, tiled
+
+  from .decode import copy_bandwidth
 
   L, D, F, V, G = 30, 576, 1536, 49152, 32
   rng = np.random.default_rng(0)
+  as_form = tiled if form == "tiled" else (lambda a: a)
 
   def q4_1(K, N):
     values = packed(rng.integers(0, 16, (L, K, N), dtype=np.int8), 1)
-    return tuple(jnp.asarray(a) for a in (values, rng.random((L, K // G, N), np.float32) / 100,
-                                          -rng.random((L, K // G, N), np.float32) / 100))
+    return tuple(jnp.asarray(as_form(a)) for a in (
+        values, rng.random((L, K // G, N), np.float32) / 100,
+        -rng.random((L, K // G, N), np.float32) / 100))
 
-  qkv, o, gate, up, down = q4_1(D, D + 2 * 192), q4_1(D, D), q4_1(D, F), q4_1(D, F), q4_1(F, D)
+  layers = q4_1(D, D), q4_1(D, 192), q4_1(D, 192), q4_1(D, D), q4_1(D, F), q4_1(D, F), q4_1(F, D)
+  q, k, v, o, gate, up, down = layers
   head = (jnp.asarray(rng.integers(-127, 128, (V, D), dtype=np.int8)),
           jnp.asarray(rng.random((V, D // G), np.float32) / 100))
 
   def layer(h, i):
-    mm = lambda x, w: kernels_cpu.qmatmul(x, *w, layer=i)
-    h = h + mm(mm(h, qkv)[:, :D], o)
+    mm = lambda x, w: kernels_cpu.qmatmul(x, *w, layer=i, tiled=form == "tiled")
+    h = h + mm(mm(h, q) + jnp.tile(mm(h, k) + mm(h, v), 3), o)
     return h + mm(mm(h, gate) * mm(h, up), down) / 1000, None
 
-  step = jax.jit(lambda h: kernels_cpu.qmatmul(jax.lax.scan(layer, h, jnp.arange(L))[0], *head,
-                                               nk=True))
-  nbytes = sum(a.nbytes for w in (qkv, o, gate, up, down, head) for a in w)
+  scan = jax.jit(lambda h: jax.lax.scan(layer, h, jnp.arange(L))[0])
+  step = jax.jit(lambda h: kernels_cpu.qmatmul(scan(h), *head, nk=True))
+  layer_bytes = sum(a.nbytes for w in layers for a in w)
+  out = {"form": form, "copy_gb_s": copy_bandwidth() / 1e9, "layers_gb_s": {}, "step_ms": {}}
   for m in rows:
     x = jnp.asarray(rng.standard_normal((m, D), np.float32))
-    t = float(np.median(harness.timed(lambda: step(x).block_until_ready(), 200)))
-    print(f"M={m}: {1e3 * t:.2f} ms, {nbytes / t / 1e9:.1f} GB/s of {nbytes / 1e6:.0f} MB",
-          flush=True)
+    t = float(np.median(harness.timed(lambda: scan(x).block_until_ready(), 200)))
+    out["layers_gb_s"][m] = layer_bytes / t / 1e9
+    out["step_ms"][m] = 1e3 * float(np.median(harness.timed(
+        lambda: step(x).block_until_ready(), 200)))
+  return out
+
+
+def compare_forms(rows: list[int], rounds: int) -> None:
+  """kernel_scan of each form in its own fresh process, interleaved over `rounds`: medians."""
+  flags = ["--kernel", ",".join(map(str, rows)), "--kernel-form"]
+  runs = harness.interleaved(FORMS, rounds, lambda f: harness.fresh("quant", [*flags, f]))
+  print(f"{'M':>3} " + " ".join(f"{f + ' GB/s':>15} {'of copy':>8} {'step ms':>8}" for f in FORMS))
+  for m in map(str, rows):
+    cells = []
+    for f in FORMS:
+      gb = np.median([r["layers_gb_s"][m] for r in runs[f]])
+      copy = np.median([r["copy_gb_s"] for r in runs[f]])
+      cells.append(f"{gb:>15.1f} {gb / copy:>8.0%} "
+                   f"{np.median([r['step_ms'][m] for r in runs[f]]):>8.2f}")
+    print(f"{m:>3} " + " ".join(cells), flush=True)
 
 
 def main_quant(argv=None) -> None:
@@ -134,7 +163,8 @@ def main_quant(argv=None) -> None:
     python -m scripts.bench quant [--slots-list 1,16,64] [--steps 32] [--requests 64]
         [--layers scan|unrolled]
     python -m scripts.bench quant --matmul   # the layer scan behind `auto`'s choice
-    python -m scripts.bench quant --kernel 1,4,7   # kernels_cpu's matmuls alone, M rows
+    python -m scripts.bench quant --kernel 1,4,7 [--rounds 3]   # kernels_cpu's matmuls alone,
+        M rows, the layers' arrays as stored and in tiles, each form in its own process
 
   A decode step's time is the difference of two runs through the offline API that differ only in
   output length (max_tokens `steps` and 2 * `steps`, ignore_eos, 8-token prompts), divided by
@@ -149,15 +179,21 @@ def main_quant(argv=None) -> None:
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--matmul", action="store_true", help="only the layer scan, in this process")
   p.add_argument("--kernel", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                 metavar="M,...", help="only kernels_cpu's matmuls at these rows, in this process")
+                 metavar="M,...", help="only kernels_cpu's matmuls at these rows")
+  p.add_argument("--kernel-form", choices=FORMS, default=None,
+                 help="(internal, with --kernel) measure one form here")
+  p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--layers", choices=("scan", "unrolled"), default="scan",
                  help="EngineConfig.unroll_layers False (the default) or True")
   args = p.parse_args(argv)
   if args.matmul:
     matmul_scan()
     return
+  if args.kernel and args.kernel_form:
+    print(json.dumps(kernel_scan(args.kernel, args.kernel_form)))
+    return
   if args.kernel:
-    kernel_scan(args.kernel)
+    compare_forms(args.kernel, args.rounds)
     return
   if args.mode:
     print(json.dumps(measure(args.mode, args)))
