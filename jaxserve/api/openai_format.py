@@ -143,7 +143,7 @@ class CompletionFormat(_Format):
     if index // req.n in self._echoes:
       text, logprobs, self._offsets[index] = self._echoes[index // req.n]
       return text, logprobs
-    prompt = req.prompts[index // req.n] if req.prompts else req.input.prompt
+    prompt = req.every_input[index // req.n].prompt
     text = prompt.text
     if text is None:
       text = self._service.tokenizer.detokenize(first.prompt_token_ids, skip_special_tokens=False)
