@@ -7,8 +7,8 @@ Requests go through the same service and gateway as gRPC: `Authorization: Bearer
 same checks and limits, and errors in OpenAI's shape ({"error": {"message", "type", "code"}})
 with 400 / 404 / 401 / 429 / 503 / 500 for INVALID_ARGUMENT / NOT_FOUND (another model) /
 UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL; aiohttp's own refusals (404,
-405, and 413 for a body over 8 MiB) come in the same shape. Besides OpenAI's fields, vLLM's
-extras are read: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
+405, and 413 for a body over 8 MiB) come in the same shape (http_site.py). Besides OpenAI's
+fields, vLLM's extras are read: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
 allowed_token_ids, priority, truncate_prompt (openai_request.py).
 """
 
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import importlib.metadata
 import json
-import ssl
 from typing import Callable
 
 from absl import logging
@@ -27,62 +25,28 @@ from aiohttp import web
 
 from jaxserve.api import openai_choices, openai_request, openai_tokenize
 from jaxserve.api.grpc_api import ServiceHost
-from jaxserve.api.openai_format import ChatFormat, CompletionFormat
+from jaxserve.api.http_site import (
+  MAX_BODY_BYTES,
+  READ_TIMEOUT_S,
+  error_event,
+  error_response,
+  errors_as_json,
+  metrics_handler,
+)
+from jaxserve.api.openai_completion_format import CompletionFormat
+from jaxserve.api.openai_format import ChatFormat
 from jaxserve.serving import work_pool
 from jaxserve.serving.gateway import ApiError, Status
-from jaxserve.serving.metrics import CONTENT_TYPE, Metrics
+from jaxserve.serving.metrics import Metrics
 from jaxserve.serving.requests import Accepted
 from jaxserve.serving.service import Service
-
-HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.NOT_FOUND: 404, Status.UNAUTHENTICATED: 401,
-               Status.PERMISSION_DENIED: 403, Status.RESOURCE_EXHAUSTED: 429,
-               Status.UNAVAILABLE: 503, Status.INTERNAL: 500}
-_ERROR_TYPES = {Status.INVALID_ARGUMENT: "invalid_request_error",
-                Status.NOT_FOUND: "invalid_request_error",
-                Status.UNAUTHENTICATED: "authentication_error",
-                Status.PERMISSION_DENIED: "permission_error",
-                Status.RESOURCE_EXHAUSTED: "rate_limit_error",
-                Status.UNAVAILABLE: "service_unavailable", Status.INTERNAL: "internal_error"}
-MAX_BODY_BYTES = 8 * 2**20  # As gRPC's largest message (server.py).
-READ_TIMEOUT_S = 30.0  # For a request's headers, and for its body (ServerConfig's default).
-
-
-@dataclasses.dataclass
-class Site:
-  runner: web.AppRunner
-  port: int
-
-  async def close(self) -> None:
-    await self.runner.cleanup()
-
-
-async def serve(app: web.Application, host: str, port: int,
-                ssl_context: ssl.SSLContext | None = None,
-                read_timeout_s: float = READ_TIMEOUT_S) -> Site:
-  # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
-  # keepalive_timeout: aiohttp closes a connection whose request headers are not all in within
-  # it of its start or of its previous response: a header read timeout (a slowloris client holds
-  # a connection no longer), and how long an idle keep-alive connection stays open.
-  # shutdown_timeout: handlers left at close (after the drain: a client not reading its stream)
-  # hold the process no longer. No access log: the per-request line of metrics.py says more.
-  runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                         keepalive_timeout=read_timeout_s, shutdown_timeout=1.0)
-  await runner.setup()
-  await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
-  return Site(runner, runner.addresses[0][1])
-
-
-def build_metrics_app(metrics: Metrics) -> web.Application:
-  app = web.Application()
-  app.router.add_get("/metrics", _metrics_handler(metrics))
-  return app
 
 
 def build_app(host: ServiceHost, metrics: Metrics | None,
               read_timeout_s: float = READ_TIMEOUT_S) -> web.Application:
   """The API; /metrics too when `metrics` is given. A request body must arrive within
   `read_timeout_s` (else 408, and the connection is closed)."""
-  app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
+  app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_as_json])
   api = _Api(host, read_timeout_s)
   app.router.add_get("/v1/models", api.models)
   app.router.add_get("/v1/models/{model:.+}", api.model)
@@ -96,44 +60,8 @@ def build_app(host: ServiceHost, metrics: Metrics | None,
   app.router.add_get("/health", api.health)
   app.router.add_get("/version", api.version)
   if metrics is not None:
-    app.router.add_get("/metrics", _metrics_handler(metrics))
+    app.router.add_get("/metrics", metrics_handler(metrics))
   return app
-
-
-def _metrics_handler(metrics: Metrics):
-  async def handler(_: web.Request) -> web.Response:
-    return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
-  return handler
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler) -> web.StreamResponse:
-  """aiohttp's own refusals (no such path, wrong method, body too large) in the API's shape."""
-  try:
-    return await handler(request)
-  except web.HTTPException as e:
-    if e.status < 400:
-      raise
-    messages = {404: f"no endpoint {request.path}",
-                405: f"{request.path} does not take {request.method}",
-                413: f"the request body is over the limit of {MAX_BODY_BYTES} bytes "
-                     f"({MAX_BODY_BYTES // 2**20} MiB)"}
-    body = {"error": {"message": messages.get(e.status, e.text), "type": "invalid_request_error",
-                      "param": None, "code": e.reason.lower().replace(" ", "_")}}
-    allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # Of a 405.
-    resp = web.json_response(body, status=e.status, headers=allow)
-    if e.status == 408:  # The rest of a body that came too slowly is not waited for either.
-      await resp.prepare(request)
-      await resp.write_eof()
-      request.transport.close()
-    return resp
-
-
-def error_response(e: ApiError) -> web.Response:
-  code = "model_not_found" if e.status is Status.NOT_FOUND else e.status.value  # OpenAI's code.
-  body = {"error": {"message": e.message, "type": _ERROR_TYPES[e.status], "param": None,
-                    "code": code}}
-  return web.json_response(body, status=HTTP_STATUS[e.status])
 
 
 def _json(data: bytes) -> web.Response:
@@ -290,8 +218,7 @@ async def _sse(request: web.Request, acc: Accepted, fmt, choices: openai_choices
     if include_usage:
       await send(event(fmt.usage_event(openai_choices.records_in_order(records))))
   except ApiError as e:  # The engine failed mid-stream, or the drain cut it.
-    await send(event({"error": {"message": e.message, "type": _ERROR_TYPES[e.status],
-                                "code": e.status.value}}))
+    await send(event(error_event(e)))
   except (ConnectionError, StopAsyncIteration):
     return resp
   await resp.write(b"data: [DONE]\n\n")

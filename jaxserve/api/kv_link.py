@@ -46,7 +46,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_config(c) -> None:
-  """api/server.ServerConfig's P/D fields; ValueError naming the one at fault."""
+  """api/server_config.ServerConfig's P/D fields; ValueError naming the one at fault."""
   if c.kv_role not in ("prefill", "decode", "both"):
     raise ValueError(f"ServerConfig.kv_role must be prefill, decode or both, got {c.kv_role!r}")
   if (c.kv_role == "decode") != (c.kv_peer is not None):

@@ -100,7 +100,7 @@ async def prefill(runner: AsyncRunner, token_ids: Sequence[int], cache_salt: str
 
 async def start(config, store: kv_handoff.PageStore | None, gate: kv_link.PeerGate | None,
                 counter=None) -> KVPeer | None:
-  """A P/D role's start, once the engine is loaded (`config`: api/server.ServerConfig): the
+  """A P/D role's start, once the engine is loaded (`config`: api/server_config.ServerConfig): the
   model's identity (computed off the event loop) for the prefill side's gate, or the decode
   side's peer, checked (raises kv_link.PeerRefused)."""
   if config.kv_role == "both":

@@ -31,8 +31,7 @@ def prepare(service: Service, lease: Lease, body: bytes,
   """A request's whole preparation, on a worker thread: its body, then every prompt's runs.
   Raises the first ApiError."""
   req = parse(openai_request.parse_body(body))
-  inputs = [dataclasses.replace(req.input, prompt=p) for p in req.prompts or (req.input.prompt,)]
-  return req, service.prepare_runs(lease, inputs, req.num_runs)
+  return req, service.prepare_runs(lease, req.every_input, req.num_runs)
 
 
 class Choices:

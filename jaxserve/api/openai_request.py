@@ -7,7 +7,11 @@ is refused, as OpenAI does, so that a misspelt `temprature` is not silently igno
 best_of 1, echo false and response_format text, which change nothing, and OpenAI's fields that
 mean nothing here: store, metadata, service_tier, user; parallel_tool_calls only bounds forced
 tool calls). The structured-output fields (response_format, guided_*, tools) are
-openai_structured.py's.
+openai_structured.py's, the prompt and the chat messages openai_prompt.py's.
+
+Each endpoint builds the service's request shape once per prompt (`_input`: a GenerateInput);
+its max_tokens is left to client_fields.fit_to_context, the one place that decides it for
+either front end, once the prompt's length is known.
 
 Every function here is pure and raises only `ApiError` (INVALID_ARGUMENT) naming the field.
 """
@@ -17,11 +21,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jaxserve.api import openai_structured
+from jaxserve.api import openai_prompt, openai_structured
 from jaxserve.api.openai_structured import GUIDED_FIELDS
 from jaxserve.config import Constraint, SamplingParams, is_int, json_type, short
 from jaxserve.serving import work_pool
-from jaxserve.serving.client_fields import MAX_MESSAGES
 from jaxserve.serving.gateway import invalid
 from jaxserve.serving.requests import GenerateInput, Prompt
 from jaxserve.text import tool_calls
@@ -53,10 +56,11 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_com
 class Request:
   """One parsed body: what the service runs, and how the answer goes back."""
 
-  input: GenerateInput
+  input: GenerateInput  # The first prompt's (the only one's, but in a completions list).
   stream: bool = False  # Server-sent events, or one JSON response.
   include_usage: bool = False  # A last stream event with the usage.
-  prompts: tuple[Prompt, ...] = ()  # Several prompts of one completions request (else input's).
+  # Every prompt's input, in order, when a completions request has a list of them (else ()).
+  inputs: tuple[GenerateInput, ...] = ()
   n: int = 1  # Choices returned per prompt.
   best_of: int = 1  # Choices generated per prompt; the n likeliest are returned.
   echo: bool = False  # The prompt (and its logprobs) come before each choice's own.
@@ -72,6 +76,11 @@ class Request:
   def num_runs(self) -> int:
     """Completions generated per prompt."""
     return max(self.n, self.best_of)
+
+  @property
+  def every_input(self) -> tuple[GenerateInput, ...]:
+    """One input per prompt, in choice order (prompt p's choices come p-th)."""
+    return self.inputs or (self.input,)
 
 
 def parse_body(data: bytes) -> dict[str, Any]:
@@ -94,35 +103,26 @@ def parse_body(data: bytes) -> dict[str, Any]:
 
 def completion_request(body: Mapping[str, Any]) -> Request:
   body = _present(body, COMPLETION_FIELDS, "/v1/completions")
-  echo, asked_prompt = body.pop("echo", False), body.get("prompt_logprobs")
+  echo = body.pop("echo", False)
   if not _is_bool(echo):
     raise invalid(f"echo must be true or false, got {short(echo)}")
   hide = echo and body.get("max_tokens") == 0 and is_int(body["max_tokens"])
   if hide:  # The prompt's logprobs alone: one token is generated, and not shown.
     body["max_tokens"] = 1
-  logprobs = body.get("logprobs")
-  if echo and logprobs is not None:  # The prompt's tokens get as many top logprobs as the rest.
-    asked = body.get("prompt_logprobs", 0)
-    both_ints = is_int(asked) and is_int(logprobs)
-    body["prompt_logprobs"] = max(asked, logprobs) if both_ints else logprobs
-  prompts = _completion_prompts(body)
-  req = _request(body, prompts[0], logprobs, "max_tokens", DEFAULT_COMPLETION_TOKENS)
-  if "prompt_logprobs" in body:  # SamplingParams checks it.
-    sampling = {**req.input.sampling, "prompt_logprobs": body["prompt_logprobs"]}
-    req = dataclasses.replace(req, input=dataclasses.replace(req.input, sampling=sampling))
-  n, best_of = req.n, body.get("best_of", req.n)
-  if not (is_int(best_of) and n <= best_of):
-    raise invalid(f"best_of must be an int >= n ({n}), got {short(best_of)}")
-  if best_of > 1 and req.stream and best_of != n:
-    raise invalid("best_of cannot be streamed: the best are known only at the end")
-  if len(prompts) * best_of > MAX_CHOICES:
-    raise invalid(f"{len(prompts)} prompts x best_of {best_of} is more than {MAX_CHOICES} "
-                  "completions in one request")
-  want = logprobs is not None
-  if best_of > n and logprobs is None:  # Cumulative logprobs rank the choices.
-    req = dataclasses.replace(req, input=dataclasses.replace(req.input, logprobs=0))
-  return dataclasses.replace(req, prompts=tuple(prompts), best_of=best_of, echo=echo,
-                             hide_generated=hide, want_logprobs=want, prompt_logprobs=asked_prompt)
+  prompts = openai_prompt.completion_prompts(body)
+  sampling, n = _shared_fields(body, "max_tokens")
+  logprobs, best_of = body.get("logprobs"), body.get("best_of", n)
+  _check_best_of(best_of, n, len(prompts), body.get("stream", False))
+  scored = _scored_prompt(body, echo, logprobs)
+  if scored is not None:  # SamplingParams checks it.
+    sampling["prompt_logprobs"] = scored
+  # Cumulative logprobs rank best_of's runs: they are read even when the client did not ask.
+  num_top = 0 if best_of > n and logprobs is None else logprobs
+  inputs = tuple(_input(body, p, sampling, num_top, "max_tokens", DEFAULT_COMPLETION_TOKENS)
+                 for p in prompts)
+  return _request(body, inputs, n, best_of=best_of, echo=echo, hide_generated=hide,
+                  want_logprobs=logprobs is not None,
+                  prompt_logprobs=body.get("prompt_logprobs"))
 
 
 def chat_request(body: Mapping[str, Any]) -> Request:
@@ -142,17 +142,13 @@ def chat_request(body: Mapping[str, Any]) -> Request:
                   f"got {short(top)}")
   max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
   tools, choice, name = openai_structured.parse_tools(body)
-  prompt = Prompt(messages=_messages(body), tools=tools if choice == "auto" else None)
-  req = _request(body, prompt, top if want else None, max_field)
+  prompt = Prompt(messages=openai_prompt.messages(body), tools=tools if choice == "auto" else None)
+  sampling, n = _shared_fields(body, max_field)
   if choice in ("required", "named"):
-    if req.input.sampling.get("constraint") is not None:
-      raise invalid(f"tool_choice {choice!r} constrains the output to tool calls: it cannot be "
-                    "combined with response_format or guided_* fields")
-    sampling = {**req.input.sampling,
-                "constraint": Constraint.json_schema(tool_calls.call_schema(
-                    tools, name, 1 if parallel is False else tool_calls.MAX_FORCED_CALLS))}
-    req = dataclasses.replace(req, input=dataclasses.replace(req.input, sampling=sampling))
-  return dataclasses.replace(req, tool_choice=choice, tool_names=tuple(t["name"] for t in tools))
+    sampling["constraint"] = _forced_calls(sampling, choice, tools, name, parallel)
+  inp = _input(body, prompt, sampling, top if want else None, max_field)
+  return _request(body, (inp,), n, want_logprobs=want, tool_choice=choice,
+                  tool_names=tuple(t["name"] for t in tools))
 
 
 def _present(body: Mapping[str, Any], known: frozenset[str], endpoint: str) -> dict[str, Any]:
@@ -170,8 +166,8 @@ def _is_no_op(field: str, value: Any) -> bool:
   return want is not None and type(value) is type(want) and value == want  # 1, not true.
 
 
-def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str,
-             default_max_tokens: int | None = None) -> Request:
+def _shared_fields(body: dict[str, Any], max_field: str) -> tuple[dict[str, Any], int]:
+  """(the SamplingParams fields, n) of what both endpoints take, checked."""
   _check_types(body, max_field)
   n = body.get("n", 1)
   if not (is_int(n) and 1 <= n <= MAX_CHOICES):
@@ -182,15 +178,56 @@ def _request(body: dict[str, Any], prompt: Prompt, logprobs: Any, max_field: str
     sampling["constraint"] = constraint
   if "stop" in body:
     sampling["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
+  return sampling, n
+
+
+def _input(body: dict[str, Any], prompt: Prompt, sampling: dict[str, Any], logprobs: Any,
+           max_field: str, default_max_tokens: int | None = None) -> GenerateInput:
+  """The one GenerateInput of `prompt`: the body's fields in the service's request shape (its
+  max_tokens is decided with the prompt's length, by client_fields.fit_to_context)."""
+  return GenerateInput(prompt, sampling, max_tokens=body.get(max_field),
+                       default_max_tokens=default_max_tokens, logprobs=logprobs,
+                       request_id=None, priority=body.get("priority", 0),
+                       model=body.get("model", ""),
+                       truncate_prompt=body.get("truncate_prompt", False),
+                       cache_salt=body.get("cache_salt"))
+
+
+def _request(body: dict[str, Any], inputs: tuple[GenerateInput, ...], n: int,
+             **fields: Any) -> Request:
   options = body.get("stream_options", {})
-  inp = GenerateInput(prompt, sampling, max_tokens=body.get(max_field),
-                      default_max_tokens=default_max_tokens, logprobs=logprobs,
-                      request_id=None, priority=body.get("priority", 0),
-                      model=body.get("model", ""),
-                      truncate_prompt=body.get("truncate_prompt", False),
-                      cache_salt=body.get("cache_salt"))
-  return Request(inp, body.get("stream", False), options.get("include_usage", False), n=n,
-                 want_logprobs=logprobs is not None)
+  return Request(inputs[0], body.get("stream", False), options.get("include_usage", False),
+                 inputs=inputs, n=n, **fields)
+
+
+def _check_best_of(best_of: Any, n: int, num_prompts: int, stream: bool) -> None:
+  if not (is_int(best_of) and n <= best_of):
+    raise invalid(f"best_of must be an int >= n ({n}), got {short(best_of)}")
+  if best_of > 1 and stream and best_of != n:
+    raise invalid("best_of cannot be streamed: the best are known only at the end")
+  if num_prompts * best_of > MAX_CHOICES:
+    raise invalid(f"{num_prompts} prompts x best_of {best_of} is more than {MAX_CHOICES} "
+                  "completions in one request")
+
+
+def _scored_prompt(body: dict[str, Any], echo: bool, logprobs: Any) -> Any:
+  """The prompt_logprobs the prompt is scored with (None: not scored): vLLM's field as sent,
+  and with echo, as many top logprobs as the generated tokens get."""
+  asked = body.get("prompt_logprobs")
+  if not echo or logprobs is None:
+    return asked
+  asked = 0 if asked is None else asked
+  return max(asked, logprobs) if is_int(asked) and is_int(logprobs) else logprobs
+
+
+def _forced_calls(sampling: dict[str, Any], choice: str, tools: list[dict[str, Any]],
+                  name: str | None, parallel: bool | None) -> Constraint:
+  """tool_choice "required" or named: the output is constrained to the calls' JSON."""
+  if sampling.get("constraint") is not None:
+    raise invalid(f"tool_choice {choice!r} constrains the output to tool calls: it cannot be "
+                  "combined with response_format or guided_* fields")
+  return Constraint.json_schema(tool_calls.call_schema(
+      tools, name, 1 if parallel is False else tool_calls.MAX_FORCED_CALLS))
 
 
 def _check_types(body: dict[str, Any], max_field: str) -> None:
@@ -210,74 +247,6 @@ def _check_types(body: dict[str, Any], max_field: str) -> None:
     raise invalid(f"stream_options.include_usage must be true or false, got {short(usage)}")
 
 
-def _completion_prompts(body: dict[str, Any]) -> list[Prompt]:
-  """A string, a list of token ids, or a list of either (several prompts, choices in order)."""
-  prompt = body.get("prompt")
-  if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-    return [_completion_prompt(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
-  return [_completion_prompt(prompt, "prompt")]
-
-
-def _completion_prompt(prompt: Any, field: str) -> Prompt:
-  if isinstance(prompt, str):
-    return Prompt(text=_unicode(prompt, field))
-  if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-    # The service checks the length first, then each id (type and vocabulary): 2M ids are not
-    # read one by one here, on the event loop, before their length is known to be too long.
-    return Prompt(token_ids=prompt)
-  raise invalid(f"{field} must be a string, a list of token ids, or a list of those, got "
-                f"{short(prompt)}")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-  messages = body.get("messages")
-  if not isinstance(messages, list) or not messages:
-    raise invalid(f"messages must be a non-empty list, got {short(messages)}")
-  if len(messages) > MAX_MESSAGES:  # Before reading them one by one.
-    raise invalid(f"messages: at most {MAX_MESSAGES} in one request, got {len(messages):,}")
-  out = []
-  for n, m in enumerate(messages):
-    if not isinstance(m, dict):
-      raise invalid(f"messages[{n}] must be an object, got {short(m)}")
-    if not isinstance(m.get("role"), str):  # The tokenizer checks which roles there are.
-      raise invalid(f"messages[{n}].role must be a string, got {short(m.get('role'))}")
-    calls = m.get("tool_calls")
-    if calls is not None and m["role"] == "assistant":
-      # An earlier call, content null: written back as the model writes calls (tool_calls.py).
-      if not (isinstance(calls, list) and all(
-          isinstance(c, dict) and isinstance(c.get("function"), dict)
-          and _is_str(c["function"].get("name")) for c in calls)):
-        raise invalid(f"messages[{n}].tool_calls must be a list of {{\"function\": {{\"name\": "
-                      f"..., \"arguments\": ...}}}}, got {short(calls)}")
-      text = _content(m.get("content") or "", f"messages[{n}].content")
-      out.append({"role": "assistant",
-                  "content": "\n".join(filter(None, [text, tool_calls.history_text(calls)]))})
-      continue
-    out.append({"role": m["role"], "content": _content(m.get("content"), f"messages[{n}].content")})
-  return out
-
-
-def _content(content: Any, field: str) -> str:
-  if isinstance(content, list):  # Content parts: only text ones are supported.
-    for k, part in enumerate(content):
-      if not (isinstance(part, dict) and part.get("type") == "text" and _is_str(part.get("text"))):
-        raise invalid(f"{field}[{k}] must be a text part {{\"type\": \"text\", \"text\": ...}} "
-                      f"(only text is supported), got {short(part)}")
-    content = "".join(part["text"] for part in content)
-  if not isinstance(content, str):
-    raise invalid(f"{field} must be a string or a list of text parts, got {short(content)}")
-  return _unicode(content, field)
-
-
-def _unicode(text: str, field: str) -> str:
-  # JSON can spell a lone surrogate ("\ud800"), which no tokenizer can encode.
-  try:
-    text.encode("utf-8")
-  except UnicodeEncodeError as e:
-    raise invalid(f"{field} is not valid Unicode: {e.reason} at character {e.start}") from e
-  return text
-
-
 def _is_str(x: Any) -> bool:
   return isinstance(x, str)
 
@@ -288,8 +257,3 @@ def _is_bool(x: Any) -> bool:
 
 def _is_dict(x: Any) -> bool:
   return isinstance(x, dict)
-
-
-# For the tokenizer routes (openai_tokenize.py): the same message and text checks as chat.
-messages = _messages
-unicode_text = _unicode

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from jaxserve.api import openai_request
+from jaxserve.api import openai_prompt
 from jaxserve.config import short
 from jaxserve.serving import client_fields
 from jaxserve.serving.gateway import invalid
@@ -40,9 +40,9 @@ def tokenize(service: Service, body: Mapping[str, Any]) -> dict[str, Any]:
   if "prompt" in body:
     if not isinstance(body["prompt"], str):
       raise invalid(f"prompt must be a string, got {short(body['prompt'])}")
-    prompt = Prompt(text=openai_request.unicode_text(body["prompt"], "prompt"))
+    prompt = Prompt(text=openai_prompt.unicode_text(body["prompt"], "prompt"))
   else:
-    prompt = Prompt(messages=openai_request.messages(body))
+    prompt = Prompt(messages=openai_prompt.messages(body))
   # True is Hugging Face's meaning: the special tokens the tokenizer adds by default (BOS or none).
   ids = service.encode(prompt, add_special_tokens=None if flags["add_special_tokens"] else False,
                        add_generation_prompt=flags["add_generation_prompt"])

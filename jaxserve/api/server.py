@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import signal
 import ssl
@@ -38,12 +37,11 @@ import grpc
 from absl import logging
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from jaxserve.api import http_api, kv_link, kv_transfer, reflection_v1
+from jaxserve.api import http_api, http_site, kv_link, kv_transfer, reflection_v1
 from jaxserve.api.grpc_api import SERVICE_NAME, Servicer
+from jaxserve.api.server_config import ServerConfig
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.stream import AsyncRunner
-from jaxserve.config import SchedulerConfig
-from jaxserve.config.kv_events import KVEventsConfig
 from jaxserve.serving import kv_publisher
 from jaxserve.serving.gateway import ApiError, Gateway, Status, load_keys, one_key
 from jaxserve.serving.metrics import Metrics
@@ -53,58 +51,6 @@ from jaxserve.serving.work_pool import WorkPool, settle
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _MAX_MESSAGE_BYTES = 8 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-  host: str = "127.0.0.1"  # Loopback only, unless asked.
-  grpc_port: int = 50051  # 0: any free port (see Server.ports).
-  http_port: int | None = 8000  # The OpenAI-compatible API; None: off.
-  metrics_port: int | None = None  # None: /metrics on the HTTP port.
-  keys_file: str | None = None  # None: no API keys, no limits.
-  api_key: str | None = None  # vLLM's --api-key: one admin key, no limits (not with keys_file).
-  drain_timeout_s: float = 30.0
-  tls_cert: str | None = None  # PEM files; both or neither.
-  tls_key: str | None = None
-  log_prompts: bool = False
-  scheduler: SchedulerConfig = SchedulerConfig()
-  kv_events: KVEventsConfig | None = None  # Publish the prefix cache's changes (vLLM's events).
-  # Prefill/decode disaggregation (api/kv_transfer.py, the link api/kv_link.py): "prefill"
-  # serves PrefillKV to the holders of `kv_peer_api_key` (required unless bound to loopback);
-  # "decode" brings each prompt's KV from the prefill server at `kv_peer` (host:port of its
-  # gRPC API) presenting `kv_peer_api_key`, over TLS verified by `kv_peer_tls_ca` when given,
-  # each handoff within `kv_peer_timeout_s`; "both": neither role, every prompt prefilled here.
-  kv_role: str = "both"
-  kv_peer: str | None = None
-  kv_peer_api_key: str | None = None
-  kv_peer_tls_ca: str | None = None
-  kv_peer_timeout_s: float = 10.0
-  prefix_cache_scope: str | None = None  # "key" or "global"; None: "key" with keys, else global.
-  # Run-time LoRA loads and unloads (serving/adapters.py): None off; else on, for admin keys,
-  # reading adapter folders only from under these directories.
-  runtime_lora_roots: tuple[str, ...] | None = None
-  # Each request's CPU work (parsing, tokenizing, constraint compiles, large responses) runs on
-  # this many threads; a request that finds work_queue others waiting gets RESOURCE_EXHAUSTED.
-  work_threads: int = 4
-  work_queue: int = 1024
-  http_read_timeout_s: float = http_api.READ_TIMEOUT_S  # For a request's headers, and its body.
-
-  def __post_init__(self):
-    if (self.tls_cert is None) != (self.tls_key is None):
-      raise ValueError("ServerConfig: give both tls_cert and tls_key, or neither")
-    kv_link.check_config(self)
-    if self.api_key is not None and self.keys_file is not None:
-      raise ValueError("ServerConfig: give keys_file (--keys-file) or api_key (--api-key), not "
-                       "both")
-    if self.runtime_lora_roots is not None and not self.runtime_lora_roots:
-      raise ValueError("ServerConfig: run-time LoRA updates (--enable-runtime-lora-updates) need "
-                       "at least one directory to load adapters from (--lora-root DIR)")
-    for field in ("drain_timeout_s", "work_queue"):
-      if getattr(self, field) < 0:
-        raise ValueError(f"ServerConfig.{field} must be >= 0, got {getattr(self, field)}")
-    for field in ("work_threads", "http_read_timeout_s"):
-      if getattr(self, field) <= 0:
-        raise ValueError(f"ServerConfig.{field} must be > 0, got {getattr(self, field)}")
 
 
 class Server:
@@ -127,7 +73,7 @@ class Server:
     self._load = load
     self._grpc: grpc.aio.Server | None = None
     self._health = health.aio.HealthServicer()
-    self._http: list[http_api.Site] = []
+    self._http: list[http_site.Site] = []
     self._warmup: asyncio.Task | None = None
     self._runner: AsyncRunner | None = None
     self._kv_publisher: kv_publisher.ZmqPublisher | None = None
@@ -147,12 +93,12 @@ class Server:
     if self.config.http_port is not None:
       metrics_here = self.config.metrics_port is None
       timeout = self.config.http_read_timeout_s
-      self._http.append(await http_api.serve(
+      self._http.append(await http_site.serve(
           http_api.build_app(self, self.metrics if metrics_here else None, timeout),
           self.config.host, self.config.http_port, self._ssl_context(), timeout))
       self.ports["http"] = self._http[-1].port
     if self.config.metrics_port is not None:
-      self._http.append(await http_api.serve(http_api.build_metrics_app(self.metrics),
+      self._http.append(await http_site.serve(http_site.build_metrics_app(self.metrics),
                                              self.config.host, self.config.metrics_port))
       self.ports["metrics"] = self._http[-1].port
     self._warmup = asyncio.create_task(self._load_and_serve())

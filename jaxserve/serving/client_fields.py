@@ -79,19 +79,26 @@ def check_request_id(request_id: str) -> None:
                   f"got {short(request_id)}")
 
 
+def prompt_room(max_model_len: int, max_tokens: int | None = None) -> int:
+  """The most prompt tokens the context window holds beside max_tokens (None: at least one)."""
+  return max_model_len - (max_tokens or 1)
+
+
 def fit_to_context(ids: Sequence[int], max_tokens: int | None, max_model_len: int,
                    truncate: bool, default: int | None = None) -> tuple[Sequence[int], int]:
-  """(prompt ids, max_tokens) that fit the context window.
+  """(prompt ids, max_tokens) that fit the context window: the one place a request's max_tokens
+  is decided, for either front end, once its prompt's length is known.
 
   max_tokens None takes what the window leaves after the prompt, or at most `default` when one
-  is given. A prompt that leaves no room is refused, or with `truncate`, loses its first tokens.
+  is given (the key's tokens per minute may later shorten only such a default: Lease.reserve).
+  A prompt that leaves no room is refused, or with `truncate`, loses its first tokens.
   """
   if not ids:
     raise invalid("prompt is empty")
   if max_tokens is not None and not 1 <= max_tokens < max_model_len:
     raise invalid(f"max_tokens must be in [1, {max_model_len}) (the context window), "
                   f"got {max_tokens}")
-  room = max_model_len - (max_tokens or 1)
+  room = prompt_room(max_model_len, max_tokens)
   if len(ids) > room:
     if not truncate:
       raise invalid(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens or 1}) is more than "

@@ -32,6 +32,10 @@ class Prompt:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateInput:
+  """The one request shape from the front ends in: each builds it once per prompt, from its
+  wire format (api/openai_request.py, api/grpc_api.generate_input); Service.prepare checks it
+  and decides its max_tokens (client_fields.fit_to_context)."""
+
   prompt: Prompt
   sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # SamplingParams fields.
   max_tokens: int | None = None  # None: what the context window leaves, or default_max_tokens.

@@ -5,8 +5,9 @@ One request, in the order it happens:
   Service.accept: refused while draining, its API key, its key's requests per minute: cheap
     checks on the event loop, before any work is done on it; from here the drain counts it
     -> Service.prepare_runs, on a worker (work_pool.py), once however many choices it has:
-       tokenize, template and check each prompt (client_fields), compile its constraint, price it
-       under the key's tokens per minute, build the engine requests of its n runs
+       tokenize, template and check each prompt (prompt_ids.py), decide its max_tokens and
+       check its fields (client_fields.py), compile its constraint, price it under the key's
+       tokens per minute, build the engine requests of its n runs
     -> Service.generate, per run: AsyncRunner.submit_request (the engine thread takes it
        before its next step) -> outputs, grouped into chunks of `chunk_tokens` tokens -> a
        RequestRecord at the end (metrics, the log line, usage and timings for the client, the
@@ -45,9 +46,9 @@ from jaxserve.serving.adapters import Adapters
 from jaxserve.serving.constraint_gate import ConstraintGate
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
+from jaxserve.serving.prompt_ids import PromptEncoder
 from jaxserve.serving.requests import Accepted, Chunk, GenerateInput, Prepared, Prompt, Run
 from jaxserve.serving.work_pool import WorkPool
-from jaxserve.text import tool_calls
 from jaxserve.text.constraint import Grammar
 
 _SEEDS = 2**63  # SamplingParams' seed range: seed + run wraps inside it.
@@ -77,9 +78,7 @@ class Service:
     self.engine_info = info = runner.engine_info
     self.vocab_size = info.vocab_size
     self.max_model_len = info.max_model_len
-    # Longer text cannot fit the context whatever its tokens: it is refused (or cut) before the
-    # tokenizer spends seconds on it.
-    self.max_prompt_chars = self.max_model_len * tokenizer.max_token_chars
+    self._encoder = PromptEncoder(tokenizer, self.max_model_len, self.vocab_size)
     self.constraint_gate = ConstraintGate(runner.constraints)
     self.adapters = Adapters(runner, model_name, read_lora, runtime_lora_roots)
     self.kv_peer = kv_peer
@@ -129,63 +128,8 @@ class Service:
 
   def encode(self, prompt: Prompt, truncate: bool = False, add_special_tokens: bool | None = None,
              add_generation_prompt: bool = True) -> list[int]:
-    """The prompt's ids; `truncate`: text too long for the context is cut to its tail first.
-    `add_special_tokens`: the BOS of text (None: the tokenizer's default; chat never: the
-    template writes its own); `add_generation_prompt`: chat ends with the assistant's turn."""
-    given = [x for x in (prompt.text, prompt.token_ids, prompt.messages) if x is not None]
-    if len(given) != 1:
-      raise gateway.invalid("prompt: give exactly one of text, token ids or chat messages")
-    if prompt.token_ids is not None:
-      return self._checked_ids(prompt.token_ids, truncate)
-    if prompt.text is not None:
-      ids = self.tokenizer.encode(self._within_reach(prompt.text, truncate), add_special_tokens)
-      if prompt.text and not ids:  # "\x16": characters the vocabulary has no token for.
-        raise gateway.invalid("prompt is empty once tokenized: the tokenizer drops every "
-                              "character of it")
-      return ids
-    if len(prompt.messages) > client_fields.MAX_MESSAGES:
-      raise gateway.invalid(f"messages: at most {client_fields.MAX_MESSAGES} in one request, got "
-                            f"{len(prompt.messages):,}")
-    # OpenAI's new name for the system role, from either front end.
-    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in prompt.messages]
-    if prompt.tools and not self.tokenizer.takes_tools:
-      offer = tool_calls.system_prompt(prompt.tools)
-      if messages[0]["role"] == "system":
-        messages = [{**messages[0], "content": offer + "\n\n" + messages[0]["content"]},
-                    *messages[1:]]
-      else:
-        messages = [{"role": "system", "content": offer}, *messages]
-    try:
-      text = self.tokenizer.apply_chat_template(
-          messages, add_generation_prompt,
-          tools=prompt.tools if prompt.tools and self.tokenizer.takes_tools else None)
-    except ValueError as e:  # It names the message and field that are wrong.
-      raise gateway.invalid(str(e)) from e
-    return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
-
-  def _checked_ids(self, ids: Sequence[int], truncate: bool) -> list[int]:
-    # The length first: ids that cannot fit are refused (or cut) whatever they are, and 2M ids
-    # are not checked one by one first.
-    room = self.max_model_len - 1  # At least one output token.
-    if len(ids) > room:
-      if not truncate:
-        raise gateway.invalid(
-            f"prompt: {len(ids):,} token ids cannot fit in the context window of "
-            f"{self.max_model_len} tokens; shorten it, or set truncate_prompt to keep its end")
-      ids = ids[len(ids) - room:]
-    ids = list(ids)
-    client_fields.check_token_ids(ids, self.vocab_size, "prompt token_ids")
-    return ids
-
-  def _within_reach(self, text: str, truncate: bool) -> str:
-    if len(text) <= self.max_prompt_chars:
-      return text
-    if truncate:  # The tail holds at least max_model_len tokens: all that truncation keeps.
-      return text[-self.max_prompt_chars:]
-    raise gateway.invalid(
-        f"prompt: {len(text):,} characters cannot fit in the context window of "
-        f"{self.max_model_len} tokens (at most {self.max_prompt_chars:,} characters with this "
-        "tokenizer); shorten it, or set truncate_prompt to keep its end")
+    """The prompt's ids (serving/prompt_ids.py), for generation and the tokenizer routes."""
+    return self._encoder.encode(prompt, truncate, add_special_tokens, add_generation_prompt)
 
   def prepare(self, inp: GenerateInput) -> Prepared:
     """Every check of one prompt, whichever front end parsed it: the one entry point. Raises an
