@@ -29,8 +29,12 @@ class BuildFFI(build_ext):
 
 setup(
     ext_modules=[Extension(
-        "kernels_cpu._kernels", ["kernels_cpu/qmatmul.cc"], language="c++", optional=True,
-        depends=["kernels_cpu/qmatmul_tiles.inc"],
-        extra_compile_args=["-O3", "-std=c++17", "-w"])],
+        "kernels_cpu._kernels", ["kernels_cpu/qmatmul.cc", "kernels_cpu/ragged.cc"],
+        language="c++", optional=True,
+        depends=["kernels_cpu/common.h", "kernels_cpu/qmatmul_tiles.inc",
+                 "kernels_cpu/ragged_attend.inc"],
+        # -fno-trapping-math: no program of ours traps on a float exception, and without it GCC
+        # keeps a clamp's branch in ragged.cc's exp, which then does not vectorize.
+        extra_compile_args=["-O3", "-std=c++17", "-fno-trapping-math", "-w"])],
     cmdclass={"build_ext": BuildFFI},
 )

@@ -18,7 +18,8 @@ _log = logging.getLogger("jaxserve")
 LIBRARY = "_kernels"
 HIDE_ENV = "JAXSERVE_CPU_KERNELS"
 # FFI target name -> the handler symbol in the library.
-TARGETS = {"jaxserve_qmatmul": "JaxserveQMatmul"}
+TARGETS = {"jaxserve_qmatmul": "JaxserveQMatmul",
+           "jaxserve_ragged_attention": "JaxserveRaggedAttention"}
 # The `isa` attribute's values (qmatmul.cc's Isa): auto is the widest the CPU has.
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 

@@ -16,14 +16,14 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
+using jaxserve_cpu::kAuto, jaxserve_cpu::kScalar, jaxserve_cpu::kAvx2, jaxserve_cpu::kAvx512;
+using jaxserve_cpu::ParallelFor, jaxserve_cpu::Supported, jaxserve_cpu::Widest;
 
 namespace {
 
@@ -121,23 +121,6 @@ inline void LoadU4Pair(const uint8_t* p, F& lo, F& hi) {
 }  // namespace avx512
 #pragma GCC pop_options
 
-enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
-
-bool Supported(int64_t isa) {
-  switch (isa) {
-    case kScalar: return true;
-    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    default: return false;
-  }
-}
-
-int64_t Widest() {
-  static const int64_t widest = Supported(kAvx512) ? kAvx512 : Supported(kAvx2) ? kAvx2 : kScalar;
-  return widest;
-}
-
 using Task = void (*)(const Problem&, int64_t, int64_t);
 
 Task TaskFor(int64_t isa, bool nk) {
@@ -146,36 +129,6 @@ Task TaskFor(int64_t isa, bool nk) {
     case kAvx2: return nk ? avx2::RowsOfW : avx2::Columns;
     default: return nk ? scalar::RowsOfW : scalar::Columns;
   }
-}
-
-// Runs task(p, begin, end) over [0, total) in pieces of `piece`, on the calling thread and on
-// XLA's intra-op pool. Pieces are taken from a shared counter, so a pool task that starts late
-// finds none left and returns at once: the caller waits only for pieces already begun. The
-// caller counts as one of the pool's threads: with as many helpers as the pool has
-// threads, one more thread than cores ran, and a descheduled one held the whole call back (at
-// M = 1 on 2 cores, the kernel's matmuls about 1.2x slower than with one helper fewer).
-void ParallelFor(ffi::ThreadPool& pool, const Problem& p, Task task, int64_t total,
-                 int64_t piece) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> busy{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  const int64_t pieces = (total + piece - 1) / piece;
-  auto work = [shared, &p, task, total, piece, pieces]() {
-    shared->busy.fetch_add(1);
-    for (int64_t i; (i = shared->next.fetch_add(1)) < pieces;) {
-      task(p, i * piece, std::min(total, (i + 1) * piece));
-    }
-    shared->busy.fetch_sub(1);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, pieces - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    // Holds `shared` alive past this call's return; `p` is not touched then (no piece is left).
-    pool.Schedule([work]() { work(); });
-  }
-  work();
-  while (shared->busy.load() != 0) _mm_pause();
 }
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
@@ -208,7 +161,9 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const int64_t rows_v = packed ? K / 2 : K, t = kTaskColumns;
   p.row_v = tiled ? t : N, p.block_v = tiled ? rows_v * t : t;
   p.row_s = tiled ? t : N, p.block_s = tiled ? groups * t : t;
-  ParallelFor(pool, p, TaskFor(isa, nk), N, nk ? kTaskRowsNK : kTaskColumns);
+  const Task task = TaskFor(isa, nk);
+  ParallelFor(pool, N, nk ? kTaskRowsNK : kTaskColumns,
+              [&](int64_t begin, int64_t end) { task(p, begin, end); });
   return ffi::Error::Success();
 }
 
