@@ -299,6 +299,38 @@ def test_layers_in_tiles_give_the_weights_numbers():
   assert (f(ws["tiled"], x) == f(ws["as stored"], x)).all()
 
 
+@built
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+def test_the_tied_embedding_in_tiles_is_one_copy_for_lookup_and_head(type_name):
+  """A tied embedding [V, D] is stored as the head's [D, V] in tiles (kernel_forms.tiled; not
+  when an lm_head is its own weight): the rows the lookup reads, the head's logits through the
+  kernel and the dequantized numbers are the embedding's as stored."""
+  rng = np.random.default_rng(7)
+  V, D = 192, 64
+  b = blocks_of(type_name, V, D, rng)  # [V, D], groups along D.
+  embed = {"values": b.values, "scale": b.scale}
+  if b.minimum is not None:
+    embed["minimum"] = b.minimum
+  params, names = kernel_forms.tiled({"layers": {}, "embed": embed})
+  assert names == {"embed"}
+  assert kernel_forms.tiled({"layers": {}, "embed": embed, "lm_head": embed})[1] == set()
+  ws = {}
+  for name, arrays in (("tiled", params["embed"]), ("as stored", embed)):
+    layout = quant.layouts_of({"embed": arrays}, names if name == "tiled" else frozenset())
+    w = ws[name] = quant.Quantized((V, D), (None, None), layout["embed"], (1,))
+    for k in arrays:
+      getattr(w, k)[...] = jnp.asarray(arrays[k])
+  assert ws["tiled"].tiled and not ws["as stored"].tiled
+  ids = jnp.asarray([[0, 5, 63, 64, 191]])
+  lookup = nnx.jit(lambda w, ids: quant.embed(ids, w, jnp.float32))
+  assert (lookup(ws["tiled"], ids) == lookup(ws["as stored"], ids)).all()
+  assert (quant.dequant(ws["tiled"], jnp.float32) == quant.dequant(ws["as stored"],
+                                                                    jnp.float32)).all()
+  x = jnp.asarray(rng.standard_normal((1, 3, D), dtype=np.float32))
+  head = nnx.jit(lambda w, x: quant.linear("...D,VD->...V", x, w))
+  assert relative_error(head(ws["tiled"], x), head(ws["as stored"], x)) <= TOLERANCE
+
+
 def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, caplog):
   """The library hidden (as on a machine that had no compiler at install): available() is False
   with one log line, `auto` keeps float weights, and quant.linear gives the same numbers through

@@ -47,9 +47,10 @@ class Layout:
   """How one weight is stored: `group` input elements share a scale (None: per output channel,
   one scale over all input axes), whether each group has a minimum too, `bits`: 8 (int8
   values) or 4 (values in [0, 16) two a byte along the last input axis, uint8: the CPU kernel's
-  packed form, kernels_cpu.reference.packed), and `tiled`: the arrays (a stacked layer's, read
-  as [K, N]) stored in tiles of 64 output columns, the CPU kernel's streaming order
-  (kernels_cpu.reference.tiled), the shapes unchanged."""
+  packed form, kernels_cpu.reference.packed), and `tiled`: the arrays, as the [K, N] matrix
+  the kernel reads (a stacked layer's one layer; the tied embedding [V, D] as the head, [D, V]),
+  stored in tiles of 64 output columns, its streaming order (kernels_cpu.reference.tiled), the
+  shapes unchanged."""
 
   group: int | None = None
   has_min: bool = False
@@ -77,7 +78,8 @@ class Quantized(nnx.Module):
 
   `layer`: None, or (set by llama.run_layers when the scan hands the arrays over whole, [L, ...],
   for the CPU kernel to read in place) the traced index of the layer this step reads. `tiled`:
-  the arrays, read as [K, N] (the leading `in_rows` axes flattened), are in tiles."""
+  the arrays hold tiles of [K, N] (K: the input axes; trailing, as the embedding's, the matrix
+  is the transpose)."""
 
   layer = None
 
@@ -88,7 +90,7 @@ class Quantized(nnx.Module):
     snames = tuple(None if s == 1 and n != 1 else name for s, n, name in zip(sshape, shape, names))
     param = lambda value, names: nnx.Param(value, out_sharding=names, eager_sharding=False)
     self.packed_axis = in_axes[-1] if layout.bits == 4 else None
-    self.tiled, self.in_rows = layout.tiled, len(in_axes)
+    self.tiled, self.in_axes = layout.tiled, in_axes
     if self.packed_axis is not None:
       shape = tuple(n // 2 if a == self.packed_axis else n for a, n in enumerate(shape))
     self.values = param(jnp.zeros(shape, jnp.uint8 if layout.bits == 4 else jnp.int8), names)
@@ -111,13 +113,18 @@ def arrays(w: Quantized) -> tuple:
   if w.layer is not None:
     out = tuple(None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
                 for a in out)
-  if w.tiled:  # One layer's matrix, its first in_rows axes K (tiled layer by layer).
-    flat = lambda a: a.reshape(math.prod(a.shape[:w.in_rows]), -1)
-    out = tuple(None if a is None else kernels_cpu.reference.untiled(flat(a)).reshape(a.shape)
-                for a in out)
+  if w.tiled:
+    out = tuple(None if a is None else _untiled(w, a) for a in out)
   if w.packed_axis is None:
     return out
   return (kernels_cpu.reference.unpacked(out[0], w.packed_axis), *out[1:])
+
+
+def _untiled(w: Quantized, a):
+  """One matrix's array of w (a layer's, or the embedding) in its float layout again."""
+  K = math.prod(a.shape[a.ndim - len(w.in_axes):] if w.in_axes[0] else a.shape[:len(w.in_axes)])
+  kn = kernels_cpu.reference.untiled(a.reshape(K, -1))
+  return (kn if w.in_axes[0] == 0 else kn.T).reshape(a.shape)
 
 
 # The platform the program being traced is lowered for, where it is not jax.default_backend()'s
@@ -233,9 +240,11 @@ def _kernel_linear(x, w: Quantized, c: int, nk: bool):
     two = (-1, math.prod(shape[-c:])) if nk else (math.prod(shape[:c]), -1)
     return a.reshape(*L[0], *two)
 
+  if w.tiled and nk:  # The embedding as the head: its memory holds [D, V]'s tiles.
+    flat = lambda a: a.reshape(math.prod(a.shape[-c:]), -1)
   minimum = flat(w.minimum[...]) if hasattr(w, "minimum") else None
   y = kernels_cpu.qmatmul(x.reshape(-1, K), flat(w.values[...]), flat(w.scale[...]), minimum,
-                          nk=nk, layer=w.layer, tiled=w.tiled)
+                          nk=nk and not w.tiled, layer=w.layer, tiled=w.tiled)
   matrix = w.values.shape[lead:]
   rest = matrix[:-c] if nk else matrix[c:]
   return y.reshape(*batch, *rest).astype(x.dtype)
@@ -260,9 +269,13 @@ def embed(ids, w: nnx.Param | Quantized, dtype):
   dequantized."""
   if not isinstance(w, Quantized):
     return w[...][ids]
-  rows = w.values[...][ids].astype(jnp.float32) * jnp.repeat(w.scale[...][ids], _group(w), -1)
+  take = lambda a: a[...][ids]
+  if w.tiled:  # Row v of [V, X] is column v of the head's [X, V], in tile v // 64.
+    tile = kernels_cpu.reference.TILE
+    take = lambda a: a[...].reshape(-1, a.shape[1], tile)[ids // tile, :, ids % tile]
+  rows = take(w.values).astype(jnp.float32) * jnp.repeat(take(w.scale), _group(w), -1)
   if hasattr(w, "minimum"):
-    rows = rows + jnp.repeat(w.minimum[...][ids], _group(w), -1)
+    rows = rows + jnp.repeat(take(w.minimum), _group(w), -1)
   return rows.astype(dtype)
 
 
