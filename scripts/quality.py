@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import EngineConfig, KVDtype, KVLayout
+from jaxserve.engine import kv_spec
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata
 
@@ -134,7 +135,7 @@ def _log_probs(model, ids, kv_dtype: KVDtype):
                         max_model_len=n, prefill_buckets=(n,), kv_layout=KVLayout.RAGGED,
                         kv_dtype=kv_dtype)
   meta = AttentionMetadata.one_sequence(n, PAGE_SIZE)
-  logits, _ = model(ids[None], kv_cache.KVCache.create(model.cfg, engine), meta, last_only=False)
+  logits, _ = model(ids[None], kv_spec.create_pool(model.cfg, engine), meta, last_only=False)
   scored = logits[0, CONTEXT - 1:-1]  # [tokens, V]: the next-token logits of scored positions.
   return jax.nn.log_softmax(scored.astype(jnp.float32), axis=-1)
 
@@ -343,7 +344,7 @@ def calibrate(model, tokenizer, skip: int, count: int = 4, size: int = 256) -> n
 
   @nnx.jit
   def rows(model, x):
-    return model(x[None], kv_cache.KVCache.create(model.cfg, engine), meta)[1].k  # [L, P, Z, Cr]
+    return model(x[None], kv_spec.create_pool(model.cfg, engine), meta)[1].k  # [L, P, Z, Cr]
 
   n = model.cfg.num_kv_heads * model.cfg.head_dim
   amax = np.zeros((model.cfg.num_layers, 2), np.float32)

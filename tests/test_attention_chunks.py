@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig, KVLayout, ModelConfig
+from jaxserve.engine.kv_spec import create_pool, slot_page_tables
 from jaxserve.model import attention
 from jaxserve.model.attention import AttentionMetadata
-from jaxserve.model.kv_cache import KVCache, slot_page_tables
+from jaxserve.model.kv_cache import KVCache
 
 Z, K, G, H = 16, 2, 3, 8  # page size, KV heads, query heads per KV head, head dim
 CFG = ModelConfig(name="t", vocab_size=32, dim=K * G * H, num_layers=1, num_heads=K * G,
@@ -28,7 +29,7 @@ def _cache(layout: KVLayout, num_slots: int, max_len: int, rng) -> tuple[KVCache
   W = max_len // Z
   engine = EngineConfig(num_slots=num_slots, page_size=Z, num_pages=num_slots * W + 1,
                         max_model_len=max_len, kv_layout=layout)
-  cache = KVCache.create(CFG, engine)
+  cache = create_pool(CFG, engine)
   tables = slot_page_tables(engine)
   if tables is None:
     tables = (1 + rng.permutation(num_slots * W)).reshape(num_slots, W).astype(np.int32)

@@ -26,9 +26,9 @@ from jaxserve.config import (
 )
 from jaxserve.config import gemma3 as gemma3_config
 from jaxserve.config.engine import window_pages_per_seq
+from jaxserve.engine import kv_spec
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, pull, weights
-from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import SCRATCH_PAGE, WindowedKV
 from support import hf_tiny
@@ -206,7 +206,7 @@ def chunked_last_logits(model, ids, chunk: int, page_size: int):
   pages = REAL_ENGINE.max_model_len // page_size  # The same shapes for every prompt: one compile.
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=pages * page_size, prefill_buckets=(chunk,))
-  cache = kv_cache.create(model.cfg, engine)
+  cache = kv_spec.create(model.cfg, engine)
   assert isinstance(cache, WindowedKV)
   window, Z = model.cfg.sliding_window, page_size
   free, held = list(range(cache.window.num_pages - 1, 0, -1)), {}  # pool page by table index

@@ -21,8 +21,8 @@ from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
 from jaxserve.config.engine import RAGGED_KV_DTYPES
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.kv_spec import create_pool, slot_page_tables
 from jaxserve.model.attention import AttentionMetadata
-from jaxserve.model.kv_cache import KVCache, slot_page_tables
 from support.engine_calls import decode, prefill
 from support.tiny import TINY, TINY_ENGINE
 
@@ -41,7 +41,7 @@ def _written_cache(layout, kv_dtype, rng):
   """A SMALL cache with random K/V [2, 16, K, H] written for two sequences at layer 1, then a
   scratch-page write of 1e3 that must never be read back. Returns (cache, tables, k, v)."""
   engine = dataclasses.replace(SMALL, kv_layout=layout, kv_dtype=kv_dtype)
-  cache = KVCache.create(TINY, engine)
+  cache = create_pool(TINY, engine)
   if layout is KVLayout.CONTIGUOUS:
     tables = slot_page_tables(engine)[[2, 0]]  # Sequences in slots 2 and 0.
   else:
@@ -81,7 +81,7 @@ def _int8_head_values():
 
 
 def test_int8_scale_is_per_token_and_head():
-  cache = KVCache.create(TINY, dataclasses.replace(SMALL, kv_dtype=KVDtype.INT8))
+  cache = create_pool(TINY, dataclasses.replace(SMALL, kv_dtype=KVDtype.INT8))
   k = _int8_head_values()
   cache = cache.write(0, jnp.array([[5]]), k, k)  # Page 1, offset 1.
   np.testing.assert_array_equal(np.asarray(cache.k_scale[0, 1, 1, :, 0]), [-4, -5])
@@ -96,7 +96,7 @@ def test_ragged_int8_row_holds_values_then_exponents():
   """TINY's ragged row: K heads (lanes 0-31), V heads (32-63), then the exponents of K heads 0,
   1 and V heads 0, 1 (lanes 64-67), zeros to 128."""
   engine = dataclasses.replace(SMALL, kv_dtype=KVDtype.INT8, kv_layout=KVLayout.RAGGED)
-  cache = KVCache.create(TINY, engine)
+  cache = create_pool(TINY, engine)
   k = _int8_head_values()
   cache = cache.write(0, jnp.array([[5]]), k, k / 4)  # V: exponents 2 lower, same ints.
   row = np.asarray(cache.k[0, 1, 1])  # [Cr]
@@ -114,14 +114,14 @@ def test_bytes_follow_the_capacity_arithmetic():
   lane_groups count says, under tp too."""
   from jaxserve.planning import capacity
   for kv_dtype in KVDtype:
-    cache = KVCache.create(TINY, dataclasses.replace(SMALL, kv_dtype=kv_dtype))
+    cache = create_pool(TINY, dataclasses.replace(SMALL, kv_dtype=kv_dtype))
     assert cache.num_bytes == 12 * 4 * capacity.kv_bytes_per_token(TINY, kv_dtype)
   for kv_dtype, tp in [(d, tp) for d in RAGGED_KV_DTYPES for tp in (1, 2)]:
     engine = dataclasses.replace(SMALL, kv_dtype=kv_dtype, kv_layout=KVLayout.RAGGED, tp=tp)
-    cache = KVCache.create(TINY, engine)
+    cache = create_pool(TINY, engine)
     assert cache.num_bytes == 12 * 4 * capacity.kv_bytes_per_token(TINY, kv_dtype, tp)
     assert cache.num_bytes == 12 * 4 * 2 * 128 * tp * kv_dtype.value_bytes
-  contiguous = KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.CONTIGUOUS))
+  contiguous = create_pool(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.CONTIGUOUS))
   assert contiguous.num_bytes == 3 * 16 * capacity.kv_bytes_per_token(TINY, KVDtype.FLOAT32)
   assert contiguous.num_pages == 1 + 3 * 4
 
@@ -177,7 +177,7 @@ def forward_logits(model, ids, layout=KVLayout.PAGED_TOKEN_MAJOR, kv_dtype=KVDty
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=n, prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
   meta = AttentionMetadata.one_sequence(n, page_size)
-  logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
+  logits, _ = model(ids[None], create_pool(model.cfg, engine), meta, last_only=False)
   return logits[0]
 
 
@@ -211,5 +211,5 @@ def test_pallas_backend_refuses_other_layouts(tiny_model, layout):
 
 def test_ragged_layout_refuses_float16():
   with pytest.raises(ValueError, match="not float16"):
-    KVCache.create(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.RAGGED,
+    create_pool(TINY, dataclasses.replace(SMALL, kv_layout=KVLayout.RAGGED,
                                              kv_dtype=KVDtype.FLOAT16))

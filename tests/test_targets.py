@@ -23,10 +23,9 @@ import pytest
 from jaxserve.batching.plan import StepKind
 from jaxserve.cli import main as cli
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, Quantization
-from jaxserve.engine import assembly, compile_plan, host_kv, targets
+from jaxserve.engine import assembly, compile_plan, host_kv, kv_spec, targets
 from jaxserve.engine.engine import Engine, engine_config_for
 from jaxserve.engine.step_args import StepShape
-from jaxserve.model import kv_cache
 from jaxserve.planning import capacity
 from support.tiny import TINY, TINY_ENGINE, count_compiles
 
@@ -180,8 +179,7 @@ def compiled_copies(window_pages: bool):
                              or window_pages and p.name == "step D=1 T=32 W=128"]
   reports = compile_plan.compile_programs("v5e", GEMMA3_2L, config, only=wanted)
   resolved = engine_config_for(config, AttentionBackend.PALLAS_TPU)
-  return reports, host_kv.page_groups(jax.eval_shape(lambda: kv_cache.create(GEMMA3_2L,
-                                                                             resolved)))
+  return reports, jax.eval_shape(lambda: kv_spec.create(GEMMA3_2L, resolved)).groups
 
 
 @skip_without("v5e")
@@ -313,7 +311,7 @@ def test_plan_compile_sizes_a_pool_that_fits():
   # Sizing from the weights alone (today's engine) would give more pages than fit.
   engine_config = EngineConfig(**SMALL)
   assert pool["pages"] < capacity.num_kv_pages(
-      SMOLLM2, budget, 1.0, 16, kv_cache.kv_dtype_of(engine_config), weight_bytes(SMOLLM2))
+      SMOLLM2, budget, 1.0, 16, kv_spec.kv_dtype_of(engine_config), weight_bytes(SMOLLM2))
 
 
 @skip_without("v5e")

@@ -26,6 +26,12 @@ class HostHit:
   tokens: tuple[int, ...]
 
 
+def on_host(hit: int | HostHit) -> bool:
+  """Whether a prefix hit's page is in the host tier (a HostHit), not a device page (an int):
+  the one place the two are told apart."""
+  return isinstance(hit, HostHit)
+
+
 class HostPages:
 
   def __init__(self, num_slots: int):

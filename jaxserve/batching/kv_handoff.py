@@ -3,7 +3,7 @@ prefix cache, and into another's host tier.
 
 A prefill server runs a prompt (and its first token), then exports the pages its prefix cache
 keeps for it: every full page but the one holding the prompt's last token (what a prefix hit
-can reuse, kv_pages.prefix_keys), of each page group (the KV pool, and with window pages the
+can reuse, page_keys.prefix_keys), of each page group (the KV pool, and with window pages the
 window pool, whichever of its pages are still cached). A decode server imports them into its
 host tier under the keys it computes from the prompt itself (a sender names no key), then
 queues the request as any other: its admission finds them there, loads them in one batched
@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from jaxserve.batching.host_pages import HostHit
-from jaxserve.batching.kv_pages import prefix_keys
+from jaxserve.batching.host_pages import HostHit, on_host
+from jaxserve.batching.page_keys import prefix_keys
 from jaxserve.batching.plan import PageStore
 from jaxserve.batching.scheduler import Scheduler
 
@@ -45,7 +45,7 @@ def export_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
   (which the receiver has). Selects them and dispatches their copies; the callable, for a
   worker, gives the pages."""
   found: dict[int, list[tuple[int, int | HostHit]]] = {}
-  pools = _pools(scheduler)
+  pools = scheduler.pools.groups
   for index, (key, tokens) in enumerate(prefix_keys(token_ids, scheduler.page_size,
                                                     cache_salt, lora)):
     hits = [pool.find_hit(key, tokens) for pool in pools]
@@ -58,10 +58,10 @@ def export_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
         found.setdefault(group, []).append((index, hit))
   parts = []
   for group, hits in found.items():
-    on_device = [(i, h) for i, h in hits if not isinstance(h, HostHit)]
-    on_host = [(i, h) for i, h in hits if isinstance(h, HostHit)]
-    parts += [(group, on_device, store.export(group, [h for _, h in on_device])),
-              (group, on_host, store.read(group, [h.slot for _, h in on_host]))]
+    device = [(i, h) for i, h in hits if not on_host(h)]
+    host = [(i, h) for i, h in hits if on_host(h)]
+    parts += [(group, device, store.export(group, [h for _, h in device])),
+              (group, host, store.read(group, [h.slot for _, h in host]))]
 
   def pages() -> list[Page]:
     out = [Page(g, i, d) for g, hits, data in parts for (i, _), d in zip(hits, data())]
@@ -77,7 +77,7 @@ class Importer:
 
   def __init__(self, scheduler: Scheduler, store: PageStore, token_ids: Sequence[int],
                cache_salt: str | None = None, lora: str | None = None):
-    self._pools, self._store = _pools(scheduler), store
+    self._pools, self._store = scheduler.pools.groups, store
     self._token_ids, self._cache_salt = token_ids, cache_salt
     self._keys = list(prefix_keys(token_ids, scheduler.page_size, cache_salt, lora))
     self._num_taken = [0] * len(self._pools)
@@ -132,8 +132,3 @@ def num_cached(scheduler: Scheduler, token_ids: Sequence[int], cache_salt: str |
                lora: str | None = None) -> int:
   """How many of `token_ids`'s full pages an admission would reuse now (either tier)."""
   return len(scheduler.pools.match(token_ids, cache_salt, lora))
-
-
-def _pools(scheduler: Scheduler):
-  pools = scheduler.pools
-  return (pools.full,) if pools.window_pool is None else (pools.full, pools.window_pool)

@@ -7,65 +7,30 @@ page tables point at it). A page is in exactly one of three states:
   cached     ref count 0 but its KV is still valid and findable by hash (evictable, LRU order)
   free       ref count 0, no valid contents
 
-Automatic prefix caching: a full page is keyed by SHA-256 of its parent page's key and its token
-ids, so one key names the whole prefix up to that page. The hash is cryptographic because pages
-are shared across tenants: with Python's hash() a crafted collision would let one prompt reuse
-another's KV (the class of vLLM's CVE-2025-25183); a page's own tokens are still compared too.
-A new request walks its prompt page by page and reuses every page whose key is cached; only the
-rest is prefilled. When no free page is left, the least recently freed cached page is evicted.
+Automatic prefix caching: a full page is keyed by its prefix (page_keys.py), and its own tokens
+are compared too. A new request walks its prompt page by page and reuses every page whose key is
+cached; only the rest is prefilled. When no free page is left, the least recently freed cached
+page is evicted.
 
 With a host tier (`host_slots`, host_pages.py) an evicted page is saved to host memory first, and
 a prompt that reaches a saved key copies it back into a fresh page: a hit with a copy's cost.
+A hit is a device page or, when its page is on the host, a `HostHit` (`on_host` tells them
+apart).
 The copies go into the next plan (`take_copies`): saves (device page -> host slot) before
 loads (host slot -> device page), both before the step, which may overwrite a saved page.
 
-A request's cache salt (vLLM's `cache_salt`) is mixed into its first page's key: only requests
-with the same salt share pages, whatever their tokens. So is its LoRA adapter (`lora`, the
-adapter's LoRARequest.cache_key): KV computed under one adapter is never another's, nor the base
-model's.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
-import numpy as np
-
-from jaxserve.batching.host_pages import HostHit, HostPages
+from jaxserve.batching.host_pages import HostHit, HostPages, on_host
 from jaxserve.batching.kv_events import KVEventLog
+from jaxserve.batching.page_keys import page_hash, prefix_keys, root_key
 
-_ROOT_HASH = bytes(32)  # The parent key of a sequence's first page.
-
-
-def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
-  """SHA-256 of the parent's 32-byte key, then the ids as little-endian int32s."""
-  return hashlib.sha256(parent + np.asarray(token_ids, "<i4").tobytes()).digest()
-
-
-def root_key(cache_salt: str | None, lora: str | None = None) -> bytes:
-  """The parent key of a sequence's first page: zeros, or a salt's own; then an adapter's."""
-  key = _ROOT_HASH
-  if cache_salt:
-    key = hashlib.sha256(b"cache_salt\0" + _utf8(cache_salt)).digest()
-  if lora:
-    key = hashlib.sha256(b"lora\0" + key + _utf8(lora)).digest()
-  return key
-
-
-def _utf8(s: str) -> bytes:
-  return s.encode("utf-8", "surrogatepass")
-
-
-def prefix_keys(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None,
-                lora: str | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
-  """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily."""
-  parent = root_key(cache_salt, lora)
-  for i in range((len(token_ids) - 1) // page_size):
-    tokens = tuple(token_ids[i * page_size:(i + 1) * page_size])
-    parent = page_hash(parent, tokens)
-    yield parent, tokens
+__all__ = ["PageAllocator", "page_hash", "prefix_keys", "root_key"]
 
 
 class PageAllocator:
@@ -142,13 +107,13 @@ class PageAllocator:
     return self.host.find(key, tokens)
 
   def key_of(self, hit: int | HostHit) -> bytes | None:
-    return hit.key if isinstance(hit, HostHit) else self._hash[hit]
+    return hit.key if on_host(hit) else self._hash[hit]
 
   def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0, reuse: bool = True,
                    hits: Sequence[int] | None = None) -> bool:
     """Whether `allocate(token_ids, reuse, hits)` would leave at least `num_reserve` pages free."""
     hits = self._hits(token_ids, reuse, hits)
-    on_device = [b for b in hits if not isinstance(b, HostHit)]  # Host hits take fresh pages.
+    on_device = [b for b in hits if not on_host(b)]  # Host hits take fresh pages.
     num_revived = sum(self._ref[b] == 0 for b in on_device)  # They leave the evictable pool.
     num_new = self.num_pages_for(len(token_ids)) - len(on_device)
     return self.num_free_pages - num_revived >= num_new + num_reserve
@@ -167,22 +132,22 @@ class PageAllocator:
     """
     hits = self._hits(token_ids, reuse, hits)
     for hit in hits:  # Held (pinned) first: the fresh pages below may evict others.
-      self.host.pin(hit.slot) if isinstance(hit, HostHit) else self.hold(hit)
+      self.host.pin(hit.slot) if on_host(hit) else self.hold(hit)
     table = []
     for hit in hits:
       table.append(self._load(hit, table[-1] if table else None, cache_salt)
-                   if isinstance(hit, HostHit) else hit)
+                   if on_host(hit) else hit)
     num_new = self.num_pages_for(len(token_ids)) - len(hits)
     table += [self._take_fresh() for _ in range(num_new)]
     num_cached = len(hits) * self.page_size
     self.num_query_tokens += len(token_ids)
     self.num_hit_tokens += num_cached
-    self.num_host_hit_tokens += sum(isinstance(h, HostHit) for h in hits) * self.page_size
+    self.num_host_hit_tokens += sum(map(on_host, hits)) * self.page_size
     return table, num_cached
 
   def revive(self, hit: int | HostHit) -> int:
     """A held device page for one hit: the page itself, or a fresh one its host copy loads."""
-    if isinstance(hit, HostHit):
+    if on_host(hit):
       self.host.pin(hit.slot)
       return self._load(hit, None, None, publish=False)
     self.hold(hit)

@@ -78,8 +78,8 @@ class StepPlan:
   # Slots that decode one token this step; each reads its input token and position from the
   # engine's decode state, so planning step n+1 needs no value from step n.
   decode_slots: Sequence[int] = ()
-  # [num_slots, G * W] page tables for decode (rows of idle slots are ignored): each slot's
-  # table, then with window pages (G = EngineInfo.page_groups = 2) its window table.
+  # [Bs, Pg * W] page tables for decode (rows of idle slots are ignored): each slot's
+  # table, then with window pages (Pg = EngineInfo.page_groups = 2) its window table.
   page_tables: np.ndarray | None = None
   # Slots released since the last plan: their requests left. Nothing to do on the real engine
   # (a slot decodes only when a plan lists it); an engine that keeps per-slot state drops it.
@@ -89,11 +89,11 @@ class StepPlan:
   # and every later one find the adapter there (Engine.add_lora gave it the weights).
   decode_loras: Sequence[int] = ()
   lora_loads: Sequence[tuple[int, int]] = ()
-  # The host tier's copies (EngineInfo.num_host_pages), run before the step in this order:
-  # (page group, device page, host slot) saves of pages this plan may overwrite, then (page
-  # group, host slot, device page) loads of prefix pages this plan's prompts reuse.
-  kv_saves: Sequence[tuple[int, int, int]] = ()
-  kv_loads: Sequence[tuple[int, int, int]] = ()
+  # The host tier's copies (EngineInfo.num_host_pages), a list per page group (both () when the
+  # plan has none), run before the step in this order: (device page, host slot) saves of pages
+  # this plan may overwrite, then (host slot, device page) loads of prefix pages its prompts reuse.
+  kv_saves: Sequence[Sequence[tuple[int, int]]] = ()
+  kv_loads: Sequence[Sequence[tuple[int, int]]] = ()
   kind: StepKind | None = None  # The scheduler's; None: the kind its chunks are (StepKind.of).
 
   def __post_init__(self):

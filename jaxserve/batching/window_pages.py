@@ -12,13 +12,13 @@ memory pools keep sliding-window and full-attention pages behind one allocator):
 
 Both pools register a page under the same prefix key, so a cached prefix is reused only as far as
 the window pool still holds the window of its first recomputed position. `tables` is the
-engine's view: each slot's table, then (with window pages) its window table, [S, G * W].
+engine's view: each slot's table, then (with window pages) its window table, [Bs, Pg * W].
 
-With a host tier each pool keeps its own (EngineInfo.num_host_pages slots each): a page of
-either pool may be a host hit, and `take_copies` hands the plan both pools' copies, by group
-(0 the full pool, 1 the window pool).
+The pools are the page groups (`groups`, in the engine's order: 0 the full pool, 1 the window
+pool). With a host tier each keeps its own (EngineInfo.num_host_pages slots each): a page of
+either may be a host hit, and `take_copies` hands the plan each group's copies as its own list.
 
-Imports no jax.
+Shape letters: the key in jaxserve/model/__init__.py. Imports no jax.
 """
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ class PagePools:
                                       info.num_host_pages) if self.window else None)
     self.max_pages_per_seq = self.full.num_pages_for(info.max_model_len)  # W
     self.tables = np.zeros((info.num_slots, info.page_groups * self.max_pages_per_seq),
-                           np.int32)  # [S, G * W]
+                           np.int32)  # [Bs, Pg * W]
+
+  @property
+  def groups(self) -> tuple[PageAllocator, ...]:
+    """The allocator of each page group: the full pool, then with window pages the window's."""
+    return (self.full,) if self.window_pool is None else (self.full, self.window_pool)
 
   # Admission.
 
@@ -134,18 +139,14 @@ class PagePools:
     self.tables[req.slot] = 0
 
   def take_copies(self) -> tuple[tuple, tuple]:
-    """The host tier's copies for the plan being built: ((group, device page, host slot) saves,
-    (group, host slot, device page) loads), the full pool's group 0, the window pool's 1."""
-    saves, loads = [], []
-    for group, pool in enumerate((self.full, self.window_pool)):
-      if pool is not None:
-        s, l = pool.take_copies()
-        saves += [(group, *c) for c in s]
-        loads += [(group, *c) for c in l]
-    return tuple(saves), tuple(loads)
+    """The host tier's copies for the plan being built, a list per page group: ((device page,
+    host slot) saves, (host slot, device page) loads); ((), ()) when there are none."""
+    copies = [pool.take_copies() for pool in self.groups]
+    saves, loads = tuple(s for s, _ in copies), tuple(l for _, l in copies)
+    return (saves, loads) if any(saves) or any(loads) else ((), ())
 
   def slot_tables(self) -> np.ndarray:
-    """[S, G * W]: a copy of every slot's tables (rows of idle slots are 0), for a plan."""
+    """[Bs, Pg * W]: a copy of every slot's tables (rows of idle slots are 0), for a plan."""
     return self.tables.copy()
 
   # Window arithmetic.

@@ -21,11 +21,10 @@ from jax.sharding import Mesh
 
 from jaxserve.batching.plan import StepKind
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
-from jaxserve.engine import adapters, placement
+from jaxserve.engine import adapters, kv_spec, placement
 from jaxserve.engine.draft import check_draft, create_cache
 from jaxserve.engine.step import DecodeState, StepOutput, step
 from jaxserve.engine.step_args import Packer, StepArgs, StepShape
-from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionSpec
 
 # The cache and the decode state: every step updates them in place.
@@ -130,7 +129,7 @@ def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
   shardings = None
   if mesh is not None:
     shardings = placement.EngineShardings.create(mesh, model, config, params, state)
-  packer = Packer(config, model.vocab_size, kv_cache.slot_page_tables(config), cache.PAGE_GROUPS)
+  packer = Packer(config, model.vocab_size, kv_spec.slot_page_tables(config), cache.PAGE_GROUPS)
   # With LoRA the params a step takes are (the model's, the adapters': engine/adapters.py).
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef,
                          lora=config.max_loras > 0)

@@ -36,11 +36,11 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxserve.batching.plan import StepKind
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, Quantization
-from jaxserve.engine import adapters, assembly, host_kv, placement, targets
+from jaxserve.engine import adapters, assembly, host_kv, kv_spec, placement, targets
 from jaxserve.engine.draft import create_cache
 from jaxserve.engine.engine import engine_config_for
 from jaxserve.engine.step_args import StepShape
-from jaxserve.model import kv_cache, quant
+from jaxserve.model import quant
 from jaxserve.model.families import model_class
 from jaxserve.planning import capacity
 
@@ -210,7 +210,7 @@ def kv_pool(model: ModelConfig, config: EngineConfig) -> dict[str, int]:
   config = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
   cache = jax.eval_shape(lambda: create_cache(model, config, draft_model(config)))
   pages, size = cache.num_pages, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-  window = cache.window.num_pages if isinstance(cache, kv_cache.WindowedKV) else 0
+  window = cache.num_window_pages
   return {"pages": pages, "page_size": config.page_size, "tokens": (pages - 1) * config.page_size,
           "bytes": size, "device_bytes": size // config.tp, "window_pages": window,
           "host_pages": host_kv.num_host_slots(cache, config.kv_offload_gib)}
@@ -285,9 +285,9 @@ def _most_pages(model, config, budget) -> int:
         abstract_weights(draft, config.dtype.value, config.quantization)[1]))
   resolved = engine_config_for(config, config.attention_backend or AttentionBackend.PALLAS)
   return capacity.num_kv_pages(model, budget * config.tp, 1.0, config.page_size,
-                               kv_cache.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
-                               kv_cache.num_window_pages(model, config),
-                               kv_cache.lane_groups(resolved), draft)
+                               kv_spec.kv_dtype_of(config), weights,  # tp: each holds 1/tp.
+                               kv_spec.num_window_pages(model, config),
+                               kv_spec.lane_groups(resolved), draft)
 
 
 def _confirm(run, at_p0, p0, pages, slope, budget, ceiling) -> list[tuple[int, list]]:

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import kv_spec
 from jaxserve.engine.sample import sample
 from jaxserve.engine.sampling_state import SamplingState
-from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 
@@ -44,6 +44,7 @@ class DraftedKV:
   draft: KVCache
 
   PAGE_GROUPS = 1  # No window pages with a draft (check_draft).
+  num_window_pages = 0
   page_size = property(lambda self: self.target.page_size)
   num_pages = property(lambda self: self.target.num_pages)
   layout = property(lambda self: self.target.layout)
@@ -53,11 +54,16 @@ class DraftedKV:
   def num_bytes(self) -> int:
     return self.target.num_bytes + self.draft.num_bytes
 
+  @property
+  def groups(self):
+    raise ValueError("the host tier runs on one model's page groups, not a DraftedKV (a draft "
+                     "model's cache beside the target's)")
+
 
 def create_cache(model: ModelConfig, config: EngineConfig, draft: ModelConfig | None):
-  """The engine's cache: the target's (kv_cache.create), with the draft's beside it."""
-  cache = kv_cache.create(model, config)
-  return cache if draft is None else DraftedKV(cache, KVCache.create(draft, config))
+  """The engine's cache: the target's (kv_spec.create), with the draft's beside it."""
+  cache = kv_spec.create(model, config)
+  return cache if draft is None else DraftedKV(cache, kv_spec.create_pool(draft, config))
 
 
 def check_draft(config: EngineConfig, target: ModelConfig, draft: ModelConfig | None) -> None:
@@ -76,7 +82,7 @@ def check_draft(config: EngineConfig, target: ModelConfig, draft: ModelConfig | 
                      f"target's ({target.vocab_size}): a draft must share the target's tokenizer")
   if config.tp * config.dp * config.ep > 1:
     raise ValueError("the draft-model method runs on one device: no tp, dp or ep yet")
-  if any(draft.local_layers) or kv_cache.num_window_pages(target, config):
+  if any(draft.local_layers) or kv_spec.num_window_pages(target, config):
     raise ValueError("the draft-model method does not run with window pages or a draft with "
                      "sliding-window layers (speculation is off with window pages)")
 

@@ -26,14 +26,12 @@ from jaxserve.config import (
   ModelConfig,
   default_attention_backend,
 )
-from jaxserve.engine import adapters, assembly, placement
+from jaxserve.engine import adapters, assembly, kv_spec, placement
 from jaxserve.engine.draft import check_draft
 from jaxserve.engine.host_kv import HostKV
 from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step import StepOutput
 from jaxserve.engine.step_args import StepArgs
-from jaxserve.model import kv_cache
-from jaxserve.model.kv_cache import WindowedKV
 from jaxserve.model.llama import Transformer, unstacked
 from jaxserve.planning import capacity
 
@@ -188,12 +186,12 @@ class Engine:
 
   def _engine_info(self) -> EngineInfo:
     """What the host side knows of this engine (batching.plan.EngineInfo)."""
-    c, windowed = self.config, isinstance(self.cache, WindowedKV)
+    c, windowed = self.config, self.cache.num_window_pages > 0
     return EngineInfo(self.num_slots, self.page_size, self.num_pages, self.max_model_len,
                       self.max_prefill_len, self.can_share_pages, self.model_config.vocab_size,
                       c.prefill_buckets, c.dtype.value, c.max_prefill_seqs,
                       window=self.model_config.sliding_window if windowed else None,
-                      num_window_pages=self.cache.window.num_pages if windowed else 0,
+                      num_window_pages=self.cache.num_window_pages,
                       speculative=c.speculative, max_loras=c.max_loras,
                       max_cpu_loras=c.max_cpu_loras,
                       num_host_pages=0 if self.host_kv is None else self.host_kv.num_slots)
@@ -309,10 +307,10 @@ def size_kv_pool(config: EngineConfig, model: Transformer,
                                       np.dtype(config.dtype.value).itemsize)
   memory = device_memory_bytes(device)
   pages = capacity.num_kv_pages(model.cfg, memory * config.tp, config.memory_fraction,
-                                  config.page_size, kv_cache.kv_dtype_of(config),
+                                  config.page_size, kv_spec.kv_dtype_of(config),
                                   weight_bytes * config.tp,
-                                  kv_cache.num_window_pages(model.cfg, config),
-                                  kv_cache.lane_groups(config),
+                                  kv_spec.num_window_pages(model.cfg, config),
+                                  kv_spec.lane_groups(config),
                                   None if draft is None else draft.cfg)
   if jax.process_count() > 1:  # Every process must build the same cache shape: the smallest pool.
     pages = int(np.min(multihost_utils.process_allgather(np.int32(pages))))

@@ -1,9 +1,10 @@
 """The prefix cache's host tier on the engine side: a host pool of pages, and the programs that
 copy pages between it and the device cache (batching/host_pages.py keeps the index).
 
-Each page group of the cache (the KV pool, and with window pages the window pool) has its own
-host pool, one numpy array per cache array, [N, L, ...] (N host slots; a slot's page is one
-contiguous block). A plan's copies run before its step (StepPlan.kv_saves, kv_loads):
+Each page group of the cache (`cache.groups`: the KV pool, and with window pages the window
+pool) has its own host pool, one numpy array per cache array, [N, L, ...] (N host slots; a
+slot's page is one contiguous block). A plan's copies run before its step (StepPlan.kv_saves,
+kv_loads: a list per page group):
 
   save   one program gathers a batch of device pages into pinned host memory (its output's
          memory kind: the device-to-host copy is the compiler's, dispatched like a step, so it
@@ -32,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.engine.fingerprint import weights_fingerprint
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 
 HOST_MEMORY = "pinned_host"
 
@@ -46,26 +47,10 @@ def copy_buckets(max_pages: int) -> tuple[int, ...]:
   return tuple(sizes) + (max_pages,)
 
 
-def page_groups(cache) -> tuple[KVCache, ...]:
-  """The cache's page pools, in the plan's group order."""
-  if isinstance(cache, WindowedKV):
-    return cache.full, cache.window
-  if isinstance(cache, KVCache):
-    return (cache,)
-  raise ValueError(f"the host tier runs on a KVCache or WindowedKV, not {type(cache).__name__} "
-                   "(a draft model's cache)")
-
-
-def with_groups(cache, groups: Sequence[KVCache]):
-  if isinstance(cache, WindowedKV):
-    return dataclasses.replace(cache, full=groups[0], window=groups[1])
-  return groups[0]
-
-
 def page_bytes(cache) -> int:
   """Bytes of one page in every group: what a host slot of each pool holds together."""
   return sum(math.prod(x.shape) // x.shape[1] * x.dtype.itemsize
-             for g in page_groups(cache) for x in jax.tree.leaves(g))
+             for g in cache.groups for x in jax.tree.leaves(g))
 
 
 def num_host_slots(cache, gib: float) -> int:
@@ -143,7 +128,7 @@ def abstract_copies(cache, shardings, max_pages: int) -> list[tuple[CopyShape, C
   `HostKV.warmup` compiles, in its order, for `cache` (ShapeDtypeStructs) with `shardings`: a
   save takes the group and page ids [n] (on every device), a load the host pages too."""
   out = []
-  for g, (group, placed) in enumerate(zip(page_groups(cache), page_groups(shardings))):
+  for g, (group, placed) in enumerate(zip(cache.groups, shardings.groups)):
     save, load = copy_programs(group, placed)
     on_all = _replicated(jax.tree.leaves(placed)[0])
     for n in copy_buckets(max_pages):
@@ -173,7 +158,7 @@ class HostKV:
     self._fingerprint: str | None = None
     self.buckets = copy_buckets(max_pages)
     self._groups = []
-    for group in page_groups(cache):
+    for group in cache.groups:
       shardings = jax.tree.map(lambda x: x.sharding, group)
       # Zero pages cost no memory until written.
       pool = jax.tree.map(lambda x: np.zeros(host_shape(x, num_slots), x.dtype), group)
@@ -197,31 +182,38 @@ class HostKV:
                        f"{page_bytes(cache) / 2**20:.2f} MiB)")
     return cls(cache, num_slots, max_pages, current, weights)
 
-  def copy(self, cache, saves: Sequence[tuple[int, int, int]],
-           loads: Sequence[tuple[int, int, int]]):
-    """Runs a plan's saves, then its loads; returns the cache (donated to the loads)."""
+  def copy(self, cache, saves: Sequence[Sequence[tuple[int, int]]],
+           loads: Sequence[Sequence[tuple[int, int]]]):
+    """Runs a plan's saves, then its loads, each a list per page group of (device page, host
+    slot) and (host slot, device page); returns the cache (donated to the loads)."""
     self.land()  # Earlier plans' saves: they ran before the last step, so they are done.
-    groups = list(page_groups(cache))
-    for g, pages, slots in _by_group(saves):
-      for ids, n in self._batches(pages):
-        out = self._groups[g][1](groups[g], ids)
-        self._pending.append((g, slots[:n], out))
-        slots = slots[n:]
-      self.num_saved += len(pages)
-    if loads:
-      loading = {(g, s) for g, s, _ in loads}
-      if any((g, s) in loading for g, slots, _ in self._pending for s in slots):
-        self.land()  # This plan saved a page it also loads: rare, and it waits for the copy.
-      for g, slots, pages in _by_group(loads):
-        pool, _, load, host = self._groups[g]
-        for ids, n in self._batches(pages):
-          rows = np.zeros(len(ids), np.int64)
-          rows[:n] = slots[:n]
-          data = jax.tree.map(lambda p, sh: jax.device_put(p[rows], sh), pool, host)
-          groups[g] = load(groups[g], ids, data)
-          slots = slots[n:]
-        self.num_loaded += len(pages)
-    return with_groups(cache, groups)
+    groups = list(cache.groups)
+    for g, copies in enumerate(saves):
+      self._save(g, groups[g], copies)
+    loading = {(g, slot) for g, copies in enumerate(loads) for slot, _ in copies}
+    if any((g, s) in loading for g, slots, _ in self._pending for s in slots):
+      self.land()  # This plan saved a page it also loads: rare, and it waits for the copy.
+    for g, copies in enumerate(loads):
+      groups[g] = self._load(g, groups[g], copies)
+    return cache.with_groups(tuple(groups))
+
+  def _save(self, g: int, group: KVCache, copies: Sequence[tuple[int, int]]) -> None:
+    """Dispatches the gathers of group `g`'s (device page, host slot) `copies` (`land`s them)."""
+    for ids, at, n in self._batches([page for page, _ in copies]):
+      slots = [slot for _, slot in copies[at:at + n]]
+      self._pending.append((g, slots, self._groups[g][1](group, ids)))
+    self.num_saved += len(copies)
+
+  def _load(self, g: int, group: KVCache, copies: Sequence[tuple[int, int]]) -> KVCache:
+    """`group` with the device pages of its (host slot, device page) `copies` loaded."""
+    pool, _, load, host = self._groups[g]
+    for ids, at, n in self._batches([page for _, page in copies]):
+      rows = np.zeros(len(ids), np.int64)
+      rows[:n] = [slot for slot, _ in copies[at:at + n]]
+      data = jax.tree.map(lambda p, sh: jax.device_put(p[rows], sh), pool, host)
+      group = load(group, ids, data)
+    self.num_loaded += len(copies)
+    return group
 
   def land(self) -> None:
     """Writes every dispatched save's bytes into the host pool (waiting for its copy)."""
@@ -251,8 +243,8 @@ class HostKV:
     for nothing: the steps after it may donate the cache); the callable, for any thread,
     waits for the copy and gives the pages' bytes."""
     save = self._groups[group][1]
-    cache = page_groups(self._current())[group]
-    outs = [(save(cache, ids), n) for ids, n in self._batches(list(pages))]
+    cache = self._current().groups[group]
+    outs = [(save(cache, ids), n) for ids, _, n in self._batches(list(pages))]
 
     def pages_bytes() -> list[bytes]:
       out = []
@@ -286,7 +278,7 @@ class HostKV:
 
   def warmup(self, cache):
     """Compiles every copy program on padding (the scratch page); returns the cache."""
-    groups = list(page_groups(cache))
+    groups = list(cache.groups)
     for g, (pool, save, load, host) in enumerate(self._groups):
       for n in self.buckets:
         ids = np.full(n, SCRATCH_PAGE, np.int32)
@@ -294,23 +286,15 @@ class HostKV:
         data = jax.tree.map(lambda p, sh: jax.device_put(np.zeros((n, *p.shape[1:]), p.dtype),
                                                          sh), pool, host)
         groups[g] = load(groups[g], ids, data)
-    return with_groups(cache, groups)
+    return cache.with_groups(tuple(groups))
 
   def _batches(self, pages: Sequence[int]):
-    """(ids padded to a bucket, how many are real) for each batch of `pages`."""
+    """(ids padded to a bucket, its first page's index, how many are real) of each batch."""
     top = self.buckets[-1]
     for i in range(0, len(pages), top):
       part = pages[i:i + top]
       size = next(b for b in self.buckets if b >= len(part))
       ids = np.full(size, SCRATCH_PAGE, np.int32)
       ids[:len(part)] = part
-      yield ids, len(part)
+      yield ids, i, len(part)
 
-
-def _by_group(copies: Sequence[tuple[int, int, int]]):
-  """(group, firsts, seconds) of each group's copies, in order."""
-  by = collections.defaultdict(lambda: ([], []))
-  for g, a, b in copies:
-    by[g][0].append(a)
-    by[g][1].append(b)
-  return [(g, a, b) for g, (a, b) in sorted(by.items())]

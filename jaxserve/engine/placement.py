@@ -15,7 +15,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.model import axes, kv_cache, lora
+from jaxserve.engine import kv_spec
+from jaxserve.model import axes, lora
 from jaxserve.model.kv_cache import KVCache, WindowedKV
 
 
@@ -66,11 +67,10 @@ def param_shardings(mesh: Mesh, state: nnx.State) -> nnx.State:
 def cache_sharding(mesh: Mesh, cache: KVCache | WindowedKV) -> KVCache | WindowedKV:
   """By KV head over `model` (and by slot over `data` for a layout with a slot axis), for every
   array of `cache` (abstract or concrete): values and, when quantized, their scales."""
-  if isinstance(cache, WindowedKV):
-    return dataclasses.replace(cache, full=cache_sharding(mesh, cache.full),
-                               window=cache_sharding(mesh, cache.window))
-  spec = axes.cache_spec(cache.axes)
-  return jax.tree.map(lambda _: NamedSharding(mesh, spec), cache)
+  def group(g: KVCache) -> KVCache:
+    spec = axes.cache_spec(g.axes)
+    return jax.tree.map(lambda _: NamedSharding(mesh, spec), g)
+  return cache.with_groups(tuple(group(g) for g in cache.groups))
 
 
 def slots_sharding(mesh: Mesh, tree):
@@ -125,7 +125,7 @@ class EngineShardings:
              decode_state) -> EngineShardings:
     axes.check_divisible(cfg, mesh.shape[axes.MODEL], mesh.shape[axes.DATA], config.num_slots,
                          mesh.shape.get(axes.EXPERT, 1))
-    cache = jax.eval_shape(lambda: kv_cache.create(cfg, config))
+    cache = jax.eval_shape(lambda: kv_spec.create(cfg, config))
     return cls(mesh, param_shardings(mesh, params), cache_sharding(mesh, cache),
                slots_sharding(mesh, decode_state), replicated(mesh))
 
@@ -149,4 +149,4 @@ class EngineShardings:
 
   def create_cache(self, model_cfg: ModelConfig, config: EngineConfig) -> KVCache | WindowedKV:
     """The cache allocated shard by shard: the whole cache may not fit on any one device."""
-    return jax.jit(lambda: kv_cache.create(model_cfg, config), out_shardings=self.cache)()
+    return jax.jit(lambda: kv_spec.create(model_cfg, config), out_shardings=self.cache)()

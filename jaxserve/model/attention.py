@@ -74,7 +74,7 @@ def attend(q, k, v, cache: KVCache | WindowedKV, layer, meta: AttentionMetadata,
   written). `window` (a scalar, may be traced): each query sees only the last `window`
   positions, its own included; `local_window` (static) is the one value below "all" it takes,
   which the kernels need at compile time."""
-  if isinstance(cache, WindowedKV):
+  if cache.PAGE_GROUPS > 1:  # A WindowedKV: each layer is in one of its two pools.
     return _attend_windowed(q, k, v, cache, layer, meta, spec, local_window)
   if spec.backend is AttentionBackend.REFERENCE:
     cache = cache.write(layer, meta.cache_index, k, v)  # One scatter (per array) for the step.

@@ -110,10 +110,9 @@ def host_gib(model_cfg, config, num_pages: int) -> float:
   """The kv_offload_gib that buys `num_pages` host pages for `config`'s cache."""
   import jax
 
-  from jaxserve.engine import host_kv
-  from jaxserve.model import kv_cache
+  from jaxserve.engine import host_kv, kv_spec
 
-  cache = jax.eval_shape(lambda: kv_cache.create(model_cfg, config))
+  cache = jax.eval_shape(lambda: kv_spec.create(model_cfg, config))
   return (num_pages + 1) * host_kv.page_bytes(cache) / 2**30
 
 

@@ -92,13 +92,15 @@ class MockEngine:
     for slot in plan.free_slots:
       self._free(slot)
     pools = (self.pages, self.window_pages)
-    for group, page, slot in plan.kv_saves:  # Saves, then loads, then the step.
-      self.host[group][slot] = pools[group][page]
-      self.num_saved += 1
-    for group, slot, page in plan.kv_loads:
-      assert (self.host[group][slot] >= 0).all(), f"host slot {slot} was never saved"
-      pools[group][page] = self.host[group][slot]
-      self.num_loaded += 1
+    for group, saves in enumerate(plan.kv_saves):  # Saves, then loads, then the step.
+      for page, slot in saves:
+        self.host[group][slot] = pools[group][page]
+        self.num_saved += 1
+    for group, loads in enumerate(plan.kv_loads):
+      for slot, page in loads:
+        assert (self.host[group][slot] >= 0).all(), f"host slot {slot} was never saved"
+        pools[group][page] = self.host[group][slot]
+        self.num_loaded += 1
     if plan.is_empty:
       return MockFuture(np.zeros(0, np.int32), self, "free")
     self.num_steps += 1

@@ -39,10 +39,9 @@ def count_compiles():
 def host_tier_gib(model_cfg: ModelConfig, config: EngineConfig, pages: int) -> float:
   """EngineConfig.kv_offload_gib for a host tier of `pages` pages (config after
   engine.engine_config_for, which picks the KV layout)."""
-  from jaxserve.engine import host_kv
-  from jaxserve.model import kv_cache
+  from jaxserve.engine import host_kv, kv_spec
 
-  cache = jax.eval_shape(lambda: kv_cache.create(model_cfg, config))
+  cache = jax.eval_shape(lambda: kv_spec.create(model_cfg, config))
   return pages * host_kv.page_bytes(cache) / 2**30
 
 
@@ -58,8 +57,8 @@ def dense_logits(model: Transformer, ids, page_size: int = 16):
 
 def dense_forward(model: Transformer, ids, page_size: int):
   """ids [T] (T a multiple of page_size) -> logits [T, V], on a fresh cache."""
+  from jaxserve.engine.kv_spec import create_pool
   from jaxserve.model.attention import AttentionMetadata
-  from jaxserve.model.kv_cache import KVCache
 
   n = ids.shape[0]
   pages = n // page_size
@@ -67,7 +66,7 @@ def dense_forward(model: Transformer, ids, page_size: int):
                         max_model_len=pages * page_size, prefill_buckets=(page_size,),
                         dtype=_dtype(model))
   meta = AttentionMetadata.one_sequence(n, page_size)
-  logits, _ = model(ids[None], KVCache.create(model.cfg, engine), meta, last_only=False)
+  logits, _ = model(ids[None], create_pool(model.cfg, engine), meta, last_only=False)
   return logits[0]
 
 
