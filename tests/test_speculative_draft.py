@@ -150,8 +150,8 @@ def test_refusals(default_model, tiny_model):
 def test_draft_config_flag_on_serve_and_generate_and_plan_programs():
   from jaxserve.cli import flags
   from jaxserve.cli import main as cli
+  from jaxserve.compiling import compile_plan
   from jaxserve.config import AttentionBackend
-  from jaxserve.engine import compile_plan
   from jaxserve.engine.draft import DraftedKV
   from jaxserve.planning import capacity
   text = '{"method": "draft", "draft_model": "smollm2-135m", "num_speculative_tokens": 3}'

@@ -22,8 +22,9 @@ import pytest
 
 from jaxserve.batching.plan import StepKind
 from jaxserve.cli import main as cli
+from jaxserve.compiling import compile_plan, targets
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, Quantization
-from jaxserve.engine import assembly, compile_plan, host_kv, targets
+from jaxserve.engine import assembly, host_kv
 from jaxserve.engine.engine import Engine, engine_config_for
 from jaxserve.engine.step_args import StepShape
 from jaxserve.model import kv_cache

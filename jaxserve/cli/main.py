@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_compile_flags(p: argparse.ArgumentParser) -> None:
-  """`plan --compile TARGET`: the engine's programs compiled for a chip (engine/compile_plan.py)."""
+  """`plan --compile TARGET`: the engine's programs compiled for a chip
+  (compiling/compile_plan.py)."""
   from jaxserve.planning.chips import TARGETS
   p.add_argument("--compile", choices=list(TARGETS), default=None, metavar="TARGET",
                  help=f"compile every engine program for one of {', '.join(TARGETS)} (no chip "

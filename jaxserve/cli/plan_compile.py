@@ -1,5 +1,5 @@
 """`jaxserve plan --compile TARGET`: the engine's programs compiled for a chip
-(engine/compile_plan.py), printed as a table of their memory, or as JSON."""
+(compiling/compile_plan.py), printed as a table of their memory, or as JSON."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
+from jaxserve.compiling import compile_plan
 from jaxserve.config import EngineConfig
-from jaxserve.engine import compile_plan
 from jaxserve.planning import capacity
 
 

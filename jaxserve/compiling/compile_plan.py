@@ -35,8 +35,9 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jaxserve.batching.plan import StepKind
+from jaxserve.compiling import targets
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig, Quantization
-from jaxserve.engine import adapters, assembly, host_kv, placement, targets
+from jaxserve.engine import adapters, assembly, host_kv, placement
 from jaxserve.engine.draft import create_cache
 from jaxserve.engine.engine import engine_config_for
 from jaxserve.engine.step_args import StepShape

@@ -1,5 +1,5 @@
 """The engine's step programs, assembled once: what `Engine` jits and warms up, and what
-`plan --compile` (compile_plan.py) compiles for a chip this machine does not have.
+`plan --compile` (compiling/compile_plan.py) compiles for a chip this machine does not have.
 
 `assemble` takes the model's graphdef and params (arrays, or ShapeDtypeStructs) and returns an
 `Assembly`: the step function (engine/step.py bound to the graphdef and the attention backend),
