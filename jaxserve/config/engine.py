@@ -102,7 +102,7 @@ class Platform(enum.Enum):
   GPU = "gpu"  # NVIDIA, through CUDA.
   CPU = "cpu"  # No kernel compiler: the TPU kernels run in Pallas interpret mode.
   # GPU's old name in planning/chips.py (the same member), while compiling/targets.py and
-  # compiling/compile_plan.py still spell it so.
+  # compiling/programs.py still spell it so.
   CUDA = "gpu"
 
 

@@ -1,12 +1,12 @@
 """The engine's step programs, assembled once: what `Engine` jits and warms up, and what
-`plan --compile` (compiling/compile_plan.py) compiles for a chip this machine does not have.
+`plan --compile` (compiling/programs.py) compiles for a chip this machine does not have.
 
 `assemble` takes the model's graphdef and params (arrays, or ShapeDtypeStructs) and returns an
 `Assembly`: the step function (engine/step.py bound to the graphdef and the attention backend),
 what its calls donate and where their results live, where each argument lives over a mesh (and
 `place`, which puts the engine's arrays there), the Packer, and `programs()`: every program
-warm-up compiles, in order. `Engine` runs those programs
-on padding; compile_plan lowers the same ones on abstract arguments, so the two cannot drift.
+warm-up compiles, in order. `Engine` runs those programs on padding; compiling/programs.py
+lowers the same ones on abstract arguments, so the two cannot drift.
 """
 
 from __future__ import annotations
