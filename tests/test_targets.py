@@ -26,7 +26,8 @@ from jaxserve.compiling import compile_plan, targets
 from jaxserve.compiling.programs import engine_programs
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, Quantization
 from jaxserve.engine import assembly, host_kv
-from jaxserve.engine.engine import Engine, engine_config_for
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.resolve import engine_config_for
 from jaxserve.engine.step_args import StepShape
 from jaxserve.model import kv_cache
 from jaxserve.planning import capacity

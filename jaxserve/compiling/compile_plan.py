@@ -34,7 +34,7 @@ from jaxserve.compiling.programs import (
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
 from jaxserve.engine import host_kv
 from jaxserve.engine.draft import create_cache
-from jaxserve.engine.engine import engine_config_for
+from jaxserve.engine.resolve import engine_config_for
 from jaxserve.model import kv_cache
 from jaxserve.planning import capacity
 

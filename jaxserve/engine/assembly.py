@@ -120,7 +120,7 @@ class Assembly:
 def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
              backend: AttentionBackend, mesh: Mesh | None = None,
              draft: tuple | None = None) -> Assembly:
-  """The engine's steps for `config` (after engine.engine_config_for, with its num_pages);
+  """The engine's steps for `config` (resolved: engine/resolve.py, with its num_pages);
   `mesh`: the tensor-parallel mesh, or None on one device. `draft`: (graphdef, ModelConfig) of
   the speculative draft model (method "draft"): `params` is then (the target's, the draft's)."""
   draft_graphdef, draft_model = draft or (None, None)
