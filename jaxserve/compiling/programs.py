@@ -31,7 +31,7 @@ from jaxserve.compiling import targets
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, Quantization
 from jaxserve.engine import adapters, assembly, host_kv, placement
 from jaxserve.engine.resolve import engine_config_for
-from jaxserve.engine.step_args import StepShape
+from jaxserve.engine.step_shapes import StepShape
 from jaxserve.model import quant
 from jaxserve.model.families import model_class
 from jaxserve.planning import capacity

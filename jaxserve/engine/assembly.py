@@ -24,7 +24,8 @@ from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
 from jaxserve.engine import adapters, placement
 from jaxserve.engine.draft import check_draft, create_cache
 from jaxserve.engine.step import DecodeState, StepOutput, step
-from jaxserve.engine.step_args import Packer, StepArgs, StepShape
+from jaxserve.engine.step_args import Packer, StepArgs
+from jaxserve.engine.step_shapes import StepShape
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import AttentionSpec
 
