@@ -18,6 +18,7 @@ from jaxserve.config import (
   default_attention_backend,
 )
 from jaxserve.planning import capacity
+from jaxserve.planning.chips import TARGETS
 
 CPU_PAGES = 512  # The CPU pool: its "device memory" is the host's, shared with everything else.
 
@@ -219,8 +220,12 @@ def _offload_gib(args: argparse.Namespace) -> float:
 
 
 def add_compile_flags(p: argparse.ArgumentParser) -> None:
-  """The engine flags `plan --compile` takes (the planner has its own --model); bfloat16 by
-  default: the chips it compiles for run it, and CPU's float32 default is about CPU speed."""
+  """`plan --compile TARGET` (compiling/: the engine's programs compiled for a chip) and the
+  engine flags it takes (the planner has its own --model); bfloat16 by default: the chips it
+  compiles for run it, and CPU's float32 default is about CPU speed."""
+  p.add_argument("--compile", choices=list(TARGETS), default=None, metavar="TARGET",
+                 help=f"compile every engine program for one of {', '.join(TARGETS)} (no chip "
+                 "needed) and size the KV pool to fit it; the flags below apply")
   d = lambda name: _default(EngineConfig, name)
   p.add_argument("--dtype", default=Dtype.BFLOAT16.value, choices=[x.value for x in Dtype])
   p.add_argument("--slots", type=int, default=d("num_slots"), help="decode slots")
