@@ -212,6 +212,22 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
   return config
 
 
+
+def compile_config(args: argparse.Namespace) -> EngineConfig:
+  """`plan --compile`'s flags (add_compile_flags) as a config: no persistent cache, and the
+  planner's names for the KV dtype."""
+  kv_dtype = capacity.KV_DTYPES[args.kv_dtype]
+  page_size = args.page_size or capacity.default_page_size(kv_dtype)
+  return EngineConfig(num_slots=args.slots, page_size=page_size, num_pages=args.num_pages,
+                      memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
+                      dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp, ep=args.ep,
+                      prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
+                      compilation_cache_dir=None, window_pages=args.window_pages,
+                      speculative=args.speculative_config, quantization=args.quantization,
+                      max_loras=getattr(args, "max_loras", 0),
+                      max_lora_rank=getattr(args, "max_lora_rank", 16),
+                      kv_offload_gib=args.kv_offload_gib)
+
 def _offload_gib(args: argparse.Namespace) -> float:
   """--kv-offload-gib, 1 GiB by default for a P/D role, whose pages travel through the tier."""
   if not args.kv_offload_gib and getattr(args, "kv_role", "both") != "both":
