@@ -30,7 +30,7 @@ from jaxserve.batching.plan import StepKind
 from jaxserve.compiling import targets
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, Quantization
 from jaxserve.engine import adapters, assembly, host_kv, placement
-from jaxserve.engine.resolve import engine_config_for
+from jaxserve.engine.resolve import EngineSpec, engine_config_for
 from jaxserve.engine.step_shapes import StepShape
 from jaxserve.model import quant
 from jaxserve.model.families import model_class
@@ -90,13 +90,14 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
   mesh = None
   if config.tp * config.ep > 1:
     mesh = placement.make_mesh(config.tp, 1, devices=list(devices), ep=config.ep)
-  draft, draft_spec = draft_model(config), None
-  if draft is not None:  # Both models' weights, as the engine's steps take them.
-    draft_graphdef, draft_params = abstract_weights(draft, config.dtype.value, config.quantization)
-    params, draft_spec = (params, draft_params), (draft_graphdef, draft)
-  asm = assembly.assemble(graphdef, params, model, config, backend, mesh, draft_spec)
-  if config.max_loras:  # The adapter slots, as the engine's steps take them (engine/adapters.py).
-    params = (params, adapters.abstract_weights(model, config))
+  spec, draft_graphdef = EngineSpec(config, model, backend, draft_model(config)), None
+  if spec.draft is not None:  # Both models' weights, as the engine's steps take them.
+    draft_graphdef, draft_params = abstract_weights(spec.draft, config.dtype.value,
+                                                    config.quantization)
+    params = (params, draft_params)
+  asm = assembly.assemble(graphdef, params, spec, mesh, draft_graphdef)
+  if spec.adapter_slots:  # The adapter slots, as the engine's steps take them (adapters.py).
+    params = (params, adapters.abstract_weights(model, spec.adapter_slots))
   stop_ids = _i32(num_stop_ids)  # [E]: the tokenizer's stop ids; E sets no memory.
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
   steps = [Program(p.name, p.shape, p.kind, asm.step,
@@ -121,7 +122,7 @@ def copy_programs(asm: assembly.Assembly, step: Program, device) -> list[Program
   return [Program(shape.name, shape, None, copy.fn, args, copy.donate, placed,
                   copy.out_shardings, resident_bytes=resident - _device_bytes(args[0], placed[0]))
           for shape, copy, args, placed in host_kv.abstract_copies(
-              asm.cache, shardings, asm.config.max_pages_per_seq)]
+              asm.cache, shardings, asm.spec.config.max_pages_per_seq)]
 
 
 def _device_bytes(tree, shardings=None) -> int:

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.batching.plan import StepKind
-from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
 from jaxserve.engine import adapters, placement
 from jaxserve.engine.draft import check_draft, create_cache
+from jaxserve.engine.resolve import EngineSpec
 from jaxserve.engine.step import DecodeState, StepOutput, step
 from jaxserve.engine.step_args import Packer, StepArgs
 from jaxserve.engine.step_shapes import StepShape
@@ -51,16 +51,14 @@ def program_name(shape: StepShape, kind: StepKind = StepKind.PLAIN) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Assembly:
-  """The engine's steps for one model and EngineConfig (see the module docstring)."""
+  """The engine's steps for one EngineSpec (see the module docstring)."""
 
-  model: ModelConfig
-  config: EngineConfig
+  spec: EngineSpec
   step: Callable  # (params, cache, state, args, stop_ids) -> (cache, state, out[, prompt])
   packer: Packer
   cache: Any  # The KV cache's ShapeDtypeStructs (KVCache or WindowedKV).
   state: DecodeState  # The decode state's ShapeDtypeStructs.
   shardings: placement.EngineShardings | None  # Over a mesh; None on one device.
-  draft: ModelConfig | None = None  # The speculative draft model's (engine/draft.py).
 
   def out_shardings(self, kind: StepKind):
     """Where a `kind` step's results live: (cache, state, StepOutput); None on one device."""
@@ -84,10 +82,10 @@ class Assembly:
     s = self.shardings
     if s is None:
       return None
-    params = s.params
-    if self.config.max_loras:  # The adapter slots beside the weights (engine/adapters.py).
+    params, slots = s.params, self.spec.adapter_slots
+    if slots is not None:  # The adapter slots beside the weights (engine/adapters.py).
       params = (params, placement.lora_shardings(
-          s.mesh, adapters.abstract_weights(self.model, self.config)))
+          s.mesh, adapters.abstract_weights(self.spec.model, slots)))
     return (params, s.cache, s.state, jax.tree.map(lambda _: s.replicated, args), s.replicated)
 
   def place(self, params, stop_ids: Sequence[int]) -> tuple:
@@ -97,14 +95,15 @@ class Assembly:
     donation aliases the buffers. On one device the cache and state are committed to it, as
     every step's outputs are: an uncommitted first input would make the first program warm-up
     compiles a different one from the one serving calls."""
-    state = DecodeState.create(self.config.num_slots, self.model.vocab_size)
+    model, config = self.spec.model, self.spec.config
+    state = DecodeState.create(config.num_slots, model.vocab_size)
     stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)
     s = self.shardings
     if s is not None:
-      return (s.place(params, s.params), s.create_cache(self.model, self.config),
+      return (s.place(params, s.params), s.create_cache(model, config),
               s.place(state, s.state), s.place(stop_ids, s.replicated))
     device = jax.local_devices()[0]
-    cache = jax.device_put(create_cache(self.model, self.config, self.draft), device)
+    cache = jax.device_put(create_cache(model, config, self.spec.draft), device)
     return params, cache, jax.device_put(state, device), stop_ids
 
   def programs(self) -> list[Program]:
@@ -118,15 +117,15 @@ class Assembly:
             for kind, shapes in kinds for shape in shapes]
 
 
-def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
-             backend: AttentionBackend, mesh: Mesh | None = None,
-             draft: tuple | None = None) -> Assembly:
-  """The engine's steps for `config` (resolved: engine/resolve.py, with its num_pages);
-  `mesh`: the tensor-parallel mesh, or None on one device. `draft`: (graphdef, ModelConfig) of
-  the speculative draft model (method "draft"): `params` is then (the target's, the draft's)."""
-  draft_graphdef, draft_model = draft or (None, None)
-  check_draft(config, model, draft_model)
-  cache = jax.eval_shape(lambda: create_cache(model, config, draft_model))
+def assemble(graphdef, params, spec: EngineSpec, mesh: Mesh | None = None,
+             draft_graphdef=None) -> Assembly:
+  """The engine's steps for `spec` (engine/resolve.py, its config with its num_pages); `mesh`:
+  the tensor-parallel mesh, or None on one device. `draft_graphdef`: the speculative draft
+  model's (method "draft", spec.draft its config): `params` is then (the target's, the
+  draft's)."""
+  model, config, backend = spec.model, spec.config, spec.backend
+  check_draft(config, model, spec.draft)
+  cache = jax.eval_shape(lambda: create_cache(model, config, spec.draft))
   state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
   shardings = None
   if mesh is not None:
@@ -135,4 +134,4 @@ def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
   # With LoRA the params a step takes are (the model's, the adapters': engine/adapters.py).
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef,
                          lora=config.max_loras > 0)
-  return Assembly(model, config, fn, packer, cache, state, shardings, draft_model)
+  return Assembly(spec, fn, packer, cache, state, shardings)

@@ -18,10 +18,10 @@ from absl import logging
 from flax import nnx
 
 from jaxserve.batching.plan import EngineInfo, StepKind, StepPlan
-from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import adapters, assembly, placement
 from jaxserve.engine.host_kv import HostKV
-from jaxserve.engine.resolve import default_backend, fit_to_pool, resolve
+from jaxserve.engine.resolve import EngineSpec, default_backend, fit_to_pool, resolve
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.engine.step_future import StepFuture
 from jaxserve.model.kv_cache import WindowedKV
@@ -39,21 +39,20 @@ def enable_compilation_cache(path: str | None) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _assemble(model: Transformer, draft: Transformer | None, config: EngineConfig,
-              backend: AttentionBackend):
+def _assemble(model: Transformer, draft: Transformer | None, spec: EngineSpec):
   """(the steps, their shardings and the programs warm-up compiles: one assembly, shared with
   `plan --compile` (engine/assembly.py); the params the steps take: the model's, or with a
   draft both models'). With unroll_layers the steps run the engine's own copies of the models,
   their layers unrolled (llama.unstacked)."""
-  if config.unroll_layers:
+  if spec.config.unroll_layers:
     model, draft = unstacked(model), None if draft is None else unstacked(draft)
   graphdef, params = nnx.split(model)
-  draft_spec = None
+  draft_graphdef = None
   if draft is not None:
     draft_graphdef, draft_params = nnx.split(draft)
-    params, draft_spec = (params, draft_params), (draft_graphdef, draft.cfg)
-  return assembly.assemble(graphdef, params, model.cfg, config, backend,
-                           placement.mesh_for(config), draft_spec), params
+    params = (params, draft_params)
+  return assembly.assemble(graphdef, params, spec, placement.mesh_for(spec.config),
+                           draft_graphdef), params
 
 
 class Engine:
@@ -61,20 +60,20 @@ class Engine:
                draft: Transformer | None = None):
     """`draft`: the speculative draft model, for SpeculativeConfig(method="draft")
     (engine/draft.py); its vocabulary must be the model's."""
-    backend = config.attention_backend or default_backend()
-    config = resolve(config, model, backend, draft)
+    self.spec = resolve(config, model, config.attention_backend or default_backend(), draft)
+    config = self.spec.config
     self.model_config: ModelConfig = model.cfg
-    self.config = config
+    self.config, self.backend = config, self.spec.backend
     self.num_slots, self.page_size = config.num_slots, config.page_size
     self.max_prefill_len = config.prefill_buckets[-1]
-    self.backend = backend
     enable_compilation_cache(config.compilation_cache_dir)
 
-    self.assembly, params = _assemble(model, draft, config, backend)
+    self.assembly, params = _assemble(model, draft, self.spec)
     self.shardings = self.assembly.shardings
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
     # LoRA adapters; the prefix cache's host tier, P/D's page bytes (kv_handoff.py); or None.
-    self.loras = adapters.DeviceLoras.of(model.cfg, config, self.shardings and self.shardings.mesh)
+    self.loras = adapters.DeviceLoras.of(model.cfg, self.spec.adapter_slots,
+                                         self.shardings and self.shardings.mesh)
     self.host_kv = self.page_store = HostKV.of(self.cache, config, lambda: self.cache, self._params)
     # The contiguous layout owns one region per slot: its pool is those regions' pages, and the
     # engine hands each slot its own identity table, whatever pages the scheduler picked.

@@ -2,9 +2,10 @@
 
 An `EngineConfig` as given leaves some values to the engine (the KV layout, speculation's "auto"
 settings, the pool's pages) and may ask for more than the model or the pool can hold (a longer
-window). `resolve` fills in and clamps each of them, in order, once, before any shape is set:
-everything after it (the assembly, the Packer, the KV cache, the host tier, the scheduler's
-`EngineInfo`) reads the resolved config and never decides one of these again.
+window). `resolve` fills in and clamps each of them, in order, once, before any shape is set,
+and returns one frozen `EngineSpec`: everything after it (the assembly, the Packer, the KV
+cache, the adapter slots, the host tier, the scheduler's `EngineInfo`) reads it and never
+decides one of these again.
 """
 
 from __future__ import annotations
@@ -31,19 +32,42 @@ from jaxserve.model.llama import Transformer
 from jaxserve.planning import capacity
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """What an engine is built from, resolved once: the config with every choice made, the
+  model's config (and the speculative draft model's), the attention backend. The assembly takes
+  it whole; the parts below it take the piece they need (`adapter_slots`), and the scheduler
+  takes the engine's `EngineInfo`."""
+
+  config: EngineConfig
+  model: ModelConfig
+  backend: AttentionBackend
+  draft: ModelConfig | None = None
+
+  @property
+  def adapter_slots(self) -> adapters.AdapterSlots | None:
+    """The LoRA adapter slots' shape; None when LoRA is off."""
+    c = self.config
+    if not c.max_loras:
+      return None
+    return adapters.AdapterSlots(c.max_loras + 1, c.max_lora_rank, c.dtype.value)
+
+
 def resolve(config: EngineConfig, model: Transformer, backend: AttentionBackend,
-            draft: Transformer | None = None) -> EngineConfig:
-  """`config` as an engine of `model` (and its speculative `draft`) on `backend` runs it: what
-  the backend decides filled in (engine_config_for), max_model_len within the model's positions
+            draft: Transformer | None = None) -> EngineSpec:
+  """The spec of an engine of `model` (and its speculative `draft`) on `backend`: what the
+  backend decides filled in (engine_config_for), max_model_len within the model's positions
   (within_model), the draft and the adapters checked against the model, and with num_pages None
   the pool sized to the device (size_kv_pool). Raises ValueError for a config the model or the
   backend cannot run."""
   config = within_model(engine_config_for(config, backend), model.cfg)
-  check_draft(config, model.cfg, None if draft is None else draft.cfg)
-  adapters.check_model(model, config)
+  draft_cfg = None if draft is None else draft.cfg
+  check_draft(config, model.cfg, draft_cfg)
+  if config.max_loras:
+    adapters.check_model(model)
   if config.num_pages is None:
     config = size_kv_pool(config, model, draft)
-  return config
+  return EngineSpec(config, model.cfg, backend, draft_cfg)
 
 
 def default_backend() -> AttentionBackend:
