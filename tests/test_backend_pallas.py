@@ -11,7 +11,8 @@ import pytest
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, KVDtype, KVLayout, SamplingParams
 from jaxserve.config.engine import RAGGED_KV_DTYPES
-from jaxserve.engine.engine import Engine, default_backend, engine_config_for
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.resolve import default_backend, engine_config_for
 from support.engine_calls import decode, prefill
 from support.tiny import TINY_ENGINE
 

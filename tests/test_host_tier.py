@@ -17,8 +17,8 @@ from jaxserve.batching.kv_pages import PageAllocator
 from jaxserve.batching.runner import Runner
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, SamplingParams, SchedulerConfig
 from jaxserve.config.engine import window_pages_per_seq
-from jaxserve.engine import engine
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.resolve import engine_config_for
 from jaxserve.loading import checkpoint, weights
 from support import hf_tiny
 from support.mock_engine import (
@@ -182,7 +182,7 @@ def test_every_logprob_is_the_same_with_and_without_the_host_tier(kind, tiny_mod
     config = dataclasses.replace(TINY_ENGINE, num_pages=9, num_slots=2,  # 8 usable pages of 8.
                                  prefill_buckets=(16,),
                                  kv_dtype=KVDtype.INT8 if kind == "int8-kv" else None)
-  config = engine.engine_config_for(config, AttentionBackend.REFERENCE)
+  config = engine_config_for(config, AttentionBackend.REFERENCE)
   vocab = model.cfg.vocab_size
   plain, without, _ = engine_chat(warm(model, config), vocab)
   tiered = warm(model, dataclasses.replace(

@@ -224,7 +224,7 @@ def test_linear_runs_the_kernel_on_cpu_and_xla_elsewhere():
   assert "jaxserve_qmatmul" in g.lower(state, x).as_text()
   tpu = g.trace(state, x).lower(lowering_platforms=("tpu",)).as_text()
   assert "jaxserve_qmatmul" not in tpu and "dot_general" in tpu
-  # Traced for a GPU from this CPU (engine/targets.py), the program holds no kernel branch, and
+  # Traced for a GPU from this CPU (compiling/targets.py), the program holds no kernel branch, and
   # the scan slices its layers as XLA's path has them.
   with quant.lowering_for("cuda"):
     assert not quant.reads_in_place()

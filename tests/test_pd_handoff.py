@@ -26,8 +26,9 @@ from jaxserve.api import kv_link, kv_transfer, server
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
 from jaxserve.config import AttentionBackend, LoRARequest, SamplingParams
-from jaxserve.engine.engine import Engine, engine_config_for
+from jaxserve.engine.engine import Engine
 from jaxserve.engine.fingerprint import weights_fingerprint
+from jaxserve.engine.resolve import engine_config_for
 from support import server_harness as h
 from support.tiny import count_compiles, host_tier_gib
 

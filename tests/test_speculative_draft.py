@@ -150,8 +150,8 @@ def test_refusals(default_model, tiny_model):
 def test_draft_config_flag_on_serve_and_generate_and_plan_programs():
   from jaxserve.cli import flags
   from jaxserve.cli import main as cli
+  from jaxserve.compiling.programs import engine_programs
   from jaxserve.config import AttentionBackend
-  from jaxserve.engine import compile_plan
   from jaxserve.engine.draft import DraftedKV
   from jaxserve.planning import capacity
   text = '{"method": "draft", "draft_model": "smollm2-135m", "num_speculative_tokens": 3}'
@@ -164,7 +164,7 @@ def test_draft_config_flag_on_serve_and_generate_and_plan_programs():
   # arguments, and the verifying ones are there.
   model = capacity.load_model_config("smollm2-135m")
   config = dataclasses.replace(ENGINE, speculative=want)
-  programs = compile_plan.engine_programs(model, config, AttentionBackend.REFERENCE)
+  programs = engine_programs(model, config, AttentionBackend.REFERENCE)
   assert any(p.kind is StepKind.VERIFYING for p in programs)
   for p in programs:
     (_, draft_params), cache = p.args[0], p.args[1]

@@ -22,9 +22,12 @@ import pytest
 
 from jaxserve.batching.plan import StepKind
 from jaxserve.cli import main as cli
+from jaxserve.compiling import compile_plan, targets
+from jaxserve.compiling.programs import engine_programs
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, Quantization
-from jaxserve.engine import assembly, compile_plan, host_kv, kv_spec, targets
-from jaxserve.engine.engine import Engine, engine_config_for
+from jaxserve.engine import assembly, host_kv, kv_spec
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.resolve import engine_config_for
 from jaxserve.engine.step_args import StepShape
 from jaxserve.planning import capacity
 from support.tiny import TINY, TINY_ENGINE, count_compiles
@@ -107,7 +110,7 @@ def test_plan_compile_lists_the_programs_warmup_runs(tiny_model, monkeypatch):
   monkeypatch.setattr(engine, "run_step", record)
   with count_compiles() as counts:
     engine.warmup()
-  programs = compile_plan.engine_programs(TINY, TINY_ENGINE, engine.backend)
+  programs = engine_programs(TINY, TINY_ENGINE, engine.backend)
   assert [(p.shape, p.kind) for p in programs] == ran
   assert [p.name for p in programs] == [assembly.program_name(*r) for r in ran]
   assert counts["compile"] == len(programs), counts
@@ -124,7 +127,7 @@ def test_plan_compile_lists_the_offload_copies_the_host_tier_warms_up(tiny_model
   engine = Engine(tiny_model, config)
   with count_compiles() as counts:
     engine.cache = engine.host_kv.warmup(engine.cache)
-  programs = compile_plan.engine_programs(TINY, config, engine.backend)
+  programs = engine_programs(TINY, config, engine.backend)
   copies = [p for p in programs if isinstance(p.shape, host_kv.CopyShape)]
   assert programs[-len(copies):] == copies
   assert [p.name for p in copies] == [f"kv {kind} pages={n} group=0" for n in (1, 4, 16)
@@ -135,12 +138,12 @@ def test_plan_compile_lists_the_offload_copies_the_host_tier_warms_up(tiny_model
 def test_neediest_are_the_largest_of_each_kind():
   """The probe compiles, picked without compiling: the most rows of each kind of step."""
   config = dataclasses.replace(TINY_ENGINE, num_slots=16, prefill_buckets=(16, 32, 64))
-  programs = compile_plan.engine_programs(TINY, config, AttentionBackend.PALLAS_TPU)
+  programs = engine_programs(TINY, config, AttentionBackend.PALLAS_TPU)
   assert compile_plan.neediest(programs) == [
       "step D=16 T=0 W=16", "step D=0 T=64 W=16", "step D=16 T=64 W=16",
       "step D=0 T=64 W=16 scoring"]
   offload = dataclasses.replace(config, kv_offload_gib=0.01)  # The copies of the most pages too.
-  programs = compile_plan.engine_programs(TINY, offload, AttentionBackend.PALLAS_TPU)
+  programs = engine_programs(TINY, offload, AttentionBackend.PALLAS_TPU)
   assert compile_plan.neediest(programs)[4:] == ["kv save pages=16 group=0",
                                                  "kv load pages=16 group=0"]
 

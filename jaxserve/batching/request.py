@@ -147,6 +147,15 @@ class Request:
       self.all_token_ids = list(self.prompt_token_ids)
     self.max_num_tokens = len(self.prompt_token_ids) + self.sampling.max_tokens
 
+  def preempted(self) -> None:
+    """Back to waiting, its pages let go: it recomputes its prompt and output tokens later."""
+    self.status = RequestStatus.WAITING
+    self.num_prefill_tokens = self.num_computed_tokens = self.num_pending_tokens = 0
+    self.num_cached_pages = 0
+    self.runs_in_flight = []
+    self.epoch += 1  # Its token in flight is dropped; the recompute samples it again.
+    self.num_preemptions += 1
+
   @property
   def num_prompt_tokens(self) -> int:
     return len(self.prompt_token_ids)

@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxserve.batching.constrained import Constraints
+from jaxserve.batching.outputs import Outputs, token_logprobs
 from jaxserve.batching.plan import Engine, EngineInfo, StepFuture
 from jaxserve.batching.request import (
   Completion,
@@ -34,10 +35,9 @@ from jaxserve.batching.request import (
   Request,
   RequestOutput,
   RequestRejected,
-  TokenLogprobs,
 )
 from jaxserve.batching.scheduler import ScheduledStep, Scheduler
-from jaxserve.batching.stop import Detokenizer, OutputText
+from jaxserve.batching.stop import Detokenizer
 from jaxserve.config import LoRARequest, SamplingParams, SchedulerConfig
 from jaxserve.text.constraint import Grammar
 from jaxserve.text.detokenizer import IncrementalDetokenizer
@@ -64,16 +64,12 @@ class Runner:
     self.engine = engine
     self.tokenizer = tokenizer
     self.scheduler = Scheduler(config, engine)
-    self._detokenizer = detokenizer
     self._arrivals = itertools.count()
     self._requests: dict[str, Request] = {}  # Unfinished ones.
-    self._texts: dict[str, OutputText] = {}
     self._in_flight: _Dispatched | None = None
     self._outbox: list[RequestOutput] = []  # Aborts, reported by the next step().
-    # Requests that asked for prompt logprobs: one entry per prompt position, filled as their
-    # prefill chunks come back, handed out with the first output.
-    self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     self.constraints = Constraints(tokenizer, engine.info.vocab_size, engine.info.num_slots)
+    self.outputs = Outputs(tokenizer, detokenizer, self.constraints)
     self.loras: dict[int, LoRARequest] = {}  # Adapters added to the engine, by id.
 
   @property
@@ -109,10 +105,7 @@ class Runner:
     self._check_lora(req.lora)  # It may have been removed since new_request.
     self.scheduler.add(req)
     self._requests[req.request_id] = req
-    detokenizer = self._detokenizer(self.tokenizer, req.prompt_token_ids)
-    self._texts[req.request_id] = OutputText(detokenizer, req.sampling, self.tokenizer.stop_ids)
-    if req.sampling.prompt_logprobs is not None:
-      self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
+    self.outputs.start(req)
     self.constraints.start(req)
 
   def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
@@ -163,7 +156,7 @@ class Runner:
       return False
     self.scheduler.abort(req)
     self._retire(req)  # First: an aborted request's last output carries no prompt logprobs.
-    self._outbox.append(self._last(req, FinishReason.ABORT, "", time.monotonic()))
+    self._outbox.append(self.outputs.last(req, FinishReason.ABORT, "", time.monotonic()))
     return True
 
   def step(self) -> list[RequestOutput]:
@@ -212,7 +205,7 @@ class Runner:
     in one call; stale ones are dropped unread."""
     for i, req, epoch, start, length in step.prompts:
       if req.epoch == epoch:  # Before the step's first tokens, which hand these out.
-        self._store_prompt_logprobs(req, step.future.prompt_logprobs(i), start, length)
+        self.outputs.store_prompt_logprobs(req, step.future.prompt_logprobs(i), start, length)
     outputs = [self._verified(req, step.future.verified(i))
                for i, req, epoch in step.verifies if req.epoch == epoch]
     live = [(i, req) for i, (req, epoch) in enumerate(step.samples) if req.epoch == epoch]
@@ -222,7 +215,8 @@ class Runner:
     # One read of the logprob arrays for the whole step, and none when nobody asked.
     arrays = step.future.logprobs() if any(r.sampling.logprobs for _, r in live) else None
     now = time.monotonic()
-    singles = [self._output(req, tokens[i], now, _token_logprobs(arrays, i, req.sampling.logprobs))
+    singles = [self.outputs.token(req, tokens[i], now,
+                                  token_logprobs(arrays, i, req.sampling.logprobs))
                for i, req in live]
     self.scheduler.update([(req, tokens[i], out.finished)
                            for (i, req), out in zip(live, singles)])
@@ -232,97 +226,15 @@ class Runner:
     return outputs + singles
 
   def _verified(self, req: Request, verified) -> RequestOutput:
-    """One output for a verified run's tokens (StepFuture.verified), cut at the first that
-    finishes the request; the scheduler takes them and rolls the rest back."""
-    accepted, tokens, chosen, top_ids, top_logprobs = verified
-    now, num_top, outs = time.monotonic(), req.sampling.logprobs, []
-    for i, token in enumerate(tokens[:accepted + 1].tolist()):
-      logprobs = None
-      if num_top:
-        logprobs = (TokenLogprobs(float(chosen[i]), tuple(top_ids[i, :num_top].tolist()),
-                                  tuple(top_logprobs[i, :num_top].tolist())),)
-      outs.append(self._output(req, token, now, logprobs, ahead=i))
-      if outs[-1].finished:
-        break
-    out = _joined(outs)
-    self.scheduler.update_verified(req, out.token_ids, accepted, out.finished)
+    """One output for a verified run's tokens (Outputs.verified); the scheduler takes them and
+    rolls the rest back."""
+    out = self.outputs.verified(req, verified, time.monotonic())
+    self.scheduler.update_verified(req, out.token_ids, verified[0], out.finished)
     if out.finished:
       self._retire(req)
     return out
 
-  def _store_prompt_logprobs(self, req: Request, arrays, start: int, length: int) -> None:
-    """Position start + 1 + i is scored by chunk row i; the last chunk's last row scores the
-    sampled token, whose logprobs come with it."""
-    chosen, ranks, top_ids, top_logprobs = arrays
-    num_top, entries = req.sampling.prompt_logprobs, self._prompt_logprobs[req.request_id]
-    for i in range(min(length, req.num_prompt_tokens - 1 - start)):
-      entries[start + 1 + i] = TokenLogprobs(
-          float(chosen[i]), tuple(top_ids[i, :num_top].tolist()),
-          tuple(top_logprobs[i, :num_top].tolist()), int(ranks[i]))
-
-  def _output(self, req: Request, token: int, now: float,
-              logprobs: tuple[TokenLogprobs, ...] | None, ahead: int = 0) -> RequestOutput:
-    """The output of `req`'s next token, the scheduler not told yet (`_collect` does it);
-    `ahead`: tokens of the same verified run before it, not told the scheduler either."""
-    timings = req.timings
-    timings.token_times.append(now)
-    if timings.first_token is None:
-      timings.first_token = now
-    out = self._texts[req.request_id]
-    if token in out.stop_token_ids:  # Its text is never shown.
-      req.stop_reason = token
-      if req.grammar is not None:  # An end the grammar engine forced is not an answer's end.
-        req.constraint_error = self.constraints.error(req)
-      return self._last(req, FinishReason.STOP, out.finish(), now, (token,), logprobs, ahead)
-    if req.grammar is not None:
-      self.constraints.accept(req, token)
-    text = out.add((token,))
-    if out.stop_string is not None:
-      req.stop_reason = out.stop_string
-      return self._last(req, FinishReason.STOP, text, now, (token,), logprobs, ahead)
-    if len(req.all_token_ids) + ahead + 1 >= req.max_num_tokens:  # max_tokens, or the window.
-      return self._last(req, FinishReason.LENGTH, text + out.finish(), now, (token,), logprobs,
-                        ahead)
-    return RequestOutput(req.request_id, (token,), text, None, timings, logprobs,
-                         self._first_prompt_logprobs(req, ahead))
-
-  def _last(self, req: Request, reason: FinishReason, text: str, now: float,
-            token_ids: tuple[int, ...] = (),
-            logprobs: tuple[TokenLogprobs, ...] | None = None, ahead: int = 0) -> RequestOutput:
-    """A request's last output; `_retire` forgets it once the scheduler has let it go."""
-    req.finish_reason = reason
-    req.timings.finish = now
-    return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs,
-                         self._first_prompt_logprobs(req, ahead))
-
-  def _first_prompt_logprobs(self, req: Request, ahead: int = 0):
-    """The prompt's logprobs, on the request's first output (None on later ones)."""
-    if req.num_output_tokens + ahead == 0:  # The scheduler appends this output's token after.
-      return self._prompt_logprobs.pop(req.request_id, None)
-    return None
-
   def _retire(self, req: Request) -> None:
-    del self._requests[req.request_id], self._texts[req.request_id]
+    del self._requests[req.request_id]
+    self.outputs.end(req)
     self.constraints.end(req)
-    self._prompt_logprobs.pop(req.request_id, None)
-
-
-def _token_logprobs(arrays, row: int, num_top: int) -> tuple[TokenLogprobs, ...] | None:
-  """Row `row` of StepFuture.logprobs() arrays, cut to the request's top `num_top`; None when
-  the request asked for none."""
-  if not num_top:
-    return None
-  chosen, top_ids, top_logprobs = arrays
-  return (TokenLogprobs(float(chosen[row]), tuple(top_ids[row, :num_top].tolist()),
-                        tuple(top_logprobs[row, :num_top].tolist())),)
-
-
-def _joined(outs: Sequence[RequestOutput]) -> RequestOutput:
-  """The outputs of one verified run's tokens as one (several tokens in one stream event)."""
-  if len(outs) == 1:
-    return outs[0]
-  first, last = outs[0], outs[-1]
-  logprobs = None if first.logprobs is None else tuple(lp for o in outs for lp in o.logprobs)
-  return RequestOutput(first.request_id, tuple(t for o in outs for t in o.token_ids),
-                       "".join(o.text for o in outs), last.finish_reason, last.timings, logprobs,
-                       first.prompt_logprobs)

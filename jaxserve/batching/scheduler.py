@@ -29,15 +29,15 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import heapq
 import time
 from typing import Sequence
 
-from jaxserve.batching.lora_slots import LoraSlots
+from jaxserve.batching import speculative
+from jaxserve.batching.chunks import prompt_chunk, wants_prompt_logprobs
 from jaxserve.batching.plan import Engine, PrefillChunk, StepKind, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
-from jaxserve.batching.speculative import SpecStats, holds, proposal, verify_chunk
+from jaxserve.batching.slots import Slots
 from jaxserve.batching.window_pages import PagePools
 from jaxserve.config import SamplingParams, SchedulerConfig
 
@@ -63,8 +63,7 @@ class Scheduler:
     self.pools = PagePools(info, config.enable_prefix_caching and info.can_share_pages)
     self.waiting = RequestQueue(config.policy)
     self.running: list[Request] = []  # Sorted by order_key: the last one is preempted first.
-    self._free_slots = list(range(info.num_slots))  # A heap: the lowest free slot is used first.
-    self._released: list[int] = []
+    self.slots = Slots(info.num_slots, info.max_loras)  # Decode slots and adapter slots.
     self._scored_last = False  # The last plan scored prompt positions.
     self.num_steps = 0
     self.num_prefill_tokens = 0  # Prefill tokens computed (recomputation included).
@@ -74,10 +73,13 @@ class Scheduler:
     # Speculative decoding (None: off). Not with window pages: a verified run's rollback would
     # need window pages its last query already let go.
     self.speculative = info.speculative if info.window is None else None
-    self.spec_stats = SpecStats(self.speculative.num_speculative_tokens if self.speculative else 0)
-    # LoRA adapters' device slots (None: the engine has none), and the loads of the next plan.
-    self.loras = LoraSlots(info.max_loras) if info.max_loras else None
-    self._lora_loads: list[tuple[int, int]] = []
+    k = self.speculative.num_speculative_tokens if self.speculative else 0
+    self.spec_stats = speculative.SpecStats(k)
+
+  @property
+  def loras(self):
+    """The adapter slots (lora_slots.LoraSlots); None when the engine runs no adapters."""
+    return self.slots.loras
 
   @property
   def pages(self):
@@ -131,18 +133,10 @@ class Scheduler:
 
   def update_verified(self, req: Request, tokens: Sequence[int], num_accepted: int,
                       finished: bool) -> None:
-    """A verified chunk came back: of its num_drafts proposals the first `num_accepted` were
-    the model's own tokens. `tokens`: what the runner keeps of them and the model's next token
-    (fewer when a stop cut the run). The positions past the accepted ones roll back: their KV
-    is never read, and rewritten by the tokens that do come there."""
-    run = req.runs_in_flight.pop(0)
-    num_drafts = len(run.drafts)
-    req.num_computed_tokens -= num_drafts - num_accepted
-    if holds(req, run):  # Proposals made on a wrong guess say nothing of the proposer.
-      req.backoff.record(self.num_steps, num_accepted)
-    self.spec_stats.record(num_drafts, num_accepted)
-    req.num_draft_tokens += num_drafts
-    req.num_accepted_tokens += num_accepted
+    """A verified chunk came back, the first `num_accepted` of its proposals the model's own
+    (speculative.settle rolls back the rest). `tokens`: what the runner keeps of them and the
+    model's next token (fewer when a stop cut the run)."""
+    speculative.settle(req, num_accepted, self.num_steps, self.spec_stats)
     self.num_decode_tokens += num_accepted
     self._take(req, tokens, finished)
 
@@ -183,8 +177,7 @@ class Scheduler:
                                                 taken=(chunks, prefill_reqs))
       chunks, prefill_reqs = chunks + more, prefill_reqs + more_reqs
     tables = self.pools.slot_tables() if decodes else None
-    released, self._released = tuple(self._released), []
-    loads, self._lora_loads = tuple(self._lora_loads), []
+    released, loads = self.slots.changes()
     decode_loras = tuple(r.lora_slot for r in decodes) if self.loras else ()
     plan = StepPlan(tuple(chunks), tuple(r.slot for r in decodes), tables, released,
                     decode_loras, loads, *self.pools.take_copies(), kind=kind)
@@ -196,13 +189,15 @@ class Scheduler:
     if self._scored_last:
       return False
     head = self.waiting.peek() if self.waiting else None
-    return any(r.is_prefilling and _wants_prompt_logprobs(r) for r in self.running) or (
-        head is not None and _wants_prompt_logprobs(head))
+    return any(r.is_prefilling and wants_prompt_logprobs(r) for r in self.running) or (
+        head is not None and wants_prompt_logprobs(head))
 
   def _schedule_decodes(self) -> tuple[list[Request], list[tuple[PrefillChunk, Request]], int]:
     """(decodes, verified chunks with their requests, preemptions)."""
     decodes, verifies, num_preempted = [], [], 0
-    spec, budget = self._speculation()
+    prompts_wait = bool(self.waiting) or any(r.is_prefilling for r in self.running)
+    spec, budget = speculative.step_speculation(
+        self.speculative, len(self.running), prompts_wait, self._budget, self._max_prefill_seqs)
     queue = collections.deque(self.running)  # Best first, so victims come off the far end.
     while queue:
       req = queue.popleft()
@@ -212,7 +207,7 @@ class Scheduler:
       if (req.num_computed_tokens < req.num_prefill_tokens or num_tokens >= req.max_num_tokens
           or (req.grammar is not None and req.num_pending_tokens)):
         continue
-      run = proposal(req, spec, self.num_steps, num_tokens, budget)
+      run = speculative.proposal(req, spec, self.num_steps, num_tokens, budget)
       drafts = run.drafts if run else ()
       while not self.pools.grow(req, num_tokens + len(drafts)):
         victim = queue.pop() if queue else req
@@ -227,7 +222,7 @@ class Scheduler:
         req.num_computed_tokens = num_tokens + len(drafts)
         req.num_pending_tokens += 1
         if run:
-          verifies.append((verify_chunk(req, run, num_tokens), req))
+          verifies.append((speculative.verify_chunk(req, run, num_tokens), req))
           budget[0] -= len(drafts) + 1
           budget[1] -= 1
         else:
@@ -235,25 +230,10 @@ class Scheduler:
     self.num_decode_tokens += len(decodes) + len(verifies)
     return decodes, verifies, num_preempted
 
-  def _speculation(self):
-    """(the step's SpeculativeConfig, None for none; [prefill tokens, prefill sequences] its
-    verified chunks may take). They share the prefill's budget, less one prompt's room while
-    prompts wait: a request may verify in every step, so they would take it all, every step."""
-    spec = self.speculative
-    if spec is not None and len(self.running) > (spec.max_batch_size or len(self.running)):
-      spec = None  # A large batch: every request decodes (SpeculativeConfig).
-    prompts_wait = bool(self.waiting) or any(r.is_prefilling for r in self.running)
-    return spec, [self._budget, self._max_prefill_seqs - prompts_wait]
-
   def _preempt(self, req: Request) -> None:
     self._cache_full_pages(req)  # Its own prefix may still be cached when it comes back.
     self._release(req)
-    req.status = RequestStatus.WAITING
-    req.num_prefill_tokens = req.num_computed_tokens = req.num_pending_tokens = 0
-    req.num_cached_pages = 0
-    req.runs_in_flight = []
-    req.epoch += 1  # Its token in flight is dropped; the recompute samples it again.
-    req.num_preemptions += 1
+    req.preempted()
     self.num_preemptions += 1
     self.waiting.push(req)
 
@@ -268,12 +248,12 @@ class Scheduler:
     budget = self._budget - sum(len(ch.token_ids) for ch in taken[0])
     max_seqs = self._max_prefill_seqs - len(taken[1])
     for req in self.running:
-      if (req.is_prefilling and _wants_prompt_logprobs(req) == scoring and budget > 0
+      if (req.is_prefilling and wants_prompt_logprobs(req) == scoring and budget > 0
           and len(reqs) < max_seqs):
         budget = self._add_chunk(req, budget, chunks, reqs)
     static = self.config.static_batching
     admit = admit and not (static and self.running)
-    while admit and self.waiting and _wants_prompt_logprobs(self.waiting.peek()) == scoring:
+    while admit and self.waiting and wants_prompt_logprobs(self.waiting.peek()) == scoring:
       room = budget > 0 and len(reqs) < max_seqs
       hits = self._admission(self.waiting.peek()) if room or static else None
       if hits is None:
@@ -288,23 +268,17 @@ class Scheduler:
     """The cached pages `req` would reuse if admitted now, or None when it cannot be: no free
     slot, or too few free pages for its whole prompt and the reserve. Prompt logprobs need every
     position computed: the cache keeps KV, not logits (as vLLM), so such a request reuses none."""
-    if not self._free_slots:
+    if not self.slots.can_take(req):  # A full adapter table: it waits for one (lora_slots.py).
       return None
-    if req.lora is not None and not self.loras.can_take(req.lora.lora_int_id):
-      return None  # Every adapter slot is in use: it waits for one (lora_slots.py).
     lora = None if req.lora is None else req.lora.cache_key
-    hits = [] if _wants_prompt_logprobs(req) else self.pools.match(req.all_token_ids,
+    hits = [] if wants_prompt_logprobs(req) else self.pools.match(req.all_token_ids,
                                                                    req.cache_salt, lora)
     # The reserve is headroom for other requests' decode; alone, a request may use every page.
     reserve = self.config.reserve_pages if self.running else 0
     return hits if self.pools.can_allocate(req.all_token_ids, hits, reserve) else None
 
   def _admit(self, req: Request, hits: list[int]) -> None:
-    req.slot = heapq.heappop(self._free_slots)
-    if req.lora is not None:
-      req.lora_slot, load = self.loras.acquire(req.lora.lora_int_id)
-      if load:
-        self._lora_loads.append((req.lora_slot, req.lora.lora_int_id))
+    self.slots.take(req)
     num_cached = self.pools.allocate(req, req.slot, hits)
     req.num_prefill_tokens = len(req.all_token_ids)
     req.num_computed_tokens = num_cached
@@ -321,20 +295,12 @@ class Scheduler:
     """Appends `req`'s next prefill chunk within `budget`; returns the budget left."""
     start = req.num_computed_tokens
     end = start + min(req.num_prefill_tokens - start, budget)
-    is_last = end == req.num_prefill_tokens
-    targets = tuple(req.all_token_ids[start + 1:end + 1]) if _wants_prompt_logprobs(req) else None
-    self.pools.hold_window(req, start, end)
-    chunks.append(PrefillChunk(
-        req.request_id, req.slot, tuple(req.all_token_ids[start:end]), start,
-        tuple(req.page_table), is_last, req.sampling, req.seed,
-        prompt_token_ids=req.prompt_token_ids if is_last else (),
-        output_token_ids=tuple(req.output_token_ids) if is_last else (),
-        prompt_logprob_targets=targets, window_table=tuple(req.window_table),
-        lora_slot=req.lora_slot))
+    self.pools.hold_window(req, start, end)  # First: the chunk carries the window table.
+    chunks.append(prompt_chunk(req, start, end))
     reqs.append(req)
     self.num_prefill_tokens += end - start
     req.num_computed_tokens = end
-    req.num_pending_tokens += is_last
+    req.num_pending_tokens += chunks[-1].is_last
     self._cache_full_pages(req)
     return budget - (end - start)
 
@@ -348,15 +314,5 @@ class Scheduler:
   def _release(self, req: Request) -> None:
     self.pools.release(req)
     self.running.remove(req)
-    heapq.heappush(self._free_slots, req.slot)
-    self._released.append(req.slot)
-    req.slot = None
-    if req.lora_slot:
-      self.loras.release(req.lora_slot)
-      req.lora_slot = 0
+    self.slots.give_back(req)
 
-
-def _wants_prompt_logprobs(req: Request) -> bool:
-  """Asked for, and not delivered yet: once an output token is out, its prompt's logprobs went
-  with it, so a preempted request recomputes (and may reuse the cache) like any other."""
-  return req.sampling.prompt_logprobs is not None and not req.output_token_ids

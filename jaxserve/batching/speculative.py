@@ -112,6 +112,29 @@ def verify_chunk(req: Request, run: InFlightRun, num_tokens: int) -> PrefillChun
       window_table=tuple(req.window_table), num_drafts=len(run.drafts), lora_slot=req.lora_slot)
 
 
+
+def step_speculation(spec: SpeculativeConfig | None, num_running: int, prompts_wait: bool,
+                     budget: int, max_prefill_seqs: int):
+  """(the step's SpeculativeConfig, None for none; [prefill tokens, prefill sequences] its
+  verified chunks may take). They share the prefill's budget, less one prompt's room while
+  prompts wait: a request may verify in every step, so they would take it all, every step."""
+  if spec is not None and num_running > (spec.max_batch_size or num_running):
+    spec = None  # A large batch: every request decodes (SpeculativeConfig).
+  return spec, [budget, max_prefill_seqs - prompts_wait]
+
+def settle(req: Request, num_accepted: int, step: int, stats: SpecStats) -> None:
+  """`req`'s oldest verified run came back, `num_accepted` of its proposals the model's own:
+  the positions past those roll back (their KV is never read, and rewritten by the tokens that
+  do come there), and the counts take the run."""
+  run = req.runs_in_flight.pop(0)
+  num_drafts = len(run.drafts)
+  req.num_computed_tokens -= num_drafts - num_accepted
+  if holds(req, run):  # Proposals made on a wrong guess say nothing of the proposer.
+    req.backoff.record(step, num_accepted)
+  stats.record(num_drafts, num_accepted)
+  req.num_draft_tokens += num_drafts
+  req.num_accepted_tokens += num_accepted
+
 @dataclasses.dataclass
 class SpecStats:
   """What speculation proposed and the model accepted, over an engine's life (vLLM's

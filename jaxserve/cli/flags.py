@@ -18,6 +18,7 @@ from jaxserve.config import (
   default_attention_backend,
 )
 from jaxserve.planning import capacity
+from jaxserve.planning.chips import TARGETS
 
 CPU_PAGES = 512  # The CPU pool: its "device memory" is the host's, shared with everything else.
 
@@ -211,6 +212,22 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
   return config
 
 
+
+def compile_config(args: argparse.Namespace) -> EngineConfig:
+  """`plan --compile`'s flags (add_compile_flags) as a config: no persistent cache, and the
+  planner's names for the KV dtype."""
+  kv_dtype = capacity.KV_DTYPES[args.kv_dtype]
+  page_size = args.page_size or capacity.default_page_size(kv_dtype)
+  return EngineConfig(num_slots=args.slots, page_size=page_size, num_pages=args.num_pages,
+                      memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
+                      dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp, ep=args.ep,
+                      prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
+                      compilation_cache_dir=None, window_pages=args.window_pages,
+                      speculative=args.speculative_config, quantization=args.quantization,
+                      max_loras=getattr(args, "max_loras", 0),
+                      max_lora_rank=getattr(args, "max_lora_rank", 16),
+                      kv_offload_gib=args.kv_offload_gib)
+
 def _offload_gib(args: argparse.Namespace) -> float:
   """--kv-offload-gib, 1 GiB by default for a P/D role, whose pages travel through the tier."""
   if not args.kv_offload_gib and getattr(args, "kv_role", "both") != "both":
@@ -219,8 +236,12 @@ def _offload_gib(args: argparse.Namespace) -> float:
 
 
 def add_compile_flags(p: argparse.ArgumentParser) -> None:
-  """The engine flags `plan --compile` takes (the planner has its own --model); bfloat16 by
-  default: the chips it compiles for run it, and CPU's float32 default is about CPU speed."""
+  """`plan --compile TARGET` (compiling/: the engine's programs compiled for a chip) and the
+  engine flags it takes (the planner has its own --model); bfloat16 by default: the chips it
+  compiles for run it, and CPU's float32 default is about CPU speed."""
+  p.add_argument("--compile", choices=list(TARGETS), default=None, metavar="TARGET",
+                 help=f"compile every engine program for one of {', '.join(TARGETS)} (no chip "
+                 "needed) and size the KV pool to fit it; the flags below apply")
   d = lambda name: _default(EngineConfig, name)
   p.add_argument("--dtype", default=Dtype.BFLOAT16.value, choices=[x.value for x in Dtype])
   p.add_argument("--slots", type=int, default=d("num_slots"), help="decode slots")

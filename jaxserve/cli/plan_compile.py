@@ -1,5 +1,5 @@
 """`jaxserve plan --compile TARGET`: the engine's programs compiled for a chip
-(engine/compile_plan.py), printed as a table of their memory, or as JSON."""
+(compiling/compile_plan.py), printed as a table of their memory, or as JSON."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import compile_plan
+from jaxserve.cli import flags
+from jaxserve.compiling import compile_plan
 from jaxserve.planning import capacity
 
 
@@ -47,17 +47,7 @@ def run_compile(args) -> int:
   """`jaxserve plan --compile TARGET`: prints the table (or JSON); 1 when the pool does not fit."""
   jax.config.update("jax_platforms", "cpu")  # Before anything starts a backend: see targets.py.
   model = capacity.load_model_config(args.model)
-  kv_dtype = capacity.KV_DTYPES[args.kv_dtype]
-  page_size = args.page_size or capacity.default_page_size(kv_dtype)
-  config = EngineConfig(num_slots=args.slots, page_size=page_size, num_pages=args.num_pages,
-                        memory_fraction=args.memory_fraction, max_model_len=args.max_model_len,
-                        dtype=args.dtype, kv_dtype=kv_dtype, tp=args.tp, ep=args.ep,
-                        prefill_buckets=tuple(int(b) for b in args.buckets.split(",")),
-                        compilation_cache_dir=None, window_pages=args.window_pages,
-                        speculative=args.speculative_config,
-                        quantization=args.quantization, max_loras=getattr(args, "max_loras", 0),
-                        max_lora_rank=getattr(args, "max_lora_rank", 16),
-                        kv_offload_gib=args.kv_offload_gib)
+  config = flags.compile_config(args)
   try:
     result = compile_plan.compile_engine(args.compile, model, config)
   except ValueError as e:  # The pool cannot fit (weights beyond the memory): say so, no trace.

@@ -101,8 +101,8 @@ class Platform(enum.Enum):
   TPU = "tpu"
   GPU = "gpu"  # NVIDIA, through CUDA.
   CPU = "cpu"  # No kernel compiler: the TPU kernels run in Pallas interpret mode.
-  # GPU's old name in planning/chips.py (the same member), while engine/targets.py and
-  # engine/compile_plan.py still spell it so.
+  # GPU's old name in planning/chips.py (the same member), while compiling/targets.py and
+  # compiling/programs.py still spell it so.
   CUDA = "gpu"
 
 

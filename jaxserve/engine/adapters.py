@@ -9,30 +9,38 @@ the next one the new.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import ModelConfig
 from jaxserve.config.lora import target_dims
 from jaxserve.engine import placement
 from jaxserve.model import lora
 
 
-def abstract_weights(cfg: ModelConfig, config: EngineConfig) -> lora.LoraWeights:
+class AdapterSlots(NamedTuple):
+  """What sets the adapter slots' arrays (EngineSpec.adapter_slots): how many slots (slot 0 is
+  the base model's zeros, then max_loras adapters), their rank, their dtype."""
+  num_slots: int
+  rank: int
+  dtype: str
+
+
+def abstract_weights(cfg: ModelConfig, slots: AdapterSlots) -> lora.LoraWeights:
   """The adapter slots' ShapeDtypeStructs (`plan --compile` compiles the steps on them)."""
-  return jax.eval_shape(lambda: lora.LoraWeights.create(
-      cfg, config.max_loras + 1, config.max_lora_rank, jnp.dtype(config.dtype.value)))
+  return jax.eval_shape(lambda: lora.LoraWeights.create(cfg, slots.num_slots, slots.rank,
+                                                        jnp.dtype(slots.dtype)))
 
 
-def check_model(model, config: EngineConfig) -> None:
-  """With LoRA on, raises ValueError unless `model` runs adapters: the Llama block with a dense
-  MLP, on one process."""
+def check_model(model) -> None:
+  """Raises ValueError unless `model` runs adapters: the Llama block with a dense MLP, on one
+  process."""
   from jaxserve.model.llama import Transformer
 
-  if not config.max_loras:
-    return
   if not isinstance(model, Transformer) or model.cfg.num_experts:
     raise ValueError(f"LoRA adapters run on the dense Llama-family models (Llama, Qwen2, "
                      f"Qwen3, Mistral), not on {model.cfg.family.value}")
@@ -44,20 +52,21 @@ class DeviceLoras:
   """Slots 0..max_loras of adapters on one device (slot 0: the base model, always zeros)."""
 
   @classmethod
-  def of(cls, cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None) -> DeviceLoras | None:
-    """The engine's adapters on its device or over its tensor-parallel `mesh`, or None: LoRA is
-    off."""
-    return cls(cfg, config, mesh) if config.max_loras else None
+  def of(cls, cfg: ModelConfig, slots: AdapterSlots | None,
+         mesh: Mesh | None) -> DeviceLoras | None:
+    """The engine's adapters on its device or over its tensor-parallel `mesh`, or None (`slots`
+    None): LoRA is off."""
+    return None if slots is None else cls(cfg, slots, mesh)
 
-  def __init__(self, cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None):
-    self.rank = config.max_lora_rank
-    self.dtype = jnp.dtype(config.dtype.value)
+  def __init__(self, cfg: ModelConfig, slots: AdapterSlots, mesh: Mesh | None):
+    self.rank = slots.rank
+    self.dtype = jnp.dtype(slots.dtype)
     self._dims = target_dims(cfg)
     self._num_layers = cfg.num_layers
     # Committed where the steps read them, as every write's output is: one program for both.
     place = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else
-             placement.lora_shardings(mesh, abstract_weights(cfg, config)))
-    create = lambda: lora.LoraWeights.create(cfg, config.max_loras + 1, self.rank, self.dtype)
+             placement.lora_shardings(mesh, abstract_weights(cfg, slots)))
+    create = lambda: lora.LoraWeights.create(cfg, slots.num_slots, self.rank, self.dtype)
     self.weights = jax.jit(create, out_shardings=place)()
     self._write = jax.jit(lora.write, donate_argnums=0, out_shardings=place)
     # Host copies at each adapter's own rank, one per content (the same files under two names

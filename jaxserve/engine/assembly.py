@@ -1,12 +1,12 @@
 """The engine's step programs, assembled once: what `Engine` jits and warms up, and what
-`plan --compile` (compile_plan.py) compiles for a chip this machine does not have.
+`plan --compile` (compiling/programs.py) compiles for a chip this machine does not have.
 
 `assemble` takes the model's graphdef and params (arrays, or ShapeDtypeStructs) and returns an
 `Assembly`: the step function (engine/step.py bound to the graphdef and the attention backend),
 what its calls donate and where their results live, where each argument lives over a mesh (and
 `place`, which puts the engine's arrays there), the Packer, and `programs()`: every program
-warm-up compiles, in order. `Engine` runs those programs
-on padding; compile_plan lowers the same ones on abstract arguments, so the two cannot drift.
+warm-up compiles, in order. `Engine` runs those programs on padding; compiling/programs.py
+lowers the same ones on abstract arguments, so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.batching.plan import StepKind
-from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig
 from jaxserve.engine import adapters, kv_spec, placement
 from jaxserve.engine.draft import check_draft, create_cache
+from jaxserve.engine.resolve import EngineSpec
 from jaxserve.engine.step import DecodeState, StepOutput, step
-from jaxserve.engine.step_args import Packer, StepArgs, StepShape
+from jaxserve.engine.step_args import Packer, StepArgs
+from jaxserve.engine.step_shapes import StepShape
 from jaxserve.model.attention import AttentionSpec
 
 # The cache and the decode state: every step updates them in place.
@@ -49,16 +50,14 @@ def program_name(shape: StepShape, kind: StepKind = StepKind.PLAIN) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Assembly:
-  """The engine's steps for one model and EngineConfig (see the module docstring)."""
+  """The engine's steps for one EngineSpec (see the module docstring)."""
 
-  model: ModelConfig
-  config: EngineConfig
+  spec: EngineSpec
   step: Callable  # (params, cache, state, args, stop_ids) -> (cache, state, out[, prompt])
   packer: Packer
   cache: Any  # The KV cache's ShapeDtypeStructs (KVCache or WindowedKV).
   state: DecodeState  # The decode state's ShapeDtypeStructs.
   shardings: placement.EngineShardings | None  # Over a mesh; None on one device.
-  draft: ModelConfig | None = None  # The speculative draft model's (engine/draft.py).
 
   def out_shardings(self, kind: StepKind):
     """Where a `kind` step's results live: (cache, state, StepOutput); None on one device."""
@@ -82,10 +81,10 @@ class Assembly:
     s = self.shardings
     if s is None:
       return None
-    params = s.params
-    if self.config.max_loras:  # The adapter slots beside the weights (engine/adapters.py).
+    params, slots = s.params, self.spec.adapter_slots
+    if slots is not None:  # The adapter slots beside the weights (engine/adapters.py).
       params = (params, placement.lora_shardings(
-          s.mesh, adapters.abstract_weights(self.model, self.config)))
+          s.mesh, adapters.abstract_weights(self.spec.model, slots)))
     return (params, s.cache, s.state, jax.tree.map(lambda _: s.replicated, args), s.replicated)
 
   def place(self, params, stop_ids: Sequence[int]) -> tuple:
@@ -95,14 +94,15 @@ class Assembly:
     donation aliases the buffers. On one device the cache and state are committed to it, as
     every step's outputs are: an uncommitted first input would make the first program warm-up
     compiles a different one from the one serving calls."""
-    state = DecodeState.create(self.config.num_slots, self.model.vocab_size)
+    model, config = self.spec.model, self.spec.config
+    state = DecodeState.create(config.num_slots, model.vocab_size)
     stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)
     s = self.shardings
     if s is not None:
-      return (s.place(params, s.params), s.create_cache(self.model, self.config),
+      return (s.place(params, s.params), s.create_cache(model, config),
               s.place(state, s.state), s.place(stop_ids, s.replicated))
     device = jax.local_devices()[0]
-    cache = jax.device_put(create_cache(self.model, self.config, self.draft), device)
+    cache = jax.device_put(create_cache(model, config, self.spec.draft), device)
     return params, cache, jax.device_put(state, device), stop_ids
 
   def programs(self) -> list[Program]:
@@ -116,15 +116,15 @@ class Assembly:
             for kind, shapes in kinds for shape in shapes]
 
 
-def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
-             backend: AttentionBackend, mesh: Mesh | None = None,
-             draft: tuple | None = None) -> Assembly:
-  """The engine's steps for `config` (after engine.engine_config_for, with its num_pages);
-  `mesh`: the tensor-parallel mesh, or None on one device. `draft`: (graphdef, ModelConfig) of
-  the speculative draft model (method "draft"): `params` is then (the target's, the draft's)."""
-  draft_graphdef, draft_model = draft or (None, None)
-  check_draft(config, model, draft_model)
-  cache = jax.eval_shape(lambda: create_cache(model, config, draft_model))
+def assemble(graphdef, params, spec: EngineSpec, mesh: Mesh | None = None,
+             draft_graphdef=None) -> Assembly:
+  """The engine's steps for `spec` (engine/resolve.py, its config with its num_pages); `mesh`:
+  the tensor-parallel mesh, or None on one device. `draft_graphdef`: the speculative draft
+  model's (method "draft", spec.draft its config): `params` is then (the target's, the
+  draft's)."""
+  model, config, backend = spec.model, spec.config, spec.backend
+  check_draft(config, model, spec.draft)
+  cache = jax.eval_shape(lambda: create_cache(model, config, spec.draft))
   state = jax.eval_shape(lambda: DecodeState.create(config.num_slots, model.vocab_size))
   shardings = None
   if mesh is not None:
@@ -133,4 +133,4 @@ def assemble(graphdef, params, model: ModelConfig, config: EngineConfig,
   # With LoRA the params a step takes are (the model's, the adapters': engine/adapters.py).
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef,
                          lora=config.max_loras > 0)
-  return Assembly(model, config, fn, packer, cache, state, shardings, draft_model)
+  return Assembly(spec, fn, packer, cache, state, shardings)

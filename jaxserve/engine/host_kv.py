@@ -16,7 +16,7 @@ kv_loads: a list per page group):
 Batches are padded to `copy_buckets` pages (powers of 4, up to a sequence's pages), so every
 program is compiled at warm-up; padding reads and writes the scratch page. `copy_programs`
 defines the programs once: HostKV jits them, and `abstract_copies` lists them on abstract
-arguments, as `plan --compile` compiles them for a chip (engine/compile_plan.py).
+arguments, as `plan --compile` compiles them for a chip (compiling/compile_plan.py).
 """
 
 from __future__ import annotations

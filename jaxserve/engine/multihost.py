@@ -34,8 +34,10 @@ from absl import logging
 from jax.experimental.multihost_utils import broadcast_one_to_all, process_allgather
 
 from jaxserve.batching.plan import StepKind, StepPlan
-from jaxserve.engine.engine import Engine, StepFuture
-from jaxserve.engine.step_args import StepArgs, StepShape
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.step_args import StepArgs
+from jaxserve.engine.step_future import StepFuture
+from jaxserve.engine.step_shapes import StepShape
 
 # The header's first number: 0 stops the followers, else the step kind's (batching.plan.StepKind)
 # index plus one.

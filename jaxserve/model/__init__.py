@@ -23,7 +23,7 @@ LoRA letters (model/lora.py; its einsums spell them s, r, i, o):
 Engine letters (a step packs decode rows, then prefill sequences, on one axis):
   Bd: a step's decode rows    Bp: a step's prefill sequences (B = Bd + Bp)
   Tp: a step's prefill tokens, a prefill bucket (the packed token axis: T = Bd + Tp)
-  Bs: decode slots (EngineConfig.num_slots: the rows of the decode and sampling state)
+  Bs: decode slots (the engine's num_slots: the rows of the decode and sampling state)
   Pg: page groups (1, or 2 for a WindowedKV: the full pool, then the window pool)
   Vs: stop token ids    Vc: candidate tokens of one sampled row (engine/sample.py)
 

@@ -100,7 +100,7 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0):
 def stacked_layers(cfg: ModelConfig, make_layer, rngs: nnx.Rngs):
   """cfg.num_layers layers as one module whose parameters carry a leading [L] axis: the model
   runs them under a scan, so compile time does not grow with depth (`unstacked` makes the
-  unrolled copy an engine runs with EngineConfig.unroll_layers). `make_layer(rngs)` builds
+  unrolled copy an engine runs with unroll_layers). `make_layer(rngs)` builds
   one."""
   @nnx.split_rngs(splits=cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})

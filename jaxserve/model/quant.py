@@ -128,7 +128,7 @@ def _untiled(w: Quantized, a):
 
 
 # The platform the program being traced is lowered for, where it is not jax.default_backend()'s
-# (engine/targets.py compiles for a TPU or a GPU on this CPU): set by `lowering_for`.
+# (compiling/targets.py compiles for a TPU or a GPU on this CPU): set by `lowering_for`.
 _LOWERING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowering_for",
                                                                           default=None)
 

@@ -20,7 +20,7 @@ its last `sliding_window` positions only, so it need keep only the pages those c
 than it fills), while a global layer keeps the whole context. Per conversation, in pages of
 one layer:  global_layers * ceil(context / page_size) + local_layers * window_pages.
 Gemma 3 270M at 32,768 tokens, pages of 16: 3 * 2,048 + 15 * 33 = 6,639 instead of
-18 * 2,048 = 36,864 (5.6x less). The engine does this by default (EngineConfig.window_pages): its
+18 * 2,048 = 36,864 (5.6x less). The engine does this by default (its window_pages): its
 local layers' pages are a pool of their own, num_slots * window_pages_per_seq(window, Z, chunk)
 pages, enough for every slot's window plus the T - 1 more positions a prefill chunk of T tokens
 briefly needs; the rest of the memory is the global layers' pool (`num_kv_pages`).
@@ -128,7 +128,7 @@ def window_pages(cfg: ModelConfig, page_size: int) -> int:
 def layer_pages_per_conversation(cfg: ModelConfig, context: int, page_size: int,
                                  window_only: bool = False) -> int:
   """Pages, summed over the layers, one conversation of `context` tokens holds between its
-  steps. `window_only` (the engine's default, EngineConfig.window_pages): local layers keep
+  steps. `window_only` (the engine's default, the window_pages setting): local layers keep
   only their window's pages; otherwise every layer keeps the whole context."""
   full = pages_per_conversation(context, page_size)
   num_local = sum(cfg.local_layers) if window_only else 0

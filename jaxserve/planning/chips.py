@@ -1,5 +1,5 @@
 """The chips `jaxserve plan --compile` compiles for: memory per device, and where each figure
-comes from. Host-side data; engine/targets.py turns a chip into a compile-only device."""
+comes from. Host-side data; compiling/targets.py turns a chip into a compile-only device."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Target:
   usable_bytes: int
   usable_source: str
   topology: str  # TPU: a topology name (the smallest slice; we use one device of it).
-  spec: str | None = None  # GPU: XLA's GpuTargetConfigProto file in engine/gpu_specs/.
+  spec: str | None = None  # GPU: XLA's GpuTargetConfigProto file in compiling/gpu_specs/.
   topology_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 

@@ -56,7 +56,7 @@ def format_plan(p: CapacityPlan) -> str:
 
 def format_window_gain(today: CapacityPlan, windowed: CapacityPlan) -> str:
   """The lines that set the window-only plan (what the engine holds by default) beside `today`'s,
-  every layer keeping every page (EngineConfig.window_pages=False)."""
+  every layer keeping every page (window_pages=False)."""
   m, z = windowed.model, windowed.page_size
   num_local = sum(m.local_layers)
   kept = min(window_pages(m, z), pages_per_conversation(windowed.context, z))

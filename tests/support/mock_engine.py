@@ -216,4 +216,4 @@ def assert_all_free(scheduler) -> None:
   if window is not None:
     assert window.num_free_pages == window.num_usable_pages
     assert all(window.ref_count(b) == 0 for b in range(window.num_pages))
-  assert sorted(scheduler._free_slots) == list(range(len(scheduler.pools.tables)))
+  assert sorted(scheduler.slots.free) == list(range(len(scheduler.pools.tables)))
