@@ -1,5 +1,5 @@
-"""The Pallas attention backend (interpret mode on CPU) against the reference backend, in the
-engine."""
+"""The Pallas attention backend (interpret mode on CPU), and kernels_cpu's C++ ragged kernel
+(`--attention cpu`), against the reference backend, in the engine."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import kernels_cpu
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, KVDtype, KVLayout, SamplingParams
 from jaxserve.config.engine import RAGGED_KV_DTYPES
@@ -34,9 +35,15 @@ def run(model, backend):
   return [f.result()[:2] for f in out], [f.logprobs()[0][:2] for f in out]
 
 
-def test_pallas_backend_matches_reference(tiny_model):
+KERNELS = [AttentionBackend.PALLAS,
+           pytest.param(AttentionBackend.CPU, marks=pytest.mark.skipif(
+               not kernels_cpu.available(), reason="kernels_cpu not built"))]
+
+
+@pytest.mark.parametrize("backend", KERNELS, ids=lambda b: b.value)
+def test_pallas_backend_matches_reference(tiny_model, backend):
   ref_tokens, ref_lps = run(tiny_model, AttentionBackend.REFERENCE)
-  tokens, lps = run(tiny_model, AttentionBackend.PALLAS)
+  tokens, lps = run(tiny_model, backend)
   for r, t in zip(ref_tokens, tokens):
     np.testing.assert_array_equal(r, t)
   np.testing.assert_allclose(np.concatenate(lps), np.concatenate(ref_lps), atol=1e-4)
@@ -62,11 +69,13 @@ def run_8bit_kv(model, backend, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FLOAT8_E5M2], ids=lambda d: d.label)
-def test_pallas_backend_matches_reference_on_8bit_kv(tiny_model, kv_dtype):
-  """The kernel (TPU variant, interpreted) and the jnp path store the same 8-bit pages and read
-  them back alike: the same tokens and logprobs as the jnp path over the same layout."""
+@pytest.mark.parametrize("backend", KERNELS, ids=lambda b: b.value)
+def test_pallas_backend_matches_reference_on_8bit_kv(tiny_model, kv_dtype, backend):
+  """The kernel (TPU variant, interpreted; or the C++ one) and the jnp path store the same 8-bit
+  pages and read them back alike: the same tokens and logprobs as the jnp path over the same
+  layout."""
   ref_tokens, ref_lps = run_8bit_kv(tiny_model, AttentionBackend.REFERENCE, kv_dtype)
-  tokens, lps = run_8bit_kv(tiny_model, AttentionBackend.PALLAS, kv_dtype)
+  tokens, lps = run_8bit_kv(tiny_model, backend, kv_dtype)
   for r, t in zip(ref_tokens, tokens):
     np.testing.assert_array_equal(r, t)
   np.testing.assert_allclose(np.concatenate(lps), np.concatenate(ref_lps), atol=1e-4)

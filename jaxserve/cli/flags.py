@@ -54,7 +54,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--kv-dtype", default=None, choices=[x.label for x in KVDtype],
                  help="KV cache storage (default: --dtype); float16 needs --attention reference")
   p.add_argument("--attention", default=None, choices=[x.value for x in AttentionBackend],
-                 help="attention backend (default: reference on CPU, pallas on TPU/GPU)")
+                 help="attention backend (default: reference on CPU, pallas on TPU/GPU; "
+                 "cpu: kernels_cpu's C++ ragged kernel)")
   add_quantization_flag(p)
   add_window_flag(p)
   add_parallel_flags(p)

@@ -88,9 +88,12 @@ class AttentionBackend(enum.Enum):
   # from a machine without one.
   PALLAS_TPU = "pallas_tpu"
   PALLAS_GPU = "pallas_gpu"
+  # kernels_cpu's ragged kernel through jax.ffi (C++): the Pallas kernels' op and layout, on CPU.
+  CPU = "cpu"
 
   @property
   def is_pallas(self) -> bool:
+    """Whether it runs a ragged kernel (Pallas, or kernels_cpu's) over the ragged layout."""
     return self is not AttentionBackend.REFERENCE
 
 

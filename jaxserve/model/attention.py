@@ -211,20 +211,24 @@ def _online_step(carry, qb, k, v, mask):
 
 
 _KERNEL_PLATFORM = {AttentionBackend.PALLAS: None, AttentionBackend.PALLAS_TPU: "tpu",
-                    AttentionBackend.PALLAS_GPU: "gpu"}
+                    AttentionBackend.PALLAS_GPU: "gpu", AttentionBackend.CPU: "cpu-ffi"}
 
 
 def _attend_pallas(q, k, v, cache: KVCache, layer, meta: AttentionMetadata, platform: str | None,
                    window: int | None = None):
   """The ragged kernel: writes the step's K/V into the pages and attends, in one call per layer,
   over the cache in place (the RAGGED layout)."""
+  import kernels_cpu
   import kernels_pallas  # The kernels import Pallas; the reference path does not need it.
 
   if cache.layout is not KVLayout.RAGGED:
     raise ValueError(f"the Pallas backend runs on the ragged KV layout, not {cache.layout.value}")
   # The kernel quantizes the new K/V to the pages' dtype itself (float8 at scale 1.0).
-  out, pages = kernels_pallas.ragged_paged_attention(
-      q[0], k[0], v[0], cache.k, meta.page_tables,
-      meta.cu_q_lens, meta.kv_lens, jnp.int32(meta.page_tables.shape[0]), layer=layer,
-      sliding_window=window, platform=platform)
+  args = (q[0], k[0], v[0], cache.k, meta.page_tables, meta.cu_q_lens, meta.kv_lens,
+          jnp.int32(meta.page_tables.shape[0]))
+  if platform == "cpu-ffi":  # The same op in C++ (kernels_cpu/ragged.cc), on the CPU.
+    out, pages = kernels_cpu.ragged_paged_attention(*args, layer=layer, sliding_window=window)
+  else:
+    out, pages = kernels_pallas.ragged_paged_attention(*args, layer=layer, sliding_window=window,
+                                                       platform=platform)
   return out[None], dataclasses.replace(cache, k=pages)
