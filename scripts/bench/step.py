@@ -70,7 +70,7 @@ def decode_steps(args) -> None:
   """Median ms of one decode-only engine call at each slot count, context 128 tokens."""
   import numpy as np
 
-  from jaxserve.batching.plan import PrefillChunk
+  from jaxserve.batching.plan import PrefillChunk, StepPlan
   from jaxserve.config import EngineConfig, SamplingParams
   from jaxserve.engine.engine import Engine
   from jaxserve.loading import checkpoint
@@ -86,11 +86,25 @@ def decode_steps(args) -> None:
     greedy = SamplingParams(temperature=0)
     for s in range(slots):
       ids = [100 + s] * 100
-      engine.prefill(PrefillChunk("r", s, ids, 0, tables[s], True, greedy, 0, ids, ()))
+      chunk = PrefillChunk("r", s, ids, 0, tables[s], True, greedy, 0, ids, ())
+      engine.step(StepPlan(prefills=(chunk,))).result()
+    plan = StepPlan(decode_slots=tuple(range(slots)), page_tables=tables)
     # The untimed first call compiles.
-    times = harness.timed(lambda: engine.decode(range(slots), tables).result(), args.steps)
+    times = harness.timed(lambda: engine.step(plan).result(), args.steps)
     out[str(slots)] = 1e3 * statistics.median(times)
   print(json.dumps(dict(decode_ms=out, load_avg=os.getloadavg()[0])))
+
+
+def _medians(runs: list[dict]) -> dict:
+  """One design's rounds: the median of each figure (decode_ms per slot count), the rest of the
+  first round's (tokens, iterations)."""
+  out = dict(runs[0])
+  for k in ("wall_s", "calls_per_iteration", "ttft_mean_s", "ttft_p90_s"):
+    out[k] = statistics.median(r[k] for r in runs)
+  out["decode_ms"] = {s: statistics.median(r["decode_ms"][s] for r in runs)
+                      for s in runs[0]["decode_ms"]}
+  out["rounds_wall_s"] = [r["wall_s"] for r in runs]
+  return out
 
 
 def run_in(tree: pathlib.Path, mode: str, args) -> dict:
@@ -106,12 +120,14 @@ def main_step(argv=None) -> None:
   the offline API, and decode step time at 1, 16 and 64 slots, each design in its own process.
 
     python -m scripts.bench step --old /path/to/worktree/of/the/old/commit [--requests 64]
+        [--rounds 3]
 
   Each measurement runs in a fresh process that puts one source tree (this one, or --old) first
   on sys.path before it imports jaxserve, so both run this command but their own jaxserve. The
-  engine API both share (`prefill(chunk)`, `decode(slots, tables)`, and the runner) is all the
-  command touches; engine calls are counted where the runner makes them (`prefill`, `decode`, or
-  `step`). Prints one JSON object per design and the new / old ratios. On a loaded machine only
+  engine API both share (`step(plan)` and the runner) is all the command touches; engine calls
+  are counted where the runner makes them. With --rounds the designs alternate, round by round,
+  and each figure is the median of its rounds. Prints one JSON object per design and the new /
+  old ratios. On a loaded machine only
   the ratios mean much: the load average is reported with them.
   """
   p = harness.parser("step", main_step.__doc__)
@@ -124,6 +140,8 @@ def main_step(argv=None) -> None:
   p.add_argument("--max-tokens", type=int, default=10**6, help="cap each request's max_tokens")
   p.add_argument("--slots-list", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
   p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--rounds", type=int, default=1,
+                 help="interleaved rounds of both designs; medians are compared")
   args = p.parse_args(argv)
   if args.tree:
     sys.path.insert(0, str(args.tree))
@@ -131,10 +149,13 @@ def main_step(argv=None) -> None:
     return workload(args)
   if args.mode == "decode":
     return decode_steps(args)
-  results = {}
-  for name, tree in (("old", args.old), ("new", harness.ROOT)):
-    results[name] = dict(run_in(tree, "workload", args), **run_in(tree, "decode", args))
-  same = results["old"].pop("tokens") == results["new"].pop("tokens")
+  trees = {"old": args.old, "new": harness.ROOT}
+  runs = harness.interleaved(list(trees), args.rounds, lambda name: dict(
+      run_in(trees[name], "workload", args), **run_in(trees[name], "decode", args)))
+  results = {name: _medians(rs) for name, rs in runs.items()}
+  same = all(r["tokens"] == runs["old"][0]["tokens"] for rs in runs.values() for r in rs)
+  for r in results.values():
+    r.pop("tokens")
   ratio = lambda k: results["new"][k] / results["old"][k]
   results["same_tokens"] = same
   results["new_over_old"] = {k: ratio(k) for k in ("wall_s", "calls_per_iteration",
