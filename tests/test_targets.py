@@ -140,8 +140,8 @@ def test_neediest_are_the_largest_of_each_kind():
   config = dataclasses.replace(TINY_ENGINE, num_slots=16, prefill_buckets=(16, 32, 64))
   programs = engine_programs(TINY, config, AttentionBackend.PALLAS_TPU)
   assert compile_plan.neediest(programs) == [
-      "step D=16 T=0 W=16", "step D=0 T=64 W=16", "step D=16 T=64 W=16",
-      "step D=0 T=64 W=16 scoring"]
+      "step Bd=16 Tp=0 W=16", "step Bd=0 Tp=64 W=16", "step Bd=16 Tp=64 W=16",
+      "step Bd=0 Tp=64 W=16 scoring"]
   offload = dataclasses.replace(config, kv_offload_gib=0.01)  # The copies of the most pages too.
   programs = engine_programs(TINY, offload, AttentionBackend.PALLAS_TPU)
   assert compile_plan.neediest(programs)[4:] == ["kv save pages=16 group=0",
@@ -154,8 +154,9 @@ def test_every_program_compiles_with_its_memory_reported(name):
   model, changes = CASES[name][1], CASES[name][3]
   W = EngineConfig(**{**SMALL, **changes}).max_pages_per_seq
   W = W if name != "gemma-3-270m-v5e" else 2 * W  # Both tables of 1,024 / 16 pages.
-  assert [r["name"] for r in reports] == [f"step D=1 T=0 W={W}", f"step D=0 T=32 W={W}",
-                                          f"step D=1 T=32 W={W}", f"step D=0 T=32 W={W} scoring"]
+  assert [r["name"] for r in reports] == [
+      f"step Bd=1 Tp=0 W={W}", f"step Bd=0 Tp=32 W={W}", f"step Bd=1 Tp=32 W={W}",
+      f"step Bd=0 Tp=32 W={W} scoring"]
   for r in reports:
     assert r["compiled"] and r["error"] is None, r
     assert all(isinstance(r[k], int) and r[k] >= 0 for k in
@@ -179,7 +180,7 @@ def compiled_copies(window_pages: bool):
   """(reports, page groups): the copy programs and, with window pages, the mixed step, on v5e."""
   config = EngineConfig(**{**SMALL, **OFFLOAD, "window_pages": window_pages})
   wanted = lambda programs: [p.name for p in programs if isinstance(p.shape, host_kv.CopyShape)
-                             or window_pages and p.name == "step D=1 T=32 W=128"]
+                             or window_pages and p.name == "step Bd=1 Tp=32 W=128"]
   reports = compile_plan.compile_programs("v5e", GEMMA3_2L, config, only=wanted)
   resolved = engine_config_for(config, AttentionBackend.PALLAS_TPU)
   return reports, jax.eval_shape(lambda: kv_spec.create(GEMMA3_2L, resolved)).groups
@@ -260,7 +261,7 @@ def test_tensor_parallel_programs_compile_per_device():
   place its half of the cache, within the same temp bound. The mixed step alone (decode and
   prefill rows, so both paths): each program costs CI tens of seconds to compile."""
   config = EngineConfig(num_pages=4096, tp=2, **SMALL)
-  reports = compile_plan.compile_programs("v6e", LLAMA3_8B_2L, config, only="step D=1 T=32 W=8")
+  reports = compile_plan.compile_programs("v6e", LLAMA3_8B_2L, config, only="step Bd=1 Tp=32 W=8")
   assert len(reports) == 1
   pool = compile_plan.kv_pool(LLAMA3_8B_2L, config)
   assert pool["device_bytes"] * 2 == pool["bytes"]

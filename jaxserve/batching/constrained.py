@@ -44,7 +44,8 @@ class Constraints:
     self._compiler: ConstraintCompiler | None = None  # Built on first use: it reads the vocabulary.
     self._lock = threading.Lock()
     self._matchers: dict[str, Matcher] = {}
-    self._rows: np.ndarray | None = None  # [S, W] int32, all ones but while a decode mask is made.
+    # [Bs, V / 32] int32, all ones but while a decode mask is made.
+    self._rows: np.ndarray | None = None
     self.num_masks = 0  # Mask rows filled, and the host seconds spent filling them.
     self.mask_seconds = 0.0
 

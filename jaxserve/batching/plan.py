@@ -163,7 +163,7 @@ class EngineInfo:
 
   @property
   def page_groups(self) -> int:
-    """G: page tables per sequence, 2 with window pages (the pool's, then the window pool's)."""
+    """Pg: page tables per sequence, 2 with window pages (the pool's, then the window pool's)."""
     return 2 if self.window else 1
 
 

@@ -118,6 +118,6 @@ class DeviceLoras:
     self.weights = self._write(self.weights, np.int32(0), *self._zeros())
 
   def _zeros(self) -> tuple[dict, dict]:
-    L, R = self._num_layers, self.rank
-    return ({t: np.zeros((L, I, R), self.dtype) for t, (I, O) in self._dims.items()},
-            {t: np.zeros((L, R, O), self.dtype) for t, (I, O) in self._dims.items()})
+    L, Rk = self._num_layers, self.rank
+    return ({t: np.zeros((L, I, Rk), self.dtype) for t, (I, O) in self._dims.items()},
+            {t: np.zeros((L, Rk, O), self.dtype) for t, (I, O) in self._dims.items()})

@@ -37,15 +37,15 @@ class Program:
   """One program warm-up compiles: a step kind and shape, and the padding arguments (numpy) it
   runs on."""
 
-  name: str  # "step D=.. T=.. W=..", then " scoring" or " verifying" for those kinds.
+  name: str  # "step Bd=.. Tp=.. W=..", then " scoring" or " verifying" for those kinds.
   shape: StepShape
   kind: StepKind
   args: StepArgs
 
 
 def program_name(shape: StepShape, kind: StepKind = StepKind.PLAIN) -> str:
-  D, T, W = shape
-  return f"step D={D} T={T} W={W}" + ("" if kind is StepKind.PLAIN else f" {kind.value}")
+  Bd, Tp, W = shape
+  return f"step Bd={Bd} Tp={Tp} W={W}" + ("" if kind is StepKind.PLAIN else f" {kind.value}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,7 @@ def cache_sharding(mesh: Mesh, cache: KVCache | WindowedKV) -> KVCache | Windowe
 
 
 def slots_sharding(mesh: Mesh, tree):
-  """Every leaf of a per-slot pytree (DecodeState: [S, ...] leaves) split by slot over `data`."""
+  """Every leaf of a per-slot pytree (DecodeState: [Bs, ...] leaves) split by slot over `data`."""
   return jax.tree.map(lambda _: NamedSharding(mesh, P(axes.RULES["slots"])), tree)
 
 

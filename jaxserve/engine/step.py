@@ -103,7 +103,7 @@ def _model(graphdef, params, args, lora: bool) -> tuple:
 
 
 def _sequences(state: DecodeState, args, live, mine):
-  """-> (starts, q_lens, kv_lens [B], tables [B, G * W], tokens [T]): the step's sequences,
+  """-> (starts, q_lens, kv_lens [B], tables [B, Pg * W], tokens [T]): the step's sequences,
   decode rows (their input token and position read from the state) then prefill chunks.
 
   A verified chunk starts from its slot's state too: the token and position there are the
@@ -121,7 +121,7 @@ def _sequences(state: DecodeState, args, live, mine):
     tokens = tokens.at[first].set(read(state.tokens, prefill), mode="drop")
   q_lens = _cat(jnp.ones(Bd, jnp.int32), args.prefill_lens)  # [B]
   kv_lens = starts + q_lens  # [B]: where each sequence's sampled token will sit.
-  tables = _cat(args.decode_tables, args.prefill_tables)  # [B, G * W]
+  tables = _cat(args.decode_tables, args.prefill_tables)  # [B, Pg * W]
   return starts, q_lens, kv_lens, tables, tokens
 
 
@@ -137,8 +137,8 @@ def _fed(args, live):
 
 
 def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
-              G: int) -> AttentionMetadata:
-  """Each token's sequence, position and cache entry (Z: page size; G: page groups, each with
+              Pg: int) -> AttentionMetadata:
+  """Each token's sequence, position and cache entry (Z: page size; Pg: page groups, each with
   its own table). Padding tokens, and the tokens of padding rows, write to the scratch page."""
   cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
   T, B = tokens.shape[0], live.shape[0]
@@ -147,9 +147,9 @@ def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
                  0, B - 1).astype(jnp.int32)
   real = (tok < cu_q_lens[-1]) & live[seq]  # [T]
   positions = jnp.where(real, starts[seq] + tok - cu_q_lens[seq], 0)  # [T]
-  W = tables.shape[1] // G
+  W = tables.shape[1] // Pg
   column = jnp.minimum(positions // Z, W - 1)
-  page = jnp.stack([tables[seq, g * W + column] for g in range(G)])  # [G, T]
+  page = jnp.stack([tables[seq, g * W + column] for g in range(Pg)])  # [Pg, T]
   page = jnp.where(real[None], page, SCRATCH_PAGE)
   return AttentionMetadata(
       positions=positions[None], cache_index=page * Z + positions % Z,

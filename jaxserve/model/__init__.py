@@ -17,7 +17,7 @@ Mixture-of-experts letters (model/moe.py):
   M: routed rows (T * Ek: each token once per expert it is routed to), sorted by expert
 
 LoRA letters (model/lora.py; its einsums spell them s, r, i, o):
-  Sl: adapter slots (max_loras + 1; slot 0 is the base model)    R: LoRA rank (max_lora_rank)
+  Sl: adapter slots (max_loras + 1; slot 0 is the base model)    Rk: LoRA rank (max_lora_rank)
   I, O: a projection's input and output widths (D, N * H, K * H or F)
 
 Engine letters (a step packs decode rows, then prefill sequences, on one axis):

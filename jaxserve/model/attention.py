@@ -39,7 +39,7 @@ class AttentionMetadata:
   sample_rows: jax.Array  # [B] the packed row of each sequence's last token (its logits).
   block_rows: jax.Array  # [nb, Tb] packed rows of each prefill query block (T: none).
   block_seq: jax.Array  # [nb] the sequence of each block.
-  num_decode_rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # D
+  num_decode_rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # Bd
 
   @classmethod
   def one_sequence(cls, n: int, page_size: int) -> AttentionMetadata:
@@ -135,10 +135,10 @@ def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=N
   batched."""
   q = q[0]
   out = jnp.zeros_like(q)
-  D, pos = meta.num_decode_rows, meta.positions[0]
-  if D:
-    out = _attend_blocks(out, q, cache, layer, jnp.arange(D)[:, None], meta.page_tables[:D],
-                         meta.kv_lens[:D], pos, window)
+  Bd, pos = meta.num_decode_rows, meta.positions[0]
+  if Bd:
+    out = _attend_blocks(out, q, cache, layer, jnp.arange(Bd)[:, None], meta.page_tables[:Bd],
+                         meta.kv_lens[:Bd], pos, window)
   if meta.block_rows.shape[0]:
     seq = meta.block_seq
     out = _attend_blocks(out, q, cache, layer, meta.block_rows, meta.page_tables[seq],

@@ -1,16 +1,16 @@
 """LoRA adapters on the device: every target's A and B stacked over adapter slots, and the
 delta each token's own adapter adds to a projection of the Llama block (model/llama.py).
 
-Shape letters: the key in jaxserve/model/__init__.py (Sl, R, I, O are this module's).
+Shape letters: the key in jaxserve/model/__init__.py (Sl, Rk, I, O are this module's).
 
 Slot 0 is the base model (zeros: its delta is exactly 0); slots 1..max_loras hold adapters,
 each zero-padded to the engine's max_lora_rank, so any mix of adapters runs one program. An
 adapter is written into a slot by `write`, the slot a traced index: loading, swapping or
 evicting one compiles nothing.
 
-The delta of a step's T tokens: x [T, I] times every slot's A ([T, Sl, R]: T * Sl * I * R
+The delta of a step's T tokens: x [T, I] times every slot's A ([T, Sl, Rk]: T * Sl * I * Rk
 multiply-adds, small while slots are few), each token's own slot selected by a one-hot mask, then
-one dot over (Sl, R) against the stacked B, so no [T, I, R] copy of anyone's A is gathered. That
+one dot over (Sl, Rk) against the stacked B, so no [T, I, Rk] copy of anyone's A is gathered. That
 dot multiplies every slot's B (by zero where a token's slot is another), so no slot may hold a
 non-finite value: the loader refuses them, `write` zeros an adapter that has one, and an unloaded
 adapter's slot is zeroed (engine/adapters.py). A grouped
@@ -32,7 +32,7 @@ from jaxserve.config.lora import target_dims
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoraWeights:
-  """Per target (our weight name, config/lora.py TARGETS): A [L, Sl, I, R] and B [L, Sl, R, O];
+  """Per target (our weight name, config/lora.py TARGETS): A [L, Sl, I, Rk] and B [L, Sl, Rk, O];
   a layer's slice (under the layers' scan) drops the [L]."""
 
   a: dict[str, jax.Array]
@@ -47,7 +47,7 @@ class LoraWeights:
 
 
 def write(weights: LoraWeights, slot, a: dict, b: dict) -> LoraWeights:
-  """`weights` with slot `slot` (an int32 scalar, traced) holding a [L, I, R] and b [L, R, O]
+  """`weights` with slot `slot` (an int32 scalar, traced) holding a [L, I, Rk] and b [L, Rk, O]
   per target (every target: zeros where the adapter has none). An adapter with any NaN or Inf
   (which the loader refuses) is written as zeros: the slot's B meets every token's row in the
   delta's contraction, where 0 * NaN would be NaN."""
