@@ -1,21 +1,31 @@
 """What the serving core takes and gives: a request's input (Prompt, GenerateInput), its
 preparation (Prepared, Run), its chunks of output (Chunk), and the request while the service
-holds it (Accepted: the drain waits for it, and can cut it)."""
+holds it (Accepted: the drain waits for it, and can cut it); and the port a decode server's
+prompts get their KV through (PrefillPeer)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
-from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 # FinishReason and TokenLogprobs are fields of a Chunk: the front ends take them from here.
 from jaxserve.batching.request import FinishReason, Request, TokenLogprobs
-from jaxserve.batching.stream import RequestStream
+from jaxserve.batching.stream import AsyncRunner, RequestStream
 from jaxserve.config import SamplingParams
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
 from jaxserve.serving.metrics import RequestRecord
 from jaxserve.serving.work_pool import WorkPool
+
+
+class PrefillPeer(Protocol):
+  """P/D's port on the serving side: a decode server's prefill server, which brings a request's
+  prompt KV into this engine's pages before it is queued (api/kv_transfer.KVPeer supplies it over
+  gRPC)."""
+
+  async def fetch(self, runner: AsyncRunner, req: Request) -> int:
+    """The pages imported (0: none; the prompt is then prefilled here)."""
 
 
 @dataclasses.dataclass(frozen=True)

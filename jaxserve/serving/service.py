@@ -47,7 +47,15 @@ from jaxserve.serving.constraint_gate import ConstraintGate
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
 from jaxserve.serving.metrics import Metrics, RequestRecord
 from jaxserve.serving.prompt_ids import PromptEncoder
-from jaxserve.serving.requests import Accepted, Chunk, GenerateInput, Prepared, Prompt, Run
+from jaxserve.serving.requests import (
+  Accepted,
+  Chunk,
+  GenerateInput,
+  PrefillPeer,
+  Prepared,
+  Prompt,
+  Run,
+)
 from jaxserve.serving.work_pool import WorkPool
 from jaxserve.text.constraint import Grammar
 
@@ -59,9 +67,10 @@ class Service:
   def __init__(self, runner: AsyncRunner, tokenizer: Any, model_name: str,
                gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False,
                pool: WorkPool | None = None, read_lora: Callable[[str], Any] | None = None,
-               kv_peer: Any = None, runtime_lora_roots: Sequence[str] | None = None):
+               kv_peer: PrefillPeer | None = None,
+               runtime_lora_roots: Sequence[str] | None = None):
     """`read_lora(path)`: reads a LoRA adapter's folder (serving/adapters.py); None: LoRA off.
-    `kv_peer`: a decode server's prefill server (api/kv_transfer.KVPeer), whose `fetch` brings
+    `kv_peer`: a decode server's prefill server (the PrefillPeer port), whose `fetch` brings
     each request's prompt KV before it is queued; None: every prompt is prefilled here.
     `runtime_lora_roots`: where run-time adapter loads may read (None: run-time updates off)."""
     self.runner = runner
