@@ -36,7 +36,7 @@ def num_window_pages(model: ModelConfig, engine: EngineConfig) -> int:
 
 def spec_of(model: ModelConfig, engine: EngineConfig) -> CacheSpec:
   """The shapes `engine` gives `model`'s cache. The layout is the engine's once it has picked
-  one (engine.engine_config_for); before that, the token-major one."""
+  one (resolve.engine_config_for); before that, the token-major one."""
   layout, kv_dtype = engine.kv_layout or KVLayout.PAGED_TOKEN_MAJOR, kv_dtype_of(engine)
   if layout is KVLayout.RAGGED and kv_dtype not in RAGGED_KV_DTYPES:
     raise ValueError(f"the ragged KV layout stores "
@@ -60,7 +60,7 @@ def lane_groups(engine: EngineConfig) -> int:
   (its rows are padded per device group), 0 for the token-major ones."""
   layout = engine.kv_layout
   if layout is None:
-    raise ValueError("the KV layout is picked with the backend (engine.engine_config_for)")
+    raise ValueError("the KV layout is picked with the backend (resolve.engine_config_for)")
   return engine.tp if layout is KVLayout.RAGGED else 0
 
 

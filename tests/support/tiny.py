@@ -38,7 +38,7 @@ def count_compiles():
 
 def host_tier_gib(model_cfg: ModelConfig, config: EngineConfig, pages: int) -> float:
   """EngineConfig.kv_offload_gib for a host tier of `pages` pages (config after
-  engine.engine_config_for, which picks the KV layout)."""
+  resolve.engine_config_for, which picks the KV layout)."""
   from jaxserve.engine import host_kv, kv_spec
 
   cache = jax.eval_shape(lambda: kv_spec.create(model_cfg, config))
