@@ -96,8 +96,9 @@ FORMS = ("as stored", "tiled")  # kernel_forms.tiled's order, or each row of [K,
 def kernel_scan(rows: list[int], form: str) -> dict:
   """kernels_cpu's matmuls alone at the default model's shapes: 30 layers of Q4_1 (packed) q/k/v,
   o, gate, up and down under one scan, their arrays `form` (random values of that type), then
-  the Q8_0 tied head [49152, 576]: the median of 200 runs at each M, the bytes read a second,
-  and this process's copy bandwidth (decode.copy_bandwidth) to hold them against."""
+  the Q8_0 tied head [49152, 576] (tiled: read as [576, 49152]'s tiles, as the engine does):
+  the median of 200 runs at each M, the layers' bytes read a second, and this process's copy
+  bandwidth (decode.copy_bandwidth) to hold them against."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -119,8 +120,13 @@ def kernel_scan(rows: list[int], form: str) -> dict:
 
   layers = q4_1(D, D), q4_1(D, 192), q4_1(D, 192), q4_1(D, D), q4_1(D, F), q4_1(D, F), q4_1(F, D)
   q, k, v, o, gate, up, down = layers
-  head = (jnp.asarray(rng.integers(-127, 128, (V, D), dtype=np.int8)),
-          jnp.asarray(rng.random((V, D // G), np.float32) / 100))
+  head = (rng.integers(-127, 128, (V, D), dtype=np.int8), rng.random((V, D // G), np.float32) / 100)
+  if form == "tiled":  # The tied embedding as the engine stores it: the head's [D, V] in tiles.
+    head = tuple(tiled(np.ascontiguousarray(a.T)).reshape(a.shape) for a in head)
+  head = tuple(map(jnp.asarray, head))
+  read_head = lambda h: (
+      kernels_cpu.qmatmul(h, *(a.reshape(a.shape[1], -1) for a in head), tiled=True)
+      if form == "tiled" else kernels_cpu.qmatmul(h, *head, nk=True))
 
   def layer(h, i):
     mm = lambda x, w: kernels_cpu.qmatmul(x, *w, layer=i, tiled=form == "tiled")
@@ -128,7 +134,7 @@ def kernel_scan(rows: list[int], form: str) -> dict:
     return h + mm(mm(h, gate) * mm(h, up), down) / 1000, None
 
   scan = jax.jit(lambda h: jax.lax.scan(layer, h, jnp.arange(L))[0])
-  step = jax.jit(lambda h: kernels_cpu.qmatmul(scan(h), *head, nk=True))
+  step = jax.jit(lambda h: read_head(scan(h)))
   layer_bytes = sum(a.nbytes for w in layers for a in w)
   out = {"form": form, "copy_gb_s": copy_bandwidth() / 1e9, "layers_gb_s": {}, "step_ms": {}}
   for m in rows:
