@@ -24,6 +24,16 @@ TARGETS = {"jaxserve_qmatmul": "JaxserveQMatmul",
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 
 
+def isa_code(isa: str) -> int:
+  """The `isa` attribute's value of an instruction set's name, for the wrappers; ValueError for a
+  name it does not know, or when the library is not built (check `available()` first)."""
+  if isa not in ISAS:
+    raise ValueError(f"isa must be one of {list(ISAS)}, got {isa!r}")
+  if not available():
+    raise ValueError("the CPU kernel library is not built (kernels_cpu.available() is False)")
+  return ISAS[isa]
+
+
 def library_path(folder: Path = Path(__file__).parent) -> Path | None:
   """The built library in `folder`, or None."""
   for suffix in importlib.machinery.EXTENSION_SUFFIXES:

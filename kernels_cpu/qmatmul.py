@@ -22,11 +22,8 @@ def qmatmul(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
             tiled: bool = False, isa: str = "auto"):
   """y [M, N] float32. Raises ValueError for shapes or dtypes the kernel does not take, or when
   the library is not built (check `library.available()` first)."""
-  _check(x_MK, values, scale, minimum, nk, layer, isa)
-  if tiled and (nk or values.shape[-1] % 64):
-    raise ValueError(f"tiled arrays are kn with N a multiple of 64; got {values.shape}, nk={nk}")
-  if not library.available():
-    raise ValueError("the CPU kernel library is not built (kernels_cpu.available() is False)")
+  _check(x_MK, values, scale, minimum, nk, layer, tiled)
+  isa_code = library.isa_code(isa)
   N = values.shape[-2] if nk else values.shape[-1]
   call = jax.ffi.ffi_call("jaxserve_qmatmul",
                           jax.ShapeDtypeStruct((x_MK.shape[0], N), jnp.float32))
@@ -34,12 +31,12 @@ def qmatmul(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
   return call(x_MK.astype(jnp.float32), values, scale,
               minimum if has_min else jnp.zeros((1,), jnp.float32),
               jnp.asarray(0 if layer is None else layer, jnp.int32),
-              nk=nk, has_min=has_min, tiled=tiled, isa=np.int64(library.ISAS[isa]))
+              nk=nk, has_min=has_min, tiled=tiled, isa=np.int64(isa_code))
 
 
-def _check(x, values, scale, minimum, nk, layer, isa):
-  if isa not in library.ISAS:
-    raise ValueError(f"isa must be one of {list(library.ISAS)}, got {isa!r}")
+def _check(x, values, scale, minimum, nk, layer, tiled):
+  if tiled and (nk or values.shape[-1] % 64):
+    raise ValueError(f"tiled arrays are kn with N a multiple of 64; got {values.shape}, nk={nk}")
   stacked = 1 if layer is not None else 0
   if x.ndim != 2 or values.ndim != 2 + stacked:
     raise ValueError(f"x must be [M, K] and values [{'L, ' * stacked}K, N] or "

@@ -32,10 +32,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
   dims = ragged_checks.check_args(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens,
                                   num_seqs, layer, sliding_window)
   k_scale, v_scale = ragged_checks.kv_scales(kv_pages.dtype, k_scale, v_scale)
-  if isa not in library.ISAS:
-    raise ValueError(f"isa must be one of {list(library.ISAS)}, got {isa!r}")
-  if not library.available():
-    raise ValueError("the CPU kernel library is not built (kernels_cpu.available() is False)")
+  isa_code = library.isa_code(isa)
   rows = ragged_reference.new_rows(k_new, v_new, dims.layout, k_scale, v_scale)  # [T, Cr]
   pages = kv_pages if layer is not None else kv_pages[None]  # [L, P, Z, Cr]
   call = jax.ffi.ffi_call(
@@ -48,5 +45,5 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
       num_kv_heads=np.int64(dims.num_kv_heads),
       sm_scale=np.float32(ragged_checks.scale(sm_scale, dims.head_dim)),
       k_scale=np.float32(k_scale), v_scale=np.float32(v_scale),
-      sliding_window=np.int64(sliding_window or 0), isa=np.int64(library.ISAS[isa]))
+      sliding_window=np.int64(sliding_window or 0), isa=np.int64(isa_code))
   return out.astype(q.dtype), (pages if layer is not None else pages[0])

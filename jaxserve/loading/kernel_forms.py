@@ -2,8 +2,9 @@
 parameters (weights.to_params' layout) of a model that runs on one CPU with kernels_cpu built:
 4-bit values packed two a byte, and each stacked layer's arrays in tiles of 64 output columns
 (kernels_cpu.reference), so a task of the kernel streams its columns as one run. Measured on the
-default model's layer shapes alone (`python -m scripts.bench quant --kernel 1`), the tiles took
-a one-row pass over the 30 layers from 12.8 ms to 6.3 ms on a 2-core EPYC (BENCHMARKS.md)."""
+default model's shapes alone (`python -m scripts.bench quant --kernel 1 --rounds 3`, a 2-core
+EPYC, idle), the tiles took a one-row pass over the 30 layers and the head from 8.9 ms to 6.4 ms
+(BENCHMARKS.md, "CPU kernels")."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def tiled(params: dict) -> tuple[dict, frozenset[str]]:
   params = {**params, "layers": layers}
   embed = params.get("embed")
   if "lm_head" not in params and isinstance(embed, Mapping) and embed["values"].shape[0] % 64 == 0:
-    # Tied: the head reads [V, D] as [D, V]'s tiles (5x faster at one row than [V, D]'s rows on
-    # a 2-core EPYC), and the lookup reads its rows from those tiles: one copy.
+    # Tied: the head reads [V, D] as [D, V]'s tiles (0.9 ms at one row against 2.4 ms for
+    # [V, D]'s rows on a 2-core EPYC), and the lookup reads its rows from those tiles: one copy.
     as_tiles = lambda a: kernels_cpu.reference.tiled(np.ascontiguousarray(a.T)).reshape(a.shape)
     params["embed"] = {k: as_tiles(a) for k, a in embed.items()}
     names.add("embed")
