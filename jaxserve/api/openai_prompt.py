@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.config import short
-from jaxserve.serving.client_fields import MAX_MESSAGES
+from jaxserve.serving.client_fields import check_num_messages
 from jaxserve.serving.gateway import invalid
 from jaxserve.serving.requests import Prompt
 from jaxserve.text import tool_calls
@@ -39,8 +39,7 @@ def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
   given = body.get("messages")
   if not isinstance(given, list) or not given:
     raise invalid(f"messages must be a non-empty list, got {short(given)}")
-  if len(given) > MAX_MESSAGES:  # Before reading them one by one.
-    raise invalid(f"messages: at most {MAX_MESSAGES} in one request, got {len(given):,}")
+  check_num_messages(len(given))  # Before reading them one by one.
   out = []
   for n, m in enumerate(given):
     if not isinstance(m, dict):

@@ -18,6 +18,11 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
     "max_tokens", "logprobs"}
 
 
+def check_num_messages(n: int) -> None:
+  """Raises the 400 for a chat of more than MAX_MESSAGES messages (both front ends)."""
+  if n > MAX_MESSAGES:
+    raise invalid(f"messages: at most {MAX_MESSAGES} in one request, got {n:,}")
+
 def sampling_params(fields: Mapping[str, Any], max_tokens: int,
                     logprobs: int | None) -> SamplingParams:
   """SamplingParams from the fields a client set (all but max_tokens and logprobs, which come

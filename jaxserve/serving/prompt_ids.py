@@ -46,9 +46,7 @@ class PromptEncoder:
     return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
 
   def _chat_text(self, prompt: Prompt, add_generation_prompt: bool) -> str:
-    if len(prompt.messages) > client_fields.MAX_MESSAGES:
-      raise invalid(f"messages: at most {client_fields.MAX_MESSAGES} in one request, got "
-                    f"{len(prompt.messages):,}")
+    client_fields.check_num_messages(len(prompt.messages))
     # OpenAI's new name for the system role, from either front end.
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in prompt.messages]
     takes_tools = self.tokenizer.takes_tools
