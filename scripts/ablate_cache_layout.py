@@ -59,7 +59,7 @@ from jaxserve.config import (
   SchedulerConfig,
 )
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.kv_spec import create_pool
+from jaxserve.engine.kv_spec import create_one_group
 from jaxserve.loading import checkpoint
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.llama import Transformer
@@ -222,7 +222,7 @@ def _forward(model, ids, layout, kv_dtype, page_size):
   cfg = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1, max_model_len=n,
                      prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
   meta = AttentionMetadata.one_sequence(n, page_size)
-  logits, _ = model(ids[None], create_pool(model.cfg, cfg), meta, last_only=False)
+  logits, _ = model(ids[None], create_one_group(model.cfg, cfg), meta, last_only=False)
   return logits[0]  # [T, V]
 
 

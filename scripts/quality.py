@@ -135,7 +135,7 @@ def _log_probs(model, ids, kv_dtype: KVDtype):
                         max_model_len=n, prefill_buckets=(n,), kv_layout=KVLayout.RAGGED,
                         kv_dtype=kv_dtype)
   meta = AttentionMetadata.one_sequence(n, PAGE_SIZE)
-  logits, _ = model(ids[None], kv_spec.create_pool(model.cfg, engine), meta, last_only=False)
+  logits, _ = model(ids[None], kv_spec.create_one_group(model.cfg, engine), meta, last_only=False)
   scored = logits[0, CONTEXT - 1:-1]  # [tokens, V]: the next-token logits of scored positions.
   return jax.nn.log_softmax(scored.astype(jnp.float32), axis=-1)
 
@@ -195,7 +195,7 @@ def sequences(count: int, tokens: int, cache: pathlib.Path | None):
 
 def score(model, seqs, refs, kv_dtype=F32) -> dict:
   """Top-1 agreement and mean KL(ref || model) over every scored position; a fresh jit, so a
-  patched KVCache.write is traced anew."""
+  patched KVPool.write is traced anew."""
   run = nnx.jit(_log_probs, static_argnums=(2,))
   agree, kls = [], []
   for s, ref in zip(seqs, refs):
@@ -344,7 +344,8 @@ def calibrate(model, tokenizer, skip: int, count: int = 4, size: int = 256) -> n
 
   @nnx.jit
   def rows(model, x):
-    return model(x[None], kv_spec.create_pool(model.cfg, engine), meta)[1].k  # [L, P, Z, Cr]
+    cache = model(x[None], kv_spec.create_one_group(model.cfg, engine), meta)[1]
+    return cache.groups[0].k  # [L, P, Z, Cr]
 
   n = model.cfg.num_kv_heads * model.cfg.head_dim
   amax = np.zeros((model.cfg.num_layers, 2), np.float32)
@@ -359,16 +360,16 @@ def run_kv(model, tokenizer, seqs, refs) -> None:
   amax = calibrate(model, tokenizer, skip=seqs.size)
   print(json.dumps({"calibration amax K, V (min/max over layers)": [
       [float(amax[:, i].min()), float(amax[:, i].max())] for i in (0, 1)]}), flush=True)
-  write = kv_cache.KVCache.write
+  write = kv_cache.KVPool.write
   for label, (kv_dtype, rounding) in kv_forms(amax).items():
     t = time.perf_counter()
     if rounding is not None:
-      kv_cache.KVCache.write = lambda self, layer, index, k, v, f=rounding: write(
+      kv_cache.KVPool.write = lambda self, layer, index, k, v, f=rounding: write(
           self, layer, index, f(k, layer, 0), f(v, layer, 1))
     try:
       r = score(model, seqs, refs, kv_dtype)
     finally:
-      kv_cache.KVCache.write = write
+      kv_cache.KVPool.write = write
     print(json.dumps({"kv": label, **r, "s": round(time.perf_counter() - t)}), flush=True)
 
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxserve.config import AttentionBackend, EngineConfig, KVLayout, ModelConfig
-from jaxserve.engine.kv_spec import create_pool
+from jaxserve.engine.kv_spec import create_one_group
 from jaxserve.engine.step import DecodeState, step
 from jaxserve.engine.step_args import Packer, StepShape
 from jaxserve.model.attention import AttentionSpec
@@ -38,7 +38,7 @@ def export(backend, shape: StepShape) -> str:
   args = Packer(ENGINE, MODEL.vocab_size, None).template(shape)
   exported = jax.export.export(fn, platforms=[platform],
                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
-      params, create_pool(MODEL, ENGINE), DecodeState.create(4, 256), args, jnp.array([0]))
+      params, create_one_group(MODEL, ENGINE), DecodeState.create(4, 256), args, jnp.array([0]))
   return exported.mlir_module()
 
 

@@ -30,7 +30,7 @@ from jaxserve.engine import kv_spec
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, pull, weights
 from jaxserve.model.attention import AttentionMetadata
-from jaxserve.model.kv_cache import SCRATCH_PAGE, WindowedKV
+from jaxserve.model.kv_cache import SCRATCH_PAGE
 from support import hf_tiny
 from support.engine_calls import decode, prefill
 from support.mock_engine import MockTokenizer, assert_all_free
@@ -135,11 +135,12 @@ def test_tiny_window_pages_through_the_scheduler_match_transformers(tiny, tiny_h
   on CPU), which reads the window pool through the window tables."""
   engine = Engine(tiny, dataclasses.replace(TINY_ENGINE, attention_backend=backend,
                                             page_size=page_size))
-  assert isinstance(engine.cache, WindowedKV)
+  assert len(engine.cache.groups) == 2
+  full, window = engine.cache.groups
   # 2 slots * 7 pages of 4 (8 - 1 + 16 positions span up to 7), not 2 * 16; of 8: 2 * 4, not 2 * 8.
   per_seq = window_pages_per_seq(8, page_size, 16)
-  assert engine.cache.window.num_pages == 1 + 2 * per_seq and per_seq < 64 // page_size
-  assert engine.cache.full.k.shape[0] == 1 and engine.cache.window.k.shape[0] == 3  # Layers.
+  assert window.num_pages == 1 + 2 * per_seq and per_seq < 64 // page_size
+  assert full.k.shape[0] == 1 and window.k.shape[0] == 3  # Layers.
   runner = checked(Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=16)))
   rng = np.random.default_rng(2)
   prompts = [[int(i) for i in rng.integers(0, 256, n)] for n in (45, 6, 19)]
@@ -207,9 +208,9 @@ def chunked_last_logits(model, ids, chunk: int, page_size: int):
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=pages * page_size, prefill_buckets=(chunk,))
   cache = kv_spec.create(model.cfg, engine)
-  assert isinstance(cache, WindowedKV)
+  assert len(cache.groups) == 2
   window, Z = model.cfg.sliding_window, page_size
-  free, held = list(range(cache.window.num_pages - 1, 0, -1)), {}  # pool page by table index
+  free, held = list(range(cache.groups[1].num_pages - 1, 0, -1)), {}  # pool page by table index
   for start in range(0, len(ids), chunk):
     piece = ids[start:start + chunk]
     first, last = max(0, start - window + 1) // Z, (start + len(piece) - 1) // Z
@@ -280,7 +281,7 @@ def test_real_greedy_continuations_match_transformers(llm, prompts, reference):
     assert list(out.token_ids) == reference[kind][1], kind
   # The local layers kept only their window's pages, and gave every one back.
   scheduler = llm.runner.scheduler
-  assert isinstance(llm.engine.cache, WindowedKV) and scheduler.pools.window == 512
+  assert len(llm.engine.cache.groups) == 2 and scheduler.pools.window == 512
   assert_all_free(scheduler)
   # Again: the prefix cache serves the long prompt's pages, the window pool its last window.
   again = llm.generate([prompts["long"]], greedy)[0]

@@ -21,7 +21,7 @@ from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
 from jaxserve.config.engine import RAGGED_KV_DTYPES
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.kv_spec import create_pool, slot_page_tables
+from jaxserve.engine.kv_spec import create_one_group, create_pool, slot_page_tables
 from jaxserve.model.attention import AttentionMetadata
 from support.engine_calls import decode, prefill
 from support.tiny import TINY, TINY_ENGINE
@@ -177,7 +177,7 @@ def forward_logits(model, ids, layout=KVLayout.PAGED_TOKEN_MAJOR, kv_dtype=KVDty
   engine = EngineConfig(num_slots=1, page_size=page_size, num_pages=pages + 1,
                         max_model_len=n, prefill_buckets=(n,), kv_layout=layout, kv_dtype=kv_dtype)
   meta = AttentionMetadata.one_sequence(n, page_size)
-  logits, _ = model(ids[None], create_pool(model.cfg, engine), meta, last_only=False)
+  logits, _ = model(ids[None], create_one_group(model.cfg, engine), meta, last_only=False)
   return logits[0]
 
 

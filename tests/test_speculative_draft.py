@@ -152,7 +152,6 @@ def test_draft_config_flag_on_serve_and_generate_and_plan_programs():
   from jaxserve.cli import main as cli
   from jaxserve.compiling.programs import engine_programs
   from jaxserve.config import AttentionBackend
-  from jaxserve.engine.draft import DraftedKV
   from jaxserve.planning import capacity
   text = '{"method": "draft", "draft_model": "smollm2-135m", "num_speculative_tokens": 3}'
   parser = cli.build_parser()
@@ -168,7 +167,7 @@ def test_draft_config_flag_on_serve_and_generate_and_plan_programs():
   assert any(p.kind is StepKind.VERIFYING for p in programs)
   for p in programs:
     (_, draft_params), cache = p.args[0], p.args[1]
-    assert isinstance(cache, DraftedKV) and draft_params is not None
+    assert len(cache.groups) == len(cache.draft) == 1 and draft_params is not None
   # The pool holds both models' KV in each page.
   plain = capacity.num_kv_pages(model, 2**30, 0.9, 16, capacity.KV_DTYPES["float32"], 0)
   both = capacity.num_kv_pages(model, 2**30, 0.9, 16, capacity.KV_DTYPES["float32"], 0,

@@ -145,7 +145,7 @@ class EngineConfig:
   attention_backend: AttentionBackend | None = None  # None: picked from the platform.
   compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # None turns it off.
   # Sliding-window (local) layers keep only the pages their window can still touch, in a pool of
-  # their own (model/kv_cache.py WindowedKV); False: every layer keeps every page.
+  # their own (model/kv_cache.py KVCache's window pool); False: every layer keeps every page.
   window_pages: bool = True
   # Tensor parallel: devices the weights and KV heads are split over (mesh axis `model`).
   tp: int = 1

@@ -55,7 +55,7 @@ class Assembly:
   spec: EngineSpec
   step: Callable  # (params, cache, state, args, stop_ids) -> (cache, state, out[, prompt])
   packer: Packer
-  cache: Any  # The KV cache's ShapeDtypeStructs (KVCache or WindowedKV).
+  cache: Any  # The KV cache's ShapeDtypeStructs (a KVCache).
   state: DecodeState  # The decode state's ShapeDtypeStructs.
   shardings: placement.EngineShardings | None  # Over a mesh; None on one device.
 
@@ -129,7 +129,7 @@ def assemble(graphdef, params, spec: EngineSpec, mesh: Mesh | None = None,
   shardings = None
   if mesh is not None:
     shardings = placement.EngineShardings.create(mesh, model, config, params, state)
-  packer = Packer(config, model.vocab_size, kv_spec.slot_page_tables(config), cache.PAGE_GROUPS)
+  packer = Packer(config, model.vocab_size, kv_spec.slot_page_tables(config), cache.num_groups)
   # With LoRA the params a step takes are (the model's, the adapters': engine/adapters.py).
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef,
                          lora=config.max_loras > 0)

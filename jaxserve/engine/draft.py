@@ -2,9 +2,10 @@
 smaller model with the target's tokenizer proposes each verified chunk's tokens inside the step
 that verifies them.
 
-The draft keeps its KV in a cache of its own (its layers and heads, `DraftedKV.draft`),
-addressed by the target's page tables: the same pages and positions, so no second allocator, and
-each page costs both models' KV (capacity.num_kv_pages). To keep that KV whole, the draft runs
+The draft keeps its KV in page groups of its own (its layers and heads, `KVCache.draft`, beside
+the target's groups in the one cache), addressed by the target's page tables: the same pages
+and positions, so no second allocator, and each page costs both models' KV
+(capacity.num_kv_pages). To keep that KV whole, the draft runs
 over every token the target runs over, in every step (`follow`): prompt chunks, decode rows,
 verified runs. Rejected positions need nothing: the sequence's length rolls back and the tokens
 that come there later overwrite them, in both caches.
@@ -35,35 +36,10 @@ from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DraftedKV:
-  """The target's KV cache and the draft's, read and written through the same page tables."""
-
-  target: KVCache
-  draft: KVCache
-
-  PAGE_GROUPS = 1  # No window pages with a draft (check_draft).
-  num_window_pages = 0
-  page_size = property(lambda self: self.target.page_size)
-  num_pages = property(lambda self: self.target.num_pages)
-  layout = property(lambda self: self.target.layout)
-  kv_dtype = property(lambda self: self.target.kv_dtype)
-
-  @property
-  def num_bytes(self) -> int:
-    return self.target.num_bytes + self.draft.num_bytes
-
-  @property
-  def groups(self):
-    raise ValueError("the host tier runs on one model's page groups, not a DraftedKV (a draft "
-                     "model's cache beside the target's)")
-
-
-def create_cache(model: ModelConfig, config: EngineConfig, draft: ModelConfig | None):
-  """The engine's cache: the target's (kv_spec.create), with the draft's beside it."""
+def create_cache(model: ModelConfig, config: EngineConfig, draft: ModelConfig | None) -> KVCache:
+  """The engine's cache: the target's groups (kv_spec.create), with the draft's beside them."""
   cache = kv_spec.create(model, config)
-  return cache if draft is None else DraftedKV(cache, kv_spec.create_pool(draft, config))
+  return cache if draft is None else cache.with_draft(kv_spec.create_one_group(draft, config))
 
 
 def check_draft(config: EngineConfig, target: ModelConfig, draft: ModelConfig | None) -> None:

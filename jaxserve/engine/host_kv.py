@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.engine.fingerprint import weights_fingerprint
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVPool
 
 HOST_MEMORY = "pinned_host"
 
@@ -58,12 +58,12 @@ def num_host_slots(cache, gib: float) -> int:
   return int(gib * 2**30 // page_bytes(cache))
 
 
-def gather_pages(group: KVCache, ids):
+def gather_pages(group: KVPool, ids):
   """[n, L, ...] of each cache array: pages `ids` of every layer."""
   return jax.tree.map(lambda x: jnp.moveaxis(x[:, ids], 1, 0), group)
 
 
-def scatter_pages(group: KVCache, ids, pages, placed=None):
+def scatter_pages(group: KVPool, ids, pages, placed=None):
   """`group` with pages `ids` of every layer set to `pages` ([n, L, ...] each, from host
   memory: `placed` gives each array's device sharding to move it to first)."""
   placed = placed or jax.tree.map(lambda _: None, group)
@@ -113,7 +113,7 @@ class CopyProgram:
     return jax.jit(self.fn, donate_argnums=self.donate, out_shardings=self.out_shardings)
 
 
-def copy_programs(group: KVCache, shardings: KVCache) -> tuple[CopyProgram, CopyProgram]:
+def copy_programs(group: KVPool, shardings: KVPool) -> tuple[CopyProgram, CopyProgram]:
   """(save, load): the programs of one page group whose arrays have `shardings`. The save's
   output is in pinned host memory; the load updates the donated group in place."""
   host = jax.tree.map(lambda x, s: host_sharding(s, x.ndim), group, shardings)
@@ -153,6 +153,8 @@ class HostKV:
     """A host pool of `num_slots` pages for each page group of `cache` (committed arrays);
     `current()` gives the engine's cache as it is now (P/D's export reads it), `weights()` its
     parameters (P/D's fingerprint)."""
+    if cache.draft:  # Config refuses it too: the draft's KV would not move with the pages.
+      raise ValueError("the host tier runs on one model's page groups, not a draft model's too")
     self.num_slots = num_slots
     self._current, self._weights = current, weights
     self._fingerprint: str | None = None
@@ -197,14 +199,14 @@ class HostKV:
       groups[g] = self._load(g, groups[g], copies)
     return cache.with_groups(tuple(groups))
 
-  def _save(self, g: int, group: KVCache, copies: Sequence[tuple[int, int]]) -> None:
+  def _save(self, g: int, group: KVPool, copies: Sequence[tuple[int, int]]) -> None:
     """Dispatches the gathers of group `g`'s (device page, host slot) `copies` (`land`s them)."""
     for ids, at, n in self._batches([page for page, _ in copies]):
       slots = [slot for _, slot in copies[at:at + n]]
       self._pending.append((g, slots, self._groups[g][1](group, ids)))
     self.num_saved += len(copies)
 
-  def _load(self, g: int, group: KVCache, copies: Sequence[tuple[int, int]]) -> KVCache:
+  def _load(self, g: int, group: KVPool, copies: Sequence[tuple[int, int]]) -> KVPool:
     """`group` with the device pages of its (host slot, device page) `copies` loaded."""
     pool, _, load, host = self._groups[g]
     for ids, at, n in self._batches([page for _, page in copies]):

@@ -9,8 +9,7 @@ import numpy as np
 
 from jaxserve.config import Dtype, EngineConfig, KVDtype, KVLayout, ModelConfig
 from jaxserve.config.engine import RAGGED_KV_DTYPES, window_pages_per_seq
-from jaxserve.model import kv_cache
-from jaxserve.model.kv_cache import CacheSpec, KVCache, WindowedKV
+from jaxserve.model.kv_cache import CacheSpec, KVCache, KVPool
 
 
 def kv_dtype_of(engine: EngineConfig) -> KVDtype:
@@ -45,14 +44,19 @@ def spec_of(model: ModelConfig, engine: EngineConfig) -> CacheSpec:
                    engine.max_pages_per_seq, engine.tp, num_window_pages(model, engine))
 
 
-def create(model: ModelConfig, engine: EngineConfig) -> KVCache | WindowedKV:
+def create(model: ModelConfig, engine: EngineConfig) -> KVCache:
   """The engine's cache: one pool, or two when the local layers keep only their window."""
-  return kv_cache.create(model, spec_of(model, engine))
-
-
-def create_pool(model: ModelConfig, engine: EngineConfig) -> KVCache:
-  """One pool of every layer of `model`, window pages or not (a draft model's, a test's)."""
   return KVCache.create(model, spec_of(model, engine))
+
+
+def create_pool(model: ModelConfig, engine: EngineConfig) -> KVPool:
+  """One pool of every layer of `model`, window pages or not (a test's, to write and gather)."""
+  return KVPool.create(model, spec_of(model, engine))
+
+
+def create_one_group(model: ModelConfig, engine: EngineConfig) -> KVCache:
+  """A cache of one group, that pool (a draft model's, a full forward's)."""
+  return KVCache((create_pool(model, engine),))
 
 
 def lane_groups(engine: EngineConfig) -> int:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import kv_spec
 from jaxserve.model import axes, lora
-from jaxserve.model.kv_cache import KVCache, WindowedKV
+from jaxserve.model.kv_cache import KVCache, KVPool
 
 
 def make_mesh(tp: int, dp: int = 1, devices=None, ep: int = 1) -> Mesh:
@@ -64,13 +64,13 @@ def param_shardings(mesh: Mesh, state: nnx.State) -> nnx.State:
                       specs, state, is_leaf=is_spec)
 
 
-def cache_sharding(mesh: Mesh, cache: KVCache | WindowedKV) -> KVCache | WindowedKV:
+def cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
   """By KV head over `model` (and by slot over `data` for a layout with a slot axis), for every
-  array of `cache` (abstract or concrete): values and, when quantized, their scales."""
-  def group(g: KVCache) -> KVCache:
-    spec = axes.cache_spec(g.axes)
-    return jax.tree.map(lambda _: NamedSharding(mesh, spec), g)
-  return cache.with_groups(tuple(group(g) for g in cache.groups))
+  array of every pool of `cache` (abstract or concrete): values and, when quantized, scales."""
+  def pool(p: KVPool) -> KVPool:
+    spec = axes.cache_spec(p.axes)
+    return jax.tree.map(lambda _: NamedSharding(mesh, spec), p)
+  return cache.map_pools(pool)
 
 
 def slots_sharding(mesh: Mesh, tree):
@@ -116,7 +116,7 @@ class EngineShardings:
 
   mesh: Mesh
   params: nnx.State
-  cache: KVCache | WindowedKV
+  cache: KVCache
   state: object  # DecodeState of NamedShardings.
   replicated: NamedSharding
 
@@ -147,6 +147,6 @@ class EngineShardings:
       return jax.tree.map(lambda x: one(x, shardings), tree)
     return jax.tree.map(one, tree, shardings)
 
-  def create_cache(self, model_cfg: ModelConfig, config: EngineConfig) -> KVCache | WindowedKV:
+  def create_cache(self, model_cfg: ModelConfig, config: EngineConfig) -> KVCache:
     """The cache allocated shard by shard: the whole cache may not fit on any one device."""
     return jax.jit(lambda: kv_spec.create(model_cfg, config), out_shardings=self.cache)()

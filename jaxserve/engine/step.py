@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.engine.draft import DraftedKV, follow, propose
+from jaxserve.engine.draft import follow, propose
 from jaxserve.engine.prompt_logprobs import PromptLogprobs, score_prompt
 from jaxserve.engine.sample import sample
 from jaxserve.engine.sampling_state import SamplingState
 from jaxserve.engine.verify import sample_verifying
 from jaxserve.model.attention import AttentionMetadata, AttentionSpec
-from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache, WindowedKV
+from jaxserve.model.kv_cache import SCRATCH_PAGE, KVCache
 from jaxserve.model.lora import LoraRows
 
 
@@ -53,12 +53,13 @@ class StepOutput:
   verified: jax.Array | None = None  # verify.Verified.packed: a verifying step's runs.
 
 
-def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: DecodeState, args,
+def step(graphdef, params, cache: KVCache, state: DecodeState, args,
          stop_ids, *, attn: AttentionSpec, draft=None, lora: bool = False):
   """args: engine.step_args.StepArgs of device arrays (a scoring step's carry prefill_targets, a
   verifying step's verify_rows) -> (cache, state, StepOutput). draft: the draft model's graphdef
   (speculative method "draft", engine/draft.py); params is then (the target's, the draft's) and
-  cache a DraftedKV. lora (max_loras > 0): the model's params carry its adapters (_model)."""
+  the cache holds the draft's groups too (KVCache.draft). lora (max_loras > 0): the model's
+  params carry its adapters (_model)."""
   Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
   slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
   live = slots < Bs
@@ -68,7 +69,7 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
   sampling = _take_new_settings(state.sampling, args, live, Bs)
   rows = jax.tree.map(lambda x: x[mine], sampling).plain_where_not(samples)
   if draft is not None:
-    (params, draft_params), (cache, draft_cache) = params, (cache.target, cache.draft)
+    (params, draft_params), (cache, draft_cache) = params, (cache.target, cache.draft_cache)
     drafter = nnx.merge(draft, draft_params)
     if args.verify_rows is not None:  # The proposals, in place of the host's placeholders.
       at_prefill = lambda x: x[Bd:]
@@ -76,11 +77,11 @@ def step(graphdef, params, cache: KVCache | WindowedKV | DraftedKV, state: Decod
                                           tokens, starts[Bd:], live[Bd:], tables[Bd:], args,
                                           stop_ids, attn)
   meta = _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, cache.page_size,
-                   cache.PAGE_GROUPS)
+                   cache.num_groups)
   model, adapters = _model(graphdef, params, args, lora)
   logits, cache, prompt, every = _forward(model, tokens, cache, meta, attn, args, adapters)
   if draft is not None:  # The draft sees every token the target sees.
-    cache = DraftedKV(cache, follow(drafter, draft_cache, tokens, meta, attn))
+    cache = cache.with_draft(follow(drafter, draft_cache, tokens, meta, attn))
   targets = jnp.where(samples, slots, Bs)
   verified = None
   if every is None:

@@ -24,7 +24,7 @@ Engine letters (a step packs decode rows, then prefill sequences, on one axis):
   Bd: a step's decode rows    Bp: a step's prefill sequences (B = Bd + Bp)
   Tp: a step's prefill tokens, a prefill bucket (the packed token axis: T = Bd + Tp)
   Bs: decode slots (the engine's num_slots: the rows of the decode and sampling state)
-  Pg: page groups (1, or 2 for a WindowedKV: the full pool, then the window pool)
+  Pg: page groups of a KVCache (1, or 2 with window pages: the full pool, then the window pool)
   Vs: stop token ids    Vc: candidate tokens of one sampled row (engine/sample.py)
 
 Kernel letters (kernels_pallas; A and R also in the query blocks of model/attention.py):

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import AttentionBackend, KVLayout
 from jaxserve.model import axes
-from jaxserve.model.kv_cache import KVCache, WindowedKV
+from jaxserve.model.kv_cache import KVCache, KVPool
 
 _MASKED = -1e30  # Finite, so a fully masked row (an idle slot) gives zeros, never NaN.
 
@@ -31,7 +31,7 @@ class AttentionMetadata:
 
   positions: jax.Array  # [1, T] absolute position of each token.
   # [Pg, T] flat cache slot (page * Z + offset) each token's K/V goes to in each page group's
-  # pool (Pg = 1, or 2 for a WindowedKV: the full pool, then the window pool).
+  # pool (Pg = 1, or 2 with window pages: the full pool, then the window pool).
   cache_index: jax.Array
   page_tables: jax.Array  # [B, Pg * W] pages of each sequence: each group's table, side by side.
   kv_lens: jax.Array  # [B] valid KV positions of each sequence once this step's K/V is written.
@@ -68,51 +68,58 @@ class AttentionSpec:
   mesh: Mesh | None = None
 
 
-def attend(q, k, v, cache: KVCache | WindowedKV, layer, meta: AttentionMetadata,
-           spec: AttentionSpec, window=None, local_window: int | None = None):
+def attend(q, k, v, cache: KVCache, layer, meta: AttentionMetadata, spec: AttentionSpec,
+           window=None, local_window: int | None = None):
   """q [1, T, N, H], the step's new k, v [1, T, K, H] -> (out [1, T, N, H], cache with k, v
   written). `window` (a scalar, may be traced): each query sees only the last `window`
   positions, its own included; `local_window` (static) is the one value below "all" it takes,
   which the kernels need at compile time."""
-  if cache.PAGE_GROUPS > 1:  # A WindowedKV: each layer is in one of its two pools.
+  if cache.num_groups > 1:  # Window pages: each layer is in one of the two pools.
     return _attend_windowed(q, k, v, cache, layer, meta, spec, local_window)
+  out, pool = attend_pool(q, k, v, cache.groups[0], layer, meta, spec, window, local_window)
+  return out, cache.with_groups((pool,))
+
+
+def attend_pool(q, k, v, pool: KVPool, layer, meta: AttentionMetadata, spec: AttentionSpec,
+                window=None, local_window: int | None = None):
+  """`attend` on one page group's pool (layer: its index there; meta: that group's)."""
   if spec.backend is AttentionBackend.REFERENCE:
-    cache = cache.write(layer, meta.cache_index, k, v)  # One scatter (per array) for the step.
-    return attend_reference(q, cache, layer, meta, window), cache
+    pool = pool.write(layer, meta.cache_index, k, v)  # One scatter (per array) for the step.
+    return attend_reference(q, pool, layer, meta, window), pool
   platform = _KERNEL_PLATFORM[spec.backend]
-  kernel = lambda q, k, v, cache, layer, meta: _attend_pallas(q, k, v, cache, layer, meta, platform)
+  kernel = lambda q, k, v, pool, layer, meta: _attend_pallas(q, k, v, pool, layer, meta, platform)
   if isinstance(window, int):  # Static: a window pool's layer, always local.
     kernel = lambda *a: _attend_pallas(*a, platform, window)
   elif window is not None:  # Two kernels, one with the window compiled in; the layer picks one.
     full, local = kernel, lambda *a: _attend_pallas(*a, platform, local_window)
     kernel = lambda *a: jax.lax.cond(window > local_window, full, local, *a)
   if spec.mesh is None or axes.MODEL not in spec.mesh.axis_names:
-    return kernel(q, k, v, cache, layer, meta)
-  return attend_per_shard(kernel, q, k, v, cache, layer, meta, spec.mesh)
+    return kernel(q, k, v, pool, layer, meta)
+  return attend_per_shard(kernel, q, k, v, pool, layer, meta, spec.mesh)
 
 
-def _attend_windowed(q, k, v, cache: WindowedKV, layer, meta: AttentionMetadata,
+def _attend_windowed(q, k, v, cache: KVCache, layer, meta: AttentionMetadata,
                      spec: AttentionSpec, local_window: int):
   """A local layer reads and writes the window pool through the window tables (positions
   outside its window are masked; the entries of pages it freed name the scratch page), a global
   layer the full pool; one branch runs, picked on the device by the scanned layer index."""
   index = jnp.asarray(cache.index, jnp.int32)[layer]
 
-  def full(c: WindowedKV):
-    out, kv = attend(q, k, v, c.full, index, meta.group(0, c.PAGE_GROUPS), spec)
-    return out, dataclasses.replace(c, full=kv)
+  def full(c: KVCache):
+    out, pool = attend_pool(q, k, v, c.groups[0], index, meta.group(0, c.num_groups), spec)
+    return out, c.with_groups((pool, c.groups[1]))
 
-  def local(c: WindowedKV):
-    out, kv = attend(q, k, v, c.window, index, meta.group(1, c.PAGE_GROUPS), spec,
-                     window=local_window, local_window=local_window)
-    return out, dataclasses.replace(c, window=kv)
+  def local(c: KVCache):
+    out, pool = attend_pool(q, k, v, c.groups[1], index, meta.group(1, c.num_groups), spec,
+                            window=local_window, local_window=local_window)
+    return out, c.with_groups((c.groups[0], pool))
 
   if all(cache.is_window):  # Every layer local (Mistral): the full pool holds no layer.
     return local(cache)
   return jax.lax.cond(jnp.asarray(cache.is_window)[layer], local, full, cache)
 
 
-def attend_per_shard(attend, q, k, v, cache: KVCache, layer, meta: AttentionMetadata, mesh: Mesh):
+def attend_per_shard(attend, q, k, v, cache: KVPool, layer, meta: AttentionMetadata, mesh: Mesh):
   """`attend(q, k, v, cache, layer, meta)` run once per device on its own heads under shard_map.
   For the Pallas kernels, which XLA cannot partition: left to GSPMD they would be run whole, on
   gathered copies of the cache. The packed token axis stays whole on every device."""
@@ -126,7 +133,7 @@ def attend_per_shard(attend, q, k, v, cache: KVCache, layer, meta: AttentionMeta
                        check_vma=False)(q, k, v, cache, layer, meta)
 
 
-def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=None):
+def attend_reference(q, cache: KVPool, layer, meta: AttentionMetadata, window=None):
   """q [1, T, N, H] -> [1, T, N, H], the step's K/V already in `cache`. Simple, and fast on CPU:
   each decode row and each prefill query block of Tb tokens reads its sequence's pages, a chunk
   of them at a time (`_attend_blocks`), only as far as the step's longest sequence reaches.
@@ -151,7 +158,7 @@ def attend_reference(q, cache: KVCache, layer, meta: AttentionMetadata, window=N
 KV_CHUNK = 128
 
 
-def _attend_blocks(out, q, cache: KVCache, layer, rows, tables, kv_lens, positions, window):
+def _attend_blocks(out, q, cache: KVPool, layer, rows, tables, kv_lens, positions, window):
   """out, q [T, N, H]; rows [A, R] packed rows (T: none), tables [A, W] and kv_lens [A] of each
   block's one sequence -> out with the blocks' rows set.
 
@@ -214,7 +221,7 @@ _KERNEL_PLATFORM = {AttentionBackend.PALLAS: None, AttentionBackend.PALLAS_TPU: 
                     AttentionBackend.PALLAS_GPU: "gpu", AttentionBackend.CPU: "cpu-ffi"}
 
 
-def _attend_pallas(q, k, v, cache: KVCache, layer, meta: AttentionMetadata, platform: str | None,
+def _attend_pallas(q, k, v, cache: KVPool, layer, meta: AttentionMetadata, platform: str | None,
                    window: int | None = None):
   """The ragged kernel: writes the step's K/V into the pages and attends, in one call per layer,
   over the cache in place (the RAGGED layout)."""

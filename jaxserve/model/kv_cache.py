@@ -7,9 +7,11 @@ and written through the same narrow interface (`create`, `write`, `gather`, `num
 jnp attention never knows which one it runs on; the Pallas backend reads and writes the RAGGED
 layout in place, inside its kernel.
 
-A cache is a tuple of page groups (`groups`, Pg of them): one `KVCache` pool, or a `WindowedKV`'s
-full pool and window pool. Callers that move pages (the host tier, the shardings) ask `groups`
-and `with_groups` and never test which kind they hold.
+There is one cache type, `KVCache`: a tuple of page groups (`groups`, Pg of them), each a
+`KVPool` with a page table of its own per sequence (one pool, or the full pool then the window
+pool), and, with a speculative draft model, the draft's groups beside them (`draft`). Callers
+that move pages (the host tier, the shardings) ask `groups` and `with_groups`; nothing tests
+which kind of cache it holds.
 The layouts themselves, their addressing and quantized storage, are kv_layouts.py's.
 """
 
@@ -34,7 +36,7 @@ from jaxserve.model.kv_layouts import (
   ragged_write,
 )
 
-__all__ = ["SCRATCH_PAGE", "CacheSpec", "KVCache", "WindowedKV", "create", "ragged_lanes"]
+__all__ = ["SCRATCH_PAGE", "CacheSpec", "KVCache", "KVPool", "ragged_lanes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +50,14 @@ class CacheSpec:
   num_slots: int  # Bs: the contiguous layout's slot regions, W pages each.
   max_pages_per_seq: int  # W
   tp: int = 1  # Kg of a RAGGED cache: its page rows are padded per device's heads.
-  num_window_pages: int = 0  # P of the window pool (WindowedKV); 0: one pool.
+  num_window_pages: int = 0  # P of the window pool (KVCache); 0: one pool.
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
+class KVPool:
+  """One page group's pool: the K/V of its layers in `num_pages` pages, in one layout."""
+
   k: jax.Array  # Values in `layout`'s shape; K and V together when the layout interleaves them.
   v: jax.Array | None  # None when k holds both.
   k_scale: jax.Array | None = None  # int8, not RAGGED: exponents, like k with head_dim 1.
@@ -67,15 +71,14 @@ class KVCache:
 
   # The token-major layout's logical axis names; `axes` gives the running layout's.
   AXES = TOKEN_AXES
-  PAGE_GROUPS = 1  # Page tables a step's sequence has (WindowedKV: 2).
 
   @classmethod
   def create(cls, model: ModelConfig, spec: CacheSpec, num_layers: int | None = None,
-             num_pages: int | None = None) -> KVCache:
+             num_pages: int | None = None) -> KVPool:
     """Every layer of `model` in `spec.num_pages` pages, or `num_layers` of them in
-    `num_pages` (one page group of a `WindowedKV`)."""
+    `num_pages` (a windowed cache's full or window pool)."""
     layout, kv_dtype = LAYOUTS[spec.layout], spec.kv_dtype
-    # 0 layers: a WindowedKV's full pool when every layer is local (Mistral).
+    # 0 layers: the full pool when every layer is local and keeps its window (Mistral).
     dims = (model.num_layers if num_layers is None else num_layers,
             num_pages or spec.num_pages, spec.page_size, model.num_kv_heads)
     shape = lambda X: layout.shape(*dims, X, spec.num_slots, spec.max_pages_per_seq)
@@ -91,12 +94,6 @@ class KVCache:
                k_scale=zeros(1, jnp.int8) if scaled else None,
                v_scale=zeros(1, jnp.int8) if scaled and layout.separate else None,
                layout=spec.layout, ragged_heads=ragged)
-
-  groups = property(lambda self: (self,))  # One page group.
-  num_window_pages = 0
-
-  def with_groups(self, groups: tuple[KVCache, ...]) -> KVCache:
-    return groups[0]
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -127,7 +124,7 @@ class KVCache:
   def num_bytes(self) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(self))
 
-  def write(self, layer, cache_index, k, v) -> KVCache:
+  def write(self, layer, cache_index, k, v) -> KVPool:
     """Writes k, v [B, T, K, H] of one layer at flat slots [B, T] (page * Z + offset)."""
     lay, Z = LAYOUTS[self.layout], self.page_size
     page, offset = cache_index // Z, cache_index % Z  # [B, T]
@@ -156,47 +153,76 @@ class KVCache:
     return dequantize(k, ks), dequantize(v, vs)
 
 
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class WindowedKV:
-  """Two page pools, for a model with sliding-window (local) layers: `full` holds the global
-  layers' KV of every position, `window` the local layers' KV of only the pages their window can
-  still touch (the scheduler frees the others). A page table names pages of one pool; a step's
-  tables hold both, [B, 2 * W] (AttentionMetadata). Layer l is layer `index[l]` of its pool."""
+class KVCache:
+  """The device KV cache: page groups, each a pool with a page table of its own per sequence. A
+  step's tables hold every group's side by side, [B, Pg * W] (AttentionMetadata), in `groups`'
+  order.
 
-  full: KVCache
-  window: KVCache
-  is_window: tuple[bool, ...] = dataclasses.field(metadata=dict(static=True))  # [L]
-  index: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # [L]
+  Pg = 1: one pool of every layer. Pg = 2, for a model with sliding-window (local) layers: the
+  full pool holds the global layers' KV of every position, the window pool the local layers' KV
+  of only the pages their window can still touch (the scheduler frees the others). Layer l is
+  then layer `index[l]` of the window pool if `is_window[l]`, else of the full pool.
+
+  `draft`: the speculative draft model's groups (engine/draft.py), its own layers and heads,
+  read and written through the target's page tables: the same pages and positions, so no second
+  allocator. Empty without a draft model."""
+
+  groups: tuple[KVPool, ...]
+  draft: tuple[KVPool, ...] = ()
+  # [L] each layer's pool (True: the window pool) and its index there; () with one group.
+  is_window: tuple[bool, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+  index: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
   @classmethod
-  def create(cls, model: ModelConfig, spec: CacheSpec) -> WindowedKV:
+  def create(cls, model: ModelConfig, spec: CacheSpec) -> KVCache:
+    """The cache `spec` describes: one pool, or two when the local layers keep only their
+    window (spec.num_window_pages)."""
+    if not spec.num_window_pages:
+      return cls((KVPool.create(model, spec),))
     local = tuple(model.local_layers)
     num_local = sum(local)
     index = tuple(sum(local[:l]) if w else l - sum(local[:l]) for l, w in enumerate(local))
-    return cls(KVCache.create(model, spec, num_layers=model.num_layers - num_local),
-               KVCache.create(model, spec, num_layers=num_local,
-                              num_pages=spec.num_window_pages),
-               is_window=local, index=index)
+    full = KVPool.create(model, spec, num_layers=model.num_layers - num_local)
+    window = KVPool.create(model, spec, num_layers=num_local, num_pages=spec.num_window_pages)
+    return cls((full, window), is_window=local, index=index)
 
-  PAGE_GROUPS = 2  # Each sequence's page table, then its window table.
-  page_size = property(lambda self: self.full.page_size)
-  num_pages = property(lambda self: self.full.num_pages)  # Pages a full-pool table may name.
-  layout = property(lambda self: self.full.layout)
-  kv_dtype = property(lambda self: self.full.kv_dtype)
-  groups = property(lambda self: (self.full, self.window))  # The plan's group order.
-  num_window_pages = property(lambda self: self.window.num_pages)
+  num_groups = property(lambda self: len(self.groups))  # Pg: page tables a sequence has.
+  page_size = property(lambda self: self.groups[0].page_size)
+  num_pages = property(lambda self: self.groups[0].num_pages)  # Pages a first-group table names.
+  layout = property(lambda self: self.groups[0].layout)
+  kv_dtype = property(lambda self: self.groups[0].kv_dtype)
 
-  def with_groups(self, groups: tuple[KVCache, ...]) -> WindowedKV:
-    return dataclasses.replace(self, full=groups[0], window=groups[1])
+  @property
+  def num_window_pages(self) -> int:
+    """Pages of the window pool, scratch page included; 0 with one group."""
+    return self.groups[1].num_pages if self.num_groups > 1 else 0
 
   @property
   def num_bytes(self) -> int:
-    return self.full.num_bytes + self.window.num_bytes
+    return sum(x.nbytes for x in jax.tree.leaves(self))  # The draft's groups included.
 
+  def with_groups(self, groups: tuple[KVPool, ...]) -> KVCache:
+    return dataclasses.replace(self, groups=tuple(groups))
 
-def create(model: ModelConfig, spec: CacheSpec) -> KVCache | WindowedKV:
-  """The cache `spec` describes: one pool, or two when the local layers keep only their window."""
-  if spec.num_window_pages:
-    return WindowedKV.create(model, spec)
-  return KVCache.create(model, spec)
+  def map_pools(self, fn) -> KVCache:
+    """`fn` applied to every pool: the target's groups and the draft's."""
+    return dataclasses.replace(self, groups=tuple(map(fn, self.groups)),
+                               draft=tuple(map(fn, self.draft)))
+
+  @property
+  def target(self) -> KVCache:
+    """The target model's groups alone: what its layers read and write."""
+    return dataclasses.replace(self, draft=())
+
+  @property
+  def draft_cache(self) -> KVCache:
+    """The draft model's groups as a cache of their own: what its layers read and write."""
+    return KVCache(self.draft)
+
+  def with_draft(self, draft: KVCache) -> KVCache:
+    """This cache with `draft`'s groups as the draft model's."""
+    return dataclasses.replace(self, draft=draft.groups)

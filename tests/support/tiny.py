@@ -57,7 +57,7 @@ def dense_logits(model: Transformer, ids, page_size: int = 16):
 
 def dense_forward(model: Transformer, ids, page_size: int):
   """ids [T] (T a multiple of page_size) -> logits [T, V], on a fresh cache."""
-  from jaxserve.engine.kv_spec import create_pool
+  from jaxserve.engine.kv_spec import create_one_group
   from jaxserve.model.attention import AttentionMetadata
 
   n = ids.shape[0]
@@ -66,7 +66,7 @@ def dense_forward(model: Transformer, ids, page_size: int):
                         max_model_len=pages * page_size, prefill_buckets=(page_size,),
                         dtype=_dtype(model))
   meta = AttentionMetadata.one_sequence(n, page_size)
-  logits, _ = model(ids[None], create_pool(model.cfg, engine), meta, last_only=False)
+  logits, _ = model(ids[None], create_one_group(model.cfg, engine), meta, last_only=False)
   return logits[0]
 
 
