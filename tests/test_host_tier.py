@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from jaxserve.batching import kv_events, kv_handoff
-from jaxserve.batching.host_pages import HostHit
 from jaxserve.batching.kv_events import EventMirror, KVEventLog
 from jaxserve.batching.kv_pages import PageAllocator
 from jaxserve.batching.runner import Runner
@@ -110,7 +109,7 @@ def test_a_host_hit_is_loaded_into_a_fresh_page_and_pinned_while_the_plan_builds
   saves, _ = pages.take_copies()
   assert sorted(s for _, s in saves) == [0, 1]
   hits = pages.match_prefix([1, 2, 3, 4, 6])
-  assert len(hits) == 2 and all(isinstance(h, HostHit) for h in hits)
+  assert len(hits) == 2 and all(h.on_host for h in hits)
   assert pages.can_allocate([1, 2, 3, 4, 6], hits=hits)
   table, num_cached = pages.allocate([1, 2, 3, 4, 6], hits=hits)
   assert num_cached == 4 and pages.num_host_hit_tokens == 4
@@ -118,7 +117,8 @@ def test_a_host_hit_is_loaded_into_a_fresh_page_and_pinned_while_the_plan_builds
   assert [slot for slot, _ in loads] == [h.slot for h in hits]
   assert [page for _, page in loads] == table[:2]
   assert not saves  # u's pages have no keys: nothing to save, and the pinned slots stay.
-  assert pages.find_hit(pages.key_of(table[0]), (1, 2)) == table[0]  # On the device again.
+  hit = pages.find_hit(pages.key_of(table[0]), (1, 2))
+  assert not hit.on_host and hit.page == table[0]  # On the device again.
 
 
 # The real engine: the copies are programs, the pages real KV.

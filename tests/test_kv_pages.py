@@ -179,5 +179,5 @@ def test_page_keys_are_sha256_of_the_parent_key_and_the_page_tokens():
   first = hashlib.sha256(bytes(32) + struct.pack("<2i", 5, 6)).digest()
   second = hashlib.sha256(first + struct.pack("<2i", 7, 8)).digest()
   assert page_hash(bytes(32), (5, 6)) == first and page_hash(first, (7, 8)) == second
-  assert a.match_prefix([5, 6, 7, 8, 1]) == [a._cached[first], a._cached[second]]
+  assert [h.page for h in a.match_prefix([5, 6, 7, 8, 1])] == [a._cached[first], a._cached[second]]
   assert page_hash(bytes(32), (5, 6)) != page_hash(bytes(31) + b"\1", (5, 6))

@@ -8,7 +8,8 @@ it from the device again costs no second copy.
 
 This module is the index only: slots 0..num_slots-1 of the engine's host pool, an LRU over
 them, and pins. The bytes live in the engine's host pool (engine/host_kv.py), which the plan's
-copies fill and read. Imports no jax.
+copies fill and read. It also defines the one type of a prefix hit, `PrefixHit`, whose page is
+on the device or, in a slot here, on the host. Imports no jax.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
-class HostHit:
-  """A prefix page found in the host tier: its slot there, its key and its tokens."""
+class PrefixHit:
+  """A cached prefix page, found by its key and tokens: a device page (`page`), or, when its
+  page sits in the host tier (`on_host`), a host slot (`slot`) that a copy loads back."""
 
-  slot: int
   key: bytes
   tokens: tuple[int, ...]
+  page: int | None = None  # Its device page; None on the host.
+  slot: int | None = None  # Its host tier slot; None on the device.
 
-
-def on_host(hit: int | HostHit) -> bool:
-  """Whether a prefix hit's page is in the host tier (a HostHit), not a device page (an int):
-  the one place the two are told apart."""
-  return isinstance(hit, HostHit)
+  @property
+  def on_host(self) -> bool:
+    return self.page is None
 
 
 class HostPages:
@@ -50,11 +51,11 @@ class HostPages:
   def num_used(self) -> int:
     return len(self._slot)
 
-  def find(self, key: bytes, tokens: tuple[int, ...]) -> HostHit | None:
+  def find(self, key: bytes, tokens: tuple[int, ...]) -> PrefixHit | None:
     slot = self._slot.get(key)
     if slot is None or self._tokens[slot] != tokens:  # A guard against collisions.
       return None
-    return HostHit(slot, key, tokens)
+    return PrefixHit(key, tokens, slot=slot)
 
   def touch(self, slot: int) -> None:
     """Marks `slot` most recently used."""

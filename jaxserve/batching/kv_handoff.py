@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from jaxserve.batching.host_pages import HostHit, on_host
+from jaxserve.batching.host_pages import PrefixHit
 from jaxserve.batching.page_keys import prefix_keys
 from jaxserve.batching.plan import PageStore
 from jaxserve.batching.scheduler import Scheduler
@@ -44,7 +44,7 @@ def export_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
   first one not cached, and the window pool's among them that are; none of the first `skip`
   (which the receiver has). Selects them and dispatches their copies; the callable, for a
   worker, gives the pages."""
-  found: dict[int, list[tuple[int, int | HostHit]]] = {}
+  found: dict[int, list[tuple[int, PrefixHit]]] = {}
   pools = scheduler.pools.groups
   for index, (key, tokens) in enumerate(prefix_keys(token_ids, scheduler.page_size,
                                                     cache_salt, lora)):
@@ -58,9 +58,9 @@ def export_prefix(scheduler: Scheduler, store: PageStore, token_ids: Sequence[in
         found.setdefault(group, []).append((index, hit))
   parts = []
   for group, hits in found.items():
-    device = [(i, h) for i, h in hits if not on_host(h)]
-    host = [(i, h) for i, h in hits if on_host(h)]
-    parts += [(group, device, store.export(group, [h for _, h in device])),
+    device = [(i, h) for i, h in hits if not h.on_host]
+    host = [(i, h) for i, h in hits if h.on_host]
+    parts += [(group, device, store.export(group, [h.page for _, h in device])),
               (group, host, store.read(group, [h.slot for _, h in host]))]
 
   def pages() -> list[Page]:

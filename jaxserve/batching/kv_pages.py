@@ -14,8 +14,8 @@ page is evicted.
 
 With a host tier (`host_slots`, host_pages.py) an evicted page is saved to host memory first, and
 a prompt that reaches a saved key copies it back into a fresh page: a hit with a copy's cost.
-A hit is a device page or, when its page is on the host, a `HostHit` (`on_host` tells them
-apart).
+A hit (`PrefixHit`) names its device page or, when its page is on the host (`on_host`), its
+host slot.
 The copies go into the next plan (`take_copies`): saves (device page -> host slot) before
 loads (host slot -> device page), both before the step, which may overwrite a saved page.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
-from jaxserve.batching.host_pages import HostHit, HostPages, on_host
+from jaxserve.batching.host_pages import HostPages, PrefixHit
 from jaxserve.batching.kv_events import KVEventLog
 from jaxserve.batching.page_keys import page_hash, prefix_keys, root_key
 
@@ -78,7 +78,7 @@ class PageAllocator:
     return self._ref[page]
 
   def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
-                   lora: str | None = None) -> list[int | HostHit]:
+                   lora: str | None = None) -> list[PrefixHit]:
     """The cached pages that hold a prefix of `token_ids`: device pages, or host tier hits.
 
     The page holding the last token never matches: its prefill samples the next token, and
@@ -99,27 +99,27 @@ class PageAllocator:
     page = self._cached.get(key)
     return page if page is not None and self._tokens[page] == tokens else None
 
-  def find_hit(self, key: bytes, tokens: tuple[int, ...]) -> int | HostHit | None:
+  def find_hit(self, key: bytes, tokens: tuple[int, ...]) -> PrefixHit | None:
     """`find`, then the host tier."""
     page = self.find(key, tokens)
-    if page is not None or self.host is None:
-      return page
-    return self.host.find(key, tokens)
+    if page is not None:
+      return PrefixHit(key, tokens, page=page)
+    return None if self.host is None else self.host.find(key, tokens)
 
-  def key_of(self, hit: int | HostHit) -> bytes | None:
-    return hit.key if on_host(hit) else self._hash[hit]
+  def key_of(self, page: int) -> bytes | None:
+    return self._hash[page]
 
   def can_allocate(self, token_ids: Sequence[int], num_reserve: int = 0, reuse: bool = True,
-                   hits: Sequence[int] | None = None) -> bool:
+                   hits: Sequence[PrefixHit] | None = None) -> bool:
     """Whether `allocate(token_ids, reuse, hits)` would leave at least `num_reserve` pages free."""
     hits = self._hits(token_ids, reuse, hits)
-    on_device = [b for b in hits if not on_host(b)]  # Host hits take fresh pages.
+    on_device = [h.page for h in hits if not h.on_host]  # Host hits take fresh pages.
     num_revived = sum(self._ref[b] == 0 for b in on_device)  # They leave the evictable pool.
     num_new = self.num_pages_for(len(token_ids)) - len(on_device)
     return self.num_free_pages - num_revived >= num_new + num_reserve
 
   def allocate(self, token_ids: Sequence[int], reuse: bool = True,
-               hits: Sequence[int | HostHit] | None = None,
+               hits: Sequence[PrefixHit] | None = None,
                cache_salt: str | None = None) -> tuple[list[int], int]:
     """A page table covering every position of `token_ids`, reusing its cached prefix: `hits`
     when the caller matched it already (a leading part of `match_prefix`'s), else the whole
@@ -132,28 +132,28 @@ class PageAllocator:
     """
     hits = self._hits(token_ids, reuse, hits)
     for hit in hits:  # Held (pinned) first: the fresh pages below may evict others.
-      self.host.pin(hit.slot) if on_host(hit) else self.hold(hit)
+      self.host.pin(hit.slot) if hit.on_host else self.hold(hit.page)
     table = []
     for hit in hits:
       table.append(self._load(hit, table[-1] if table else None, cache_salt)
-                   if on_host(hit) else hit)
+                   if hit.on_host else hit.page)
     num_new = self.num_pages_for(len(token_ids)) - len(hits)
     table += [self._take_fresh() for _ in range(num_new)]
     num_cached = len(hits) * self.page_size
     self.num_query_tokens += len(token_ids)
     self.num_hit_tokens += num_cached
-    self.num_host_hit_tokens += sum(map(on_host, hits)) * self.page_size
+    self.num_host_hit_tokens += sum(hit.on_host for hit in hits) * self.page_size
     return table, num_cached
 
-  def revive(self, hit: int | HostHit) -> int:
+  def revive(self, hit: PrefixHit) -> int:
     """A held device page for one hit: the page itself, or a fresh one its host copy loads."""
-    if on_host(hit):
+    if hit.on_host:
       self.host.pin(hit.slot)
       return self._load(hit, None, None, publish=False)
-    self.hold(hit)
-    return hit
+    self.hold(hit.page)
+    return hit.page
 
-  def _load(self, hit: HostHit, parent: int | None, cache_salt: str | None,
+  def _load(self, hit: PrefixHit, parent: int | None, cache_salt: str | None,
             publish: bool = True) -> int:
     """A fresh page that `hit`'s host copy is loaded into (before the plan's step), findable."""
     page = self._take_fresh()
@@ -180,7 +180,8 @@ class PageAllocator:
       self.host.unpin_all()
     return copies
 
-  def _hits(self, token_ids, reuse: bool, hits: Sequence[int] | None) -> Sequence[int]:
+  def _hits(self, token_ids, reuse: bool,
+            hits: Sequence[PrefixHit] | None) -> Sequence[PrefixHit]:
     if not reuse:
       return ()
     return self.match_prefix(token_ids) if hits is None else hits

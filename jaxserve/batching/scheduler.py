@@ -34,6 +34,7 @@ from typing import Sequence
 
 from jaxserve.batching import speculative
 from jaxserve.batching.chunks import prompt_chunk, wants_prompt_logprobs
+from jaxserve.batching.host_pages import PrefixHit
 from jaxserve.batching.plan import Engine, PrefillChunk, StepKind, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
@@ -264,7 +265,7 @@ class Scheduler:
         budget = self._add_chunk(req, budget, chunks, reqs)
     return chunks, reqs
 
-  def _admission(self, req: Request) -> list[int] | None:
+  def _admission(self, req: Request) -> list[PrefixHit] | None:
     """The cached pages `req` would reuse if admitted now, or None when it cannot be: no free
     slot, or too few free pages for its whole prompt and the reserve. Prompt logprobs need every
     position computed: the cache keeps KV, not logits (as vLLM), so such a request reuses none."""
@@ -277,7 +278,7 @@ class Scheduler:
     reserve = self.config.reserve_pages if self.running else 0
     return hits if self.pools.can_allocate(req.all_token_ids, hits, reserve) else None
 
-  def _admit(self, req: Request, hits: list[int]) -> None:
+  def _admit(self, req: Request, hits: list[PrefixHit]) -> None:
     self.slots.take(req)
     num_cached = self.pools.allocate(req, req.slot, hits)
     req.num_prefill_tokens = len(req.all_token_ids)

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxserve.batching.host_pages import PrefixHit
 from jaxserve.batching.kv_pages import PageAllocator
 from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.request import Request
@@ -53,22 +54,23 @@ class PagePools:
   # Admission.
 
   def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
-            lora: str | None = None) -> list[int]:
+            lora: str | None = None) -> list[PrefixHit]:
     """The cached full-pool pages a request for `token_ids` may reuse: its longest cached
     prefix, and with window pages only as much of it as the window pool still holds the window
     of (the pages the first position to compute attends to). Made once per admission."""
     hits = self.full.match_prefix(token_ids, cache_salt, lora)
     if self.window:
-      while hits and not all(self._cached_window_page(hits, token_ids, i) is not None
+      while hits and not all(self._window_hit(hits[i]) is not None
                              for i in range(self._first_window_page(len(hits) * self.page_size),
                                             len(hits))):
         hits.pop()
     return hits
 
-  def can_allocate(self, token_ids: Sequence[int], hits: Sequence[int], num_reserve: int) -> bool:
+  def can_allocate(self, token_ids: Sequence[int], hits: Sequence[PrefixHit],
+                   num_reserve: int) -> bool:
     return self.full.can_allocate(token_ids, num_reserve, hits=hits)
 
-  def allocate(self, req: Request, slot: int, hits: Sequence[int]) -> int:
+  def allocate(self, req: Request, slot: int, hits: Sequence[PrefixHit]) -> int:
     """Gives `req` (placed in `slot`) pages for every position of its tokens, reusing `hits`;
     returns how many leading tokens already have their KV."""
     tokens = req.all_token_ids
@@ -78,7 +80,7 @@ class PagePools:
     if self.window:  # The cached pages' window part, from the window pool.
       req.window_table = [0] * len(hits)
       for i in range(self._first_window_page(num_cached), len(hits)):
-        page = self.window_pool.revive(self._cached_window_page(hits, tokens, i))
+        page = self.window_pool.revive(self._window_hit(hits[i]))
         self._set_window(req, slot, i, page)
     return num_cached
 
@@ -155,10 +157,10 @@ class PagePools:
     """The first page a local layer's query at `position` attends to."""
     return max(0, position - self.window + 1) // self.page_size
 
-  def _cached_window_page(self, hits: Sequence, token_ids, i: int):
-    """The window pool's cached page (or host hit) for page i of `token_ids`, whose full page
-    is hits[i]."""
-    return self.window_pool.find_hit(self.full.key_of(hits[i]), self._page_tokens(token_ids, i))
+  def _window_hit(self, hit: PrefixHit) -> PrefixHit | None:
+    """The window pool's hit (a cached page, or a host slot) for the full pool's `hit`: the
+    same key and tokens."""
+    return self.window_pool.find_hit(hit.key, hit.tokens)
 
   def _page_tokens(self, token_ids, i: int) -> tuple[int, ...]:
     return tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])

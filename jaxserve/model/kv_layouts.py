@@ -133,7 +133,7 @@ LAYOUTS = {
         shape=lambda L, P, Z, K, X, Bs, W: (L, P, Z, K, X), separate=True,
         write=_token_major_write, gather=_token_major_gather, axes=TOKEN_AXES),
     KVLayout.RAGGED: Layout(
-        shape=None, separate=False, write=None, gather=None,  # KVCache handles it (groups).
+        shape=None, separate=False, write=None, gather=None,  # KVPool handles it (lane groups).
         axes=("layers", "pages", "page_tokens", "kv_lanes")),
     KVLayout.CONTIGUOUS: Layout(
         shape=lambda L, P, Z, K, X, Bs, W: (L, Bs, W, Z, K, X), separate=True,
