@@ -201,7 +201,7 @@ def test_offload_copies_compile_in_place_beside_the_steps_on_v5e(window_pages):
                           for n in (1, 4, 16, 64) for kind in ("save", "load")]
   weights, cache = weight_bytes(GEMMA3_2L), sum(tree_bytes(g) for g in groups)
   for g, group in enumerate(groups):
-    page = host_kv.page_bytes(group)
+    page = host_kv.pool_page_bytes(group)
     for n in (1, 4, 16, 64):
       save, load = (copies[f"kv {kind} pages={n} group={g}"] for kind in ("save", "load"))
       assert save["compiled"] and load["compiled"], (save, load)

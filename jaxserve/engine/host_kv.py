@@ -49,8 +49,12 @@ def copy_buckets(max_pages: int) -> tuple[int, ...]:
 
 def page_bytes(cache) -> int:
   """Bytes of one page in every group: what a host slot of each pool holds together."""
-  return sum(math.prod(x.shape) // x.shape[1] * x.dtype.itemsize
-             for g in cache.groups for x in jax.tree.leaves(g))
+  return sum(map(pool_page_bytes, cache.groups))
+
+
+def pool_page_bytes(group: KVPool) -> int:
+  """Bytes of one page of one group's pool (every layer's)."""
+  return sum(math.prod(x.shape) // x.shape[1] * x.dtype.itemsize for x in jax.tree.leaves(group))
 
 
 def num_host_slots(cache, gib: float) -> int:
