@@ -154,7 +154,6 @@ class KVPool:
 
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
