@@ -92,6 +92,11 @@ class LLM:
   def list_loras(self) -> set[int]:
     return set(self.runner.loras)
 
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached prefix page, on the device and in the host tier, as vLLM's: no KV
+    computed before is reused. True (between `generate` calls no request holds pages)."""
+    return self.runner.reset_prefix_cache()
+
 
 def lora_config(config: EngineConfig, enable_lora: bool, max_loras: int | None,
                 max_lora_rank: int | None) -> EngineConfig:

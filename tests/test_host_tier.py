@@ -69,6 +69,42 @@ def test_a_host_tier_serves_the_prefixes_the_device_pool_evicted(window):
   assert without.pages.num_hit_tokens < pages.num_hit_tokens - pages.num_host_hit_tokens / 2
 
 
+@pytest.mark.parametrize("window", [None, 6], ids=["pages", "window-pages"])
+def test_reset_prefix_cache_forgets_device_and_host_pages_and_refuses_while_pages_are_held(
+    window):
+  r = runner(64, window=window)
+  batches = []  # One a flush: a step's, then the reset's.
+  r.scheduler.pages.events = KVEventLog(batches.append)
+  prompt = [(5 * j) % 90 + 1 for j in range(30)]
+  once = lambda: r.generate([(prompt, SamplingParams(temperature=0, max_tokens=4))])[0]
+  first = once()
+  chat(r, num_chats=3, turns=2)  # Some of prompt's pages are evicted to the host tier.
+  groups = r.scheduler.pools.groups
+  assert r.scheduler.pages.host.num_used > 0
+  assert all(g.num_cached_pages for g in groups)
+  held = r.new_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+  r.submit(held)
+  r.step()  # Admitted: its pages are held.
+  assert not r.reset_prefix_cache() and all(g.num_cached_pages for g in groups)
+  r.abort(held.request_id)
+  while r.has_unfinished:
+    r.step()
+  mirror = EventMirror(page_size=PAGE)
+  for ops in batches:
+    mirror.events(ops)
+  num_batches = len(batches)
+  assert r.reset_prefix_cache() and len(batches) == num_batches + 1
+  for g in groups:
+    assert g.num_cached_pages == 0 and g.num_free_pages == g.num_usable_pages
+    assert g.host.num_used == 0
+  removed = mirror.events(batches[-1])  # Every page the reset forgot.
+  assert {e[0] for e in removed} == {"BlockRemoved"}
+  assert {e[-1] for e in removed} == {"GPU", "CPU"}
+  hits = r.scheduler.pages.num_hit_tokens
+  assert list(once().token_ids) == list(first.token_ids)
+  assert r.scheduler.pages.num_hit_tokens == hits  # Computed again: nothing was found.
+
+
 def test_a_full_host_tier_evicts_its_least_recent_and_stays_exact():
   tiny = chat(runner(3))  # 3 host pages: most saves evict another.
   assert tiny.pages.host.num_evictions > 0 and tiny.pages.host.num_used == 3

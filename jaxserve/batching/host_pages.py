@@ -87,6 +87,13 @@ class HostPages:
     self._lru[slot] = None
     return slot, evicted
 
+  def clear(self) -> list[int]:
+    """Forgets every page; the slots that held one."""
+    used = list(self._lru)
+    for slot in used:
+      self._drop(slot)
+    return used
+
   def drop(self, slot: int) -> None:
     """Forgets `slot`'s page (its bytes could not be written: a failed transfer)."""
     if self._key[slot] is not None:

@@ -247,6 +247,25 @@ class PageAllocator:
       self._hash[page] = self._tokens[page] = None
       self._free.append(page)
 
+  @property
+  def num_held_pages(self) -> int:
+    return sum(1 for r in self._ref if r)
+
+  def reset_prefix_cache(self) -> None:
+    """Forgets every cached page and the host tier's (vLLM's reset_prefix_cache): no KV computed
+    before is found again. Only with no page held (PagePools.reset_prefix_cache checks)."""
+    assert not self.num_held_pages, "reset_prefix_cache with pages held"
+    for page in self._evictable:
+      if self.events is not None:
+        self.events.dropped(page, evicted=True)
+      self._hash[page] = self._tokens[page] = None
+      self._free.append(page)
+    self._evictable.clear()
+    self._cached.clear()
+    for slot in [] if self.host is None else self.host.clear():
+      if self.events is not None:
+        self.events.host_dropped(slot)
+
   def _is_findable(self, page: int) -> bool:
     h = self._hash[page]
     return h is not None and self._cached.get(h) == page

@@ -148,6 +148,14 @@ class Runner:
     del self.loras[lora_id]
     return True
 
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached prefix page, device and host tier (vLLM's reset_prefix_cache):
+    False, changing nothing, while a request holds pages (finish or abort it first)."""
+    done = self.scheduler.pools.reset_prefix_cache()
+    if self.scheduler.pages.events is not None:
+      self.scheduler.pages.events.flush()
+    return done
+
   def abort(self, request_id: str) -> bool:
     """Stops a request in any state; its last output (finish reason ABORT) comes from the next
     step(). False if it is unknown or already finished."""

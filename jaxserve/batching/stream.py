@@ -127,6 +127,10 @@ class AsyncRunner:
     """Forgets an adapter (between two steps); ValueError while a request uses it."""
     await self.on_engine(lambda: self._runner.remove_lora(lora_id))
 
+  async def reset_prefix_cache(self) -> bool:
+    """Runner.reset_prefix_cache, between two steps."""
+    return await self.on_engine(self._runner.reset_prefix_cache)
+
   def start(self) -> None:
     """Starts the engine thread; call from the event loop that will consume the streams."""
     self._loop = asyncio.get_running_loop()

@@ -51,6 +51,15 @@ class PagePools:
     """The allocator of each page group: the full pool, then with window pages the window's."""
     return (self.full,) if self.window_pool is None else (self.full, self.window_pool)
 
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached page of every group, device and host (after a weight update no page
+    computed before may be served again); False, changing nothing, while a request holds pages."""
+    if any(g.num_held_pages for g in self.groups):
+      return False
+    for g in self.groups:
+      g.reset_prefix_cache()
+    return True
+
   # Admission.
 
   def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
