@@ -154,6 +154,26 @@ def test_load_and_unload_behind_the_admin_key_with_refusals_by_name(served, tmp_
   assert {m.id for m in client(st).models.list().data} == {"tiny-base", "a1"}
 
 
+def test_reset_prefix_cache_is_an_admins_and_forgets_every_cached_page(served):
+  """POST /reset_prefix_cache (vLLM's): 401 without a key, 403 for a key that is not an
+  admin's; an admin's empties the cache: a prompt found cached before is computed again, to
+  the same text."""
+  st = served[0]
+  reset = lambda key: call(st, "/reset_prefix_cache", {}, "POST", key=key)
+  assert reset(None)[0] == 401
+  status, body = reset("alice")
+  assert status == 403 and "admin key" in body["error"]["message"]
+  body = dict(model="tiny-base", prompt="one two three " * 12, max_tokens=3, temperature=0)
+
+  def cached():
+    out = call(st, "/v1/completions", body)[1]
+    return out["usage"]["prompt_tokens_details"]["cached_tokens"], out["choices"][0]["text"]
+  first, (hit, text) = cached(), cached()
+  assert hit > 0 and text == first[1]
+  assert reset("ops") == (200, "")
+  assert cached() == (0, text)
+
+
 def test_loads_and_unloads_cancelled_at_any_point_leave_every_state_consistent(served):
   """60 loads and unloads of one folder under six names, each cancelled 0-30 ms after it began,
   while a1 streams: the stream is peft's, and afterwards the names served are exactly the

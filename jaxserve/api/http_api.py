@@ -54,6 +54,7 @@ def build_app(host: ServiceHost, metrics: Metrics | None,
   app.router.add_post("/v1/chat/completions", api.chat_completions)
   app.router.add_post("/v1/load_lora_adapter", api.load_lora_adapter)
   app.router.add_post("/v1/unload_lora_adapter", api.unload_lora_adapter)
+  app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
   app.router.add_post("/tokenize", api.tokenize)
   app.router.add_post("/detokenize", api.detokenize)
   app.router.add_get("/tokenizer_info", api.tokenizer_info)
@@ -103,6 +104,18 @@ class _Api:
       name = (await acc.work(openai_request.parse_body, body)).get("lora_name")
       await service.adapters.unload(name, service.gateway.may_administer(acc.lease.key))
       return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+    return await self._work(request, run, limited=False)
+
+  async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+    """vLLM's: forgets every cached prefix page (device and host tier); an admin key's."""
+    async def run(service, acc, body):
+      if not service.gateway.may_administer(acc.lease.key):
+        raise ApiError(Status.PERMISSION_DENIED, "resetting the prefix cache needs an admin key "
+                       "(\"admin\": true in the keys file)")
+      if not await service.runner.reset_prefix_cache():
+        raise ApiError(Status.UNAVAILABLE, "the prefix cache was not reset: running requests "
+                       "hold pages; retry when they finish")
+      return web.Response(text="")
     return await self._work(request, run, limited=False)
 
   async def tokenize(self, request: web.Request) -> web.Response:
