@@ -11,6 +11,8 @@ import dataclasses
 import functools
 from typing import Any, Callable, Sequence, Union
 
+from flax import nnx
+
 from jaxserve.batching.request import Completion
 from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, LoRARequest, SamplingParams, SchedulerConfig
@@ -91,6 +93,18 @@ class LLM:
 
   def list_loras(self) -> set[int]:
     return set(self.runner.loras)
+
+  def sleep(self, level: int = 1) -> int:
+    """vLLM's sleep mode: level 1 frees the KV cache, level 2 the weights too (kept in host
+    memory); the device bytes freed. `generate` refuses until `wake_up`."""
+    return self.runner.sleep(level)
+
+  def wake_up(self) -> None:
+    """Back from `sleep`: the same weights, an empty KV cache, nothing compiled again."""
+    self.runner.wake_up()
+    if not self.engine.config.unroll_layers:  # self.model's arrays were the engine's.
+      nnx.update(self.model, self.engine.params[0] if self.engine.spec.draft
+                 else self.engine.params)
 
   def reset_prefix_cache(self) -> bool:
     """Forgets every cached prefix page, on the device and in the host tier, as vLLM's: no KV

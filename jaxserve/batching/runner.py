@@ -156,6 +156,19 @@ class Runner:
       self.scheduler.pages.events.flush()
     return done
 
+  def sleep(self, level: int = 1) -> int:
+    """Frees the engine's KV cache (level 1) and weights (2) between uses; the device bytes
+    freed. Refused while a request is unfinished; the prefix cache is forgotten (its pages
+    are gone)."""
+    if self.has_unfinished:
+      raise ValueError(f"{len(self._requests)} requests are unfinished: finish or abort them "
+                       "before sleep")
+    self.reset_prefix_cache()
+    return self.engine.sleep(level)
+
+  def wake_up(self) -> None:
+    self.engine.wake_up()
+
   def abort(self, request_id: str) -> bool:
     """Stops a request in any state; its last output (finish reason ABORT) comes from the next
     step(). False if it is unknown or already finished."""
@@ -168,6 +181,8 @@ class Runner:
     return True
 
   def step(self) -> list[RequestOutput]:
+    if getattr(self.engine, "sleep_level", 0):
+      raise RuntimeError("the engine is asleep: wake_up() first")
     dispatched = self._dispatch(self.scheduler.schedule())
     outputs, self._outbox = self._outbox, []
     if self._in_flight is not None:

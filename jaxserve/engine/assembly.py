@@ -99,11 +99,16 @@ class Assembly:
     stop_ids = jnp.asarray(sorted(stop_ids) or [0], jnp.int32)
     s = self.shardings
     if s is not None:
-      return (s.place(params, s.params), s.create_cache(model, config),
-              s.place(state, s.state), s.place(stop_ids, s.replicated))
-    device = jax.local_devices()[0]
-    cache = jax.device_put(create_cache(model, config, self.spec.draft), device)
-    return params, cache, jax.device_put(state, device), stop_ids
+      return (s.place(params, s.params), self.new_cache(), s.place(state, s.state),
+              s.place(stop_ids, s.replicated))
+    return params, self.new_cache(), jax.device_put(state, jax.local_devices()[0]), stop_ids
+
+  def new_cache(self):
+    """A zeroed KV cache where the steps take it (`place`'s, and the engine's on waking)."""
+    model, config, s = self.spec.model, self.spec.config, self.shardings
+    if s is not None:
+      return s.create_cache(model, config)
+    return jax.device_put(create_cache(model, config, self.spec.draft), jax.local_devices()[0])
 
   def programs(self) -> list[Program]:
     """Every program warm-up compiles, in order: a plain one per step shape (Packer.shapes),

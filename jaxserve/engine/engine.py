@@ -9,6 +9,7 @@ one future (one async device-to-host copy: engine/step_future.py). It is built f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
@@ -54,6 +55,33 @@ def _assemble(model: Transformer, draft: Transformer | None, spec: EngineSpec):
                            draft_graphdef), params
 
 
+def _is_weight(x) -> bool:
+  return not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostCopy:
+  """A weight in host memory while the engine sleeps, and the sharding it goes back to (None:
+  uncommitted, as it was)."""
+
+  value: np.ndarray
+  sharding: jax.sharding.Sharding | None
+
+
+def _to_host(x):
+  return _HostCopy(np.asarray(x), x.sharding if x.committed else None) if _is_weight(x) else x
+
+
+def _is_host_copy(x) -> bool:
+  return isinstance(x, _HostCopy)
+
+
+def _to_device(x):
+  if not _is_host_copy(x):
+    return x
+  return jax.device_put(x.value, x.sharding)  # No sharding: uncommitted. (jnp.asarray compiles.)
+
+
 class Engine:
   def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = (),
                draft: Transformer | None = None):
@@ -87,6 +115,7 @@ class Engine:
     # steps that also score their prompt positions, and steps that verify speculative
     # proposals, have one more output, so their own jit.
     self._steps = {kind: self.assembly.jit(kind) for kind in StepKind}
+    self.sleep_level = 0  # 1: no KV cache on the device, 2: nor weights (`sleep`).
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -149,6 +178,35 @@ class Engine:
     """Forgets adapter `lora_id`; zeros the device slot it was in (`slot`, None: none)."""
     if self.loras is not None:
       self.loras.remove(lora_id, slot)
+
+  def sleep(self, level: int = 1) -> int:
+    """vLLM's sleep mode, for a process that needs the device for something else (a trainer):
+    level 1 frees the KV cache, level 2 the weights too (a host copy is kept for `wake_up`).
+    The device bytes freed. Every page's KV is gone: the runner resets its prefix cache first."""
+    if level not in (1, 2):
+      raise ValueError(f"sleep level must be 1 (the KV cache) or 2 (the KV cache and the "
+                       f"weights), got {level!r}")
+    if self.sleep_level:
+      raise ValueError(f"the engine is asleep already (level {self.sleep_level})")
+    freed = {id(x): x for x in jax.tree.leaves(self.cache)}
+    if level == 2:
+      # Each weight's host copy and where it goes back (uncommitted ones stay uncommitted, as
+      # the compiled steps took them); PRNG keys (an NNX model's Rngs) stay on the device.
+      self._asleep = jax.tree.map(_to_host, self.params)
+      freed.update({id(x): x for x in jax.tree.leaves(self.params) if _is_weight(x)})
+      self.params = None
+    self.cache, self.sleep_level = None, level
+    for x in freed.values():
+      x.delete()
+    return sum(x.nbytes for x in freed.values())
+
+  def wake_up(self) -> None:
+    """Back from `sleep`: the weights as they were, an empty KV cache; nothing compiles."""
+    if self.sleep_level == 2:
+      self.params = jax.tree.map(_to_device, self._asleep, is_leaf=_is_host_copy)
+      self._asleep = None
+    if self.sleep_level:
+      self.cache, self.sleep_level = self.assembly.new_cache(), 0
 
   def warmup(self) -> None:
     """Compiles every program of the assembly (each step shape, and the scoring variant of the
