@@ -219,7 +219,9 @@ class Service:
         if reason is FinishReason.ABORT and acc.is_cut:
           raise ApiError(Status.UNAVAILABLE, "the server shut down before this request finished "
                          f"({num_out} tokens generated); retry on another replica")
-        if stream.request.constraint_error is not None:
+        # Read at the last output only: the engine thread sets the error before it makes that
+        # output, but may set it while earlier outputs are still on their way here.
+        if reason is not None and stream.request.constraint_error is not None:
           raise gateway.invalid(  # num_out counts the end-of-sequence token it forced.
               f"the {stream.request.sampling.constraint.kind.value} constraint could not go on "
               f"after {num_out - 1} tokens ({stream.request.constraint_error}): the output "
