@@ -203,6 +203,7 @@ class Engine(Protocol):
 
   info: EngineInfo
   page_store: PageStore | None  # Its pages' bytes, for P/D handoffs; None: no host tier.
+  sleep_level: int  # 0 awake; 1 its KV cache freed, 2 its weights too: no plan may run.
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> StepFuture:
     """Runs the whole plan in one call: writes every chunk's KV, decodes every decode slot. The
@@ -222,4 +223,12 @@ class Engine(Protocol):
   def remove_lora(self, lora_id: int, slot: int | None = None) -> None:
     """Drops the host copy, and zeros `slot`, the device slot it was in (None: none); no plan
     loads it again until it is added again."""
+    ...
+
+  def sleep(self, level: int = 1) -> int:
+    """Frees the KV cache (level 1) and the weights too (2) until `wake_up`; the bytes freed."""
+    ...
+
+  def wake_up(self) -> None:
+    """Back from `sleep`: the same weights, an empty KV cache."""
     ...

@@ -181,7 +181,7 @@ class Runner:
     return True
 
   def step(self) -> list[RequestOutput]:
-    if getattr(self.engine, "sleep_level", 0):
+    if self.engine.sleep_level:
       raise RuntimeError("the engine is asleep: wake_up() first")
     dispatched = self._dispatch(self.scheduler.schedule())
     outputs, self._outbox = self._outbox, []

@@ -72,6 +72,8 @@ class LeaderEngine:
   and every process must issue them in the same order.
   """
 
+  sleep_level = 0  # Sleep mode is one process's engine's (Engine.sleep), not broadcast.
+
   def __init__(self, engine: Engine):
     if not is_leader():
       raise ValueError(f"LeaderEngine runs on process 0; this is process {jax.process_index()}")

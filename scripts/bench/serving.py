@@ -286,6 +286,8 @@ class ZeroEngine:
   default EngineConfig's (prefill buckets, prompts per step), so the scheduler plans as it would
   for the real engine."""
 
+  sleep_level = 0  # Never asleep.
+
   def __init__(self, num_slots: int, num_pages: int, page_size: int = 16,
                max_model_len: int = 2048, vocab_size: int = 49152):
     config = EngineConfig(num_slots=num_slots, page_size=page_size, num_pages=num_pages,

@@ -50,6 +50,7 @@ class MockFuture:
 
 class MockEngine:
   page_store = None  # No page bytes to hand over (P/D runs on the real engine only).
+  sleep_level = 0  # Always awake: sleep mode is the real engine's (test_training_loop.py).
 
   def __init__(self, num_slots: int = 4, page_size: int = 4, num_pages: int = 64,
                max_model_len: int = 128, max_prefill_len: int = 16,
