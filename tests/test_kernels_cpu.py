@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 import kernels_cpu
-from jaxserve.loading import checkpoint, gguf_blocks, kernel_forms
-from jaxserve.model import quant
+from jaxserve.loading import checkpoint, gguf_blocks
+from jaxserve.model import kernel_forms, quant
 from kernels_cpu import library
 from kernels_cpu.reference import packed, qmatmul_reference, tiled, unpacked, untiled
 from support.gguf_random import random_blocks

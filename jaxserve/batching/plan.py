@@ -232,3 +232,16 @@ class Engine(Protocol):
   def wake_up(self) -> None:
     """Back from `sleep`: the same weights, an empty KV cache."""
     ...
+
+  def check_weights(self, params) -> None:
+    """Raises ValueError naming the first weight of `params` `update_weights` would refuse."""
+    ...
+
+  def update_weights(self, params) -> None:
+    """Writes new weights (the model's pure-dict layout) into the engine's, compiling no step
+    again; KV computed before is stale from then on."""
+    ...
+
+  def update_lora(self, lora_id: int, adapter, slot: int | None = None) -> None:
+    """Replaces adapter `lora_id`'s weights: its host copy, and `slot` (None: in no slot)."""
+    ...

@@ -169,6 +169,39 @@ class Runner:
   def wake_up(self) -> None:
     self.engine.wake_up()
 
+  def update_weights(self, params: Any, in_flight: str = "finish") -> None:
+    """Writes new weights into the engine (Engine.update_weights; `params` checked first: a
+    ValueError naming a weight that does not fit changes nothing). The unfinished requests
+    (`in_flight`): "finish" runs them to their end on the old weights first, "abort" ends
+    them; either way their last outputs come from the next step(). The prefix cache is
+    forgotten, device and host tier: no page computed with the old weights is read again."""
+    self.engine.check_weights(params)
+    self._settle(in_flight)
+    self.engine.update_weights(params)
+
+  def update_lora(self, lora: LoRARequest, adapter: Any, in_flight: str = "finish") -> None:
+    """update_weights for adapter `lora`'s weights (added already): its host copy, and its
+    device slot if it sits in one."""
+    if self.loras.get(lora.lora_int_id) != lora:
+      raise ValueError(f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not added")
+    self._settle(in_flight)
+    self.engine.update_lora(lora.lora_int_id, adapter,
+                            self.scheduler.loras.slot_of(lora.lora_int_id))
+
+  def _settle(self, in_flight: str) -> None:
+    """Every unfinished request finished ("finish") or aborted ("abort"), their outputs kept
+    for the next step(); then the prefix cache forgotten."""
+    if in_flight not in ("finish", "abort"):
+      raise ValueError(f"in_flight must be 'finish' or 'abort', got {in_flight!r}")
+    if in_flight == "abort":
+      for request_id in list(self._requests):
+        self.abort(request_id)
+    outputs = []
+    while self.has_unfinished:
+      outputs += self.step()
+    self._outbox = outputs
+    self.reset_prefix_cache()
+
   def abort(self, request_id: str) -> bool:
     """Stops a request in any state; its last output (finish reason ABORT) comes from the next
     step(). False if it is unknown or already finished."""

@@ -97,6 +97,18 @@ class DeviceLoras:
     if slot is not None:
       self.weights = self._write(self.weights, np.int32(slot), *self._zeros())
 
+  def replace(self, lora_id: int, adapter, slot: int | None) -> None:
+    """Adapter `lora_id`'s host copy replaced by `adapter`'s, and written into `slot`, the
+    device slot it sits in (None: none)."""
+    if lora_id not in self._key_of:
+      raise ValueError(f"LoRA adapter id {lora_id} was not added to the engine")
+    if adapter.rank > self.rank:
+      raise ValueError(f"a LoRA adapter of rank {adapter.rank}: max_lora_rank is {self.rank}")
+    self.remove(lora_id)
+    self.add(lora_id, adapter)
+    if slot is not None:
+      self.load(slot, lora_id)
+
   @property
   def num_host_copies(self) -> int:
     return len(self._copies)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxserve.batching.plan import EngineInfo, StepKind, StepPlan
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import adapters, assembly, placement
+from jaxserve.engine import adapters, assembly, placement, weight_update
 from jaxserve.engine.host_kv import HostKV
 from jaxserve.engine.resolve import EngineSpec, default_backend, fit_to_pool, resolve
 from jaxserve.engine.step_args import StepArgs
@@ -82,6 +82,11 @@ def _to_device(x):
   return jax.device_put(x.value, x.sharding)  # No sharding: uncommitted. (jnp.asarray compiles.)
 
 
+def _pure(params):
+  """A pure dict of the weights: nnx.State's (nnx.to_pure_dict), or `params` as they are."""
+  return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
 class Engine:
   def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = (),
                draft: Transformer | None = None):
@@ -116,6 +121,10 @@ class Engine:
     # proposals, have one more output, so their own jit.
     self._steps = {kind: self.assembly.jit(kind) for kind in StepKind}
     self.sleep_level = 0  # 1: no KV cache on the device, 2: nor weights (`sleep`).
+    # The target's weights' forms, for `update_weights`; one CPU device: the numpy way.
+    on_cpu = self.shardings is None and jax.local_devices()[0].platform == "cpu"
+    self._weights = weight_update.WeightUpdate(model, config.unroll_layers, on_cpu)
+    self._draft_is_target = draft is model
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -207,6 +216,38 @@ class Engine:
       self._asleep = None
     if self.sleep_level:
       self.cache, self.sleep_level = self.assembly.new_cache(), 0
+
+  def check_weights(self, params) -> None:
+    """Raises ValueError naming the first weight of `params` that `update_weights` would not
+    take; changes nothing."""
+    self._weights.check(self._target_params(), _pure(params))
+
+  def update_weights(self, params, on_host: bool | None = None) -> None:
+    """Writes a trainer's weights into the engine's: `params` in the model's float layout
+    (`nnx.to_pure_dict(nnx.state(model))`, or that nnx.State), any float dtype, anywhere; each
+    weight cast, quantized or moved to the engine's form (engine/weight_update.py), the old
+    arrays donated, and nothing compiled again for the steps. With a speculative draft model
+    that is the target itself, both. The caller forgets the prefix cache (Runner's does): no KV
+    computed with the old weights may be read again. `on_host`: weight_update's."""
+    if self.sleep_level == 2:
+      raise ValueError("the engine's weights are asleep (level 2): wake_up() first")
+    new = self._weights(self._target_params(), _pure(params), on_host)
+    if self.spec.draft is None:
+      self.params = new
+    else:
+      self.params = (new, new if self._draft_is_target else self.params[1])
+    if self.host_kv is not None:
+      self.host_kv.forget_fingerprint()
+
+  def update_lora(self, lora_id: int, adapter, slot: int | None = None) -> None:
+    """Adapter `lora_id`'s weights replaced by `adapter`'s: its host copy, and `slot`, the
+    device slot it sits in (None: none)."""
+    if self.loras is None:
+      raise ValueError("LoRA is off: build the engine with EngineConfig(max_loras=N)")
+    self.loras.replace(lora_id, adapter, slot)
+
+  def _target_params(self):
+    return self.params[0] if self.spec.draft is not None else self.params
 
   def warmup(self) -> None:
     """Compiles every program of the assembly (each step shape, and the scoring variant of the

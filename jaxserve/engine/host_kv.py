@@ -231,6 +231,10 @@ class HostKV:
   # P/D's page bytes (batching/kv_handoff.py PageStore): one page of a group is its arrays'
   # bytes, each [L, ...], in the pool's leaf order.
 
+  def forget_fingerprint(self) -> None:
+    """The weights changed (Engine.update_weights): the next `fingerprint` is computed again."""
+    self._fingerprint = None
+
   def fingerprint(self) -> str:
     """The weights' (engine/fingerprint.py), computed at the first call."""
     if self._fingerprint is None:

@@ -22,8 +22,8 @@ from flax import nnx
 import kernels_cpu
 from jaxserve.config import ModelConfig, Quantization, pick_quantization
 from jaxserve.engine import placement
-from jaxserve.loading import kernel_forms, pull, quantize, weights
-from jaxserve.model import quant
+from jaxserve.loading import pull, quantize, weights
+from jaxserve.model import kernel_forms, quant
 from jaxserve.model.families import Model, model_class
 from jaxserve.text.tokenizer import Tokenizer
 

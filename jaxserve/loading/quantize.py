@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from jaxserve.loading.gguf_blocks import Blocks
+from jaxserve.model import int8 as int8_numbers
 from jaxserve.model.quant import IN_AXES, STACKED, Layout
 
 
@@ -46,9 +47,7 @@ def int8(w: np.ndarray, in_axes: tuple[int, ...], layout: Layout = PER_CHANNEL) 
     minimum = (lo + 128 * scale).astype(np.float32)
     return {"values": values.reshape(w.shape), "scale": scale.reshape(sshape),
             "minimum": minimum.reshape(sshape)}
-  amax = np.max(np.abs(x), axis=axes, keepdims=True)
-  scale = np.where(amax == 0, 1, amax / 127).astype(np.float32)
-  values = np.clip(np.rint(x / scale), -127, 127).astype(np.int8)
+  values, scale = int8_numbers.symmetric(x, axes)
   return {"values": values.reshape(w.shape), "scale": scale.reshape(sshape)}
 
 

@@ -151,12 +151,25 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
   for f in files:
     with safe_open(f, framework="flax") as sf:  # flax: reads bfloat16, which numpy cannot.
       raw.update({k: np.asarray(sf.get_tensor(k), np.float32) for k in sf.keys()})
-  if cfg.family is ModelFamily.PHI3:
-    _split_phi3(cfg, raw)
-  layers = [_hf_layer(cfg, raw, f"model.layers.{i}.") for i in range(cfg.num_layers)]
-  head = None if cfg.tie_embeddings else raw["lm_head.weight"]
-  return cfg, to_params(cfg, raw["model.embed_tokens.weight"], layers, raw["model.norm.weight"],
-                        head)
+  return cfg, hf_params(cfg, raw)
+
+
+def hf_params(cfg: ModelConfig, named) -> dict:
+  """Hugging Face-named torch-layout arrays (a mapping of names such as
+  "model.layers.0.self_attn.q_proj.weight" to arrays: numpy, jax, anything np.asarray reads) ->
+  our params (float32, `to_params`' layout): a checkpoint's, or a trainer's weights for
+  `LLM.update_weights`. Names the model does not use are ignored; a missing one is a ValueError
+  naming it."""
+  raw = {k: np.asarray(v, np.float32) for k, v in named.items()}  # A copy: Phi-3's is split.
+  try:
+    if cfg.family is ModelFamily.PHI3:
+      _split_phi3(cfg, raw)
+    layers = [_hf_layer(cfg, raw, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+    head = None if cfg.tie_embeddings else raw["lm_head.weight"]
+    embed, norm = raw["model.embed_tokens.weight"], raw["model.norm.weight"]
+  except KeyError as e:
+    raise ValueError(f"Hugging Face weight {e.args[0]!r} is missing") from None
+  return to_params(cfg, embed, layers, norm, head)
 
 
 def _split_phi3(cfg: ModelConfig, raw: dict) -> None:

@@ -299,7 +299,7 @@ def layouts_for(mode: Quantization) -> dict[str, Layout] | None:
 def layouts_of(params: Mapping, tiled: frozenset[str] = frozenset()) -> dict[str, Layout]:
   """The layouts a parameter pytree (numpy or jax; `weights.to_params`' layout) stores: a weight
   held as {"values", "scale"[, "minimum"]} is quantized; those named in `tiled` are in tiles
-  (loading/kernel_forms.py: the shapes do not tell)."""
+  (model/kernel_forms.py: the shapes do not tell)."""
   found = {}
   for name, in_axes in IN_AXES.items():
     w = params.get("layers", {}).get(name) if name in STACKED else params.get(name)

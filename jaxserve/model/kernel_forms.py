@@ -1,5 +1,6 @@
-"""The forms the CPU kernel reads a model's weights in, made once at load from the numpy
-parameters (weights.to_params' layout) of a model that runs on one CPU with kernels_cpu built:
+"""The forms the CPU kernel reads a model's weights in, made from the numpy parameters
+(weights.to_params' layout) of a model that runs on one CPU with kernels_cpu built, at load and
+by a weight update (engine/weight_update.py, which is why they live below both):
 4-bit values packed two a byte, and each stacked layer's arrays in tiles of 64 output columns
 (kernels_cpu.reference), so a task of the kernel streams its columns as one run. Measured on the
 default model's shapes alone (`python -m scripts.bench quant --kernel 1 --rounds 3`, a 2-core
