@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence, Union
 
 from flax import nnx
@@ -20,6 +22,7 @@ from jaxserve.engine import compiles, placement
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
 from jaxserve.loading import lora as lora_loading
+from jaxserve.loading import weights as hf_weights
 
 Prompt = Union[str, Sequence[int]]
 
@@ -102,7 +105,38 @@ class LLM:
   def wake_up(self) -> None:
     """Back from `sleep`: the same weights, an empty KV cache, nothing compiled again."""
     self.runner.wake_up()
-    if not self.engine.config.unroll_layers:  # self.model's arrays were the engine's.
+    self._share_weights()
+
+  def update_weights(self, weights, in_flight: str = "finish") -> None:
+    """A trainer's weights in place of the engine's, compiling no step again (an int8 engine
+    quantizes them again; GGUF blocks are refused): an nnx.Module of the model's family (built
+    with `jaxserve.model`), its nnx.State or pure dict (any float dtype, anywhere: a weight
+    already as the engine holds it is taken without a copy), or a mapping of Hugging Face names
+    to arrays. `in_flight`: the requests of a runner shared with others either "finish" on the
+    old weights first or "abort". The prefix cache is forgotten (no KV computed with the old
+    weights is read again); `self.model` holds the new weights too. ValueError, changing
+    nothing, naming a weight that is missing, extra or misshaped."""
+    if isinstance(weights, nnx.Module):
+      weights = nnx.state(weights)
+    if isinstance(weights, nnx.State):
+      weights = nnx.to_pure_dict(weights)
+    elif isinstance(weights, Mapping) and any(isinstance(k, str) and "." in k for k in weights):
+      weights = hf_weights.hf_params(self.model.cfg, weights)
+    self.runner.update_weights(weights, in_flight)
+    self._share_weights()
+
+  def update_lora(self, lora: LoRARequest, adapter=None, in_flight: str = "finish") -> None:
+    """New weights for an added adapter: `adapter` a PEFT folder's path, or its weights
+    (loading.lora.LoraAdapter); None: read again from lora.lora_path. The prefix cache is
+    forgotten."""
+    if adapter is None or isinstance(adapter, (str, os.PathLike)):
+      adapter = lora_reader(self.model.cfg, self.engine.config)(adapter or lora.lora_path)
+    self.runner.update_lora(lora, adapter, in_flight)
+
+  def _share_weights(self) -> None:
+    """self.model's arrays are the engine's again (unless the engine runs its own unrolled
+    copy)."""
+    if not self.engine.config.unroll_layers:
       nnx.update(self.model, self.engine.params[0] if self.engine.spec.draft
                  else self.engine.params)
 

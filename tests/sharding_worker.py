@@ -166,12 +166,69 @@ def run_lora(spec: dict) -> dict:
           "num_evictions": runner.scheduler.loras.num_evictions}
 
 
+def run_update(spec: dict) -> dict:
+  """Engine.update_weights under tp spec["tp"] (float or spec["quantization"] int8): an engine of
+  seed 0's weights takes seed 1's (numpy, twice: the second compiles nothing); the greedy
+  logprobs after, the compiles of the second update and of the generation after it, the prefix
+  tokens found before and after, whether the old arrays were donated; and a fresh engine's
+  logprobs on seed 1's weights."""
+  import jax
+
+  from jaxserve.batching.runner import Runner
+  from jaxserve.config import (
+    AttentionBackend,
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+  )
+  from jaxserve.engine import placement
+  from jaxserve.engine.engine import Engine
+  from jaxserve.loading import checkpoint, quantize
+  from support.mock_engine import MockTokenizer
+  from support.tiny import count_compiles
+
+  cfg, tp = ModelConfig(**spec["model"]), spec["tp"]
+  config = EngineConfig(num_slots=4, page_size=8, num_pages=64, max_model_len=64,
+                        prefill_buckets=(16,), compilation_cache_dir=None, tp=tp,
+                        attention_backend=AttentionBackend.REFERENCE)
+  stored = quantize.to_int8 if spec.get("quantization") == "int8" else (lambda p: p)
+
+  def runner(seed: int) -> Runner:
+    model = checkpoint.build_model(cfg, stored(random_params(cfg, seed)), "float32",
+                                   placement.make_mesh(tp, 1))
+    engine = Engine(model, config)
+    engine.warmup()
+    return Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=16))
+
+  greedy = SamplingParams(temperature=0, max_tokens=4, logprobs=1, ignore_eos=True)
+  logprobs = lambda r: [[lp.logprob for lp in c.logprobs]
+                        for c in r.generate([(p, greedy) for p in spec["prompts"]])]
+  updated = runner(0)
+  logprobs(updated)  # Its pages cached, computed with seed 0's weights: found again.
+  cached = updated.scheduler.pages.num_hit_tokens
+  logprobs(updated)
+  cached = updated.scheduler.pages.num_hit_tokens - cached
+  updated.update_weights(random_params(cfg, 1))
+  old = jax.tree.leaves(updated.engine.params)
+  hits = updated.scheduler.pages.num_hit_tokens
+  with count_compiles() as counts:
+    updated.update_weights(random_params(cfg, 1))
+    after = logprobs(updated)
+  return {"logprobs": after, "fresh": logprobs(runner(1)), "compiles": counts,
+          "hit_tokens": updated.scheduler.pages.num_hit_tokens - hits, "cached_tokens": cached,
+          "donated": all(x.is_deleted() for x in old)}
+
+
 def main() -> None:
   args = json.loads(sys.argv[1])
   _setup(args)
   import jax
   if "lora" in args:
     print(json.dumps(run_lora(args["lora"])), flush=True)
+    return
+  if "update" in args:
+    print(json.dumps(run_update(args["update"])), flush=True)
     return
   out = {"process": jax.process_index(), "num_devices": jax.device_count(), "layouts": {}}
   # [tp, dp], [tp, dp, KVLayout value] or [tp, dp, KVLayout value, AttentionBackend value],

@@ -127,6 +127,11 @@ class AsyncRunner:
     """Forgets an adapter (between two steps); ValueError while a request uses it."""
     await self.on_engine(lambda: self._runner.remove_lora(lora_id))
 
+  async def update_weights(self, params: Any, in_flight: str = "finish") -> None:
+    """Runner.update_weights between two steps: the requests in flight finish on the old
+    weights first or are aborted (`in_flight`); ValueError naming a weight that does not fit."""
+    await self.on_engine(lambda: self._runner.update_weights(params, in_flight))
+
   async def reset_prefix_cache(self) -> bool:
     """Runner.reset_prefix_cache, between two steps."""
     return await self.on_engine(self._runner.reset_prefix_cache)
