@@ -17,11 +17,8 @@ from jaxserve.config import EngineConfig, KVLayout, ModelConfig
 from jaxserve.model import axes
 from jaxserve.model.kv_cache import ragged_lanes
 from jaxserve.planning.capacity import KNOWN_MODELS
-from support.workers import PROMPTS, run_worker
+from support.workers import PROMPTS, TINY8, run_worker
 
-# 8 heads over 4 KV heads, MLP 96 and vocabulary 128: every split up to tp=4 divides.
-TINY8 = dict(vocab_size=128, dim=64, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16,
-             hidden_dim=96, max_seq_len=256, name="tiny8")
 LAYOUTS = [[1, 1], [2, 1], [4, 1], [1, 2], [2, 2]]  # [tp, dp]
 HAS_CONTIGUOUS = hasattr(KVLayout, "CONTIGUOUS")
 

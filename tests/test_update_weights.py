@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_sharding import TINY8
 
 from jaxserve.batching.request import FinishReason
 from jaxserve.batching.runner import Runner
@@ -21,7 +20,7 @@ from jaxserve.model import quant
 from jaxserve.model.llama import Transformer
 from support.mock_engine import MockTokenizer
 from support.tiny import TINY, TINY_ENGINE, count_compiles
-from support.workers import PROMPTS, run_worker
+from support.workers import PROMPTS, TINY8, run_worker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 # 18 tokens: two whole pages of 8, which a second run finds in the prefix cache.

@@ -13,6 +13,9 @@ TESTS = pathlib.Path(__file__).resolve().parents[1]
 SHARDING_WORKER = TESTS / "sharding_worker.py"
 MULTIHOST_WORKER = TESTS / "multihost_worker.py"
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 3, 50, 60, 61, 62, 2], [5]]
+# 8 heads over 4 KV heads, MLP 96 and vocabulary 128: every split up to tp=4 divides.
+TINY8 = dict(vocab_size=128, dim=64, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16,
+             hidden_dim=96, max_seq_len=256, name="tiny8")
 # 8 KV heads, so tp=8 splits the model across both processes and its all-reduces cross them.
 MP8 = dict(vocab_size=128, dim=64, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=16,
            hidden_dim=96, max_seq_len=256, name="mp8")
