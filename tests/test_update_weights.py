@@ -4,6 +4,8 @@ nothing compiled (the second update of a compiled source neither), for float and
 on one device and under tp 2 on fake devices; no prefix cached before an update is found after
 it; what does not fit is refused by name; requests in flight finish or are aborted."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,9 @@ from flax import nnx
 
 from jaxserve.batching.request import FinishReason
 from jaxserve.batching.runner import Runner
-from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.compiling import compile_plan
+from jaxserve.compiling.programs import UPDATE, engine_programs
+from jaxserve.config import AttentionBackend, Quantization, SamplingParams, SchedulerConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.llm import LLM
 from jaxserve.loading import checkpoint, quantize
@@ -187,3 +191,14 @@ def test_llm_takes_a_module_then_hugging_face_names(tiny_checkpoint):
   assert np.abs(np.array(again) - first).max() <= 1e-5
   with pytest.raises(ValueError, match="Hugging Face weight 'model.norm.weight' is missing"):
     llm.update_weights({k: v for k, v in hf_names(loaded).items() if k != "model.norm.weight"})
+
+
+def test_plan_compile_compiles_the_update_program_for_a_tpu():
+  """`plan --compile` lists the update program where there is one (int8 weights, not float32
+  ones) and compiles it for a v5e, the old weights donated (their bytes aliased)."""
+  int8 = dataclasses.replace(TINY_ENGINE, quantization=Quantization.INT8)
+  assert UPDATE not in [p.name for p in engine_programs(TINY, TINY_ENGINE,
+                                                        AttentionBackend.PALLAS_TPU)]
+  assert engine_programs(TINY, int8, AttentionBackend.PALLAS_TPU)[-1].name == UPDATE
+  [report] = compile_plan.compile_programs("v5e", TINY, int8, only=UPDATE)
+  assert report["compiled"] and report["alias_bytes"] >= report["output_bytes"] - 1024

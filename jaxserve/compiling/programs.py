@@ -29,7 +29,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxserve.batching.plan import StepKind
 from jaxserve.compiling import targets
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, Quantization
-from jaxserve.engine import adapters, assembly, host_kv, placement
+from jaxserve.engine import adapters, assembly, host_kv, placement, weight_update
 from jaxserve.engine.resolve import EngineSpec, engine_config_for
 from jaxserve.engine.step_shapes import StepShape
 from jaxserve.model import quant
@@ -58,11 +58,13 @@ class Program:
   # Device bytes the engine holds beside the program's arguments while it runs (a copy's: the
   # weights, the decode state and the cache's other groups).
   resident_bytes: int = 0
+  keep_unused: bool = False  # The weight update's: its old weights, unread, are donated.
 
   def lowering(self, device) -> Callable:
     """The program's lowering for `device` (targets.compile_reports runs it)."""
     return functools.partial(targets.lower, self.fn, self.args, device, donate=self.donate,
-                             shardings=self.shardings, out_shardings=self.out_shardings)
+                             shardings=self.shardings, out_shardings=self.out_shardings,
+                             keep_unused=self.keep_unused)
 
 
 def _i32(*shape):
@@ -87,6 +89,7 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
     raise ValueError("compiling for a target covers tensor parallelism (--tp) only, not --dp")
   config = engine_config_for(config, backend)
   graphdef, params = abstract_weights(model, config.dtype.value, config.quantization)
+  target = params
   mesh = None
   if config.tp * config.ep > 1:
     mesh = placement.make_mesh(config.tp, 1, devices=list(devices), ep=config.ep)
@@ -104,9 +107,28 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
                    (params, asm.cache, asm.state, abstract(p.args), stop_ids), assembly.DONATE,
                    asm.arg_shardings(p.args), asm.out_shardings(p.kind))
            for p in asm.programs()]
+  steps += update_program(graphdef, target, asm)
   if not config.kv_offload_gib:
     return steps
   return steps + copy_programs(asm, steps[0], devices[0] if devices else jax.devices()[0])
+
+
+UPDATE = "update weights"
+
+
+def update_program(graphdef, params, asm: assembly.Assembly) -> list[Program]:
+  """Engine.update_weights' program (engine/weight_update.py) for a trainer's float32 weights
+  placed as the engine's (the target's `graphdef` and `params`), the cache and decode state held
+  beside it; none where the engine takes such weights as they are (float32 ones)."""
+  s, draft = asm.shardings, asm.spec.draft is not None
+  updater = weight_update.WeightUpdate(nnx.merge(graphdef, params), False, False)
+  built = updater.abstract_program(params, None if s is None else
+                                   s.params[0] if draft else s.params)
+  if built is None:
+    return []
+  fn, args, shardings, out = built
+  resident = _device_bytes([asm.cache, asm.state], None if s is None else [s.cache, s.state])
+  return [Program(UPDATE, None, None, fn, args, (0,), shardings, out, resident, True)]
 
 
 def copy_programs(asm: assembly.Assembly, step: Program, device) -> list[Program]:
@@ -189,6 +211,8 @@ def neediest(programs: list[Program]) -> list[str]:
 
 
 def _kind_and_size(p: Program) -> tuple[tuple, Any]:
+  if p.name == UPDATE:
+    return ("update",), 0
   if isinstance(p.shape, host_kv.CopyShape):
     return ("copy", p.shape.load, p.shape.group), p.shape.pages
   return (p.kind, p.shape.decode_rows > 0, p.shape.prefill_tokens > 0), p.shape[:2]

@@ -84,14 +84,15 @@ def on_device(tree: Any, device: jax.Device) -> Any:
 
 def lower(fn: Callable, abstract_args: Sequence[Any], device: jax.Device | None, *,
           donate: Sequence[int] = (), shardings: Sequence[Any] | None = None,
-          out_shardings: Any = None) -> Callable[[], Any]:
+          out_shardings: Any = None, keep_unused: bool = False) -> Callable[[], Any]:
   """Lowers `fn(*abstract_args)` for `device`; returns its compile (a call that gives the
   `jax.stages.Compiled`), to run on any thread.
 
   `abstract_args` are pytrees of arrays or ShapeDtypeStructs (placed on `device` here, or, for a
   program over a mesh of abstract devices or one reading host memory, on `shardings`: one pytree
   of shardings per argument, with `out_shardings` for the results); arguments `donate` are
-  donated, as the engine donates its cache and state."""
+  donated, as the engine donates its cache and state (`keep_unused`: an argument the program
+  does not read is still taken, and donated)."""
   if shardings is None:
     args, jit_options = on_device(tuple(abstract_args), device), {}
   else:
@@ -101,7 +102,8 @@ def lower(fn: Callable, abstract_args: Sequence[Any], device: jax.Device | None,
     jit_options = {"out_shardings": out_shardings}
   options = dict(_COMPILER_OPTIONS[_PLATFORM_OF_DEVICE[device.platform]])
   with quant.lowering_for(device.platform):
-    lowered = jax.jit(fn, donate_argnums=tuple(donate), **jit_options).lower(*args)
+    lowered = jax.jit(fn, donate_argnums=tuple(donate), keep_unused=keep_unused,
+                      **jit_options).lower(*args)
   return functools.partial(lowered.compile, options)
 
 

@@ -194,12 +194,40 @@ class WeightUpdate:
     if not targets:
       return {}
     if program is None:
-      def convert(_, new):
-        made = self._engine_arrays(new, dtypes, jnp)
-        return [made[p] for p in targets]
       placed = all(x.committed for x in olds)  # Else as uncommitted as they were (one device).
       out = {"out_shardings": [x.sharding for x in olds]} if placed else {}
-      program = jax.jit(convert, donate_argnums=0, keep_unused=True, **out).lower(
-          olds, todo).compile()
+      program = jax.jit(self.convert(dtypes, targets), donate_argnums=0, keep_unused=True,
+                        **out).lower(olds, todo).compile()
       self._programs[sig] = program
     return dict(zip(targets, program(olds, todo)))
+
+  def convert(self, dtypes: dict, targets: list[Path]):
+    """convert(old leaves at `targets`, new weights) -> the new leaves: the compiled way's
+    program (the old leaves only donated, their buffers written)."""
+    def convert(_, new):
+      made = self._engine_arrays(new, dtypes, jnp)
+      return [made[p] for p in targets]
+    return convert
+
+  def abstract_program(self, state, shardings=None) -> tuple | None:
+    """(convert, (old leaves, new weights), their shardings, the results'; shardings None on
+    one device) for the engine's abstract `state`, of a trainer's float32 weights placed as the
+    engine's (`shardings`: an nnx.State of them, or None): what `plan --compile` compiles. None
+    when the engine takes such weights as they are."""
+    want = self.expected(state)
+    paths, leaves, _ = _keyed(state)
+    placed = dict(zip(paths, jax.tree.leaves(shardings))) if shardings is not None else {}
+    source_of = lambda fp: fp + ("values",) if fp in self.quantized else fp
+    todo = {fp: jax.ShapeDtypeStruct(shape, jnp.float32) for fp, (shape, dtype) in want.items()
+            if fp in self.quantized or dtype != jnp.float32}
+    targets = [p for p in paths if self.float_path(p) in todo]
+    if not targets:
+      return None
+    old = dict(zip(paths, leaves))
+    dtypes = {fp: dtype for fp, (_, dtype) in want.items()}
+    olds = [jax.ShapeDtypeStruct(old[p].shape, old[p].dtype) for p in targets]
+    if not placed:
+      return self.convert(dtypes, targets), (olds, todo), None, None
+    out = [placed[p] for p in targets]
+    return (self.convert(dtypes, targets), (olds, todo),
+            (out, {fp: placed[source_of(fp)] for fp in todo}), out)
