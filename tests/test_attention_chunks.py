@@ -1,7 +1,7 @@
 """The jnp attention's online softmax over the context in chunks (model/attention.py) against a
 dense softmax worked out in numpy: contexts of several chunks, windows, idle rows, every layout;
-a query's output the same bit for bit whatever else its step holds; and memory that follows the
-chunk, not the page-table width."""
+a query's output the same bit for bit whatever else its step holds; memory that follows the
+chunk, not the page-table width; and a one-chunk table's gradient under jit."""
 
 from __future__ import annotations
 
@@ -120,3 +120,27 @@ def test_attention_memory_follows_the_chunk_not_the_table_width():
     return compiled.memory_analysis().temp_size_in_bytes
 
   assert temp_bytes(1024) <= 1.25 * temp_bytes(64)
+
+
+def test_a_one_chunk_table_differentiates_as_the_dense_softmax():
+  """A prefill of 40 tokens over a table that one chunk holds (a trainer's forward, as
+  scripts/rl.py runs it): reverse-mode autodiff works, and the gradient in q of a random
+  projection of the output is the dense jnp softmax's."""
+  rng = np.random.default_rng(3)
+  cache, tables = _cache(KVLayout.PAGED_TOKEN_MAJOR, 1, 64, rng)
+  n = 40
+  meta = _meta([list(range(n))], tables, [n], list(range(n)), 0)
+  q = jnp.asarray(rng.normal(size=(1, n, K * G, H)).astype(np.float32))
+  w = jnp.asarray(rng.normal(size=(n, K * G, H)).astype(np.float32))
+  k, v = (x[0, :n] for x in cache.gather(0, jnp.asarray(tables)))  # [n, K, H]
+
+  def dense(q):
+    s = jnp.einsum("TKGH,SKH->KGTS", q[0].reshape(n, K, G, H), k) * H ** -0.5
+    s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
+    return jnp.einsum("KGTS,SKH->TKGH", jax.nn.softmax(s, -1), v).reshape(n, K * G, H)
+
+  # Under jit, as a train step runs it: the lengths are traced, so no bound can be read off them.
+  loss = lambda q, meta: jnp.sum(w * attention.attend_reference(q, cache, 0, meta)[0])
+  got = jax.jit(jax.grad(loss))(q, meta)
+  want = jax.grad(lambda q: jnp.sum(w * dense(q)))(q)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

@@ -175,10 +175,11 @@ def _attend_blocks(out, q, cache: KVPool, layer, rows, tables, kv_lens, position
   safe = jnp.minimum(rows, T - 1)
   pos = positions[safe]  # [A, R]
   tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % Q)))  # Whole chunks; SCRATCH_PAGE.
-  first = 0
-  if window is not None:  # Chunks wholly before every query's window are skipped.
-    first = jnp.maximum(jnp.min(pos) - window + 1, 0) // C
-  last = (jnp.max(kv_lens) + C - 1) // C
+  first, last = 0, 1  # One chunk holds the whole table: static bounds, which reverse-mode
+  if tables.shape[1] > Q:  # autodiff needs (a trainer's forward, scripts/rl.py); same result.
+    if window is not None:  # Chunks wholly before every query's window are skipped.
+      first = jnp.maximum(jnp.min(pos) - window + 1, 0) // C
+    last = (jnp.max(kv_lens) + C - 1) // C
 
   def chunk(j, carry):
     k, v = cache.gather(layer, jax.lax.dynamic_slice_in_dim(tables, j * Q, Q, axis=1))
