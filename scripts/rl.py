@@ -10,9 +10,10 @@ partial credit per position. Each step:
            forward of the same module, one optax.adamw step (on-policy: the ratio is 1)
   update   llm.update_weights(policy): the engine samples the next step from the new weights
 
-and prints the step's mean reward and seconds per phase. From seed 0 on two CPU cores (0.35 s
-a step): 0.05 at step 0 (chance: 1/20 per position), 0.30 by step 20, 0.46 over steps 135-149.
-The answer's last digit is learnt first; exact answers stay rare in that budget.
+and prints the step's mean reward and seconds per phase. From seed 0 on two CPU cores (0.33 s
+a step, 90 s in all with the start): 0.05 at step 0 (chance: 1/20 per position), 0.28 over steps
+10-19, 0.57 over steps 190-199. The outer digits come first: after 200 steps each position is
+right 72%, 36% and 65% of the time, and 7% of the answers are exact.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ SLOW = {
     "python -m pytest": "the test suite itself",
     "python scripts/ablate_cache_layout.py --quick": "tests/test_ablation.py runs it",
     "python scripts/ablate_cache_layout.py --out": "13.5 minutes",
+    "python -m scripts.rl": "200 RL steps, over a minute (tests/test_rl_example.py runs 30)",
     "jaxserve serve": "a server runs until stopped (tests/test_server*.py start one)",
     "jaxserve client": "needs a running server",
     "jaxserve generate": "a model's compile and generation (tests/test_cli.py runs one)",
