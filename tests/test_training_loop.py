@@ -12,10 +12,11 @@ from flax import nnx
 
 from jaxserve.batching.request import FinishReason, PauseMode
 from jaxserve.batching.runner import Runner
-from jaxserve.config import SamplingParams, SchedulerConfig
+from jaxserve.config import KVDtype, SamplingParams, SchedulerConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.llm import LLM
 from jaxserve.model.llama import Transformer
+from jaxserve.planning import capacity
 from support.mock_engine import MockTokenizer
 from support.tiny import TINY, TINY_ENGINE, count_compiles
 
@@ -42,6 +43,10 @@ def test_sleep_frees_what_it_says_and_wake_up_gives_the_same_tokens(level):
   want = engine.cache.num_bytes
   if level == 2:
     want += sum(x.nbytes for x in jax.tree.leaves(engine.params))
+  # What `jaxserve plan` counts for these pages and weights (CapacityPlan.sleep_bytes).
+  kv = capacity.kv_bytes_per_token(TINY, KVDtype.FLOAT32) * engine.info.page_size
+  assert want == kv * engine.info.num_pages + (level == 2) * capacity.weight_bytes(
+      TINY, capacity.WeightDtype.FLOAT32)
   live = live_bytes()
   assert runner.sleep(level) == want and live - live_bytes() == want
   with pytest.raises(RuntimeError, match="asleep"):
