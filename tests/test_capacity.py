@@ -192,6 +192,8 @@ def test_run_plan_prints_the_worked_example(capsys):
   assert "4.00 GiB (8192 tokens in 512 pages of 16)" in out
   assert "16 at 8192 tokens" in out
   assert "3.45 GiB for activations" in out  # 3,703,037,952 / 2**30 = 3.4487
+  # 16 conversations of 4 GiB; and the 12.55 GiB of weights.
+  assert "sleep frees         64.00 GiB at level 1 (the KV cache), 76.55 GiB at level 2" in out
 
 
 def test_run_plan_from_a_config_file_matches_the_known_name(tmp_path, capsys):
@@ -358,3 +360,11 @@ def test_plan_reads_a_multimodal_gemma3_config_as_its_text_model(tmp_path, capsy
 def test_plan_of_a_model_without_local_layers_prints_no_window_lines(capsys):
   assert plan_cli.run_plan(_args()) == 0
   assert "window-only" not in capsys.readouterr().out
+
+
+def test_sleep_frees_the_kv_cache_then_the_weights_but_not_the_adapter_slots():
+  plan = capacity.plan_capacity(LLAMA2_7B, 80 * GIB, 8192, max_loras=2)
+  assert plan.sleep_bytes(1) == plan.max_conversations * plan.kv_bytes_per_conversation > 0
+  assert plan.adapter_bytes > 0  # Engine.sleep frees the model's weights, not the adapters'.
+  assert plan.sleep_bytes(2) - plan.sleep_bytes(1) == capacity.weight_bytes(
+      LLAMA2_7B, capacity.WeightDtype.BFLOAT16)

@@ -1,11 +1,17 @@
 """What real OpenAI / vLLM clients send beyond the basics (issue 17): the health, model and
 tokenizer routes, OpenAI's fields that do not apply here, logit_bias, and the defaults and
 logprob details clients read; outputs checked against the offline Runner on a twin of the
-served engine (its own KV cache)."""
+served engine (its own KV cache). And vLLM's admin routes for a training loop (issue 49): pause
+and resume under a load of streams loses none, sleep and wake_up give the same text."""
+
+import concurrent.futures
+import time
+import urllib.parse
 
 import openai
 import pytest
 
+from jaxserve.api import http_admin
 from jaxserve.batching.runner import Runner
 from jaxserve.config import Constraint, SamplingParams
 from support import server_harness as h
@@ -145,3 +151,133 @@ def test_health_is_503_once_draining(tiny_checkpoint):
     assert status == 503 and "shutting down" in body["error"]["message"]
   finally:
     st.close()
+
+
+# vLLM's admin routes for a training loop (http_admin.py): pause / resume, sleep / wake_up.
+
+LOAD = [f"Story {i}: once upon a time" for i in range(5)] * 2  # 10 streams for 4 slots.
+# Logprobs too: the tiny random model repeats a token, whose logprobs still tell contexts apart.
+LONG = dict(model="tiny", max_tokens=100, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True})
+
+
+class Load:
+  """Streams each prompt at once, each on its own thread, with the official client; counts each
+  one's chunks as they come."""
+
+  def __init__(self, srv, prompts):
+    self.chunks = [0] * len(prompts)
+    self._pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
+    self.futures = [self._pool.submit(self._one, srv, i, p) for i, p in enumerate(prompts)]
+
+  def _one(self, srv, i, prompt) -> tuple[str, int, list[float]]:
+    text, usage, logprobs = "", None, []
+    for event in client(srv).completions.create(prompt=prompt, stream=True,
+                                                stream_options={"include_usage": True}, **LONG):
+      if event.choices:
+        text += event.choices[0].text
+        logprobs += event.choices[0].logprobs.token_logprobs
+        self.chunks[i] += 1
+      usage = event.usage or usage
+    return text, usage.completion_tokens, logprobs
+
+  def wait_started(self, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while sum(c > 0 for c in self.chunks) < n:
+      assert time.monotonic() < deadline, self.chunks
+      time.sleep(0.002)
+
+  def results(self) -> list[tuple[str, int, list[float]]]:
+    out = [f.result(120) for f in self.futures]
+    self._pool.shutdown()
+    return out
+
+
+def engine_state(srv) -> tuple[list[int], int]:
+  """(each running request's tokens, how many wait), read on the engine thread between steps:
+  the clients' threads may lag behind what the server did."""
+  scheduler, runner = srv.scheduler, srv.server.service.runner
+  return srv.call(runner.on_engine(lambda: ([len(r.all_token_ids) for r in scheduler.running],
+                                            len(scheduler.waiting))))
+
+
+def frozen(srv, seconds: float = 0.4) -> bool:
+  """No running request got a token for `seconds`."""
+  engine_state(srv)  # Once a second read returns, the step in flight at the pause is back.
+  before = engine_state(srv)[0]
+  time.sleep(seconds)
+  return engine_state(srv)[0] == before
+
+
+def admin(srv, path: str, method: str = "POST", key: str | None = "ops", **query):
+  return call(srv, path + ("?" + urllib.parse.urlencode(query) if query else ""), method=method,
+              key=key)
+
+
+@pytest.fixture(scope="module")
+def unpaused(srv):
+  """What LOAD and the late prompts give with no pause: (text, tokens, logprobs within 1e-3)."""
+  prompts = LOAD[:5] + ["Late one", "Late two"]
+  return {p: (text, tokens, pytest.approx(logprobs, abs=1e-3))
+          for p, (text, tokens, logprobs) in zip(prompts, Load(srv, prompts).results())}
+
+
+def test_admin_routes_are_an_admin_keys_and_take_vllms_parameters(srv):
+  for method, path, _ in http_admin.ROUTES:
+    assert admin(srv, path, method, key=None)[0] == 401, path
+    status, body = admin(srv, path, method, key="alice")
+    assert status == 403 and "admin key" in body["error"]["message"], path
+  status, body = admin(srv, "/pause", mode="freeze")
+  assert status == 400 and "'abort', 'wait', 'keep'" in body["error"]["message"]
+  assert admin(srv, "/sleep", level="3")[0] == 400
+  assert admin(srv, "/wake_up", tags="everything")[0] == 400
+  assert admin(srv, "/is_paused", "GET") == admin(srv, "/is_sleeping", "GET")[:1] + (
+      {"is_paused": False},)
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait"])
+def test_pause_and_resume_under_a_streaming_load_lose_no_request(srv, unpaused, mode):
+  """keep: every stream stops where it is, and goes on after /resume; wait: /pause answers once
+  the running ones have finished, and no other starts. Streams sent while paused wait. Each one
+  ends with all its 100 tokens, the text of a run without the pause."""
+  load = Load(srv, LOAD)
+  load.wait_started(4)  # Every slot runs; the other 6 wait.
+  assert admin(srv, "/pause", mode=mode) == (200, {"status": "paused"})
+  assert admin(srv, "/is_paused", "GET") == (200, {"is_paused": True})
+  running, waiting = engine_state(srv)
+  assert waiting and (bool(running) if mode == "keep" else not running)  # wait: all finished.
+  late = Load(srv, ["Late one", "Late two"])
+  assert frozen(srv) and not any(late.chunks)
+  assert admin(srv, "/resume") == (200, {"status": "resumed"})
+  assert load.results() == [unpaused[p] for p in LOAD]
+  assert late.results() == [unpaused["Late one"], unpaused["Late two"]]
+  assert all(tokens == 100 for _, tokens, _ in unpaused.values())
+  assert admin(srv, "/is_paused", "GET") == (200, {"is_paused": False})
+
+
+def test_sleep_and_wake_up_give_the_same_greedy_text_and_keep_what_arrived(srv, unpaused):
+  """Level 1 (the served engine's weights are shared with the other tests' reference twin, so
+  not 2; test_training_loop.py sleeps both levels). A stream sent while asleep waits, and ends
+  after /wake_up as without the sleep; /sleep while asleep, or after `keep` froze a running
+  stream, is 409 and changes nothing."""
+  status, body = admin(srv, "/sleep", level="1")
+  assert status == 200 and body["level"] == 1 and body["freed_bytes"] > 0
+  assert admin(srv, "/is_sleeping", "GET") == (200, {"is_sleeping": True})
+  assert admin(srv, "/is_paused", "GET") == (200, {"is_paused": True})
+  late = Load(srv, ["Late one"])
+  status, body = admin(srv, "/sleep", level="2")
+  assert status == 409 and "asleep already" in body["error"]["message"]
+  time.sleep(0.4)
+  assert not any(late.chunks) and engine_state(srv)[1] == 1
+  assert admin(srv, "/wake_up") == (200, "")
+  assert late.results() == [unpaused["Late one"]]
+  assert admin(srv, "/is_sleeping", "GET") == (200, {"is_sleeping": False})
+  assert admin(srv, "/is_paused", "GET") == (200, {"is_paused": False})
+  load = Load(srv, LOAD[:1])
+  load.wait_started(1)
+  assert admin(srv, "/pause", mode="keep")[0] == 200
+  status, body = admin(srv, "/sleep", mode="keep")
+  assert status == 409 and "1 requests are running" in body["error"]["message"]
+  assert admin(srv, "/is_sleeping", "GET") == (200, {"is_sleeping": False})
+  assert admin(srv, "/resume")[0] == 200
+  assert load.results() == [unpaused[LOAD[0]]]

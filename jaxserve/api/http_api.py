@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP front end (aiohttp): /v1/completions, /v1/chat/completions (both
 with `stream` true, as server-sent events, or false), /v1/models and /v1/models/{id}, vLLM's
 /tokenize, /detokenize and /tokenizer_info (openai_tokenize.py), /health (200 while the engine
-serves, 503 otherwise; no key needed, as for a load balancer's probe), /version, and /metrics.
+serves, 503 otherwise; no key needed, as for a load balancer's probe), /version, and /metrics;
+vLLM's admin routes for a training loop (/sleep, /pause, /reset_prefix_cache, ...) are
+http_admin.py's.
 
 Requests go through the same service and gateway as gRPC: `Authorization: Bearer <key>`, the
 same checks and limits, and errors in OpenAI's shape ({"error": {"message", "type", "code"}})
@@ -23,7 +25,7 @@ from typing import Callable
 from absl import logging
 from aiohttp import web
 
-from jaxserve.api import openai_choices, openai_request, openai_tokenize
+from jaxserve.api import http_admin, openai_choices, openai_request, openai_tokenize
 from jaxserve.api.grpc_api import ServiceHost
 from jaxserve.api.http_site import (
   MAX_BODY_BYTES,
@@ -54,12 +56,12 @@ def build_app(host: ServiceHost, metrics: Metrics | None,
   app.router.add_post("/v1/chat/completions", api.chat_completions)
   app.router.add_post("/v1/load_lora_adapter", api.load_lora_adapter)
   app.router.add_post("/v1/unload_lora_adapter", api.unload_lora_adapter)
-  app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
   app.router.add_post("/tokenize", api.tokenize)
   app.router.add_post("/detokenize", api.detokenize)
   app.router.add_get("/tokenizer_info", api.tokenizer_info)
   app.router.add_get("/health", api.health)
   app.router.add_get("/version", api.version)
+  http_admin.add_routes(app, api._work)  # pylint: disable=protected-access
   if metrics is not None:
     app.router.add_get("/metrics", metrics_handler(metrics))
   return app
@@ -104,18 +106,6 @@ class _Api:
       name = (await acc.work(openai_request.parse_body, body)).get("lora_name")
       await service.adapters.unload(name, service.gateway.may_administer(acc.lease.key))
       return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-    return await self._work(request, run, limited=False)
-
-  async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-    """vLLM's: forgets every cached prefix page (device and host tier); an admin key's."""
-    async def run(service, acc, body):
-      if not service.gateway.may_administer(acc.lease.key):
-        raise ApiError(Status.PERMISSION_DENIED, "resetting the prefix cache needs an admin key "
-                       "(\"admin\": true in the keys file)")
-      if not await service.runner.reset_prefix_cache():
-        raise ApiError(Status.UNAVAILABLE, "the prefix cache was not reset: running requests "
-                       "hold pages; retry when they finish")
-      return web.Response(text="")
     return await self._work(request, run, limited=False)
 
   async def tokenize(self, request: web.Request) -> web.Response:

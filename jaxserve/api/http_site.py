@@ -16,13 +16,14 @@ from jaxserve.serving.metrics import CONTENT_TYPE, Metrics
 
 HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.NOT_FOUND: 404, Status.UNAUTHENTICATED: 401,
                Status.PERMISSION_DENIED: 403, Status.RESOURCE_EXHAUSTED: 429,
-               Status.UNAVAILABLE: 503, Status.INTERNAL: 500}
+               Status.UNAVAILABLE: 503, Status.INTERNAL: 500, Status.FAILED_PRECONDITION: 409}
 ERROR_TYPES = {Status.INVALID_ARGUMENT: "invalid_request_error",
                Status.NOT_FOUND: "invalid_request_error",
                Status.UNAUTHENTICATED: "authentication_error",
                Status.PERMISSION_DENIED: "permission_error",
                Status.RESOURCE_EXHAUSTED: "rate_limit_error",
-               Status.UNAVAILABLE: "service_unavailable", Status.INTERNAL: "internal_error"}
+               Status.UNAVAILABLE: "service_unavailable", Status.INTERNAL: "internal_error",
+               Status.FAILED_PRECONDITION: "conflict_error"}
 MAX_BODY_BYTES = 8 * 2**20  # As gRPC's largest message (server.py).
 READ_TIMEOUT_S = 30.0  # For a request's headers, and for its body (ServerConfig's default).
 

@@ -67,6 +67,13 @@ class FinishReason(enum.Enum):
   ABORT = "abort"  # The client went away or cancelled.
 
 
+class PauseMode(enum.Enum):
+  """vLLM's pause modes (pause_generation's `mode`): what becomes of the requests already in."""
+  ABORT = "abort"  # Each unfinished one ends now: its last output's finish reason is ABORT.
+  WAIT = "wait"  # Running ones finish; none waiting is admitted.
+  KEEP = "keep"  # Frozen: nothing is scheduled; after resume() each goes on where it stopped.
+
+
 class RequestRejected(ValueError):
   """The request can never run (too long for the context window or the KV pool)."""
 

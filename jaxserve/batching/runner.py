@@ -32,6 +32,7 @@ from jaxserve.batching.plan import Engine, EngineInfo, StepFuture
 from jaxserve.batching.request import (
   Completion,
   FinishReason,
+  PauseMode,
   Request,
   RequestOutput,
   RequestRejected,
@@ -71,6 +72,7 @@ class Runner:
     self.constraints = Constraints(tokenizer, engine.info.vocab_size, engine.info.num_slots)
     self.outputs = Outputs(tokenizer, detokenizer, self.constraints)
     self.loras: dict[int, LoRARequest] = {}  # Adapters added to the engine, by id.
+    self.pause_mode: PauseMode | None = None  # None: not paused (pause(), resume()).
 
   @property
   def engine_info(self) -> EngineInfo:
@@ -156,13 +158,46 @@ class Runner:
       self.scheduler.pages.events.flush()
     return done
 
+  def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+    """vLLM's pause_generation: no request is admitted until resume(), and `mode` says what
+    becomes of those already in. Requests submitted meanwhile queue, as do preempted ones.
+    Pausing again changes the mode (ABORT then aborts the queued ones too)."""
+    if mode is PauseMode.ABORT:
+      for request_id in list(self._requests):
+        self.abort(request_id)
+    self.pause_mode = mode
+
+  def resume(self) -> None:
+    self.pause_mode = None
+
+  @property
+  def can_step(self) -> bool:
+    """Whether step() has anything to do: awake, and a step in flight, an abort to report, or
+    a request it may schedule (while paused the running ones only; frozen, none)."""
+    if self.engine.sleep_level:
+      return False
+    if self._in_flight is not None or self._outbox:
+      return True
+    if self.pause_mode is None:
+      return self.scheduler.has_unfinished
+    return self.pause_mode is not PauseMode.KEEP and bool(self.scheduler.running)
+
+  def take_outbox(self) -> list[RequestOutput]:
+    """The aborted requests' last outputs that the next step() would report: for a caller that
+    may not step (the engine asleep)."""
+    outputs, self._outbox = self._outbox, []
+    return outputs
+
   def sleep(self, level: int = 1) -> int:
     """Frees the engine's KV cache (level 1) and weights (2) between uses; the device bytes
-    freed. Refused while a request is unfinished; the prefix cache is forgotten (its pages
-    are gone)."""
-    if self.has_unfinished:
-      raise ValueError(f"{len(self._requests)} requests are unfinished: finish or abort them "
-                       "before sleep")
+    freed. Refused while a request runs (holds pages: pause(ABORT or WAIT) first); queued ones
+    wait for wake_up. The prefix cache is forgotten (its pages are gone)."""
+    if self.scheduler.running:
+      raise ValueError(f"{len(self.scheduler.running)} requests are running: finish or abort "
+                       "them before sleep")
+    if self._in_flight is not None:  # Every sample in it is stale: its requests have left.
+      self._outbox += self._collect(self._in_flight)
+      self._in_flight = None
     self.reset_prefix_cache()
     return self.engine.sleep(level)
 
@@ -216,8 +251,9 @@ class Runner:
   def step(self) -> list[RequestOutput]:
     if self.engine.sleep_level:
       raise RuntimeError("the engine is asleep: wake_up() first")
-    dispatched = self._dispatch(self.scheduler.schedule())
-    outputs, self._outbox = self._outbox, []
+    dispatched = (None if self.pause_mode is PauseMode.KEEP
+                  else self._dispatch(self.scheduler.schedule(admit=self.pause_mode is None)))
+    outputs = self.take_outbox()
     if self._in_flight is not None:
       outputs += self._collect(self._in_flight)
     self._in_flight = dispatched
@@ -228,6 +264,8 @@ class Runner:
   def generate(self, prompts: Sequence[tuple]) -> list[Completion]:
     """Runs every (prompt_ids, sampling) or (prompt_ids, sampling, LoRARequest or None) to
     completion; results in input order. Every prompt is checked before any runs."""
+    if self.pause_mode is not None:  # Nothing queued would run: it would never return.
+      raise RuntimeError("the runner is paused: resume() first")
     reqs = [self.new_request(p[0], p[1], lora=p[2] if len(p) > 2 else None) for p in prompts]
     outputs = {r.request_id: [] for r in reqs}
     queued = collections.deque(reqs)

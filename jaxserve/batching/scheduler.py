@@ -162,19 +162,19 @@ class Scheduler:
 
   # One step.
 
-  def schedule(self) -> ScheduledStep:
+  def schedule(self, admit: bool = True) -> ScheduledStep:  # admit False: running ones only.
     self.num_steps += 1
     decodes, chunks, prefill_reqs, kind = [], [], [], StepKind.PLAIN
-    self._scored_last = self._scoring_turn()
+    self._scored_last = self._scoring_turn(admit)
     if self._scored_last:
-      chunks, prefill_reqs = self._schedule_prefills(admit=True, scoring=True)
+      chunks, prefill_reqs = self._schedule_prefills(admit=admit, scoring=True)
       self._scored_last, kind = bool(chunks), StepKind.SCORING
     if not self._scored_last:
       decodes, verifies, num_preempted = self._schedule_decodes()
       kind = StepKind.VERIFYING if verifies else StepKind.PLAIN
       chunks, prefill_reqs = [c for c, _ in verifies], [r for _, r in verifies]
       # A preemption means memory is short: admitting now would only preempt again.
-      more, more_reqs = self._schedule_prefills(admit=not num_preempted, scoring=False,
+      more, more_reqs = self._schedule_prefills(admit=admit and not num_preempted, scoring=False,
                                                 taken=(chunks, prefill_reqs))
       chunks, prefill_reqs = chunks + more, prefill_reqs + more_reqs
     tables = self.pools.slot_tables() if decodes else None
@@ -184,12 +184,12 @@ class Scheduler:
                     decode_loras, loads, *self.pools.take_copies(), kind=kind)
     return ScheduledStep(plan, tuple(prefill_reqs), tuple(decodes))
 
-  def _scoring_turn(self) -> bool:
+  def _scoring_turn(self, admit: bool) -> bool:
     """Whether this plan scores prompt positions: some prompt waits to be scored, and the last
     plan did not score (so ordinary plans, and decodes, get every other step)."""
     if self._scored_last:
       return False
-    head = self.waiting.peek() if self.waiting else None
+    head = self.waiting.peek() if self.waiting and admit else None
     return any(r.is_prefilling and wants_prompt_logprobs(r) for r in self.running) or (
         head is not None and wants_prompt_logprobs(head))
 

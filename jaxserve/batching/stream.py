@@ -21,6 +21,7 @@ from jaxserve.batching.constrained import Constraints
 from jaxserve.batching.plan import EngineInfo, PageStore
 from jaxserve.batching.request import Request, RequestOutput
 from jaxserve.batching.runner import Runner
+from jaxserve.batching.stream_controls import Controls
 from jaxserve.config import LoRARequest, SamplingParams
 from jaxserve.text.constraint import Grammar
 
@@ -61,7 +62,9 @@ class RequestStream:
       self._owner.abort(self.request_id)
 
 
-class AsyncRunner:
+class AsyncRunner(Controls):
+  """The engine loop on its thread, and the one door into it (`on_engine`); a training loop's
+  controls (pause, resume, sleep, wake_up) are Controls'."""
 
   def __init__(self, runner: Runner,
                on_failure: Callable[[BaseException], Awaitable[None]] | None = None):
@@ -222,8 +225,9 @@ class AsyncRunner:
 
   def _run(self) -> None:
     try:
-      while self._drain_inbox(wait=not self._runner.has_unfinished):
-        outputs = self._runner.step()
+      while self._drain_inbox(wait=not self._runner.can_step):
+        # Asleep nothing may step, but aborts (of queued requests) still end their streams.
+        outputs = self._runner.take_outbox() if self.is_sleeping else self._runner.step()
         if outputs:
           self._loop.call_soon_threadsafe(self._deliver, outputs)
     except BaseException as e:  # pylint: disable=broad-except

@@ -177,6 +177,13 @@ class CapacityPlan:
   window_only: bool = False  # Local layers keep only their window's pages.
   adapter_bytes: int = 0  # LoRA adapter slots, counted in weight_bytes.
 
+  def sleep_bytes(self, level: int) -> int:
+    """What the engine's sleep(level) frees (Engine.sleep): level 1 the KV cache (the
+    conversations' pages), level 2 the model's and a draft's weights too; the adapter slots
+    stay."""
+    kv = self.max_conversations * self.kv_bytes_per_conversation
+    return kv if level == 1 else kv + self.weight_bytes - self.adapter_bytes
+
 
 def plan_capacity(cfg: ModelConfig, memory_bytes: int, context: int, *,
                   weight_dtype: WeightDtype = WeightDtype.BFLOAT16,

@@ -42,6 +42,8 @@ def format_plan(p: CapacityPlan) -> str:
       "overhead)",
       f"conversations       {p.max_conversations} at {p.context} tokens",
       f"reserve left        {_fmt(p.reserve_bytes)} for activations and overhead",
+      f"sleep frees         {_fmt(p.sleep_bytes(1))} at level 1 (the KV cache), "
+      f"{_fmt(p.sleep_bytes(2))} at level 2 (the weights too)",
   ]
   if p.context > m.max_seq_len:
     lines.append(f"note: {p.context} tokens is beyond the model's trained context "

@@ -52,6 +52,7 @@ class Status(enum.Enum):
   PERMISSION_DENIED = "permission_denied"  # A key without the right: admin endpoints.
   RESOURCE_EXHAUSTED = "resource_exhausted"
   UNAVAILABLE = "unavailable"  # Warming up or draining.
+  FAILED_PRECONDITION = "failed_precondition"  # Not in the engine's state (asleep already).
   INTERNAL = "internal"
 
 
