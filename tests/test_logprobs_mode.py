@@ -5,6 +5,8 @@ same NNX model, one full forward on a fresh cache), put through a top-k / top-p 
 with a sort (the engine finds its thresholds by bisection), within 1e-4."""
 
 import dataclasses
+import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -154,3 +156,22 @@ def test_a_bad_mode_is_refused_by_name():
   assert cli.engine_config(args).logprobs_mode is LogprobsMode.PROCESSED_LOGPROBS
   with pytest.raises(SystemExit):
     cli.build_parser().parse_args(["serve", "--logprobs-mode", "processed"])
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_removed_tokens_inf_leaves_as_vllms_floor_in_json(kind):
+  from jaxserve.api.openai_completion_format import CompletionFormat
+  from jaxserve.api.openai_format import ChatFormat
+  from jaxserve.api.openai_request import Request
+  from jaxserve.serving.requests import Chunk, FinishReason, GenerateInput, Prompt, TokenLogprobs
+
+  fmt = (ChatFormat if kind == "chat" else CompletionFormat)(
+      types.SimpleNamespace(model_name="m", tokenizer=MockTokenizer()),
+      Request(GenerateInput(Prompt(text="x")), want_logprobs=True))
+  lp = TokenLogprobs(-0.5, (3, 4), (-0.5, -np.inf))
+  event = fmt.delta(Chunk("r", " t3", [3], [lp], FinishReason.STOP, None))
+
+  def refuse(constant):
+    raise ValueError(f"not JSON: {constant}")
+  text = json.dumps(event)
+  assert "-9999.0" in text and json.loads(text, parse_constant=refuse)
