@@ -31,12 +31,15 @@ class LLM:
   def __init__(self, model: str | None = None, *, engine_config: EngineConfig = EngineConfig(),
                scheduler_config: SchedulerConfig = SchedulerConfig(), warmup: bool = True,
                enable_lora: bool = False, max_loras: int | None = None,
-               max_lora_rank: int | None = None):
+               max_lora_rank: int | None = None, logprobs_mode: str | None = None):
     """`model`: None (the default model), a packaged model's name, or a path (GGUF file,
     Hugging Face directory, or jaxserve checkpoint). `enable_lora`: serve LoRA adapters, up to
     `max_loras` at once on the device (vLLM's default 1) of rank up to `max_lora_rank` (16);
-    more adapters than that take turns (batching/lora_slots.py)."""
+    more adapters than that take turns (batching/lora_slots.py). `logprobs_mode`: vLLM's, what
+    logprobs report (config.LogprobsMode's names; None: engine_config's)."""
     engine_config = lora_config(engine_config, enable_lora, max_loras, max_lora_rank)
+    if logprobs_mode is not None:
+      engine_config = dataclasses.replace(engine_config, logprobs_mode=logprobs_mode)
     mesh = placement.mesh_for(engine_config)
     self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype.value, mesh,
                                                        engine_config.quantization)

@@ -34,7 +34,8 @@ SHAPES = {"decode": StepShape(4, 0, 8), "prefill": StepShape(0, 32, 16),
 def export(backend, shape: StepShape) -> str:
   platform, _ = TARGETS.get(backend, ("tpu", None))
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
-  fn = jax.jit(functools.partial(step, graphdef, attn=AttentionSpec(backend)))
+  fn = jax.jit(functools.partial(step, graphdef, attn=AttentionSpec(backend),
+                                 logprobs_mode=ENGINE.logprobs_mode))
   args = Packer(ENGINE, MODEL.vocab_size, None).template(shape)
   exported = jax.export.export(fn, platforms=[platform],
                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from jaxserve.config import SamplingParams
+from jaxserve.config import LogprobsMode, SamplingParams
 from jaxserve.engine.sample import sample as _sample
 from jaxserve.engine.sampling_state import SamplingRow
 
@@ -229,7 +229,8 @@ def test_the_sampler_is_traced_once_whatever_the_penalties():
   st = state([SamplingParams(temperature=0.7, top_p=0.9)], 300)
   args = (jnp.zeros((1, 300), jnp.float32), st, jnp.arange(1), STOP)
   whole = jax.make_jaxpr(_sample)(*args).jaxpr
-  alone = jax.make_jaxpr(lambda x, s, p, e: sample_module._sample(x, x, s, p, e))(*args).jaxpr
+  raw = LogprobsMode.RAW_LOGPROBS
+  alone = jax.make_jaxpr(lambda x, s, p, e: sample_module._sample(x, x, s, p, e, raw))(*args).jaxpr
   # threefry hashes the draws' noise: the fast path's candidates and the whole-row fallback.
   assert _count_primitive(alone, "threefry2x32") > 0
   assert _count_primitive(whole, "threefry2x32") == _count_primitive(alone, "threefry2x32")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from jaxserve.api.openai_format import ResponseFormat
+from jaxserve.api.openai_format import ResponseFormat, json_logprob
 from jaxserve.api.openai_request import Request
 from jaxserve.serving.requests import Chunk, TokenLogprobs
 from jaxserve.serving.service import Service
@@ -97,12 +97,13 @@ class CompletionFormat(ResponseFormat):
     start = self._offsets.get(index, 0)
     offsets = list(itertools.accumulate((len(t) for t in tokens), initial=start))
     self._offsets[index] = offsets[-1]
-    return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for lp in logprobs],
+    chosen = [lp and json_logprob(lp.logprob) for lp in logprobs]
+    return {"tokens": tokens, "token_logprobs": chosen,
             "top_logprobs": [lp and self._top(t, lp) for t, lp in zip(tokens, logprobs)],
             "text_offset": offsets[:-1]}
 
   def _top(self, token: str, lp: TokenLogprobs) -> dict[str, float]:
-    top = {self._token(i): p for i, p in zip(lp.top_ids, lp.top_logprobs)}
+    top = {self._token(i): json_logprob(p) for i, p in zip(lp.top_ids, lp.top_logprobs)}
     if lp.rank is not None:  # A prompt token is shown beside the likeliest ones, as in vLLM.
-      top.setdefault(token, lp.logprob)
+      top.setdefault(token, json_logprob(lp.logprob))
     return top

@@ -24,6 +24,13 @@ FINISH_REASONS = {None: None, FinishReason.STOP: "stop", FinishReason.LENGTH: "l
                   FinishReason.ABORT: "abort"}
 
 
+def json_logprob(value: float) -> float:
+  """A logprob as the JSON reply carries it: at least -9999.0 (vLLM's floor). A token the
+  processed logprobs mode reports as removed (config.LogprobsMode) is -inf, which JSON has no
+  word for: json.dumps would write -Infinity, which strict parsers refuse."""
+  return max(value, -9999.0)
+
+
 def usage(records: Sequence[RequestRecord], per_prompt: int = 1,
           hide_generated: bool = False) -> dict[str, Any]:
   """`records` in choice order, `per_prompt` runs of each prompt: a prompt counts once."""
@@ -197,7 +204,8 @@ class ChatFormat(ResponseFormat):
   def _logprobs(self, index, token_ids, logprobs):
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
       token = self._token(token_id)
-      return {"token": token, "logprob": logprob, "bytes": list(self._bytes(token_id, token))}
+      return {"token": token, "logprob": json_logprob(logprob),
+              "bytes": list(self._bytes(token_id, token))}
 
     return {"content": [
         {**entry(t, lp.logprob),

@@ -12,6 +12,7 @@ from jaxserve.config import (
   Dtype,
   EngineConfig,
   KVDtype,
+  LogprobsMode,
   Quantization,
   SamplingParams,
   SpeculativeConfig,
@@ -56,6 +57,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--attention", default=None, choices=[x.value for x in AttentionBackend],
                  help="attention backend (default: reference on CPU, pallas on TPU/GPU; "
                  "cpu: kernels_cpu's C++ ragged kernel)")
+  p.add_argument("--logprobs-mode", default=d("logprobs_mode").value,
+                 choices=[x.value for x in LogprobsMode],
+                 help="what logprobs report (vLLM's): raw (the model's distribution) or processed "
+                 "(the one the token was drawn from: after penalties, logit bias, temperature, "
+                 "top-k/top-p/min-p, removed tokens -inf), as logprobs or logits")
   add_quantization_flag(p)
   add_window_flag(p)
   add_parallel_flags(p)
@@ -207,7 +213,8 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         ep=args.ep, window_pages=args.window_pages,
                         speculative=args.speculative_config,
                         quantization=Quantization(args.quantization),
-                        kv_offload_gib=_offload_gib(args), **lora_engine_flags(args))
+                        kv_offload_gib=_offload_gib(args),
+                        logprobs_mode=LogprobsMode(args.logprobs_mode), **lora_engine_flags(args))
   # The platform's default backend too, so a bad pair fails here, before the model loads.
   config.check_backend(backend or default_attention_backend(platform))
   return config

@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import math
 
+from jaxserve.config.sampling import LogprobsMode
 from jaxserve.config.speculative import SpeculativeConfig
 
 
@@ -170,20 +171,16 @@ class EngineConfig:
   # pages for prefix hits to copy back (vLLM's --kv-offloading-size). 0: evicted pages are
   # dropped. It sets the host pool's shape.
   kv_offload_gib: float = 0.0
+  # What sampled tokens' logprobs report (config/sampling.py LogprobsMode, vLLM's
+  # --logprobs-mode; a name is taken too): it picks the sampler's code, so it is compiled in.
+  logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS
 
   def __post_init__(self):
-    if not isinstance(self.quantization, Quantization):
-      if self.quantization not in {q.value for q in Quantization}:
-        raise ValueError(f"EngineConfig.quantization must be one of "
-                         f"{[q.value for q in Quantization]}, got {self.quantization!r}")
-      object.__setattr__(self, "quantization", Quantization(self.quantization))
+    for field, cls in (("quantization", Quantization), ("dtype", Dtype),
+                       ("logprobs_mode", LogprobsMode)):
+      self._as_enum(field, cls)
     if self.max_prefill_seqs < 1:
       raise ValueError(f"EngineConfig.max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
-    if not isinstance(self.dtype, Dtype):
-      if self.dtype not in {d.value for d in Dtype}:
-        raise ValueError(f"EngineConfig.dtype must be one of {[d.value for d in Dtype]}, "
-                         f"got {self.dtype!r}")
-      object.__setattr__(self, "dtype", Dtype(self.dtype))
     for field in ("num_slots", "page_size", "max_model_len", "tp", "dp", "ep"):
       if getattr(self, field) <= 0:
         raise ValueError(f"EngineConfig.{field} must be positive, got {getattr(self, field)}")
@@ -208,6 +205,16 @@ class EngineConfig:
     if self.kv_offload_gib and self.speculative is not None and self.speculative.method == "draft":
       raise ValueError("kv_offload_gib does not run with a draft model yet (its cache's pages "
                        "would need copying too)")
+
+  def _as_enum(self, field: str, cls: type[enum.Enum]) -> None:
+    """A field given by its enum's value (a name, from a flag or a user) becomes the member; any
+    other value is a ValueError naming it and the choices."""
+    value = getattr(self, field)
+    if not isinstance(value, cls):
+      if value not in {x.value for x in cls}:
+        raise ValueError(f"EngineConfig.{field} must be one of {[x.value for x in cls]}, got "
+                         f"{value!r}")
+      object.__setattr__(self, field, cls(value))
 
   def _check_lora(self) -> None:
     if self.max_loras < 0 or self.max_lora_rank < 1:

@@ -4,10 +4,36 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 from typing import Any, Mapping, Sequence
 
 from jaxserve.config.checks import is_int, short
 from jaxserve.config.constraint import Constraint
+
+
+class LogprobsMode(enum.Enum):
+  """What a sampled token's logprobs (its own and its top alternatives') are: vLLM's
+  `--logprobs-mode` (vllm/config/model.py `LogprobsMode`, vllm/v1/sample/sampler.py), an engine
+  setting, the same for every request. Raw: the model's distribution, before the penalties, the
+  logit bias (allowed_token_ids too) and temperature; processed: the distribution the token was
+  drawn from, after all of them and after top-k, top-p and min-p, whose removed tokens are
+  -inf; a greedy row's processed values are those of temperature 1 and no filtering (vLLM's
+  too). The logits modes report the values before the log-softmax. A constrained request's
+  grammar mask comes before both (vLLM applies it before its sampler). Prompt logprobs are raw
+  logprobs in every mode (vLLM's prompt tokens pass through no sampling processor)."""
+
+  RAW_LOGPROBS = "raw_logprobs"  # vLLM's default.
+  PROCESSED_LOGPROBS = "processed_logprobs"
+  RAW_LOGITS = "raw_logits"
+  PROCESSED_LOGITS = "processed_logits"
+
+  @property
+  def processed(self) -> bool:
+    return self in (LogprobsMode.PROCESSED_LOGPROBS, LogprobsMode.PROCESSED_LOGITS)
+
+  @property
+  def logits(self) -> bool:
+    return self in (LogprobsMode.RAW_LOGITS, LogprobsMode.PROCESSED_LOGITS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,5 +137,5 @@ def assemble(graphdef, params, spec: EngineSpec, mesh: Mesh | None = None,
   packer = Packer(config, model.vocab_size, kv_spec.slot_page_tables(config), cache.num_groups)
   # With LoRA the params a step takes are (the model's, the adapters': engine/adapters.py).
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef,
-                         lora=config.max_loras > 0)
+                         lora=config.max_loras > 0, logprobs_mode=config.logprobs_mode)
   return Assembly(spec, fn, packer, cache, state, shardings)

@@ -4,8 +4,11 @@ The rows are engine/sampling_state.py's SamplingState; the random noise is engin
 The constraint mask first (a row's allowed-token bitmask from its grammar,
 engine/constraint_mask.py; all ones for an unconstrained row, which leaves its logits exactly as
 they were), so the reported logprobs are those of the masked distribution; then penalties and the
-logit bias, then greedy or temperature sampling with top-k / top-p / min-p filtering. Filtering
-and random draws run only when some row asks for them (a `lax.cond`, not a Python branch).
+logit bias, then greedy or temperature sampling with top-k / top-p / min-p filtering
+(engine/sample_filter.py). Filtering and random draws run only when some row asks for them (a
+`lax.cond`, not a Python branch). The logprobs reported are the engine's LogprobsMode's
+(config/sampling.py, vLLM's --logprobs-mode): the raw distribution's, or the processed one's that
+the token was drawn from, as logprobs or as logits.
 Randomness comes from (seed, position), so a seeded request samples the same tokens whatever else
 shares its batch, and again after a preemption.
 """
@@ -13,15 +16,15 @@ shares its batch, and again after a preemption.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import SamplingParams
-from jaxserve.engine.bisection import bisect, bisect_int, order_keys
+from jaxserve.config import LogprobsMode, SamplingParams
+from jaxserve.engine.bisection import bisect_int, order_keys
 from jaxserve.engine.constraint_mask import apply_token_bitmask
 from jaxserve.engine.gumbel import GUMBEL_MAX, gumbel_at, gumbel_draw, is_jax_gumbel
+from jaxserve.engine.sample_filter import filter_scaled, masked_sum, needs_filter, nucleus_threshold
 from jaxserve.engine.sampling_state import SamplingState
 
 NUM_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
@@ -31,14 +34,17 @@ NUM_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
 @dataclasses.dataclass(frozen=True)
 class Sampled:
   tokens: jax.Array  # [B] int32
-  logprobs: jax.Array  # [B] float32: log-probability of each chosen token under the model
+  # [B] float32: each chosen token's log-probability (or logit) as the LogprobsMode says.
+  logprobs: jax.Array
   top_ids: jax.Array  # [B, min(NUM_TOP_LOGPROBS, V)] int32 (zeros unless some row asked)
-  top_logprobs: jax.Array  # [B, min(NUM_TOP_LOGPROBS, V)] float32
+  top_logprobs: jax.Array  # [B, min(NUM_TOP_LOGPROBS, V)] float32, as `logprobs`
 
 
-def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Sampled:
+def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None, *,
+           logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS) -> Sampled:
   """logits [B, V] float32, one state row per b, positions [B], stop_ids [Vs], bitmask
   [B, ceil(V/32)] int32 (each row's allowed tokens; None: no row is constrained) -> Sampled.
+  logprobs_mode (static: it picks the code): what the logprobs report.
 
   Each [B, V] pass costs about a millisecond at B = 64 on CPU, so only what some row uses runs:
   penalties, the logit bias, random draws and logprobs each sit behind a `lax.cond`, greedy rows
@@ -51,11 +57,11 @@ def sample(logits, st: SamplingState, positions, stop_ids, bitmask=None) -> Samp
   # took ~1.4x the compile). The price: the plain branch copies [B, V], as the raw logits stay.
   adjusted = jax.lax.cond(jnp.any(_has_penalty(st) | st.has_bias),
                           lambda x: _penalize(x, st) + st.logit_bias, lambda x: x, logits)
-  return _sample(adjusted, logits, st, positions, stop_ids)
+  return _sample(adjusted, logits, st, positions, stop_ids, logprobs_mode)
 
 
-def _sample(logits, raw, st: SamplingState, positions, stop_ids) -> Sampled:
-  """sample() on the penalized and biased logits [B, V]; raw [B, V] gives the logprobs."""
+def _sample(logits, raw, st: SamplingState, positions, stop_ids, mode: LogprobsMode) -> Sampled:
+  """sample() on the penalized and biased logits [B, V]; raw [B, V] gives the raw logprobs."""
   # ignore_eos (for benchmarks): the end-of-sequence ids can never be drawn. Each consumer bans
   # them on the fly (`_ban`), so that no banned copy of [B, V] is written.
   eos = jnp.zeros(logits.shape[-1], bool).at[stop_ids].set(True)  # [V]
@@ -67,19 +73,35 @@ def _sample(logits, raw, st: SamplingState, positions, stop_ids) -> Sampled:
   tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
   n = min(NUM_TOP_LOGPROBS, logits.shape[-1])
   # Logprobs only when some row asks: the runner reads them for those rows alone.
+  reported = lambda: _processed(logits, eos, stop_ids, st) if mode.processed else raw
+  B = tokens.shape[0]
   chosen, top_lp, top_ids = jax.lax.cond(
-      jnp.any(st.want_logprobs), functools.partial(_logprobs, n=n),
-      lambda lp, t: (jnp.zeros(t.shape, lp.dtype), jnp.zeros((t.shape[0], n), lp.dtype),
-                     jnp.zeros((t.shape[0], n), jnp.int32)),
-      raw, tokens)
+      jnp.any(st.want_logprobs), lambda: _logprobs(reported(), tokens, n, mode.logits),
+      lambda: (jnp.zeros(B, jnp.float32), jnp.zeros((B, n), jnp.float32),
+               jnp.zeros((B, n), jnp.int32)))
   return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
 
 
-def _logprobs(raw, tokens, n: int):
-  """Under the raw model distribution: the chosen token's logprob [B] and the top n [B, n]."""
-  lp = jax.nn.log_softmax(raw, axis=-1)  # [B, V]
+def _logprobs(values, tokens, n: int, logits: bool):
+  """Of the logits values [B, V]: the chosen token's logprob [B] and the top n [B, n] (the
+  values themselves when `logits`)."""
+  lp = values if logits else jax.nn.log_softmax(values, axis=-1)  # [B, V]
   top_lp, top_ids = jax.lax.top_k(lp, n)
   return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_lp, top_ids
+
+
+def _processed(logits, eos, stop_ids, st: SamplingState):
+  """[B, V]: the logits each row's token is drawn from. The penalized and biased logits, the
+  stop ids banned where ignore_eos, divided by the temperature, -inf where top-k, top-p and
+  min-p remove a token: `_full_draw`'s, which the candidate path's draw agrees with. A greedy
+  row's: temperature 1 and nothing removed (vLLM's, whose greedy rows filter nothing)."""
+  greedy = st.temperature == 0  # [B]
+  banned = _ban(logits, eos, st.ignore_eos)
+  scaled = banned / jnp.where(greedy, 1.0, st.temperature)[:, None]
+  idx, rest = _candidates(logits, eos, stop_ids, st.ignore_eos)
+  filtered = jax.lax.cond(jnp.any(needs_filter(st) & ~greedy), filter_scaled, lambda *a: a[1],
+                          banned, scaled, idx, rest, st)
+  return jnp.where(greedy[:, None], banned, filtered)
 
 
 def _ban(x, eos, ignore_eos):
@@ -186,22 +208,22 @@ def _fast_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   cand = picked / temperature  # The same division as the whole row's scaled logits.
   rest_scaled = rest / temperature[:, 0]
   off = (st.top_k <= 0)[:, None]  # [B, 1]
-  needs_filter = _needs_filter(st)[:, None]
+  filtering = needs_filter(st)[:, None]
   kth, rest_key, in_top_k = _top_k(cand, head, off, rest_scaled, st.top_k, V)
   m = jnp.max(jnp.where(head, cand, -jnp.inf), -1, keepdims=True)  # [B, 1]: the row's max
   e = jnp.where(in_top_k, jnp.exp(cand - m), 0)
   z_rest = _rest_mass(logits, eos, temperature, rest, m,
-                      off & needs_filter & (st.temperature > 0)[:, None], st.ignore_eos)
-  probs = e / (_masked_sum(e, True) + z_rest)
+                      off & filtering & (st.temperature > 0)[:, None], st.ignore_eos)
+  probs = e / (masked_sum(e, True) + z_rest)
   top = jnp.max(probs, -1, keepdims=True)
-  nucleus = _nucleus(probs, top, lambda t: 0.0, st)
-  keep = jnp.where(needs_filter,
+  nucleus = nucleus_threshold(probs, top, lambda t: 0.0, st)
+  keep = jnp.where(filtering,
                    in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top), head)
   # A bound on every other token's probability (1 + 2**-20: exp need not be exactly monotone).
-  p_rest = jnp.exp(rest_scaled[:, None] - m) / (_masked_sum(e, True) + z_rest) * (1 + 2**-20)
-  exact = ~needs_filter | ((off | (kth > rest_key))
-                           & (~off | (st.top_p[:, None] >= 1) | (p_rest < nucleus)))
-  rest_out = needs_filter & (~off | (p_rest < nucleus) | (p_rest < st.min_p[:, None] * top))
+  p_rest = jnp.exp(rest_scaled[:, None] - m) / (masked_sum(e, True) + z_rest) * (1 + 2**-20)
+  exact = ~filtering | ((off | (kth > rest_key))
+                        & (~off | (st.top_p[:, None] >= 1) | (p_rest < nucleus)))
+  rest_out = filtering & (~off | (p_rest < nucleus) | (p_rest < st.min_p[:, None] * top))
   rest_out |= (rest_scaled == -jnp.inf)[:, None]
   tokens, rest_loses = _gumbel_max(cand, keep, idx, safe, rest_scaled, st.seed, positions, V)
   fits = exact & jnp.any(keep, -1, keepdims=True) & (rest_out | rest_loses) & is_jax_gumbel()
@@ -225,7 +247,7 @@ def _rest_mass(logits, eos, temperature, rest, m, tail_rows, ignore_eos):
   banned = lambda: _ban(logits, eos, ignore_eos)
   return jax.lax.cond(
       jnp.any(tail_rows),
-      lambda: _masked_sum(jnp.exp(banned() / temperature - m),
+      lambda: masked_sum(jnp.exp(banned() / temperature - m),
                           (banned() <= rest[:, None]) & tail_rows),
       lambda: jnp.zeros_like(m))
 
@@ -244,55 +266,6 @@ def _full_draw(logits, eos, temperature, idx, rest, st: SamplingState, positions
   logits = _ban(logits, eos, st.ignore_eos)
   scaled = logits / temperature
   greedy = st.temperature == 0
-  filtered = jax.lax.cond(jnp.any(_needs_filter(st) & ~greedy), _filter, lambda *a: a[1],
+  filtered = jax.lax.cond(jnp.any(needs_filter(st) & ~greedy), filter_scaled, lambda *a: a[1],
                           logits, scaled, idx, rest, st)
   return gumbel_draw(filtered, st.seed, positions)
-
-
-def _needs_filter(st: SamplingState):
-  return (st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0)
-
-
-def _masked_sum(x, mask):
-  return jnp.sum(jnp.where(mask, x, 0), -1, keepdims=True)
-
-
-def _nucleus(probs, top, rest_mass, st: SamplingState, iters: int = 32):
-  """top-p's threshold [B, 1]: the largest t whose tokens (probability >= t) hold at least p of
-  the mass, over the candidates' probs [B, Vc] plus rest_mass(t) from the other tokens; 0 (keep
-  all) at p = 1, and below `top`, the largest probability."""
-  mass = lambda t: _masked_sum(probs, probs >= t) + rest_mass(t)
-  nucleus = bisect(lambda t: mass(t) >= st.top_p[:, None], jnp.zeros_like(top), top, iters)
-  return jnp.where(st.top_p[:, None] < 1, nucleus, 0)
-
-
-def _filter(logits, scaled, idx, rest, st: SamplingState, iters: int = 32):
-  """Masks to -inf what top-k, then top-p, then min-p remove. scaled [B, V] (temperature-scaled).
-
-  Thresholds are found by bisection (engine/bisection.py), not a sort. Sums add the candidates
-  (`_candidates`) and the rest apart, as `_fast_draw` does."""
-  V = scaled.shape[-1]
-  off = (st.top_k <= 0)[:, None]
-  k = jnp.where(off, V, st.top_k[:, None])  # [B, 1]
-  # top-k bisects over the logits' order keys, not their values: exact whatever the row holds.
-  keys = order_keys(scaled)  # [B, V] uint32
-  lo = jnp.zeros_like(keys[:, :1])  # [B, 1]: every key is >= 0, so ok(lo) holds.
-  hi = jnp.max(keys, -1, keepdims=True)
-  kth = bisect_int(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi, iters)
-  in_top_k = off | (keys >= kth)  # [B, V]
-  m = jnp.max(scaled, -1, keepdims=True)
-  e = jnp.where(in_top_k, jnp.exp(scaled - m), 0)  # [B, V]
-  safe = jnp.minimum(idx, V - 1)
-  head = (idx < V) & (jnp.take_along_axis(logits, safe, 1) > rest[:, None])  # [B, Vc]
-  cand = jnp.take_along_axis(scaled, safe, 1)
-  e_head = jnp.where(head & (off | (order_keys(cand) >= kth)), jnp.exp(cand - m), 0)  # [B, Vc]
-  tail = logits <= rest[:, None]  # [B, V]: the tokens not in the candidates' head
-  z = _masked_sum(e_head, True) + _masked_sum(e, tail)
-  probs = e / z  # [B, V]
-  probs_rest = jnp.where(tail, probs, 0)
-  top = jnp.max(probs, -1, keepdims=True)
-  nucleus = _nucleus(e_head / z, top, lambda t: _masked_sum(probs_rest, probs_rest >= t), st, iters)
-  # in_top_k again: when the kept mass rounds below top_p (1.0 is enough), nucleus ends at 0,
-  # which the probability 0 of every token top-k removed would pass.
-  keep = in_top_k & (probs >= nucleus) & (probs >= st.min_p[:, None] * top)
-  return jnp.where(_needs_filter(st)[:, None] & ~keep, -jnp.inf, scaled)

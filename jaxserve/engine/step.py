@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.config import LogprobsMode
 from jaxserve.engine.draft import follow, propose
 from jaxserve.engine.prompt_logprobs import PromptLogprobs, score_prompt
 from jaxserve.engine.sample import sample
@@ -53,13 +54,13 @@ class StepOutput:
   verified: jax.Array | None = None  # verify.Verified.packed: a verifying step's runs.
 
 
-def step(graphdef, params, cache: KVCache, state: DecodeState, args,
-         stop_ids, *, attn: AttentionSpec, draft=None, lora: bool = False):
+def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *,
+         attn: AttentionSpec, logprobs_mode: LogprobsMode, draft=None, lora: bool = False):
   """args: engine.step_args.StepArgs of device arrays (a scoring step's carry prefill_targets, a
   verifying step's verify_rows) -> (cache, state, StepOutput). draft: the draft model's graphdef
   (speculative method "draft", engine/draft.py); params is then (the target's, the draft's) and
   the cache holds the draft's groups too (KVCache.draft). lora (max_loras > 0): the model's
-  params carry its adapters (_model)."""
+  params carry its adapters (_model). logprobs_mode: what sampled tokens' logprobs report."""
   Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
   slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
   live = slots < Bs
@@ -85,11 +86,12 @@ def step(graphdef, params, cache: KVCache, state: DecodeState, args,
   targets = jnp.where(samples, slots, Bs)
   verified = None
   if every is None:
-    sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask)
+    sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask, logprobs_mode=logprobs_mode)
     next_tokens, next_lens = sampled.tokens, kv_lens
   else:  # A verifying step: a verified chunk's sequence moves past its run.
     sampled, next_tokens, next_lens, verified, sampling = _verified(
-        model, every, rows, meta, starts, kv_lens, live, args, stop_ids, sampling, targets)
+        model, every, rows, meta, starts, kv_lens, live, args, stop_ids, sampling, targets,
+        logprobs_mode)
   state = _write_back(state, sampling, next_tokens, targets, next_lens)
   return cache, state, StepOutput(pack_sampled(sampled), prompt, verified)
 
@@ -178,7 +180,7 @@ def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec,
 
 
 def _verified(model, every, rows: SamplingState, meta: AttentionMetadata, starts, kv_lens, live,
-              args, stop_ids, sampling: SamplingState, targets):
+              args, stop_ids, sampling: SamplingState, targets, logprobs_mode: LogprobsMode):
   """every [T, D] the last layer's output; rows [B, ...]; starts, kv_lens and live [B];
   targets [B] the slot each row samples for -> (Sampled [B], and tokens and kv_lens [B] with
   each verified chunk's next token and position after its accepted run, verify.Verified.packed,
@@ -186,7 +188,8 @@ def _verified(model, every, rows: SamplingState, meta: AttentionMetadata, starts
   sampler pass serves the sampled rows and the verified ones (verify.sample_verifying)."""
   Bd = args.decode_slots.shape[0]
   sampled, v = sample_verifying(model.head, every, rows, meta.positions[0], kv_lens,
-                                meta.sample_rows, live, args, stop_ids, pack_sampled)
+                                meta.sample_rows, live, args, stop_ids, pack_sampled,
+                                logprobs_mode)
   is_verified = _cat(jnp.zeros(Bd, bool), v.is_verified)  # [B]
   zeros = jnp.zeros(Bd, jnp.int32)
   tokens = jnp.where(is_verified, _cat(zeros, v.next_token), sampled.tokens)

@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import LogprobsMode
 from jaxserve.engine.sample import Sampled, sample
 from jaxserve.engine.sampling_state import SamplingState
 
@@ -38,13 +39,14 @@ class Verified:
 
 
 def sample_verifying(head, hidden, rows: SamplingState, positions, kv_lens, sample_rows, live,
-                     args, stop_ids, pack) -> tuple[Sampled, Verified]:
+                     args, stop_ids, pack, logprobs_mode: LogprobsMode
+                     ) -> tuple[Sampled, Verified]:
   """The sampling of a verifying step, one head pass and one sampler pass over the decode rows
   and every verified position: (Sampled [B], each sequence's token as sample() gives it, and
   Verified). head: the model's head; hidden [T, D] the last layer's output at every packed row;
   rows [B, ...] every sequence's sampling settings; positions [T] each packed row's position;
   kv_lens, sample_rows and live [B]; args the step's StepArgs (verify_rows [Bp, k + 1],
-  verify_drafts [Bp, k]); pack: step.pack_sampled.
+  verify_drafts [Bp, k]); pack: step.pack_sampled; logprobs_mode: sample()'s.
 
   On CPU a head pass costs about as much for 2 rows as for 5 (a 5-row head took ~4x a 1-row
   one, profile_decode.py --verify), so the rows that sample (a prompt's last row is its chunk's last
@@ -66,7 +68,7 @@ def sample_verifying(head, hidden, rows: SamplingState, positions, kv_lens, samp
   rows = dataclasses.replace(rows, output_counts=rows.output_counts + added)
   # Each verified row's token goes after it; a prompt's last row samples at kv_len as always.
   at = jnp.concatenate([kv_lens[:Bd], positions[args.verify_rows.reshape(-1)] + 1])
-  sampled = sample(logits, rows, at, stop_ids, rows_at(args.bitmask))
+  sampled = sample(logits, rows, at, stop_ids, rows_at(args.bitmask), logprobs_mode=logprobs_mode)
   last = lambda x: jnp.concatenate([x[:Bd], x[Bd:].reshape((Bp, K1) + x.shape[1:])[:, -1]])
   verified = _accept(jax.tree.map(lambda x: x[Bd:], sampled), drafts, is_verified, before, pack)
   return jax.tree.map(last, sampled), verified
