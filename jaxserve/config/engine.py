@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import math
 
+from jaxserve.config.pooling import PoolingConfig
 from jaxserve.config.speculative import SpeculativeConfig
 
 
@@ -170,6 +171,8 @@ class EngineConfig:
   # pages for prefix hits to copy back (vLLM's --kv-offloading-size). 0: evicted pages are
   # dropped. It sets the host pool's shape.
   kv_offload_gib: float = 0.0
+  # A pooling engine (--task embed|rerank): the prefill-only pooling steps are compiled too.
+  pooling: PoolingConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.quantization, Quantization):
