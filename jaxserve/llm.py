@@ -182,17 +182,19 @@ class Loaded:
   read_lora: Callable[[str], Any] | None = None
   lora_modules: tuple[tuple[str, str, Any], ...] = ()
   num_compiles: Callable[[], int] = compiles.num_compiles  # The process's XLA compiles.
+  pooler: pooled.Pooler | None = None  # A pooling model's (`serve --task embed|rerank`).
 
 
 def load_engine(model: str | None, engine_config: EngineConfig,
                 served_model_name: str | None = None,
-                lora_modules: Sequence[tuple[str, str]] = ()) -> Loaded:
+                lora_modules: Sequence[tuple[str, str]] = (), task: str = "generate") -> Loaded:
   """`jaxserve serve`'s loader: the model, its engine compiled for every bucket, its tokenizer,
   and the LoRA adapters (name, path) it serves from the start, each read (a ValueError naming
-  the problem) before any compile."""
+  the problem) before any compile. `task`: LLM's."""
   transformer, tokenizer = checkpoint.load_model(model, engine_config.dtype.value,
                                                  placement.mesh_for(engine_config),
                                                  engine_config.quantization)
+  engine_config, pooler = for_task(task, model, transformer.cfg.dim, tokenizer, engine_config)
   if lora_modules and not engine_config.max_loras:
     raise ValueError("LoRA modules need LoRA on (--enable-lora)")
   read = lora_reader(transformer.cfg, engine_config) if engine_config.max_loras else None
@@ -200,7 +202,8 @@ def load_engine(model: str | None, engine_config: EngineConfig,
   engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids,
                   draft=load_draft(engine_config, model, transformer, tokenizer))
   engine.warmup()
-  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules)
+  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules,
+                pooler=pooler)
 
 
 def load_draft(engine_config: EngineConfig, model: str | None, transformer, tokenizer):

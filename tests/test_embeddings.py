@@ -4,8 +4,6 @@ modules.json), for a batch of mixed lengths cut into chunks; `LLM(task="rerank")
 the softmax of transformers' "no"/"yes" logits; nothing compiles after warm-up. Tiny random Qwen3
 models with the default model's tokenizer, built offline."""
 
-import json
-
 import numpy as np
 import pytest
 
@@ -21,47 +19,24 @@ ENGINE = EngineConfig(num_slots=4, page_size=8, num_pages=80, max_model_len=128,
                       prefill_buckets=(16, 32), max_prefill_seqs=4, compilation_cache_dir=None,
                       attention_backend=AttentionBackend.REFERENCE)
 # Mixed lengths: shorter than a chunk, several chunks (the budget is one 32-token bucket).
-TEXTS = ["Hi", "The quick brown fox jumps over the lazy dog. " * 4, "Paris is the capital of France.",
+TEXTS = ["Hi", "The quick brown fox jumps over the lazy dog. " * 4,
+         "Paris is the capital of France.",
          "One two three four five six seven eight nine ten eleven twelve thirteen fourteen."]
 DOCS = ["Paris is in France.", "Bananas are yellow fruit rich in potassium.", "The Eiffel tower."]
-
-
-def _save(default_model, path, sentence_transformers: bool):
-  """A tiny random Qwen3 (the default model's vocabulary) saved in `path`; with
-  sentence-transformers' files asking for mean pooling and normalization, and Matryoshka
-  dimensions 16 and 32."""
-  tokenizer = default_model[1]
-  hf = hf_tiny.build("Qwen3Config", dict(hf_tiny.FAMILIES["qwen3"][1],
-                                         vocab_size=tokenizer.vocab_size))
-  hf.save_pretrained(path)
-  tokenizer.save(path)
-  if sentence_transformers:
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True,
-         "pooling_mode_lasttoken": False}))
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(dict(cfg, matryoshka_dimensions=[16, 32])))
-  return hf
 
 
 @pytest.fixture(scope="module")
 def last(default_model, tmp_path_factory):
   """(transformers model, LLM(task="embed")): last-token pooling, the decoder default."""
   path = tmp_path_factory.mktemp("qwen3_embed")
-  hf = _save(default_model, path, sentence_transformers=False)
+  hf = hf_tiny.save_qwen3(default_model[1], path, sentence_transformers=False)
   return hf, LLM(str(path), task="embed", engine_config=ENGINE)
 
 
 @pytest.fixture(scope="module")
 def mean(default_model, tmp_path_factory):
   path = tmp_path_factory.mktemp("qwen3_mean")
-  hf = _save(default_model, path, sentence_transformers=True)
+  hf = hf_tiny.save_qwen3(default_model[1], path, sentence_transformers=True)
   return hf, LLM(str(path), task="embed", engine_config=ENGINE)
 
 
@@ -124,7 +99,7 @@ def test_bad_input_is_refused_by_name(last):
 
 def test_reranker_scores_match_transformers_yes_no_softmax(default_model, tmp_path_factory):
   path = tmp_path_factory.mktemp("qwen3_rerank")
-  hf = _save(default_model, path, sentence_transformers=False)
+  hf = hf_tiny.save_qwen3(default_model[1], path, sentence_transformers=False)
   llm = LLM(str(path), task="rerank", engine_config=ENGINE)
   no, yes = (llm.tokenizer.encode(w, add_bos=False)[0] for w in ("no", "yes"))
   want = []
