@@ -13,16 +13,20 @@ import os
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence, Union
 
+import numpy as np
 from flax import nnx
 
+from jaxserve.batching import pooled
 from jaxserve.batching.request import Completion
 from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, LoRARequest, SamplingParams, SchedulerConfig
+from jaxserve.config.pooling import Task
 from jaxserve.engine import compiles, placement
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint
 from jaxserve.loading import lora as lora_loading
 from jaxserve.loading import weights as hf_weights
+from jaxserve.loading.pooler import for_task
 
 Prompt = Union[str, Sequence[int]]
 
@@ -31,18 +35,23 @@ class LLM:
   def __init__(self, model: str | None = None, *, engine_config: EngineConfig = EngineConfig(),
                scheduler_config: SchedulerConfig = SchedulerConfig(), warmup: bool = True,
                enable_lora: bool = False, max_loras: int | None = None,
-               max_lora_rank: int | None = None, logprobs_mode: str | None = None):
+               max_lora_rank: int | None = None, task: str = "generate",
+               logprobs_mode: str | None = None):
     """`model`: None (the default model), a packaged model's name, or a path (GGUF file,
     Hugging Face directory, or jaxserve checkpoint). `enable_lora`: serve LoRA adapters, up to
     `max_loras` at once on the device (vLLM's default 1) of rank up to `max_lora_rank` (16);
-    more adapters than that take turns (batching/lora_slots.py). `logprobs_mode`: vLLM's, what
-    logprobs report (config.LogprobsMode's names; None: engine_config's)."""
+    more adapters than that take turns (batching/lora_slots.py). `task`: "generate", or a
+    pooling model's "embed" (`embed`) or "rerank" (`score`), as vLLM's (loading/pooler.py).
+    `logprobs_mode`: vLLM's, what logprobs report (config.LogprobsMode's names; None:
+    engine_config's)."""
     engine_config = lora_config(engine_config, enable_lora, max_loras, max_lora_rank)
     if logprobs_mode is not None:
       engine_config = dataclasses.replace(engine_config, logprobs_mode=logprobs_mode)
     mesh = placement.mesh_for(engine_config)
     self.model, self.tokenizer = checkpoint.load_model(model, engine_config.dtype.value, mesh,
                                                        engine_config.quantization)
+    engine_config, self.pooler = for_task(task, model, self.model.cfg.dim, self.tokenizer,
+                                          engine_config)
     self.engine = Engine(self.model, engine_config, stop_ids=self.tokenizer.stop_ids,
                          draft=load_draft(engine_config, model, self.model, self.tokenizer))
     if warmup:
@@ -148,6 +157,39 @@ class LLM:
     computed before is reused. True (between `generate` calls no request holds pages)."""
     return self.runner.reset_prefix_cache()
 
+  def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None,
+            normalize: bool | None = None) -> list[np.ndarray]:
+    """An embedding model's (task "embed") vector of each prompt, float32, in input order: cut
+    to `dimensions` (Matryoshka) and normalized as the model's are (or as `normalize` says)."""
+    return [self._pooler(Task.EMBED).embedding(row, dimensions, normalize)
+            for row in self._pooled(prompts)]
+
+  def score(self, query: str, documents: str | Sequence[str],
+            instruction: str | None = None) -> list[float]:
+    """Each document's relevance to `query`: a reranker's (task "rerank") probability of "yes"
+    on its prompt (pooled.rerank_prompt, `instruction` in it), or an embedding model's cosine
+    similarity of the two embeddings."""
+    documents = [documents] if isinstance(documents, str) else list(documents)
+    if self.pooler is not None and self.pooler.task is Task.RERANK:
+      rows = self._pooled([pooled.rerank_prompt(query, d, instruction) for d in documents])
+      return [self.pooler.score(row) for row in rows]
+    q, *docs = self.embed([query, *documents])
+    return [pooled.cosine(q, d) for d in docs]
+
+  def _pooler(self, task: Task) -> pooled.Pooler:
+    if self.pooler is None or self.pooler.task is not task:
+      raise ValueError(f"{task.value} needs LLM(task={task.value!r}); this LLM's task is "
+                       f"{'generate' if self.pooler is None else self.pooler.task.value!r}")
+    return self.pooler
+
+  def _pooled(self, prompts: Prompt | Sequence[Prompt]) -> list[np.ndarray]:
+    """Each prompt's pooled row (RequestOutput.pooled), prompts checked first."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+      prompts = [prompts]
+    pooled.check_inputs(prompts)
+    params = SamplingParams(max_tokens=1, pooling=True)
+    return [c.pooled for c in self.runner.generate([(self.encode(p), params) for p in prompts])]
+
 
 def lora_config(config: EngineConfig, enable_lora: bool, max_loras: int | None,
                 max_lora_rank: int | None) -> EngineConfig:
@@ -179,17 +221,19 @@ class Loaded:
   read_lora: Callable[[str], Any] | None = None
   lora_modules: tuple[tuple[str, str, Any], ...] = ()
   num_compiles: Callable[[], int] = compiles.num_compiles  # The process's XLA compiles.
+  pooler: pooled.Pooler | None = None  # A pooling model's (`serve --task embed|rerank`).
 
 
 def load_engine(model: str | None, engine_config: EngineConfig,
                 served_model_name: str | None = None,
-                lora_modules: Sequence[tuple[str, str]] = ()) -> Loaded:
+                lora_modules: Sequence[tuple[str, str]] = (), task: str = "generate") -> Loaded:
   """`jaxserve serve`'s loader: the model, its engine compiled for every bucket, its tokenizer,
   and the LoRA adapters (name, path) it serves from the start, each read (a ValueError naming
-  the problem) before any compile."""
+  the problem) before any compile. `task`: LLM's."""
   transformer, tokenizer = checkpoint.load_model(model, engine_config.dtype.value,
                                                  placement.mesh_for(engine_config),
                                                  engine_config.quantization)
+  engine_config, pooler = for_task(task, model, transformer.cfg.dim, tokenizer, engine_config)
   if lora_modules and not engine_config.max_loras:
     raise ValueError("LoRA modules need LoRA on (--enable-lora)")
   read = lora_reader(transformer.cfg, engine_config) if engine_config.max_loras else None
@@ -197,7 +241,8 @@ def load_engine(model: str | None, engine_config: EngineConfig,
   engine = Engine(transformer, engine_config, stop_ids=tokenizer.stop_ids,
                   draft=load_draft(engine_config, model, transformer, tokenizer))
   engine.warmup()
-  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules)
+  return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules,
+                pooler=pooler)
 
 
 def load_draft(engine_config: EngineConfig, model: str | None, transformer, tokenizer):

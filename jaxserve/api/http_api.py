@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front end (aiohttp): /v1/completions, /v1/chat/completions (both
 with `stream` true, as server-sent events, or false), /v1/models and /v1/models/{id}, vLLM's
-/tokenize, /detokenize and /tokenizer_info (openai_tokenize.py), /health (200 while the engine
+/tokenize, /detokenize and /tokenizer_info (openai_tokenize.py), a pooling model's
+/v1/embeddings, /v1/rerank and /v1/score (openai_embed.py), /health (200 while the engine
 serves, 503 otherwise; no key needed, as for a load balancer's probe), /version, and /metrics;
 vLLM's admin routes for a training loop (/sleep, /pause, /reset_prefix_cache, ...) are
 http_admin.py's.
@@ -25,7 +26,7 @@ from typing import Callable
 from absl import logging
 from aiohttp import web
 
-from jaxserve.api import http_admin, openai_choices, openai_request, openai_tokenize
+from jaxserve.api import http_admin, openai_choices, openai_embed, openai_request, openai_tokenize
 from jaxserve.api.grpc_api import ServiceHost
 from jaxserve.api.http_site import (
   MAX_BODY_BYTES,
@@ -54,6 +55,8 @@ def build_app(host: ServiceHost, metrics: Metrics | None,
   app.router.add_get("/v1/models/{model:.+}", api.model)
   app.router.add_post("/v1/completions", api.completions)
   app.router.add_post("/v1/chat/completions", api.chat_completions)
+  for route in ("/v1/embeddings", "/v1/rerank", "/v1/score"):  # A pooling model's.
+    app.router.add_post(route, api.pooling)
   app.router.add_post("/v1/load_lora_adapter", api.load_lora_adapter)
   app.router.add_post("/v1/unload_lora_adapter", api.unload_lora_adapter)
   app.router.add_post("/tokenize", api.tokenize)
@@ -141,6 +144,12 @@ class _Api:
 
   async def chat_completions(self, request: web.Request) -> web.StreamResponse:
     return await self._generate(request, openai_request.chat_request, ChatFormat)
+
+  async def pooling(self, request: web.Request) -> web.Response:
+    """A pooling model's routes (openai_embed.py), under the key's limits as generation."""
+    async def run(service: Service, acc: Accepted, body: bytes):
+      return _json(await openai_embed.answer(request.path, service, acc, body))
+    return await self._work(request, run)
 
   async def _generate(self, request: web.Request, parse: Callable, format_type: type):
     async def run(service: Service, acc: Accepted, body: bytes):

@@ -1,11 +1,11 @@
 """A prompt's prefill chunks, as the scheduler cuts them: the chunk of a request's positions
-[start, end), and whether it scores them (prompt logprobs). A verified chunk of proposals is
-speculative.py's `verify_chunk`. No jax.
+[start, end), and whether it scores them (prompt logprobs) or pools them (an embedding). A
+verified chunk of proposals is speculative.py's `verify_chunk`. No jax.
 """
 
 from __future__ import annotations
 
-from jaxserve.batching.plan import PrefillChunk
+from jaxserve.batching.plan import PrefillChunk, StepKind
 from jaxserve.batching.request import Request
 
 
@@ -20,10 +20,32 @@ def prompt_chunk(req: Request, start: int, end: int) -> PrefillChunk:
       prompt_token_ids=req.prompt_token_ids if is_last else (),
       output_token_ids=tuple(req.output_token_ids) if is_last else (),
       prompt_logprob_targets=targets, window_table=tuple(req.window_table),
-      lora_slot=req.lora_slot)
+      lora_slot=req.lora_slot, pool_len=req.num_prompt_tokens if req.sampling.pooling else 0)
+
+
+def prefill_kind(req: Request) -> StepKind:
+  """The kind of step `req`'s prefill chunks go in: SCORING and POOLING chunks go in plans of
+  their own kind (prefill-only, each its own program), every other in a PLAIN one."""
+  if wants_prompt_logprobs(req):
+    return StepKind.SCORING
+  return StepKind.POOLING if req.sampling.pooling else StepKind.PLAIN
 
 
 def wants_prompt_logprobs(req: Request) -> bool:
   """Asked for, and not delivered yet: once an output token is out, its prompt's logprobs went
   with it, so a preempted request recomputes (and may reuse the cache) like any other."""
   return req.sampling.prompt_logprobs is not None and not req.output_token_ids
+
+
+def own_turn(running, waiting, last: StepKind | None) -> StepKind | None:
+  """The kind of prefill-only plan (SCORING, POOLING) the next step is, or None for a PLAIN one:
+  the kind of the first prompt that waits for one (running, then the queue's head), taking turns
+  with plain plans (`last`: the kind of the last plan, None when it was plain) while any other
+  request has work."""
+  head = waiting.peek() if waiting else None
+  kinds = [prefill_kind(r) for r in running if r.is_prefilling]
+  if head is not None:
+    kinds.append(prefill_kind(head))
+  own = next((k for k in kinds if k is not StepKind.PLAIN), None)
+  others = StepKind.PLAIN in kinds or any(not r.is_prefilling for r in running)
+  return None if last is not None and others else own

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from jaxserve.batching.constrained import Constraints
+from jaxserve.batching.plan import StepFuture
 from jaxserve.batching.request import FinishReason, Request, RequestOutput, TokenLogprobs
 from jaxserve.batching.stop import Detokenizer, OutputText
 
@@ -26,6 +29,9 @@ class Outputs:
     # Requests that asked for prompt logprobs: one entry per prompt position, filled as their
     # prefill chunks come back, handed out with the first output.
     self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    # Pooling requests' vectors, their chunks' shares summed as they come back (a chunk from
+    # position 0 starts it afresh: a preempted request computes its prompt again).
+    self._pooled: dict[str, np.ndarray] = {}
 
   def start(self, req: Request) -> None:
     detokenizer = self._detokenizer(self._tokenizer, req.prompt_token_ids)
@@ -36,6 +42,7 @@ class Outputs:
   def end(self, req: Request) -> None:
     del self._texts[req.request_id]
     self._prompt_logprobs.pop(req.request_id, None)
+    self._pooled.pop(req.request_id, None)
 
   def token(self, req: Request, token: int, now: float,
             logprobs: tuple[TokenLogprobs, ...] | None, ahead: int = 0) -> RequestOutput:
@@ -70,7 +77,8 @@ class Outputs:
     req.finish_reason = reason
     req.timings.finish = now
     return RequestOutput(req.request_id, token_ids, text, reason, req.timings, logprobs,
-                         self._first_prompt_logprobs(req, ahead))
+                         self._first_prompt_logprobs(req, ahead),
+                         self._pooled.pop(req.request_id, None))
 
   def verified(self, req: Request, verified, now: float) -> RequestOutput:
     """One output for a verified run's tokens (StepFuture.verified), cut at the first that
@@ -86,6 +94,16 @@ class Outputs:
       if outs[-1].finished:
         break
     return _joined(outs)
+
+  def store_prompt(self, req: Request, future: StepFuture, chunk: int, start: int,
+                   length: int) -> None:
+    """What plan chunk `chunk` (`req`'s positions [start, start + length)) computed of its
+    prompt: its share of a pooling request's vector, or its prompt logprobs."""
+    if not req.sampling.pooling:
+      self.store_prompt_logprobs(req, future.prompt_logprobs(chunk), start, length)
+      return
+    share, pooled = future.pooled(chunk), self._pooled.get(req.request_id)
+    self._pooled[req.request_id] = share if start == 0 or pooled is None else pooled + share
 
   def store_prompt_logprobs(self, req: Request, arrays, start: int, length: int) -> None:
     """Position start + 1 + i is scored by chunk row i; the last chunk's last row scores the

@@ -15,7 +15,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from jaxserve.config import SamplingParams, SpeculativeConfig
+from jaxserve.config import PoolingMode, SamplingParams, SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,10 @@ class PrefillChunk:
   # engine writes its draft's proposals over. The sampling settings are the slot's too.
   num_drafts: int = 0
   lora_slot: int = 0  # The device slot of the request's LoRA adapter (0: the base model).
+  # A pooling request's (SamplingParams.pooling) prompt length, 0 for any other: the engine pools
+  # this chunk's positions into the request's vector (StepFuture.pooled), mean pooling weighing
+  # each 1 / pool_len; the request's vector is the sum over its chunks.
+  pool_len: int = 0
 
 
 class StepKind(enum.Enum):
@@ -61,6 +65,7 @@ class StepKind(enum.Enum):
   PLAIN = "plain"
   SCORING = "scoring"  # Prefill only: every chunk scores its prompt positions (prompt logprobs).
   VERIFYING = "verifying"  # Chunks verify speculative proposals (PrefillChunk.num_drafts).
+  POOLING = "pooling"  # Prefill only: every chunk pools its positions (PrefillChunk.pool_len).
 
   @classmethod
   def of(cls, chunks: Sequence[PrefillChunk]) -> StepKind:
@@ -69,6 +74,8 @@ class StepKind(enum.Enum):
       return cls.VERIFYING
     if any(ch.prompt_logprob_targets is not None for ch in chunks):
       return cls.SCORING
+    if any(ch.pool_len for ch in chunks):
+      return cls.POOLING
     return cls.PLAIN
 
 
@@ -135,6 +142,11 @@ class StepFuture(Protocol):
     top ids [n, k], top logprobs [n, k]) of its n positions."""
     ...
 
+  def pooled(self, chunk: int) -> np.ndarray:
+    """For plan.prefills[chunk], one with pool_len, in a pooling step: its share of its
+    request's vector, float32 [D] (the hidden state) or [C] (PoolingConfig.logit_ids' logits)."""
+    ...
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineInfo:
@@ -160,6 +172,7 @@ class EngineInfo:
   max_cpu_loras: int | None = None  # Adapters that may be added at once (None: any number).
   # The prefix cache's host tier: pages each pool may keep in host memory (0: none).
   num_host_pages: int = 0
+  pooling: PoolingMode | None = None  # How a pooling engine pools; None: it runs no pooling.
 
   @property
   def page_groups(self) -> int:

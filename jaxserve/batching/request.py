@@ -18,6 +18,8 @@ import enum
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from jaxserve.config import LoRARequest, SamplingParams
 
 MAX_BACKOFF_STEPS = 64  # The longest a request whose proposals fail goes without proposing.
@@ -200,7 +202,8 @@ class Request:
     return Completion(self.request_id, self.prompt_token_ids, tuple(self.output_token_ids),
                       "".join(o.text for o in outputs), self.finish_reason, self.stop_reason,
                       self.num_cached_tokens, self.timings, logprobs, prompt_logprobs,
-                      self.num_draft_tokens, self.num_accepted_tokens)
+                      self.num_draft_tokens, self.num_accepted_tokens,
+                      next((o.pooled for o in outputs if o.pooled is not None), None))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -227,6 +230,9 @@ class RequestOutput:
   # On the request's first output, when SamplingParams.prompt_logprobs is set: one per prompt
   # token, None for the first (nothing comes before it).
   prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
+  # On a pooling request's (SamplingParams.pooling) last output: its pooled vector, float32 [D],
+  # or a reranker's logits [C] (StepFuture.pooled).
+  pooled: np.ndarray | None = None
 
   @property
   def finished(self) -> bool:
@@ -251,3 +257,4 @@ class Completion:
   # Speculative decoding: tokens proposed and verified, and how many of them the model accepted.
   num_draft_tokens: int = 0
   num_accepted_tokens: int = 0
+  pooled: np.ndarray | None = None  # As RequestOutput's.

@@ -50,7 +50,8 @@ class _Dispatched:
 
   future: StepFuture
   samples: list[tuple[Request, int]]  # (request, epoch) of each of the future's rows
-  # Chunks that score their prompt positions: (plan index, request, epoch, chunk start, length).
+  # Chunks that score or pool their prompt positions: (plan index, request, epoch, chunk start,
+  # length).
   prompts: list[tuple[int, Request, int, int, int]] = dataclasses.field(default_factory=list)
   # Chunks that verify proposals (speculative decoding): (plan index, request, epoch).
   verifies: list[tuple[int, Request, int]] = dataclasses.field(default_factory=list)
@@ -287,7 +288,7 @@ class Runner:
     samples = [(r, r.epoch) for r in scheduled.decode_requests] + [(r, r.epoch) for r in ends]
     prompts = [(i, req, req.epoch, chunk.start_pos, len(chunk.token_ids))
                for i, (chunk, req) in enumerate(zip(plan.prefills, scheduled.prefill_requests))
-               if chunk.prompt_logprob_targets is not None]
+               if chunk.prompt_logprob_targets is not None or chunk.pool_len]
     mask = self.constraints.step_mask(scheduled.decode_requests, ends)
     future = self.engine.step(plan) if mask is None else self.engine.step(plan, mask)
     if samples or prompts or verifies:
@@ -299,7 +300,7 @@ class Runner:
     in one call; stale ones are dropped unread."""
     for i, req, epoch, start, length in step.prompts:
       if req.epoch == epoch:  # Before the step's first tokens, which hand these out.
-        self.outputs.store_prompt_logprobs(req, step.future.prompt_logprobs(i), start, length)
+        self.outputs.store_prompt(req, step.future, i, start, length)
     outputs = [self._verified(req, step.future.verified(i))
                for i, req, epoch in step.verifies if req.epoch == epoch]
     live = [(i, req) for i, (req, epoch) in enumerate(step.samples) if req.epoch == epoch]

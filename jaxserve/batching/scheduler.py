@@ -17,8 +17,9 @@ One step:
      prefill bucket), and at most `max_prefill_seqs` prompts. Admission reuses cached prefix pages
      and prefills the rest.
 
-A request that asks for prompt logprobs is scored by a prefill-only variant of the step, so its
-chunks go in plans of their own (`_scoring_turn`), taking turns with the ordinary plans.
+A request that asks for prompt logprobs is scored by a prefill-only variant of the step, and an
+embedding's prompt pooled by another, so their chunks go in plans of their own kind
+(chunks.own_turn), taking turns with the ordinary plans.
 
 Pages come from `window_pages.PagePools`: one allocator over the KV pool and, for sliding-window
 layers, the window pool. Imports no jax.
@@ -33,7 +34,7 @@ import time
 from typing import Sequence
 
 from jaxserve.batching import speculative
-from jaxserve.batching.chunks import prompt_chunk, wants_prompt_logprobs
+from jaxserve.batching.chunks import own_turn, prefill_kind, prompt_chunk, wants_prompt_logprobs
 from jaxserve.batching.host_pages import PrefixHit
 from jaxserve.batching.plan import Engine, PrefillChunk, StepKind, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
@@ -65,7 +66,9 @@ class Scheduler:
     self.waiting = RequestQueue(config.policy)
     self.running: list[Request] = []  # Sorted by order_key: the last one is preempted first.
     self.slots = Slots(info.num_slots, info.max_loras)  # Decode slots and adapter slots.
-    self._scored_last = False  # The last plan scored prompt positions.
+    self._own_last: StepKind | None = None  # The last plan's kind, if a prefill-only one.
+    # A pooling engine's (None: none); mean and CLS pooling read every position, cached or not.
+    self._pooling = info.pooling
     self.num_steps = 0
     self.num_prefill_tokens = 0  # Prefill tokens computed (recomputation included).
     self.num_cached_tokens = 0  # Prefill tokens skipped thanks to the prefix cache.
@@ -105,6 +108,9 @@ class Scheduler:
     """Raises RequestRejected for a request that could never run."""
     if num_prompt_tokens <= 0:
       raise RequestRejected("the prompt is empty")
+    if sampling.pooling and self._pooling is None:
+      raise RequestRejected("this server generates: embeddings and scores need a pooling "
+                            "model (serve --task embed or --task rerank)")
     total = num_prompt_tokens + sampling.max_tokens
     if total > self.max_model_len:
       raise RequestRejected(
@@ -164,18 +170,19 @@ class Scheduler:
 
   def schedule(self, admit: bool = True) -> ScheduledStep:  # admit False: running ones only.
     self.num_steps += 1
-    decodes, chunks, prefill_reqs, kind = [], [], [], StepKind.PLAIN
-    self._scored_last = self._scoring_turn(admit)
-    if self._scored_last:
-      chunks, prefill_reqs = self._schedule_prefills(admit=admit, scoring=True)
-      self._scored_last, kind = bool(chunks), StepKind.SCORING
-    if not self._scored_last:
+    decodes, chunks, prefill_reqs = [], [], []
+    kind = self._own_last = own_turn(self.running, self.waiting if admit else None,
+                                     self._own_last)
+    if kind is not None:
+      chunks, prefill_reqs = self._schedule_prefills(admit=admit, kind=kind)
+      self._own_last = kind if chunks else None
+    if self._own_last is None:
       decodes, verifies, num_preempted = self._schedule_decodes()
       kind = StepKind.VERIFYING if verifies else StepKind.PLAIN
       chunks, prefill_reqs = [c for c, _ in verifies], [r for _, r in verifies]
       # A preemption means memory is short: admitting now would only preempt again.
-      more, more_reqs = self._schedule_prefills(admit=admit and not num_preempted, scoring=False,
-                                                taken=(chunks, prefill_reqs))
+      more, more_reqs = self._schedule_prefills(admit=admit and not num_preempted,
+                                                kind=StepKind.PLAIN, taken=(chunks, prefill_reqs))
       chunks, prefill_reqs = chunks + more, prefill_reqs + more_reqs
     tables = self.pools.slot_tables() if decodes else None
     released, loads = self.slots.changes()
@@ -183,15 +190,6 @@ class Scheduler:
     plan = StepPlan(tuple(chunks), tuple(r.slot for r in decodes), tables, released,
                     decode_loras, loads, *self.pools.take_copies(), kind=kind)
     return ScheduledStep(plan, tuple(prefill_reqs), tuple(decodes))
-
-  def _scoring_turn(self, admit: bool) -> bool:
-    """Whether this plan scores prompt positions: some prompt waits to be scored, and the last
-    plan did not score (so ordinary plans, and decodes, get every other step)."""
-    if self._scored_last:
-      return False
-    head = self.waiting.peek() if self.waiting and admit else None
-    return any(r.is_prefilling and wants_prompt_logprobs(r) for r in self.running) or (
-        head is not None and wants_prompt_logprobs(head))
 
   def _schedule_decodes(self) -> tuple[list[Request], list[tuple[PrefillChunk, Request]], int]:
     """(decodes, verified chunks with their requests, preemptions)."""
@@ -238,9 +236,9 @@ class Scheduler:
     self.num_preemptions += 1
     self.waiting.push(req)
 
-  def _schedule_prefills(self, admit: bool, scoring: bool,
+  def _schedule_prefills(self, admit: bool, kind: StepKind,
                          taken: tuple = ((), ())) -> tuple[list[PrefillChunk], list]:
-    """One chunk for each prefilling request (of the plan's kind: scoring or not) while the
+    """One chunk for each prefilling request (of the plan's kind: chunks.prefill_kind) while the
     budget and the prompts-per-step limit last, then admissions in queue order. Static
     batching admits a whole group at once, and only when the last group has finished; the
     members the step has no room for prefill in the steps after. `taken`: the verified chunks
@@ -249,12 +247,12 @@ class Scheduler:
     budget = self._budget - sum(len(ch.token_ids) for ch in taken[0])
     max_seqs = self._max_prefill_seqs - len(taken[1])
     for req in self.running:
-      if (req.is_prefilling and wants_prompt_logprobs(req) == scoring and budget > 0
+      if (req.is_prefilling and prefill_kind(req) is kind and budget > 0
           and len(reqs) < max_seqs):
         budget = self._add_chunk(req, budget, chunks, reqs)
     static = self.config.static_batching
     admit = admit and not (static and self.running)
-    while admit and self.waiting and wants_prompt_logprobs(self.waiting.peek()) == scoring:
+    while admit and self.waiting and prefill_kind(self.waiting.peek()) is kind:
       room = budget > 0 and len(reqs) < max_seqs
       hits = self._admission(self.waiting.peek()) if room or static else None
       if hits is None:
@@ -272,8 +270,9 @@ class Scheduler:
     if not self.slots.can_take(req):  # A full adapter table: it waits for one (lora_slots.py).
       return None
     lora = None if req.lora is None else req.lora.cache_key
-    hits = [] if wants_prompt_logprobs(req) else self.pools.match(req.all_token_ids,
-                                                                   req.cache_salt, lora)
+    every = wants_prompt_logprobs(req) or (req.sampling.pooling
+                                           and self._pooling.needs_every_position)
+    hits = [] if every else self.pools.match(req.all_token_ids, req.cache_salt, lora)
     # The reserve is headroom for other requests' decode; alone, a request may use every page.
     reserve = self.config.reserve_pages if self.running else 0
     return hits if self.pools.can_allocate(req.all_token_ids, hits, reserve) else None

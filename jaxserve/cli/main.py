@@ -82,7 +82,8 @@ def run_serve(args) -> int:
   leaders = []  # Process 0 of several: the engine that broadcasts each step to the others.
 
   def load():
-    loaded = llm.load_engine(args.model, engine_cfg, args.served_model_name, args.lora_modules)
+    loaded = llm.load_engine(args.model, engine_cfg, args.served_model_name, args.lora_modules,
+                             args.task)
     if jax.process_count() == 1:
       return loaded
     leaders.append(multihost.LeaderEngine(loaded.engine))
@@ -112,7 +113,7 @@ def _follow(args, engine_cfg) -> int:
   # Signals are process 0's to handle: its drain still needs every process's devices.
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, signal.SIG_IGN)
-  multihost.follow(llm.load_engine(args.model, engine_cfg).engine)
+  multihost.follow(llm.load_engine(args.model, engine_cfg, task=args.task).engine)
   return 0
 
 

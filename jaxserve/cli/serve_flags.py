@@ -13,6 +13,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
   s = sub.add_parser("serve", help="serve a model over gRPC and an OpenAI-compatible HTTP API",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   flags.add_engine_flags(s)
+  s.add_argument("--task", default="generate", choices=("generate", "embed", "rerank"),
+                 help="what the model serves: text (generate), embeddings (embed: /v1/embeddings, "
+                 "/v1/score) or a reranker's scores (rerank: /v1/rerank, /v1/score)")
   s.add_argument("--served-model-name", default=None,
                  help="the name clients send as `model`; unset: the model's own name")
   s.add_argument("--host", default="127.0.0.1",

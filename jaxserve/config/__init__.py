@@ -23,11 +23,13 @@ from jaxserve.config.engine import (
 )
 from jaxserve.config.lora import LoraConfig, LoRARequest
 from jaxserve.config.model import LongRope, ModelConfig, ModelFamily, RopeScaling
+from jaxserve.config.pooling import PoolingConfig, PoolingMode
 from jaxserve.config.sampling import LogprobsMode, SamplingParams
 from jaxserve.config.speculative import SpeculativeConfig
 
 __all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype",
            "KVLayout", "LoRARequest", "LogprobsMode", "LoraConfig", "LongRope", "ModelConfig",
-           "ModelFamily", "Platform", "Quantization", "QueuePolicy", "RopeScaling",
+           "ModelFamily", "Platform", "PoolingConfig", "PoolingMode", "Quantization",
+           "QueuePolicy", "RopeScaling",
            "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
            "default_attention_backend", "is_int", "json_type", "pick_quantization", "short"]

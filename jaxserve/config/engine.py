@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import math
 
+from jaxserve.config.pooling import PoolingConfig
 from jaxserve.config.sampling import LogprobsMode
 from jaxserve.config.speculative import SpeculativeConfig
 
@@ -174,6 +175,8 @@ class EngineConfig:
   # What sampled tokens' logprobs report (config/sampling.py LogprobsMode, vLLM's
   # --logprobs-mode; a name is taken too): it picks the sampler's code, so it is compiled in.
   logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS
+  # A pooling engine (--task embed|rerank): the prefill-only pooling steps are compiled too.
+  pooling: PoolingConfig | None = None
 
   def __post_init__(self):
     for field, cls in (("quantization", Quantization), ("dtype", Dtype),

@@ -65,6 +65,9 @@ class SamplingParams:
   constraint: Constraint | None = None
   # False: this request never speculates, even on an engine with EngineConfig.speculative set.
   speculative: bool = True
+  # An embedding or score request (EngineConfig.pooling): its output is the prompt's pooled
+  # vector (RequestOutput.pooled); the one token it samples is nobody's.
+  pooling: bool = False
 
   # The settings that shape each token's choice, each a per-slot device array
   # (engine/sampling_state.py). The front ends, the command line and the device state derive
@@ -102,6 +105,8 @@ class SamplingParams:
     check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1")
     check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
     check(isinstance(self.speculative, bool), "speculative", "must be true or false")
+    check(isinstance(self.pooling, bool) and not (self.pooling and self.prompt_logprobs),
+          "pooling", "must be true or false, and not with prompt_logprobs")
     check(is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
           f"must be in [0, {self.MAX_LOGPROBS}]")
     check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)

@@ -37,7 +37,7 @@ class Program:
   """One program warm-up compiles: a step kind and shape, and the padding arguments (numpy) it
   runs on."""
 
-  name: str  # "step Bd=.. Tp=.. W=..", then " scoring" or " verifying" for those kinds.
+  name: str  # "step Bd=.. Tp=.. W=..", then the kind's name (" scoring"...) but for PLAIN.
   shape: StepShape
   kind: StepKind
   args: StepArgs
@@ -65,8 +65,9 @@ class Assembly:
     if s is None:
       return None
     cache, state, sampled = s.step_out
-    return cache, state, StepOutput(sampled, s.replicated if kind is StepKind.SCORING else None,
-                                    s.replicated if kind is StepKind.VERIFYING else None)
+    of = lambda k: s.replicated if kind is k else None
+    return cache, state, StepOutput(sampled, of(StepKind.SCORING), of(StepKind.VERIFYING),
+                                    of(StepKind.POOLING))
 
   def jit(self, kind: StepKind):
     """The `kind` step as the engine calls it: donating the cache and the decode state, and
@@ -113,10 +114,11 @@ class Assembly:
   def programs(self) -> list[Program]:
     """Every program warm-up compiles, in order: a plain one per step shape (Packer.shapes),
     then the scoring kind of the prefill-only ones (Packer.scored_shapes), then the verifying
-    kind of those with prefill (Packer.verified_shapes, with speculation)."""
+    kind of those with prefill (Packer.verified_shapes, with speculation), then the pooling
+    kind of the prefill-only ones (Packer.pooled_shapes, with EngineConfig.pooling)."""
     p = self.packer
     kinds = ((StepKind.PLAIN, p.shapes()), (StepKind.SCORING, p.scored_shapes()),
-             (StepKind.VERIFYING, p.verified_shapes()))
+             (StepKind.VERIFYING, p.verified_shapes()), (StepKind.POOLING, p.pooled_shapes()))
     return [Program(program_name(shape, kind), shape, kind, p.template(shape, kind))
             for kind, shapes in kinds for shape in shapes]
 

@@ -142,7 +142,8 @@ class Engine:
                       num_window_pages=self.cache.num_window_pages,
                       speculative=c.speculative, max_loras=c.max_loras,
                       max_cpu_loras=c.max_cpu_loras,
-                      num_host_pages=0 if self.host_kv is None else self.host_kv.num_slots)
+                      num_host_pages=0 if self.host_kv is None else self.host_kv.num_slots,
+                      pooling=None if c.pooling is None else c.pooling.mode)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
            run=None) -> StepFuture | None:

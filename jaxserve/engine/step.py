@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxserve.config import LogprobsMode
 from jaxserve.engine.draft import follow, propose
+from jaxserve.engine.pooling import pool
 from jaxserve.engine.prompt_logprobs import PromptLogprobs, score_prompt
 from jaxserve.engine.sample import sample
 from jaxserve.engine.sampling_state import SamplingState
@@ -52,15 +53,17 @@ class StepOutput:
   sampled: jax.Array
   prompt: PromptLogprobs | None = None  # [Tp]: a scoring step's prompt positions.
   verified: jax.Array | None = None  # verify.Verified.packed: a verifying step's runs.
+  pooled: jax.Array | None = None  # [Bp, D] or [Bp, C] float32: a pooling step's (pooling.py).
 
 
 def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *,
          attn: AttentionSpec, logprobs_mode: LogprobsMode, draft=None, lora: bool = False):
   """args: engine.step_args.StepArgs of device arrays (a scoring step's carry prefill_targets, a
-  verifying step's verify_rows) -> (cache, state, StepOutput). draft: the draft model's graphdef
-  (speculative method "draft", engine/draft.py); params is then (the target's, the draft's) and
-  the cache holds the draft's groups too (KVCache.draft). lora (max_loras > 0): the model's
-  params carry its adapters (_model). logprobs_mode: what sampled tokens' logprobs report."""
+  pooling step's pool_weights, a verifying step's verify_rows) -> (cache, state, StepOutput).
+  draft: the draft model's graphdef (speculative method "draft", engine/draft.py); params is
+  then (the target's, the draft's) and the cache holds the draft's groups too (KVCache.draft).
+  lora (max_loras > 0): the model's params carry its adapters (_model). logprobs_mode: what
+  sampled tokens' logprobs report."""
   Bs, Bd = state.tokens.shape[0], args.decode_slots.shape[0]
   slots = _cat(args.decode_slots, args.prefill_slots)  # [B]
   live = slots < Bs
@@ -80,7 +83,7 @@ def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *
   meta = _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, cache.page_size,
                    cache.num_groups)
   model, adapters = _model(graphdef, params, args, lora)
-  logits, cache, prompt, every = _forward(model, tokens, cache, meta, attn, args, adapters)
+  logits, cache, extra, every = _forward(model, tokens, cache, meta, attn, args, adapters)
   if draft is not None:  # The draft sees every token the target sees.
     cache = cache.with_draft(follow(drafter, draft_cache, tokens, meta, attn))
   targets = jnp.where(samples, slots, Bs)
@@ -93,7 +96,7 @@ def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *
         model, every, rows, meta, starts, kv_lens, live, args, stop_ids, sampling, targets,
         logprobs_mode)
   state = _write_back(state, sampling, next_tokens, targets, next_lens)
-  return cache, state, StepOutput(pack_sampled(sampled), prompt, verified)
+  return cache, state, StepOutput(pack_sampled(sampled), verified=verified, **extra)
 
 
 def _model(graphdef, params, args, lora: bool) -> tuple:
@@ -164,19 +167,21 @@ def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
 
 def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args,
              adapters: LoraRows | None):
-  """-> (logits [B, V] at the rows that sample, cache, PromptLogprobs or None, and None); in a
-  verifying step (None, cache, None, the last layer's output [T, D] at every row)."""
+  """-> (logits [B, V] at the rows that sample, cache, the kind's StepOutput fields, and None);
+  in a verifying step (None, cache, {}, the last layer's output [T, D] at every row)."""
   extra = {} if adapters is None else {"lora": adapters}  # Gemma 3 takes no adapters.
-  if args.prefill_targets is None and args.verify_rows is None:
+  if args.prefill_targets is None and args.verify_rows is None and args.pool_weights is None:
     logits, cache = model(tokens[None], cache, meta, attn, **extra)  # [B, V]
-    return logits, cache, None, None
-  # Every position's output [1, T, D], for the prompt's scores (in blocks) or the verified runs.
+    return logits, cache, {}, None
+  # Every position's output [1, T, D], for the prompt's scores (in blocks), its pooled vector
+  # or the verified runs.
   every, cache = model(tokens[None], cache, meta, attn, hidden=True, **extra)
   if args.verify_rows is not None:  # Its logits come with the verified rows' (verify.py).
-    return None, cache, None, every[0]
-  logits = model.head(every[0, meta.sample_rows])
-  prompt = score_prompt(model.head, every[0, meta.num_decode_rows:], args.prefill_targets)
-  return logits, cache, prompt, None
+    return None, cache, {}, every[0]
+  logits, prefill = model.head(every[0, meta.sample_rows]), every[0, meta.num_decode_rows:]
+  if args.pool_weights is not None:
+    return logits, cache, {"pooled": pool(model, prefill, args.pool_weights, args.pool_ids)}, None
+  return logits, cache, {"prompt": score_prompt(model.head, prefill, args.prefill_targets)}, None
 
 
 def _verified(model, every, rows: SamplingState, meta: AttentionMetadata, starts, kv_lens, live,

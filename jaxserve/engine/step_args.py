@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxserve.batching.plan import PrefillChunk, StepKind, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine.pooling import pooling_args
 from jaxserve.engine.sampling_state import SamplingRow, SamplingState
 from jaxserve.engine.step_shapes import StepShape, StepShapes
 from jaxserve.model.kv_cache import SCRATCH_PAGE
@@ -64,6 +65,11 @@ class StepArgs(NamedTuple):
   # With LoRA (EngineConfig.max_loras > 0), else None: [Bd + Tp] int32, each token's adapter
   # slot (0: the base model, and every padding token).
   lora_slots: np.ndarray | None = None
+  # In a pooling step (EngineConfig.pooling), else None: [Bp, Tp] float32, each prefill
+  # sequence's weight on each packed row (engine/pooling.py), and [C] int32 the reranker's
+  # logit ids (PoolingConfig.logit_ids; [0] for an embedding model, whose rows are D wide).
+  pool_weights: np.ndarray | None = None
+  pool_ids: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,8 @@ class Packer(StepShapes):
       args = args._replace(prefill_targets=_prompt_targets(chunks, Tp))
     if plan.kind is StepKind.VERIFYING:
       args = args._replace(**self._verified(chunks, Bd, args.prefill_slots.shape[0]))
+    if plan.kind is StepKind.POOLING:
+      args = args._replace(**pooling_args(c.pooling, chunks, args.prefill_slots.shape[0], Tp))
     if c.max_loras:
       args = args._replace(lora_slots=_lora_slots(plan, rows, Tp))
     return args, samples
@@ -154,6 +162,9 @@ class Packer(StepShapes):
     scored = [ch.prompt_logprob_targets is not None for ch in chunks]
     if any(scored) and (decodes or not all(scored)):
       raise ValueError("a step that scores prompt positions holds only chunks that ask for it")
+    pooled = [ch.pool_len > 0 for ch in chunks]
+    if any(pooled) and (decodes or not all(pooled)):
+      raise ValueError("a step that pools prompt positions holds only chunks that ask for it")
 
   def template(self, shape: StepShape, kind: StepKind = StepKind.PLAIN) -> StepArgs:
     """Arrays of `shape` for a `kind` step that run nothing but padding (warm-up, and
@@ -165,6 +176,9 @@ class Packer(StepShapes):
                     prefill_targets=targets)
     if kind is StepKind.VERIFYING:
       args = args._replace(**self._verified([], Bd, args.prefill_slots.shape[0]))
+    if kind is StepKind.POOLING:
+      Bp = args.prefill_slots.shape[0]
+      args = args._replace(**pooling_args(self.config.pooling, [], Bp, Tp))
     if self.config.max_loras:
       args = args._replace(lora_slots=np.zeros(Bd + Tp, np.int32))
     return args._replace(bitmask=self._all_allowed(Bd + args.prefill_slots.shape[0]))

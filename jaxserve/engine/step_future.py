@@ -47,6 +47,14 @@ class StepFuture:
     at, end = self._starts[chunk], self._starts[chunk + 1]
     return tuple(np.asarray(x)[at:end] for x in (p.logprobs, p.ranks, p.top_ids, p.top_logprobs))
 
+  def pooled(self, chunk: int) -> np.ndarray:
+    """float32 [D] or [C]: plan.prefills[chunk]'s share of its request's pooled vector."""
+    if self._out.pooled is None:
+      raise ValueError(f"chunk {chunk} of this step pooled nothing")
+    if "pooled" not in self._host:
+      self._host["pooled"] = np.asarray(self._out.pooled)
+    return self._host["pooled"][chunk].copy()
+
   def verified(self, chunk: int):
     """(accepted a, tokens [k + 1], chosen logprobs [k + 1], top ids [k + 1, 20], top logprobs
     [k + 1, 20]) of plan.prefills[chunk]: its output is tokens[:a + 1]."""

@@ -57,6 +57,10 @@ class StepShapes:
     """The scoring variant's shapes: prefill only."""
     return [StepShape(0, t, self.width) for t in self.config.prefill_buckets]
 
+  def pooled_shapes(self) -> list[StepShape]:
+    """The pooling variant's shapes (with EngineConfig.pooling): prefill only."""
+    return self.scored_shapes() if self.config.pooling is not None else []
+
   def verified_shapes(self) -> list[StepShape]:
     """The verifying variant's shapes (with EngineConfig.speculative): a verified chunk sits in
     the prefill part, so those of the steps with prefill."""

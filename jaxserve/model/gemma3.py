@@ -144,10 +144,15 @@ class Gemma3(nnx.Module):
       return x, cache
     return self.head(x[0, meta.sample_rows] if last_only else x), cache  # [B, D] or [1, T, D]
 
+  def normed(self, x):
+    """The last layer's output [..., D] through the final norm: the hidden state a pooling
+    model's vector is made of (Hugging Face's last_hidden_state)."""
+    return norm(x, self.final_norm[...], self.cfg.norm_eps)
+
   def head(self, x):
     """The last layer's output [..., D] -> logits [..., V] float32 (soft-capped if set)."""
     cfg = self.cfg
-    x = norm(x, self.final_norm[...], cfg.norm_eps)
+    x = self.normed(x)
     if cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
       logits = quant.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
     else:

@@ -292,9 +292,14 @@ class Transformer(nnx.Module):
       return x, cache
     return self.head(x[0, meta.sample_rows] if last_only else x), cache  # [B, D] or [1, T, D]
 
+  def normed(self, x):
+    """The last layer's output [..., D] through the final norm: the hidden state a pooling
+    model's vector is made of (Hugging Face's last_hidden_state)."""
+    return rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
+
   def head(self, x):
     """The last layer's output [..., D] -> logits [..., V] float32."""
-    x = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
+    x = self.normed(x)
     if self.cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
       return quant.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
     return quant.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)

@@ -13,9 +13,10 @@ from jaxserve.serving.gateway import invalid
 MAX_CHUNK_TOKENS = 4096
 MAX_REQUEST_ID_CHARS = 256
 MAX_MESSAGES = 2048  # Chat messages in one request (each costs template and tokenizer work).
-# What a client may set; max_tokens and logprobs are checked on their own, against the context.
+# What a client may set; max_tokens and logprobs are checked on their own, against the context;
+# pooling is the embedding endpoints' own.
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
-    "max_tokens", "logprobs"}
+    "max_tokens", "logprobs", "pooling"}
 
 
 def check_num_messages(n: int) -> None:

@@ -72,6 +72,7 @@ class Chunk:
   # On the first chunk, when the sampling asked for prompt_logprobs: one per prompt token
   # (None for the first), cut to that many top entries.
   prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
+  pooled: Any = None  # On a pooling request's last chunk: RequestOutput.pooled.
 
 
 class Prepared(NamedTuple):

@@ -68,11 +68,12 @@ class Service:
                gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False,
                pool: WorkPool | None = None, read_lora: Callable[[str], Any] | None = None,
                kv_peer: PrefillPeer | None = None,
-               runtime_lora_roots: Sequence[str] | None = None):
+               runtime_lora_roots: Sequence[str] | None = None, pooler: Any = None):
     """`read_lora(path)`: reads a LoRA adapter's folder (serving/adapters.py); None: LoRA off.
     `kv_peer`: a decode server's prefill server (the PrefillPeer port), whose `fetch` brings
     each request's prompt KV before it is queued; None: every prompt is prefilled here.
-    `runtime_lora_roots`: where run-time adapter loads may read (None: run-time updates off)."""
+    `runtime_lora_roots`: where run-time adapter loads may read (None: run-time updates off).
+    `pooler`: a pooling model's batching.pooled.Pooler (serve --task embed|rerank), else None."""
     self.runner = runner
     self.tokenizer = tokenizer
     self.model_name = model_name
@@ -91,6 +92,7 @@ class Service:
     self.constraint_gate = ConstraintGate(runner.constraints)
     self.adapters = Adapters(runner, model_name, read_lora, runtime_lora_roots)
     self.kv_peer = kv_peer
+    self.pooler = pooler
 
   def model_info(self) -> dict[str, Any]:
     """The fields of the proto's ModelInfo."""
@@ -307,4 +309,4 @@ def _chunk(request: Request, outputs: Sequence[RequestOutput], num_top: int | No
                          None)
   return Chunk(request.request_id, "".join(o.text for o in outputs),
                [t for o in outputs for t in o.token_ids], logprobs, outputs[-1].finish_reason,
-               record, request.prompt_token_ids, prompt_logprobs)
+               record, request.prompt_token_ids, prompt_logprobs, outputs[-1].pooled)

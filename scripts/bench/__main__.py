@@ -19,6 +19,8 @@
   serving      load against a running `jaxserve serve` over gRPC: TTFT, TPOT, ITL, end-to-end
   structured   64 requests, half of them JSON-schema constrained, against none
   host         the Runner and Scheduler's host time per step at 64 busy slots, a zero-cost engine
+  embed        embeddings/s of 64 inputs of 16-512 tokens, jaxserve beside transformers on the
+               same weights, each in a fresh process
 
 All of them time things one way (scripts/bench/harness.py): each side of a comparison in a fresh
 process, sides interleaved over rounds, the median kept, and the machine (CPU model, cores, jax
@@ -37,7 +39,7 @@ from . import harness
 # sys.path before anything imports jaxserve.
 MODULES = {"decode": "decode", "prefill": "decode", "moe": "moe", "device": "device",
            "quant": "quant", "speculative": "speculative", "step": "step", "lora": "lora",
-           "offload": "offload",
+           "offload": "offload", "embed": "embed",
            "peers": "peers",
            "serving": "serving", "structured": "serving", "host": "serving"}
 

@@ -6,6 +6,7 @@ so a module that skips without them still collects."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -154,3 +155,26 @@ def _llama_cpp_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
   (2, pairs) -> (pairs, 2) within each head."""
   return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2)
           .reshape(w.shape))
+
+
+def save_qwen3(tokenizer, path, sentence_transformers: bool = False):
+  """A tiny random Qwen3 with `tokenizer` (its vocabulary) saved in `path`, for pooling models
+  (issue 51); with `sentence_transformers`, that library's files asking for mean pooling and
+  normalization, and Matryoshka dimensions 16 and 32 in its config.json."""
+  hf = build("Qwen3Config", dict(FAMILIES["qwen3"][1], vocab_size=tokenizer.vocab_size))
+  hf.save_pretrained(path)
+  tokenizer.save(path)
+  if sentence_transformers:
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True,
+         "pooling_mode_lasttoken": False}))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, matryoshka_dimensions=[16, 32])))
+  return hf
