@@ -86,8 +86,7 @@ def step(graphdef, params, cache: KVCache, state: DecodeState, args, stop_ids, *
   logits, cache, extra, every = _forward(model, tokens, cache, meta, attn, args, adapters)
   if draft is not None:  # The draft sees every token the target sees.
     cache = cache.with_draft(follow(drafter, draft_cache, tokens, meta, attn))
-  targets = jnp.where(samples, slots, Bs)
-  verified = None
+  targets, verified = jnp.where(samples, slots, Bs), None
   if every is None:
     sampled = sample(logits, rows, kv_lens, stop_ids, args.bitmask, logprobs_mode=logprobs_mode)
     next_tokens, next_lens = sampled.tokens, kv_lens
