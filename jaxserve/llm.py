@@ -23,7 +23,7 @@ from jaxserve.config import EngineConfig, LoRARequest, SamplingParams, Scheduler
 from jaxserve.config.pooling import Task
 from jaxserve.engine import compiles, placement
 from jaxserve.engine.engine import Engine
-from jaxserve.loading import checkpoint
+from jaxserve.loading import checkpoint, quantize
 from jaxserve.loading import lora as lora_loading
 from jaxserve.loading import weights as hf_weights
 from jaxserve.loading.pooler import for_task
@@ -222,6 +222,8 @@ class Loaded:
   lora_modules: tuple[tuple[str, str, Any], ...] = ()
   num_compiles: Callable[[], int] = compiles.num_compiles  # The process's XLA compiles.
   pooler: pooled.Pooler | None = None  # A pooling model's (`serve --task embed|rerank`).
+  # read_weights(folder): /update_weights_from_disk's reader (serving/weights_from_disk.py).
+  read_weights: Callable[[str], Any] | None = None
 
 
 def load_engine(model: str | None, engine_config: EngineConfig,
@@ -242,7 +244,13 @@ def load_engine(model: str | None, engine_config: EngineConfig,
                   draft=load_draft(engine_config, model, transformer, tokenizer))
   engine.warmup()
   return Loaded(engine, tokenizer, served_model_name or transformer.cfg.name, read, modules,
-                pooler=pooler)
+                pooler=pooler, read_weights=read_weights)
+
+
+def read_weights(folder: str) -> dict:
+  """The weights of a Hugging Face safetensors folder or a jaxserve checkpoint, float, in the
+  model's layout (what update_weights takes; it names a weight that does not fit)."""
+  return quantize.to_float(checkpoint.read_source(folder)[1])
 
 
 def load_draft(engine_config: EngineConfig, model: str | None, transformer, tokenizer):

@@ -5,6 +5,7 @@ served engine (its own KV cache). And vLLM's admin routes for a training loop (i
 and resume under a load of streams loses none, sleep and wake_up give the same text."""
 
 import concurrent.futures
+import pathlib
 import time
 import urllib.parse
 
@@ -14,6 +15,7 @@ import pytest
 from jaxserve.api import http_admin
 from jaxserve.batching.runner import Runner
 from jaxserve.config import Constraint, SamplingParams
+from jaxserve.loading import checkpoint
 from support import server_harness as h
 from support.openai_http import call
 from support.openai_http import openai_client as client
@@ -24,8 +26,8 @@ EMOJI = "\U0001F600"  # Four UTF-8 bytes: SmolLM2 spells it as byte-level pieces
 
 
 @pytest.fixture(scope="module")
-def srv_options():
-  return dict(keys=True)
+def srv_options(tmp_path_factory):
+  return dict(keys=True, weights_roots=(str(tmp_path_factory.mktemp("weights")),))
 
 
 @pytest.fixture(scope="module")
@@ -281,3 +283,44 @@ def test_sleep_and_wake_up_give_the_same_greedy_text_and_keep_what_arrived(srv, 
   assert admin(srv, "/is_sleeping", "GET") == (200, {"is_sleeping": False})
   assert admin(srv, "/resume")[0] == 200
   assert load.results() == [unpaused[LOAD[0]]]
+
+
+def test_update_weights_from_disk_takes_a_checkpoint_and_refuses_what_does_not_fit(
+    srv, srv_options, tiny_checkpoint):
+  """SGLang's /update_weights_from_disk: the served logprobs change with the folder's weights
+  and come back exactly with the original ones; a folder outside --weights-root (a symlink to
+  one included), a body without a path and a misshaped weight are refused by name."""
+  root = pathlib.Path(srv_options["weights_roots"][0])
+  cfg, params, tokenizer = checkpoint.restore(tiny_checkpoint)
+  checkpoint.save(root / "original", cfg, params, tokenizer)
+  checkpoint.save(root / "changed", cfg, {**params, "final_norm": params["final_norm"] * 0.1},
+                  tokenizer)
+  body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 4, "temperature": 0,
+          "logprobs": 2, "ignore_eos": True}
+  logprobs = lambda: call(srv, "/v1/completions", body)[1]["choices"][0]["logprobs"]
+  before = logprobs()
+  update = lambda path, **kw: call(srv, "/update_weights_from_disk", {"model_path": str(path),
+                                                                       **kw}, key="ops")
+  try:
+    with count_compiles() as counts:
+      assert update(root / "changed") == (200, {"success": True, "message":
+                                                f"weights updated from {root / 'changed'}"})
+      changed = logprobs()
+      assert update(root / "original", in_flight="abort")[0] == 200
+      assert logprobs() == before  # The same weights: the same numbers, no page of "changed".
+    assert counts == {"trace": 0, "compile": 0}
+  finally:
+    update(root / "original")
+  assert changed["token_logprobs"] != pytest.approx(before["token_logprobs"], abs=1e-3)
+  (root / "link").symlink_to(tiny_checkpoint)
+  for path in (tiny_checkpoint, root / "link", root / "missing"):
+    status, out = update(path)
+    assert status == 404 and "under this server's weight roots" in out["error"]["message"]
+  assert call(srv, "/update_weights_from_disk", {}, key="ops")[0] == 400
+  assert update(root / "original", in_flight="later")[0] == 400
+  cfg2, params2, _ = checkpoint.restore(tiny_checkpoint)
+  params2["layers"] = {**params2["layers"], "wq": params2["layers"]["wq"][:, :-1]}
+  checkpoint.save(root / "misshaped", cfg2, params2, tokenizer)
+  status, out = update(root / "misshaped")
+  assert status == 400 and "wq" in out["error"]["message"], out
+  assert logprobs() == before  # Refused: nothing changed.

@@ -12,6 +12,9 @@ server without keys, anyone's):
   GET  /is_paused                               {"is_paused": bool}
   POST /reset_prefix_cache                      no cached prefix page is reused (503 while
                                                 running requests hold pages)
+  POST /update_weights_from_disk                SGLang's: {"model_path": folder, "in_flight":
+                                                "finish"|"abort"} -> {"success", "message"};
+                                                under --weights-root only (weights_from_disk.py)
 
 What each control does, and that nothing accepted is lost (a request sent while paused or
 asleep waits, and runs after /resume or /wake_up), is batching/stream_controls.py's. A control
@@ -22,6 +25,7 @@ http_api.py answers every route (the key checked, errors in OpenAI's shape).
 
 from __future__ import annotations
 
+import json
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -109,6 +113,19 @@ async def reset_prefix_cache(service: Service, acc: Accepted, request: web.Reque
   return web.Response(text="")
 
 
+async def update_weights_from_disk(service: Service, acc: Accepted, request: web.Request,
+                                   body: bytes) -> web.Response:
+  """SGLang's body, {"model_path": folder[, "in_flight": "finish"|"abort"]}, and answer."""
+  try:
+    data = json.loads(body or b"{}")
+  except ValueError:
+    raise invalid("the body must be a JSON object") from None
+  if not isinstance(data, dict):
+    raise invalid("the body must be a JSON object")
+  message = await service.weights.update(data, lambda fn, *a: service.pool.run(fn, *a, owed=True))
+  return web.json_response({"success": True, "message": message})
+
+
 def _mode(request: web.Request) -> PauseMode:
   """The `mode` query parameter, vLLM's default abort."""
   mode = request.query.get("mode", PauseMode.ABORT.value)
@@ -126,4 +143,5 @@ ROUTES: tuple[tuple[str, str, Route], ...] = (
     ("POST", "/resume", resume),
     ("GET", "/is_paused", is_paused),
     ("POST", "/reset_prefix_cache", reset_prefix_cache),
+    ("POST", "/update_weights_from_disk", update_weights_from_disk),
 )

@@ -40,6 +40,8 @@ class ServerConfig:
   # Run-time LoRA loads and unloads (serving/adapters.py): None off; else on, for admin keys,
   # reading adapter folders only from under these directories.
   runtime_lora_roots: tuple[str, ...] | None = None
+  # POST /update_weights_from_disk reads weights only from under these (none: the route is off).
+  weights_roots: tuple[str, ...] = ()
   # Each request's CPU work (parsing, tokenizing, constraint compiles, large responses) runs on
   # this many threads; a request that finds work_queue others waiting gets RESOURCE_EXHAUSTED.
   work_threads: int = 4

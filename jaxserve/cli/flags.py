@@ -168,6 +168,9 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
                  "when there is a keys file; folders only from under --lora-root)")
   p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
                  help="a directory run-time loads may read adapters from (repeatable)")
+  p.add_argument("--weights-root", action="append", default=[], metavar="DIR",
+                 help="a directory POST /update_weights_from_disk may read weights from, admin "
+                 "keys only (repeatable; none: the route is off)")
 
 
 def lora_module(text: str) -> tuple[str, str]:

@@ -133,7 +133,8 @@ def _server_config(args):
       http_read_timeout_s=args.http_read_timeout, kv_role=args.kv_role, kv_peer=args.kv_peer,
       kv_peer_api_key=args.kv_peer_api_key, kv_peer_tls_ca=args.kv_peer_tls_ca,
       kv_peer_timeout_s=args.kv_peer_timeout,
-      runtime_lora_roots=tuple(args.lora_root) if args.enable_runtime_lora_updates else None)
+      runtime_lora_roots=tuple(args.lora_root) if args.enable_runtime_lora_updates else None,
+      weights_roots=tuple(args.weights_root))
 
 
 def _api_key(args) -> str | None:

@@ -135,12 +135,19 @@ class Adapters:
   def _confined(self, name: str, path: str) -> str:
     """`path` resolved, if it is a folder under a LoRA root; else NOT_FOUND, the same answer
     whether it is missing or outside the roots."""
-    folder = os.path.realpath(path)
-    if os.path.isdir(folder) and any(os.path.commonpath([folder, root]) == root
-                                     for root in self._roots):
-      return folder
-    raise ApiError(Status.NOT_FOUND, f"LoRA adapter {name!r}: no adapter folder {path!r} under "
-                   "this server's LoRA roots")
+    folder = confined(path, self._roots)
+    if folder is None:
+      raise ApiError(Status.NOT_FOUND, f"LoRA adapter {name!r}: no adapter folder {path!r} under "
+                     "this server's LoRA roots")
+    return folder
+
+
+def confined(path: str, roots: Sequence[str]) -> str | None:
+  """`path` resolved, if it is a folder under one of `roots` (resolved already); else None."""
+  folder = os.path.realpath(path)
+  if os.path.isdir(folder) and any(os.path.commonpath([folder, root]) == root for root in roots):
+    return folder
+  return None
 
 
 async def _to_the_end(coro: Awaitable[Any]) -> Any:

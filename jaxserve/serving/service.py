@@ -56,6 +56,7 @@ from jaxserve.serving.requests import (
   Prompt,
   Run,
 )
+from jaxserve.serving.weights_from_disk import WeightsFromDisk
 from jaxserve.serving.work_pool import WorkPool
 from jaxserve.text.constraint import Grammar
 
@@ -68,12 +69,15 @@ class Service:
                gateway_: gateway.Gateway, metrics: Metrics, log_prompts: bool = False,
                pool: WorkPool | None = None, read_lora: Callable[[str], Any] | None = None,
                kv_peer: PrefillPeer | None = None,
-               runtime_lora_roots: Sequence[str] | None = None, pooler: Any = None):
+               runtime_lora_roots: Sequence[str] | None = None, pooler: Any = None,
+               read_weights: Callable[[str], Any] | None = None,
+               weights_roots: Sequence[str] = ()):
     """`read_lora(path)`: reads a LoRA adapter's folder (serving/adapters.py); None: LoRA off.
     `kv_peer`: a decode server's prefill server (the PrefillPeer port), whose `fetch` brings
     each request's prompt KV before it is queued; None: every prompt is prefilled here.
     `runtime_lora_roots`: where run-time adapter loads may read (None: run-time updates off).
-    `pooler`: a pooling model's batching.pooled.Pooler (serve --task embed|rerank), else None."""
+    `pooler`: a pooling model's batching.pooled.Pooler (serve --task embed|rerank), else None.
+    `read_weights(folder)`, `weights_roots`: /update_weights_from_disk's (weights_from_disk.py)."""
     self.runner = runner
     self.tokenizer = tokenizer
     self.model_name = model_name
@@ -93,6 +97,7 @@ class Service:
     self.adapters = Adapters(runner, model_name, read_lora, runtime_lora_roots)
     self.kv_peer = kv_peer
     self.pooler = pooler
+    self.weights = WeightsFromDisk(runner, read_weights, weights_roots)
 
   def model_info(self) -> dict[str, Any]:
     """The fields of the proto's ModelInfo."""

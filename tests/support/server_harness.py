@@ -101,7 +101,7 @@ class ServerThread:
 def serve(engine: Engine, tokenizer, name: str = "tiny", keys_file: str | None = None,
           **config) -> ServerThread:
   """A started server of `engine` on free ports; `config` holds other ServerConfig fields."""
-  loaded = llm.Loaded(engine, tokenizer, name)
+  loaded = llm.Loaded(engine, tokenizer, name, read_weights=llm.read_weights)
   cfg = server.ServerConfig(grpc_port=0, http_port=0, keys_file=keys_file, **config)
   return ServerThread(server.Server(lambda: loaded, cfg)).start()
 
