@@ -19,6 +19,7 @@
   serving      load against a running `jaxserve serve` over gRPC: TTFT, TPOT, ITL, end-to-end
   structured   64 requests, half of them JSON-schema constrained, against none
   host         the Runner and Scheduler's host time per step at 64 busy slots, a zero-cost engine
+  training     update_weights' seconds per GB (float, int8), sleep(1|2) and wake_up's seconds
   embed        embeddings/s of 64 inputs of 16-512 tokens, jaxserve beside transformers on the
                same weights, each in a fresh process
 
@@ -41,7 +42,8 @@ MODULES = {"decode": "decode", "prefill": "decode", "moe": "moe", "device": "dev
            "quant": "quant", "speculative": "speculative", "step": "step", "lora": "lora",
            "offload": "offload", "embed": "embed",
            "peers": "peers",
-           "serving": "serving", "structured": "serving", "host": "serving"}
+           "serving": "serving", "structured": "serving", "host": "serving",
+           "training": "training"}
 
 
 def main(argv: list[str]) -> int:
