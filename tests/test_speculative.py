@@ -81,8 +81,8 @@ def test_a_request_verifies_in_consecutive_steps_and_sits_none_out(engine, defau
   runner = Runner(engine, tok)
   steps, schedule = [], runner.scheduler.schedule
 
-  def recorded():
-    steps.append(schedule())
+  def recorded(*args, **options):
+    steps.append(schedule(*args, **options))
     return steps[-1]
   runner.scheduler.schedule = recorded
   got = runner.generate([(prompts[0], on)])
@@ -105,9 +105,9 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(engin
   runner.scheduler.speculative = dataclasses.replace(ENGINE.speculative, disable_by_batch_size=2)
   seen, schedule = [], runner.scheduler.schedule
 
-  def recorded():
+  def recorded(*args, **options):
     num_running = len(runner.scheduler.running)
-    step = schedule()
+    step = schedule(*args, **options)
     seen.append((num_running, sum(ch.num_drafts > 0 for ch in step.plan.prefills)))
     return step
   runner.scheduler.schedule = recorded

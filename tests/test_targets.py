@@ -23,7 +23,7 @@ import pytest
 from jaxserve.batching.plan import StepKind
 from jaxserve.cli import main as cli
 from jaxserve.compiling import compile_plan, targets
-from jaxserve.compiling.programs import engine_programs
+from jaxserve.compiling.programs import UPDATE, engine_programs
 from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, Quantization
 from jaxserve.engine import assembly, host_kv, kv_spec
 from jaxserve.engine.engine import Engine
@@ -156,15 +156,20 @@ def test_every_program_compiles_with_its_memory_reported(name):
   W = W if name != "gemma-3-270m-v5e" else 2 * W  # Both tables of 1,024 / 16 pages.
   assert [r["name"] for r in reports] == [
       f"step Bd=1 Tp=0 W={W}", f"step Bd=0 Tp=32 W={W}", f"step Bd=1 Tp=32 W={W}",
-      f"step Bd=0 Tp=32 W={W} scoring"]
+      f"step Bd=0 Tp=32 W={W} scoring", UPDATE]
   for r in reports:
     assert r["compiled"] and r["error"] is None, r
     assert all(isinstance(r[k], int) and r[k] >= 0 for k in
                ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")), r
-  for r in reports:  # The steps take the weights and the whole cache, and update it in place.
-    stored = weight_bytes(model, changes.get("quantization", Quantization.NONE))
+  *steps, update = reports
+  stored = weight_bytes(model, changes.get("quantization", Quantization.NONE))
+  for r in steps:  # The steps take the weights and the whole cache, and update it in place.
     assert r["argument_bytes"] >= stored + pool["bytes"], r
     assert r["alias_bytes"] >= pool["bytes"], r
+  # The update takes the engine's weights and a trainer's float32 ones (at least as large), writes
+  # the engine's in place, and holds the cache beside it.
+  assert update["argument_bytes"] >= 2 * stored and update["alias_bytes"] >= stored, update
+  assert update["resident_bytes"] >= pool["bytes"] - MIB, (update, pool)
 
 
 TEMP_BOUND = "temp <= 0.05 * kv + 256 MiB"
