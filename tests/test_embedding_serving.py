@@ -1,15 +1,18 @@
 """Pooling models served (issue 51): `serve --task embed`'s /v1/embeddings through the official
 openai client (float and base64), vLLM's /v1/rerank and /v1/score request shapes, the gateway's
-keys and token limits, and every bad input a 400 naming the problem. One server of a tiny random
-Qwen3 embedding model (the default model's tokenizer); references from transformers."""
+keys and token limits, and every bad input a 400 naming the problem; the gRPC Embed and Score
+methods, which answer as the HTTP routes do. One server of a tiny random Qwen3 embedding model (the
+default model's tokenizer); references from transformers."""
 
 import base64
 import re
 
+import grpc
 import numpy as np
 import pytest
 
 from jaxserve import llm
+from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching.pooled import MAX_INPUTS
 from jaxserve.config import AttentionBackend, EngineConfig
 from support import hf_tiny
@@ -124,3 +127,113 @@ def test_a_generation_server_refuses_embeddings_by_name(srv):
   status, out = call(srv, "/v1/embeddings", {"input": "a"}, method="POST")
   assert status == 400
   assert "--task embed" in out["error"]["message"]
+
+
+def grpc_call(st, method: str, request, key: str | None = "alice"):
+  """(the response, None) or (None, the RpcError) of one unary call to `method` as `key` (a
+  name in KEYS, or any other string sent as it is; None sends no key)."""
+  metadata = (("authorization", f"Bearer {h.KEYS.get(key, key)}"),) if key else None
+  with grpc.insecure_channel(st.grpc_address) as channel:
+    try:
+      return getattr(h.stub(channel), method)(request, metadata=metadata, timeout=60), None
+    except grpc.RpcError as e:
+      return None, e
+
+
+def embed_request(*inputs, **fields) -> pb.EmbedRequest:
+  items = [pb.EmbedInput(text=i) if isinstance(i, str) else
+           pb.EmbedInput(token_ids=pb.TokenIds(ids=i)) for i in inputs]
+  return pb.EmbedRequest(inputs=items, **fields)
+
+
+def test_grpc_embed_answers_as_v1_embeddings(served):
+  st, hf, tok = served
+  ids = tok.encode(TEXTS[1])
+  http = post(st, {"input": TEXTS}, "/v1/embeddings")
+  out, err = grpc_call(st, "Embed", embed_request(*TEXTS, ids, model="tiny-embed"))
+  assert err is None, err
+  got = [np.asarray(e.values) for e in out.embeddings]
+  assert len(got) == 4 and out.model == "tiny-embed"
+  for g, d in zip(got, http["data"]):
+    assert np.abs(g - np.asarray(d["embedding"])).max() < 1e-6
+  for g, text in zip(got, [*TEXTS, TEXTS[1]]):
+    assert np.abs(g - reference(hf, tok.encode(text))).max() < 1e-5
+  assert out.usage.prompt_tokens == http["usage"]["prompt_tokens"] + len(ids)
+  # normalize=false: the pooled row as the model left it, which normalizes to the embedding.
+  raw, _ = grpc_call(st, "Embed", embed_request(TEXTS[1], normalize=False))
+  raw = np.asarray(raw.embeddings[0].values, np.float64)
+  assert abs(np.linalg.norm(raw) - 1) > 1e-3
+  assert np.abs(raw / np.linalg.norm(raw) - got[1]).max() < 1e-5
+  # truncate_prompt_tokens keeps the last tokens, as over HTTP.
+  cut, _ = grpc_call(st, "Embed", embed_request(TEXTS[2], truncate_prompt_tokens=7))
+  want = reference(hf, tok.encode(TEXTS[2])[-7:])
+  assert np.abs(np.asarray(cut.embeddings[0].values) - want).max() < 1e-5
+  assert cut.usage.prompt_tokens == 7
+
+
+def test_grpc_score_answers_as_v1_score_and_rerank(served):
+  st, hf, tok = served
+  query, docs = "Where is Paris?", ["Paris is in France.", "Bananas are yellow.", "A tower."]
+  q = reference(hf, tok.encode(query))
+  cosines = [float(q @ reference(hf, tok.encode(d))) for d in docs]
+  out, err = grpc_call(st, "Score", pb.ScoreRequest(query=query, documents=docs))
+  assert err is None, err
+  assert list(out.scores) == pytest.approx(cosines, abs=1e-5)
+  score = post(st, {"text_1": query, "text_2": docs}, "/v1/score")
+  assert list(out.scores) == pytest.approx([d["score"] for d in score["data"]], abs=1e-6)
+  rerank = post(st, {"query": query, "documents": docs}, "/v1/rerank")
+  by_index = {r["index"]: r["relevance_score"] for r in rerank["results"]}
+  assert list(out.scores) == pytest.approx([by_index[i] for i in range(3)], abs=1e-6)
+  assert out.usage.prompt_tokens == score["usage"]["prompt_tokens"]
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("method,request_,code,message", [
+    ("Embed", pb.EmbedRequest(), INVALID, "input is empty"),
+    ("Embed", pb.EmbedRequest(inputs=[pb.EmbedInput()]), INVALID, r"inputs\[0\] must be a text"),
+    ("Embed", embed_request("a", dimensions=16), INVALID, "dimensions 16: .*not trained to be cut"),
+    ("Embed", embed_request("a", truncate_prompt_tokens=0), INVALID, "truncate_prompt_tokens"),
+    ("Embed", embed_request([5] * 200), INVALID, "cannot fit in the context window"),
+    ("Embed", embed_request("a", model="other"), grpc.StatusCode.NOT_FOUND, "other"),
+    ("Score", pb.ScoreRequest(query="q"), INVALID, "documents is empty"),
+    ("Score", pb.ScoreRequest(query="word " * 200, documents=["d"]), INVALID, "context window"),
+])
+def test_bad_grpc_pooling_requests_name_the_problem(served, method, request_, code, message):
+  _, err = grpc_call(served[0], method, request_)
+  assert err is not None and err.code() == code, err
+  assert re.search(message, err.details()), err.details()
+
+
+def test_grpc_pooling_bytes_that_are_no_message_are_invalid_argument(served):
+  with grpc.insecure_channel(served[0].grpc_address) as channel:
+    embed = channel.unary_unary("/jaxserve.v1.Jaxserve/Embed")  # Raw bytes in and out.
+    with pytest.raises(grpc.RpcError) as e:
+      embed(b"\x0a\x05\x0a\x03\xff\xfe\xfd", metadata=h.auth(), timeout=60)  # Bad UTF-8.
+  assert e.value.code() == INVALID and "not a valid message" in e.value.details()
+
+
+def test_grpc_pooling_takes_the_gateways_keys_and_limits(served):
+  st = served[0]
+  for key in (None, "sk-not-a-key"):
+    _, err = grpc_call(st, "Embed", embed_request("a"), key=key)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+    _, err = grpc_call(st, "Score", pb.ScoreRequest(query="q", documents=["d"]), key=key)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+  _, err = grpc_call(st, "Embed", embed_request("word " * 70), key="carol")  # 60 tokens a minute.
+  assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "token" in err.details(), err
+  assert grpc_call(st, "Embed", embed_request("a"), key="carol")[1] is None  # Refunded: room.
+  for _ in range(2):  # bob: 2 requests a minute.
+    assert grpc_call(st, "Score", pb.ScoreRequest(query="q", documents=["d"]), key="bob")[1] is None
+  _, err = grpc_call(st, "Embed", embed_request("a"), key="bob")
+  assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+
+
+def test_a_generation_server_refuses_grpc_pooling_by_name(srv):
+  for method, request_ in (("Embed", embed_request("a")),
+                           ("Score", pb.ScoreRequest(query="q", documents=["d"]))):
+    _, err = grpc_call(srv, method, request_, key=None)
+    assert err is not None and err.code() == INVALID, err
+    assert f"{method}: this server generates text" in err.details()
+    assert "--task embed" in err.details()

@@ -16,7 +16,13 @@ from flax import nnx
 
 from jaxserve.batching.runner import Runner
 from jaxserve.cli import main as cli
-from jaxserve.config import EngineConfig, LogprobsMode, SamplingParams, SchedulerConfig
+from jaxserve.config import (
+  EngineConfig,
+  LogprobsMode,
+  SamplingParams,
+  SchedulerConfig,
+  SpeculativeConfig,
+)
 from jaxserve.engine.engine import Engine
 from jaxserve.llm import LLM
 from jaxserve.model.llama import Transformer
@@ -122,6 +128,28 @@ def test_processed_logprobs_equal_the_trainers_forward(runners, model, p):
 
 
 # raw_logprobs, the default, is test_model.py's engine-against-dense-forward check.
+def test_top_logprobs_of_a_vocabulary_smaller_than_twenty():
+  """A 16-token vocabulary: the step packs 16 top entries, not SamplingParams.MAX_LOGPROBS' 20,
+  and the host reads them as packed, after a plain decode step and after a verifying one
+  (n-gram proposals on prompts that repeat): each token's top k ids are the trainer's forward's
+  top k, in order, and their logprobs its log_softmax, for k = 5 and k = V."""
+  m = Transformer(dataclasses.replace(TINY, vocab_size=16), rngs=nnx.Rngs(0))
+  m.final_norm[...] = jnp.full_like(m.final_norm[...], 0.12)  # As `model`'s: a spread of ~1.
+  spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
+                           disable_by_batch_size=None)
+  runner = Runner(Engine(m, dataclasses.replace(ENGINE, speculative=spec)), MockTokenizer(),
+                  SchedulerConfig(max_num_batched_tokens=32))
+  jobs = [([3, 5, 7, 3, 5, 7, 3, 5], SamplingParams(temperature=0, max_tokens=8, logprobs=5)),
+          ([2, 4, 2, 4, 2, 4], SamplingParams(temperature=0, max_tokens=8, logprobs=16))]
+  outs = runner.generate(jobs)
+  assert runner.scheduler.spec_stats.num_drafts > 0  # Some tokens came from verified runs.
+  for (prompt, p), out in zip(jobs, outs):
+    assert_equals_trainer(m, out, prompt, p, LogprobsMode.RAW_LOGPROBS)
+    want = trainer_values(m, prompt, out.token_ids, p, LogprobsMode.RAW_LOGPROBS)
+    ids = np.asarray(jax.lax.top_k(want, p.logprobs)[1])  # [n, k]
+    assert [list(lp.top_ids) for lp in out.logprobs] == ids.tolist()
+
+
 @pytest.mark.parametrize("mode", [LogprobsMode.RAW_LOGITS, LogprobsMode.PROCESSED_LOGITS])
 def test_the_logits_modes_equal_the_trainers_forward(runners, model, mode):
   outs = runners(mode).generate([(prompt, TOP_K) for prompt in PROMPTS])

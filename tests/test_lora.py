@@ -321,7 +321,10 @@ def test_missing_corrupt_or_misshapen_adapter_files_are_refused(base):
 
 def test_llm_generate_takes_lora_requests_as_vllms(default_model, tmp_path):
   """LLM(..., enable_lora=True, max_loras=1).generate(texts, params, lora_request=[...]): one
-  adapter slot for two adapters and the base model, each text's tokens peft's alone."""
+  adapter slot for two adapters and the base model, each text's tokens peft's alone. Then
+  update_lora(a1, a2's folder) while a2 holds the slot (a1's host copy replaced), compiling
+  nothing: a1's id gives a2's logprobs (within 1e-5); update_lora(a1) reads a1's folder again;
+  once a1 is removed, update_lora refuses it by name."""
   tokenizer = default_model[1]
   hf = hf_tiny.build("LlamaConfig", dict(hf_tiny.SMALL, vocab_size=tokenizer.vocab_size))
   hf.save_pretrained(tmp_path / "base")
@@ -341,7 +344,21 @@ def test_llm_generate_takes_lora_requests_as_vllms(default_model, tmp_path):
     tokens, logprobs = reference(model, llm.encode(text))
     assert list(result.token_ids) == tokens
     assert np.allclose([lp.logprob for lp in result.logprobs], logprobs, atol=1e-3)
+  a1 = adapters["a1"][0]
+  lps = lambda result: np.array([lp.logprob for lp in result.logprobs])
+  with count_compiles() as counts:
+    llm.update_lora(a1, adapters["a2"][0].lora_path)
+    swapped = llm.generate(texts[:1], params, lora_request=a1)[0]
+  assert counts == {"trace": 0, "compile": 0}
+  assert swapped.token_ids == results[3].token_ids  # texts[0] under a2.
+  assert np.abs(lps(swapped) - lps(results[3])).max() <= 1e-5
+  llm.update_lora(a1)
+  back = llm.generate(texts[1:2], params, lora_request=a1)[0]
+  assert back.token_ids == results[1].token_ids
+  assert np.abs(lps(back) - lps(results[1])).max() <= 1e-5
   assert llm.remove_lora(1) and llm.list_loras() == {2}
+  with pytest.raises(ValueError, match=r"LoRA adapter 'a1' \(id 1\) is not added"):
+    llm.update_lora(a1)
   with pytest.raises(ValueError, match="need enable_lora"):
     lora_config(EngineConfig(), False, 2, None)
 
@@ -415,3 +432,33 @@ def test_one_host_copy_per_adapter_content_at_its_own_rank(setup):
   assert engine.loras.num_host_copies == before + new
   runner.remove_lora(9)
   assert engine.loras.num_host_copies == before
+
+
+def test_update_lora_gives_the_new_weights_in_the_slot_forgetting_its_prefixes(setup, checked):
+  """Runner.update_lora(a1, a2's weights) while a1 sits in a device slot, compiling nothing:
+  a1's id then gives a2's tokens and logprobs (those of a2 added as itself, within 1e-5; peft's
+  a2, within 1e-3), no prefix cached under a1 before is found, and a1's weights written back
+  give peft's a1 again. An adapter not added is refused by name."""
+  hf, adapters, engine, cfg = setup
+  runner = checked(runner_of(engine, adapters, cfg))
+  (a1, _), (a2, _) = adapters["a1"], adapters["a2"]
+  read = lambda lora: load_adapter(lora.lora_path, cfg, ENGINE.max_lora_rank)
+  prompt = [int(t) for t in np.random.default_rng(6).integers(0, hf_tiny.VOCAB, 20)]
+  under = lambda lora: runner.generate([(prompt, GREEDY, lora)])[0]
+  want = under(a2)
+  assert under(a1).num_cached_tokens == 0 and under(a1).num_cached_tokens == 16
+  assert runner.scheduler.loras.slot_of(a1.lora_int_id) is not None
+  with count_compiles() as counts:
+    runner.update_lora(a1, read(a2))
+    got = under(a1)
+  assert counts == {"trace": 0, "compile": 0}
+  assert got.num_cached_tokens == 0  # a1's old pages are gone.
+  assert got.token_ids == want.token_ids
+  assert np.abs(np.array([x.logprob for x in got.logprobs])
+                - [x.logprob for x in want.logprobs]).max() <= 1e-5
+  check([got], [(prompt, "a2")], hf, adapters)
+  assert under(a1).num_cached_tokens == 16  # Its new pages are cached as ever.
+  runner.update_lora(a1, read(a1))
+  check([under(a1), under(a2)], [(prompt, "a1"), (prompt, "a2")], hf, adapters)
+  with pytest.raises(ValueError, match=r"LoRA adapter 'a9' \(id 9\) is not added"):
+    runner.update_lora(LoRARequest("a9", 9, a2.lora_path), read(a2))

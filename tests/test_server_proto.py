@@ -25,5 +25,6 @@ def test_the_stubs_import_and_name_the_service():
 
   service = jaxserve_pb2.DESCRIPTOR.services_by_name["Jaxserve"]
   assert service.full_name == "jaxserve.v1.Jaxserve"
-  assert {m.name for m in service.methods} == {"Generate", "Tokenize", "GetModelInfo", "PrefillKV"}
+  assert {m.name for m in service.methods} == {
+      "Generate", "Tokenize", "GetModelInfo", "PrefillKV", "Embed", "Score"}
   assert hasattr(jaxserve_pb2_grpc, "JaxserveStub")

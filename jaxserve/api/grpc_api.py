@@ -2,20 +2,22 @@
 
 Each RPC authenticates from the `authorization: Bearer <key>` metadata, converts the message, and
 turns a gateway `ApiError` into the status code of the same name. A client that cancels, or whose
-connection drops, cancels the handler; the service's cleanup then aborts the request.
+connection drops, cancels the handler; the service's cleanup then aborts the request. A pooling
+model's Embed and Score are grpc_pooling.py's, registered here; the wire helpers are grpc_wire.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 import grpc
 from absl import logging
-from google.protobuf.message import DecodeError
 
-from jaxserve.api import kv_transfer
+from jaxserve.api import grpc_pooling, kv_transfer
+from jaxserve.api.grpc_wire import bearer_token
+from jaxserve.api.grpc_wire import decoded as _decoded
+from jaxserve.api.grpc_wire import decoder as _decoder
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.api.proto import jaxserve_pb2_grpc
 from jaxserve.batching.request import RequestRejected
@@ -72,6 +74,7 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
             self.GetModelInfo, _decoder(pb.GetModelInfoRequest), pb.ModelInfo.SerializeToString),
         "PrefillKV": grpc.unary_stream_rpc_method_handler(
             self.PrefillKV, _decoder(pb.PrefillKVRequest), pb.KVPage.SerializeToString),
+        **grpc_pooling.Pooling(self._host, self._abort).handlers(),  # Embed, Score.
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -171,12 +174,6 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
     await context.abort(STATUS_CODES[error.status], error.message)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Undecodable:
-  """What a method gets for bytes that do not parse as its request message."""
-  error: str
-
-
 def _prepare(service: Service, lease: Lease, request: Any) -> list[Run]:
   """A Generate request's work, on a worker thread."""
   return service.prepare_runs(lease, [generate_input(_decoded(request))])
@@ -187,29 +184,6 @@ def _tokenize(service: Service, request: Any) -> pb.TokenizeResponse:
   service.check_model(request.model)
   return pb.TokenizeResponse(token_ids=service.encode(_prompt(request)),
                              max_model_len=service.max_model_len)
-
-
-def _decoder(message_type: Any) -> Callable[[bytes], Any]:
-  def decode(data: bytes) -> Any:
-    try:
-      return message_type.FromString(data)
-    except DecodeError as e:  # E.g. "String field had bad UTF-8": proto3 strings must be UTF-8.
-      return _Undecodable(str(e))
-  return decode
-
-
-def _decoded(request: Any) -> Any:
-  if isinstance(request, _Undecodable):
-    raise gateway.invalid(f"the request is not a valid message: {request.error}")
-  return request
-
-
-def bearer_token(metadata: Any) -> str | None:
-  for key, value in metadata or ():
-    if key.lower() == "authorization" and isinstance(value, str):
-      scheme, _, token = value.partition(" ")
-      return token.strip() if scheme.lower() == "bearer" else None
-  return None
 
 
 def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:

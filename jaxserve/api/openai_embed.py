@@ -25,12 +25,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxserve.api.openai_request import parse_body
-from jaxserve.batching import pooled
 from jaxserve.config import short
 from jaxserve.config.pooling import Task
 from jaxserve.serving import pooling
 from jaxserve.serving.gateway import invalid
-from jaxserve.serving.requests import Accepted, Prompt
+from jaxserve.serving.requests import Accepted
 from jaxserve.serving.service import Service
 from jaxserve.serving.work_pool import dumps
 
@@ -65,7 +64,7 @@ def _plan(route: str, service: Service, acc: Accepted, body: bytes) -> dict[str,
     pairs = None
   else:
     pairs = _pairs(route, fields)
-    prompts = _pair_prompts(pooler, pairs, fields.get("instruction"))
+    prompts = pooling.pair_prompts(pooler, pairs, fields.get("instruction"))
   runs = pooling.prepare(service, acc, prompts, fields.get("truncate_prompt_tokens"),
                          fields.get("model", ""))
   return dict(fields=fields, runs=runs, pairs=pairs, pooler=pooler)
@@ -95,19 +94,6 @@ def _pairs(route: str, fields: Mapping[str, Any]) -> list[tuple[str, str]]:
   return list(zip(first, second))
 
 
-def _pair_prompts(pooler: pooled.Pooler, pairs, instruction) -> list[Prompt]:
-  """A reranker's prompt per pair; an embedding model's each distinct text once."""
-  if instruction is not None and not isinstance(instruction, str):
-    raise invalid(f"instruction must be a string, got {short(instruction)}")
-  if pooler.task is Task.RERANK:
-    return [Prompt(text=pooled.rerank_prompt(q, d, instruction)) for q, d in pairs]
-  return [Prompt(text=t) for t in _texts(pairs)]
-
-
-def _texts(pairs) -> list[str]:
-  return list(dict.fromkeys(t for pair in pairs for t in pair))
-
-
 def _format(route: str, service: Service, plan: dict[str, Any], rows) -> bytes:
   fields, pooler = plan["fields"], plan["pooler"]
   num_tokens = sum(run.request.num_prompt_tokens for run in plan["runs"])
@@ -117,7 +103,7 @@ def _format(route: str, service: Service, plan: dict[str, Any], rows) -> bytes:
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, fields)}
             for i, v in enumerate(vecs)]
     return dumps({"object": "list", "data": data, "model": service.model_name, "usage": usage})
-  scores = _scores(pooler, plan["pairs"], rows)
+  scores = pooling.scores(pooler, plan["pairs"], rows)
   head = {"id": f"{route[4:]}-{secrets.token_hex(8)}", "model": service.model_name,
           "usage": usage}
   if route == "/v1/score":
@@ -129,13 +115,6 @@ def _format(route: str, service: Service, plan: dict[str, Any], rows) -> bytes:
       r["document"] = {"text": doc}
   results.sort(key=lambda r: -r["relevance_score"])
   return dumps({**head, "results": results[:fields.get("top_n") or len(results)]})
-
-
-def _scores(pooler: pooled.Pooler, pairs, rows) -> list[float]:
-  if pooler.task is Task.RERANK:
-    return [pooler.score(r) for r in rows]
-  vec = dict(zip(_texts(pairs), (pooler.embedding(r) for r in rows)))
-  return [pooled.cosine(vec[q], vec[d]) for q, d in pairs]
 
 
 def _encoded(vec: np.ndarray, fields: Mapping[str, Any]):

@@ -8,7 +8,6 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxserve.engine.sample import NUM_TOP_LOGPROBS
 from jaxserve.engine.step import StepOutput
 
 
@@ -18,7 +17,10 @@ class StepFuture:
   `result()` and `logprobs()` give the plan's samples in its order: one per decode slot, then one
   per prompt that ends in the step; a scoring step's `prompt_logprobs(chunk)` and a verifying
   step's `verified(chunk)` give its chunks' extra results. `chunk_lens`: the plan's chunks'
-  lengths, packed back to back in plan order (where a scoring step's positions are)."""
+  lengths, packed back to back in plan order (where a scoring step's positions are).
+
+  Each sample packs its top n = min(SamplingParams.MAX_LOGPROBS, V) entries (sample.py): n is
+  read from the packed arrays' width, never assumed to be 20."""
 
   def __init__(self, out: StepOutput, rows: list[int], chunk_lens: Sequence[int] = ()):
     self._out, self._rows = out, rows
@@ -36,11 +38,11 @@ class StepFuture:
     return self._take()[:, 0].copy()
 
   def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(chosen [B], top ids [B, 20], top logprobs [B, 20])."""
+    """(chosen [B], top ids [B, n], top logprobs [B, n])."""
     return _unpacked(self._take()[:, 1:])
 
   def prompt_logprobs(self, chunk: int):
-    """(chosen [n], ranks [n], top ids [n, 20], top logprobs [n, 20]) of the chunk's positions."""
+    """(chosen [T], ranks [T], top ids [T, n], top logprobs [T, n]) of the chunk's positions."""
     p = self._out.prompt
     if p is None:
       raise ValueError(f"chunk {chunk} of this step did not ask for prompt logprobs")
@@ -56,20 +58,20 @@ class StepFuture:
     return self._host["pooled"][chunk].copy()
 
   def verified(self, chunk: int):
-    """(accepted a, tokens [k + 1], chosen logprobs [k + 1], top ids [k + 1, 20], top logprobs
-    [k + 1, 20]) of plan.prefills[chunk]: its output is tokens[:a + 1]."""
+    """(accepted a, tokens [k + 1], chosen logprobs [k + 1], top ids [k + 1, n], top logprobs
+    [k + 1, n]) of plan.prefills[chunk]: its output is tokens[:a + 1]."""
     if self._out.verified is None:
       raise ValueError(f"chunk {chunk} of this step verified no proposals")
     if "verified" not in self._host:
       self._host["verified"] = np.asarray(self._out.verified)
     row = self._host["verified"][chunk]
-    x = row[1:].reshape(-1, 2 + 2 * NUM_TOP_LOGPROBS)
+    x = row[1:].reshape(-1, self._out.sampled.shape[1])  # pack_sampled's columns, as `sampled`
     return (int(row[0]), x[:, 0].copy(), *_unpacked(x[:, 1:]))
 
 
 def _unpacked(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """[n, 1 + 2k] int32 (a logprob's bits, k top ids, their logprobs' bits) -> (logprobs [n],
   top ids [n, k], top logprobs [n, k])."""
-  n = NUM_TOP_LOGPROBS
+  n = (x.shape[1] - 1) // 2
   as_float = lambda a: np.ascontiguousarray(a).view(np.float32)
   return as_float(x[:, 0]), x[:, 1:1 + n].copy(), as_float(x[:, 1 + n:])

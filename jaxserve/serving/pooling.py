@@ -7,6 +7,9 @@ through the same accept, gateway and engine path as generation (service.py).
   -> rows, on the event loop: every run through Service.generate at once (its metrics, record
     and abort on a client's leaving), each run's pooled row from its last chunk.
 
+Scores of (query, document) pairs: pair_prompts makes the prompts, scores reads their rows. The
+HTTP routes (api/openai_embed.py) and the gRPC methods (api/grpc_pooling.py) share all of it.
+
 Every error is an ApiError naming the problem, before anything is queued.
 """
 
@@ -20,7 +23,7 @@ import numpy as np
 
 from jaxserve.batching import pooled
 from jaxserve.batching.request import RequestRejected
-from jaxserve.config import SamplingParams, is_int
+from jaxserve.config import SamplingParams, is_int, short
 from jaxserve.config.pooling import Task
 from jaxserve.serving.gateway import invalid
 from jaxserve.serving.requests import Accepted, GenerateInput, Prompt, Run
@@ -101,3 +104,27 @@ def prompts_of(value, name: str = "input") -> list[Prompt]:
     else:
       raise invalid(f"{name}[{n}] must be a string or a non-empty list of token ids")
   return out
+
+
+def pair_prompts(pooler: pooled.Pooler, pairs: Sequence[tuple[str, str]],
+                 instruction: str | None = None) -> list[Prompt]:
+  """The prompts that score (query, document) `pairs`: a reranker's prompt per pair; an
+  embedding model's each distinct text once (scores() pairs them up again)."""
+  if instruction is not None and not isinstance(instruction, str):
+    raise invalid(f"instruction must be a string, got {short(instruction)}")
+  if pooler.task is Task.RERANK:
+    return [Prompt(text=pooled.rerank_prompt(q, d, instruction)) for q, d in pairs]
+  return [Prompt(text=t) for t in _texts(pairs)]
+
+
+def scores(pooler: pooled.Pooler, pairs: Sequence[tuple[str, str]],
+           rows: Sequence[np.ndarray]) -> list[float]:
+  """Each pair's score from the rows of pair_prompts' prompts, in order."""
+  if pooler.task is Task.RERANK:
+    return [pooler.score(r) for r in rows]
+  vec = dict(zip(_texts(pairs), (pooler.embedding(r) for r in rows)))
+  return [pooled.cosine(vec[q], vec[d]) for q, d in pairs]
+
+
+def _texts(pairs: Sequence[tuple[str, str]]) -> list[str]:
+  return list(dict.fromkeys(t for pair in pairs for t in pair))

@@ -55,6 +55,16 @@ class JaxserveStub:
                 request_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.PrefillKVRequest.SerializeToString,
                 response_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.KVPage.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/jaxserve.v1.Jaxserve/Embed',
+                request_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/jaxserve.v1.Jaxserve/Score',
+                request_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class JaxserveServicer:
@@ -91,6 +101,23 @@ class JaxserveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """A pooling model's (serve --task embed or rerank), as /v1/embeddings and /v1/score: under
+        the key's limits like Generate; on a generation server, INVALID_ARGUMENT naming the problem.
+        Embed: one vector per input (an embedding model only; a reranker makes none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Score: each document's relevance to the query (a reranker's "yes" probability on its prompt,
+        or an embedding model's cosine similarity of the two embeddings).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxserveServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +140,16 @@ def add_JaxserveServicer_to_server(servicer, server):
                     servicer.PrefillKV,
                     request_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.PrefillKVRequest.FromString,
                     response_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.KVPage.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.EmbedRequest.FromString,
+                    response_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ScoreRequest.FromString,
+                    response_serializer=jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +261,60 @@ class Jaxserve:
             '/jaxserve.v1.Jaxserve/PrefillKV',
             jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.PrefillKVRequest.SerializeToString,
             jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.KVPage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Jaxserve/Embed',
+            jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.EmbedRequest.SerializeToString,
+            jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Jaxserve/Score',
+            jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ScoreRequest.SerializeToString,
+            jaxserve_dot_api_dot_proto_dot_jaxserve__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
