@@ -10,7 +10,8 @@ of 6 applies when they do not.
 The multimodal Gemma 3 models (4B, 12B, 27B: `Gemma3ForConditionalGeneration`) nest their
 text model's keys under `text_config`, and their published configs give only the keys that differ
 from transformers' `Gemma3TextConfig` defaults (the 4B's has no head counts), so a missing key
-takes that default (`TEXT_DEFAULTS`), as transformers reads it. Only the text model is read.
+takes that default (`TEXT_DEFAULTS`), as transformers reads it. Their vision side is
+config/vision.py's `VisionConfig` (ModelConfig.vision).
 
 Gemma 3 replaced Gemma 2's attention soft-capping with qk-norm: a config's
 `attn_logit_softcapping` is ignored, as transformers' Gemma 3 ignores it. The final-logit cap
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from jaxserve.config import vision
 from jaxserve.config.model import ModelConfig, ModelFamily
 
 LOCAL_ROPE_THETA = 10_000.0  # Gemma 3's local base, and llama.cpp's when a GGUF names none.
@@ -53,7 +55,8 @@ def pattern_layers(num_layers: int, period: int) -> tuple[bool, ...]:
 
 def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
   """A `Gemma3ForCausalLM` / `gemma3_text` config.json (transformers 4 or 5 spelling), or a
-  `Gemma3ForConditionalGeneration` one, read as its text model."""
+  `Gemma3ForConditionalGeneration` one: its text model, and its vision side (config/vision.py)."""
+  image_side = vision.from_hf(hf)
   hf = text_config(hf)
   num_layers, num_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
   if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -90,6 +93,7 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
       rope_linear_factor=factor,
       query_pre_attn_scalar=hf["query_pre_attn_scalar"],
       final_logit_softcapping=hf.get("final_logit_softcapping"),
+      vision=image_side,
   )
 
 

@@ -7,6 +7,8 @@ import dataclasses
 import enum
 from typing import Any, Mapping
 
+from jaxserve.config.vision import VisionConfig
+
 
 class ModelFamily(enum.Enum):
   """Which decoder a ModelConfig describes, and so which module builds it."""
@@ -73,6 +75,8 @@ class ModelConfig:
   experts_per_token: int = 0  # Experts each token is routed to (top-k).
   expert_hidden_dim: int = 0  # Each expert's SwiGLU hidden dim.
   norm_topk: bool = True  # Renormalise the top-k routing weights to sum to 1.
+  # A vision-language model's image side (Gemma 3 4B and up); None: text only.
+  vision: VisionConfig | None = None
 
   def __post_init__(self):
     for field in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -124,7 +128,8 @@ class ModelConfig:
     if self.family is ModelFamily.GEMMA3:  # Norms after attention and the MLP.
       layer += 2 * d
     embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-    return self.num_layers * layer + embed + d
+    vision = 0 if self.vision is None else self.vision.num_params(d)
+    return self.num_layers * layer + embed + d + vision
 
   def to_dict(self) -> dict[str, Any]:
     return {**dataclasses.asdict(self), "family": self.family.value}
@@ -141,4 +146,6 @@ class ModelConfig:
         d["rope_scaling"] = RopeScaling(**s)
     d["family"] = ModelFamily(d.get("family", ModelFamily.LLAMA.value))
     d["local_layers"] = tuple(d.get("local_layers", ()))  # JSON gives a list; jit wants hashable.
+    if d.get("vision"):
+      d["vision"] = VisionConfig.from_dict(d["vision"])
     return cls(**d)

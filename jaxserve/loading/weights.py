@@ -8,14 +8,15 @@ model/quant.py reads them ({"values", "scale"[, "minimum"]}, loading/quantize.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
 import numpy as np
 
 from jaxserve import gguf_metadata
-from jaxserve.config import ModelConfig, ModelFamily, readers
-from jaxserve.loading import gguf_blocks, quantize
+from jaxserve.config import ModelConfig, ModelFamily, readers, vision
+from jaxserve.loading import gguf_blocks, quantize, vision_weights
 
 # Gemma 3's norms beyond the Llama block's two: our name -> (GGUF name, Hugging Face name).
 GEMMA3_NORMS = {
@@ -143,7 +144,11 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
   from safetensors import safe_open
 
   path = pathlib.Path(path)
-  cfg = readers.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+  hf = json.loads((path / "config.json").read_text())
+  cfg = readers.from_hf(hf, name=path.name)
+  if cfg.vision is not None and (path / "preprocessor_config.json").exists():
+    preprocessor = json.loads((path / "preprocessor_config.json").read_text())
+    cfg = dataclasses.replace(cfg, vision=vision.from_hf(hf, preprocessor))
   files = sorted(path.glob("*.safetensors"))
   if not files:
     raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -161,15 +166,21 @@ def hf_params(cfg: ModelConfig, named) -> dict:
   `LLM.update_weights`. Names the model does not use are ignored; a missing one is a ValueError
   naming it."""
   raw = {k: np.asarray(v, np.float32) for k, v in named.items()}  # A copy: Phi-3's is split.
+  tower = projector = None
+  if cfg.vision is not None:
+    raw, tower, projector = vision_weights.split_names(raw)
   try:
     if cfg.family is ModelFamily.PHI3:
       _split_phi3(cfg, raw)
     layers = [_hf_layer(cfg, raw, f"model.layers.{i}.") for i in range(cfg.num_layers)]
     head = None if cfg.tie_embeddings else raw["lm_head.weight"]
     embed, norm = raw["model.embed_tokens.weight"], raw["model.norm.weight"]
+    params = to_params(cfg, embed, layers, norm, head)
+    if tower is not None:
+      params["vision"] = vision_weights.vision_params(cfg, tower, projector)
   except KeyError as e:
     raise ValueError(f"Hugging Face weight {e.args[0]!r} is missing") from None
-  return to_params(cfg, embed, layers, norm, head)
+  return params
 
 
 def _split_phi3(cfg: ModelConfig, raw: dict) -> None:

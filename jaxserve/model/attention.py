@@ -39,6 +39,9 @@ class AttentionMetadata:
   sample_rows: jax.Array  # [B] the packed row of each sequence's last token (its logits).
   block_rows: jax.Array  # [nb, Tb] packed rows of each prefill query block (T: none).
   block_seq: jax.Array  # [nb] the sequence of each block.
+  # [1, T] the last position each query sees (None: its own). An image's tokens see every token
+  # of their image, as Gemma 3 attends among them both ways in prefill; the kernels ignore it.
+  attend_until: jax.Array | None = None
   num_decode_rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # Bd
 
   @classmethod
@@ -143,13 +146,14 @@ def attend_reference(q, cache: KVPool, layer, meta: AttentionMetadata, window=No
   q = q[0]
   out = jnp.zeros_like(q)
   Bd, pos = meta.num_decode_rows, meta.positions[0]
+  until = pos if meta.attend_until is None else meta.attend_until[0]
   if Bd:
     out = _attend_blocks(out, q, cache, layer, jnp.arange(Bd)[:, None], meta.page_tables[:Bd],
-                         meta.kv_lens[:Bd], pos, window)
+                         meta.kv_lens[:Bd], pos, until, window)
   if meta.block_rows.shape[0]:
     seq = meta.block_seq
     out = _attend_blocks(out, q, cache, layer, meta.block_rows, meta.page_tables[seq],
-                         meta.kv_lens[seq], pos, window)
+                         meta.kv_lens[seq], pos, until, window)
   return out[None]
 
 
@@ -158,9 +162,11 @@ def attend_reference(q, cache: KVPool, layer, meta: AttentionMetadata, window=No
 KV_CHUNK = 128
 
 
-def _attend_blocks(out, q, cache: KVPool, layer, rows, tables, kv_lens, positions, window):
+def _attend_blocks(out, q, cache: KVPool, layer, rows, tables, kv_lens, positions, until,
+                   window):
   """out, q [T, N, H]; rows [A, R] packed rows (T: none), tables [A, W] and kv_lens [A] of each
-  block's one sequence -> out with the blocks' rows set.
+  block's one sequence; positions and until [T] (AttentionMetadata's) -> out with the blocks'
+  rows set.
 
   A flash-style online softmax over the context, Q pages (C positions) at a time, from the
   first chunk a window can see to the last one the longest sequence holds: the cost follows the
@@ -173,7 +179,7 @@ def _attend_blocks(out, q, cache: KVPool, layer, rows, tables, kv_lens, position
   Q = max(1, KV_CHUNK // Z)
   C = Q * Z
   safe = jnp.minimum(rows, T - 1)
-  pos = positions[safe]  # [A, R]
+  pos, last_seen = positions[safe], until[safe]  # [A, R]
   tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % Q)))  # Whole chunks; SCRATCH_PAGE.
   first, last = 0, 1  # One chunk holds the whole table: static bounds, which reverse-mode
   if tables.shape[1] > Q:  # autodiff needs (a trainer's forward, scripts/rl.py); same result.
@@ -183,7 +189,8 @@ def _attend_blocks(out, q, cache: KVPool, layer, rows, tables, kv_lens, position
 
   def chunk(j, carry):
     k, v = cache.gather(layer, jax.lax.dynamic_slice_in_dim(tables, j * Q, Q, axis=1))
-    return _online_step(carry, qb, k, v, _mask(j * C + jnp.arange(C), pos, kv_lens, window))
+    mask = _mask(j * C + jnp.arange(C), pos, last_seen, kv_lens, window)
+    return _online_step(carry, qb, k, v, mask)
 
   K = cache.num_kv_heads
   qb = q[safe].reshape(A, R, K, N // K, H)  # [A, R, K, G, H]
@@ -195,10 +202,11 @@ def _attend_blocks(out, q, cache: KVPool, layer, rows, tables, kv_lens, position
   return out.at[rows].set(ob.astype(out.dtype), mode="drop")
 
 
-def _mask(kv_pos, pos, kv_lens, window):
+def _mask(kv_pos, pos, until, kv_lens, window):
   """[A, 1, 1, R, C]: which of the chunk's positions kv_pos [C] each query (at pos [A, R])
-  sees: its own and earlier ones its sequence holds, inside its window."""
-  mask = (kv_pos[None, None, :] <= pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
+  sees: those up to `until` [A, R] (its own, or its image's last) its sequence holds, not
+  older than its window (transformers' AND of the window with causal-OR-image)."""
+  mask = (kv_pos[None, None, :] <= until[:, :, None]) & (kv_pos < kv_lens[:, None, None])
   if window is not None:  # Positions older than the window are out.
     mask &= kv_pos[None, None, :] > pos[:, :, None] - window
   return mask[:, None, None]

@@ -23,6 +23,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import attention, quant
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import _weight, apply_rope, rms_norm, run_layers, stacked_layers
+from jaxserve.model.siglip import VisionTower
 
 NO_WINDOW = np.iinfo(np.int32).max  # A global layer's window: every position is inside it.
 
@@ -120,18 +121,24 @@ class Gemma3(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _weight("lm_head", quant_layouts, rngs, (cfg.dim, cfg.vocab_size),
                              ("embed", "vocab"), dtype, cfg.dim)
+    if cfg.vision is not None:  # The multimodal models: images in (model/siglip.py).
+      self.vision = VisionTower(cfg, dtype, rngs)
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True,
-               hidden: bool = False):
+               hidden: bool = False, images=None):
     """tokens [1, T] -> logits [B, V] at each sequence's last new token (meta.sample_rows), or
     [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
-    the cache."""
+    the cache. `images`: (rows [T, D], is_image [T]): the soft tokens (VisionTower's) that take
+    the place of the image tokens' embeddings."""
     cfg = self.cfg
     dtype = self.final_norm[...].dtype
     # sqrt(D) rounded to the model dtype first, as Hugging Face does (in bfloat16 it is 25.25,
     # not 25.3, for D = 640): the checkpoints were trained with that rounding.
     x = quant.embed(tokens, self.embed, dtype) * jnp.asarray(math.sqrt(cfg.dim), dtype)  # [B, T, D]
+    if images is not None:  # Soft tokens go in unscaled, as transformers scatters them.
+      rows, is_image = images
+      x = jnp.where(is_image[None, :, None], rows[None].astype(dtype), x)
 
     def body(layer, carry, xs):
       (x, cache), (i, inv_freq, window) = carry, xs

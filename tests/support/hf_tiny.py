@@ -178,3 +178,42 @@ def save_qwen3(tokenizer, path, sentence_transformers: bool = False):
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(dict(cfg, matryoshka_dimensions=[16, 32])))
   return hf
+
+
+# Gemma 3 4B's multimodal shape, scaled down: a SigLIP tower of 2 layers over 28-pixel images in
+# 7-pixel patches (16 patches), pooled 2 x 2 into 4 soft tokens; the image token ids inside the
+# tiny vocabulary (the real ones sit past the text vocabulary's end; transformers maps those to
+# 0 before the lookup, a row the soft tokens replace either way).
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=2, image_size=28, patch_size=7, vision_use_head=False)
+GEMMA3_IMAGE_IDS = dict(mm_tokens_per_image=4, boi_token_index=251, image_token_index=252,
+                        eoi_token_index=253)
+
+
+def build_gemma3_vision(text: dict = GEMMA3, norms: tuple[float, float] = (-0.5, 0.5)):
+  """A tiny random Gemma3ForConditionalGeneration (its text model `text`), norms and the
+  projector (which inits to zeros) randomised; seeded."""
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  config = transformers.Gemma3Config(text_config=text, vision_config=GEMMA3_VISION,
+                                     **GEMMA3_IMAGE_IDS)
+  hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if name.endswith("norm.weight") and "vision_tower" not in name:
+        p.uniform_(*norms)
+      elif "vision_tower" in name and name.endswith(("norm1.weight", "norm2.weight")):
+        p.uniform_(0.5, 1.5)
+      elif name.endswith("mm_input_projection_weight"):
+        p.normal_(0.0, 0.3)
+  return hf
+
+
+def image_features(hf, pixels: np.ndarray) -> np.ndarray:
+  """transformers' soft tokens [Im, Mi, D] of pixels [Im, 3, S, S]."""
+  import torch
+
+  with torch.no_grad():
+    return hf.get_image_features(torch.tensor(pixels)).pooler_output.numpy()
