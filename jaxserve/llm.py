@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 from flax import nnx
 
-from jaxserve.batching import pooled
+from jaxserve.batching import mm_prompts, pooled
 from jaxserve.batching.request import Completion
 from jaxserve.batching.runner import Runner
 from jaxserve.config import EngineConfig, LoRARequest, SamplingParams, SchedulerConfig
@@ -28,7 +28,9 @@ from jaxserve.loading import lora as lora_loading
 from jaxserve.loading import weights as hf_weights
 from jaxserve.loading.pooler import for_task
 
-Prompt = Union[str, Sequence[int]]
+# Text, token ids, or vLLM's dict with images: {"prompt" or "prompt_token_ids": ...,
+# "multi_modal_data": {"image": an image or a list}} (batching/mm_prompts.py).
+Prompt = Union[str, Sequence[int], Mapping[str, Any]]
 
 
 class LLM:
@@ -75,8 +77,9 @@ class LLM:
     """One Completion per prompt, in input order (.text, .token_ids, .finish_reason, and
     .logprobs: one TokenLogprobs per output token when a SamplingParams asks for logprobs > 0).
     `lora_request`: the adapter every prompt runs under, or one per prompt (None: the base
-    model); an adapter not added yet is read from its lora_path first (add_lora)."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    model); an adapter not added yet is read from its lora_path first (add_lora). A prompt
+    with images needs a vision-language model (a ValueError names a text-only one)."""
+    if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
       sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -89,8 +92,16 @@ class LLM:
     for lora in lora_request:
       if lora is not None and lora.lora_int_id not in self.runner.loras:
         self.add_lora(lora)
-    return self.runner.generate([(self.encode(p, chat), s, lora)
+    return self.runner.generate([_request(*self._prompt(p, chat), s, lora)
                                  for p, s, lora in zip(prompts, sampling_params, lora_request)])
+
+  def _prompt(self, prompt: Prompt, chat: bool) -> tuple[list[int], tuple]:
+    """(token ids, images.ImageSpans placed in them)."""
+    if not isinstance(prompt, Mapping):
+      return self.encode(prompt, chat), ()
+    cfg = self.model.cfg
+    return mm_prompts.read(prompt, cfg.vision, cfg.name, lambda text: self.encode(text, chat),
+                           self.tokenizer.id_to_token)
 
   def add_lora(self, lora: LoRARequest) -> bool:
     """Reads adapter `lora` from its lora_path (a PEFT adapter folder) and makes it available;
@@ -189,6 +200,11 @@ class LLM:
     pooled.check_inputs(prompts)
     params = SamplingParams(max_tokens=1, pooling=True)
     return [c.pooled for c in self.runner.generate([(self.encode(p), params) for p in prompts])]
+
+
+def _request(ids: list[int], images: tuple, sampling: SamplingParams, lora) -> tuple:
+  """Runner.generate's tuple."""
+  return (ids, sampling, lora, images)
 
 
 def lora_config(config: EngineConfig, enable_lora: bool, max_loras: int | None,

@@ -20,7 +20,25 @@ def prompt_chunk(req: Request, start: int, end: int) -> PrefillChunk:
       prompt_token_ids=req.prompt_token_ids if is_last else (),
       output_token_ids=tuple(req.output_token_ids) if is_last else (),
       prompt_logprob_targets=targets, window_table=tuple(req.window_table),
-      lora_slot=req.lora_slot, pool_len=req.num_prompt_tokens if req.sampling.pooling else 0)
+      lora_slot=req.lora_slot, pool_len=req.num_prompt_tokens if req.sampling.pooling else 0,
+      images=tuple(s for s in req.images if s.offset < end and s.end > start))
+
+
+def chunk_end(req: Request, start: int, budget: int, max_budget: int) -> int:
+  """Where `req`'s chunk from `start` ends within `budget`: never inside an image when it can
+  be helped, as Gemma 3's image tokens attend to each other both ways (transformers' mask over
+  token_type_ids), so a token computed before the rest of its image would see too little.
+  The chunk stops before an image it would cut; one that starts at (or inside) such an image
+  is put off (`start`: no chunk) to a step with the whole budget. Only an image longer than a
+  whole step's budget (`max_budget`) is cut."""
+  end = start + min(req.num_prefill_tokens - start, budget)
+  for span in req.images:
+    if span.offset < end < span.end:
+      if span.offset > start:
+        return span.offset
+      if budget < max_budget and span.end - start <= max_budget:
+        return start
+  return end
 
 
 def prefill_kind(req: Request) -> StepKind:

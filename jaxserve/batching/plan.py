@@ -15,6 +15,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from jaxserve.batching.images import ImageSpan
 from jaxserve.config import PoolingMode, SamplingParams, SpeculativeConfig
 
 
@@ -57,6 +58,9 @@ class PrefillChunk:
   # this chunk's positions into the request's vector (StepFuture.pooled), mean pooling weighing
   # each 1 / pool_len; the request's vector is the sum over its chunks.
   pool_len: int = 0
+  # The request's images whose tokens this chunk holds (some or all of them): the engine puts
+  # their soft tokens in place of those tokens' embeddings (images.ImageSpan).
+  images: Sequence[ImageSpan] = ()
 
 
 class StepKind(enum.Enum):

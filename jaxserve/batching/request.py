@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxserve.batching.images import ImageSpan
 from jaxserve.config import LoRARequest, SamplingParams
 
 MAX_BACKOFF_STEPS = 64  # The longest a request whose proposals fail goes without proposing.
@@ -148,6 +149,8 @@ class Request:
   # while the request runs (lora_slots.py; 0 otherwise).
   lora: LoRARequest | None = None
   lora_slot: int = 0
+  # Its images (a vision-language model's), each at its image tokens' positions (images.py).
+  images: tuple[ImageSpan, ...] = ()
   # prompt + max_tokens; the scheduler rejects requests whose limit exceeds the context window.
   max_num_tokens: int = dataclasses.field(init=False)
 

@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxserve.batching.constrained import Constraints
+from jaxserve.batching.images import ImageSpan
 from jaxserve.batching.outputs import Outputs, token_logprobs
 from jaxserve.batching.plan import Engine, EngineInfo, StepFuture
 from jaxserve.batching.request import (
@@ -87,11 +88,13 @@ class Runner(RunnerControls):
   def new_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                   request_id: str | None = None, priority: int = 0,
                   cache_salt: str | None = None,
-                  grammar: Grammar | None = None, lora: LoRARequest | None = None) -> Request:
+                  grammar: Grammar | None = None, lora: LoRARequest | None = None,
+                  images: Sequence[ImageSpan] = ()) -> Request:
     """Builds a request, or raises RequestRejected if it could never run. Reads only fixed
     limits, so another thread may call it while this one steps. `grammar`: sampling.constraint
     compiled already (the serving core's, in a worker thread); else it is compiled here.
-    `lora`: the adapter it runs under, one `add_lora` added."""
+    `lora`: the adapter it runs under, one `add_lora` added. `images`: a vision-language
+    model's, placed in prompt_ids (images.place_images)."""
     self.scheduler.check(len(prompt_ids), sampling)
     self._check_lora(lora)
     if sampling.constraint is not None and grammar is None:  # A ValueError naming the problem.
@@ -100,7 +103,7 @@ class Runner(RunnerControls):
     seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
     return Request(request_id if request_id is not None else f"req-{seq}-{secrets.token_hex(4)}",
                    tuple(prompt_ids), sampling, seed, seq, priority, grammar=grammar,
-                   cache_salt=cache_salt, lora=lora)
+                   cache_salt=cache_salt, lora=lora, images=tuple(images))
 
   def submit(self, req: Request) -> None:
     """Queues a request made by `new_request`."""
@@ -177,11 +180,13 @@ class Runner(RunnerControls):
     return outputs
 
   def generate(self, prompts: Sequence[tuple]) -> list[Completion]:
-    """Runs every (prompt_ids, sampling) or (prompt_ids, sampling, LoRARequest or None) to
-    completion; results in input order. Every prompt is checked before any runs."""
+    """Runs every (prompt_ids, sampling), (prompt_ids, sampling, LoRARequest or None) or
+    (prompt_ids, sampling, LoRARequest or None, its ImageSpans) to completion; results in input
+    order. Every prompt is checked before any runs."""
     if self.pause_mode is not None:  # Nothing queued would run: it would never return.
       raise RuntimeError("the runner is paused: resume() first")
-    reqs = [self.new_request(p[0], p[1], lora=p[2] if len(p) > 2 else None) for p in prompts]
+    reqs = [self.new_request(p[0], p[1], lora=p[2] if len(p) > 2 else None,
+                             images=p[3] if len(p) > 3 else ()) for p in prompts]
     outputs = {r.request_id: [] for r in reqs}
     queued = collections.deque(reqs)
     while queued or self.has_unfinished:

@@ -34,7 +34,13 @@ import time
 from typing import Sequence
 
 from jaxserve.batching import speculative
-from jaxserve.batching.chunks import own_turn, prefill_kind, prompt_chunk, wants_prompt_logprobs
+from jaxserve.batching.chunks import (
+    chunk_end,
+    own_turn,
+    prefill_kind,
+    prompt_chunk,
+    wants_prompt_logprobs,
+)
 from jaxserve.batching.host_pages import PrefixHit
 from jaxserve.batching.plan import Engine, PrefillChunk, StepKind, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
@@ -294,7 +300,9 @@ class Scheduler:
   def _add_chunk(self, req: Request, budget: int, chunks: list, reqs: list) -> int:
     """Appends `req`'s next prefill chunk within `budget`; returns the budget left."""
     start = req.num_computed_tokens
-    end = start + min(req.num_prefill_tokens - start, budget)
+    end = chunk_end(req, start, budget, self._budget)
+    if end == start:  # It waits for a step with room for a whole image.
+      return budget
     self.pools.hold_window(req, start, end)  # First: the chunk carries the window table.
     chunks.append(prompt_chunk(req, start, end))
     reqs.append(req)

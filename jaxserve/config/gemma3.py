@@ -65,12 +65,7 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
     raise ValueError("bidirectional Gemma 3 (an encoder) cannot generate")
   if hf.get("attention_bias"):
     raise ValueError("Gemma 3 with attention biases: no released model has them")
-  types = hf.get("layer_types")
-  if types is None:
-    period = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", DEFAULT_PATTERN))
-    local = pattern_layers(num_layers, period)
-  else:
-    local = tuple(t == "sliding_attention" for t in types)
+  local = _hf_local_layers(hf, num_layers)
   global_theta, factor, local_theta = _hf_rope(hf)
   head_dim = hf["head_dim"]
   return ModelConfig(
@@ -92,9 +87,19 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
       rope_local_theta=local_theta,
       rope_linear_factor=factor,
       query_pre_attn_scalar=hf["query_pre_attn_scalar"],
-      final_logit_softcapping=hf.get("final_logit_softcapping"),
+      # transformers' Gemma3ForConditionalGeneration caps no logits, whatever its text_config
+      # says (no released one sets a cap): its reference outputs are uncapped.
+      final_logit_softcapping=None if image_side else hf.get("final_logit_softcapping"),
       vision=image_side,
   )
+
+
+def _hf_local_layers(hf: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
+  types = hf.get("layer_types")
+  if types is None:
+    period = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", DEFAULT_PATTERN))
+    return pattern_layers(num_layers, period)
+  return tuple(t == "sliding_attention" for t in types)
 
 
 def _hf_rope(hf: Mapping[str, Any]) -> tuple[float, float | None, float]:

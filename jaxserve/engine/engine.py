@@ -22,6 +22,7 @@ from jaxserve.batching.plan import EngineInfo, StepKind, StepPlan
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import adapters, assembly, placement, weight_update
 from jaxserve.engine.host_kv import HostKV
+from jaxserve.engine.images import ImageEncoder
 from jaxserve.engine.resolve import EngineSpec, default_backend, fit_to_pool, resolve
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.engine.step_future import StepFuture
@@ -42,8 +43,9 @@ def enable_compilation_cache(path: str | None) -> None:
 def _assemble(model: Transformer, draft: Transformer | None, spec: EngineSpec):
   """(the steps, their shardings and the programs warm-up compiles: one assembly, shared with
   `plan --compile` (engine/assembly.py); the params the steps take: the model's, or with a
-  draft both models'). With unroll_layers the steps run the engine's own copies of the models,
-  their layers unrolled (llama.unstacked)."""
+  draft both models'; the model's graphdef, which the image encoder takes too). With
+  unroll_layers the steps run the engine's own copies of the models, their layers unrolled
+  (llama.unstacked)."""
   if spec.config.unroll_layers:
     model, draft = unstacked(model), None if draft is None else unstacked(draft)
   graphdef, params = nnx.split(model)
@@ -52,7 +54,7 @@ def _assemble(model: Transformer, draft: Transformer | None, spec: EngineSpec):
     draft_graphdef, draft_params = nnx.split(draft)
     params = (params, draft_params)
   return assembly.assemble(graphdef, params, spec, placement.mesh_for(spec.config),
-                           draft_graphdef), params
+                           draft_graphdef), params, graphdef
 
 
 def _is_weight(x) -> bool:
@@ -100,7 +102,7 @@ class Engine:
     self.max_prefill_len = config.prefill_buckets[-1]
     enable_compilation_cache(config.compilation_cache_dir)
 
-    self.assembly, params = _assemble(model, draft, self.spec)
+    self.assembly, params, graphdef = _assemble(model, draft, self.spec)
     self.shardings = self.assembly.shardings
     self.params, self.cache, self.state, self.stop_ids = self.assembly.place(params, stop_ids)
     # LoRA adapters; the prefix cache's host tier, P/D's page bytes (kv_handoff.py); or None.
@@ -116,15 +118,15 @@ class Engine:
     # A slot's own region holds no one else's KV: no pages to share.
     self.can_share_pages = self._slot_page_tables is None
     self.info = self._engine_info()
-    # The cache and decode state are donated: each step updates them in place. Prefill-only
-    # steps that also score their prompt positions, and steps that verify speculative
-    # proposals, have one more output, so their own jit.
+    # The cache and decode state are donated: each step updates them in place. Steps of each
+    # kind (scoring, verifying, pooling: one more output) have their own jit.
     self._steps = {kind: self.assembly.jit(kind) for kind in StepKind}
     self.sleep_level = 0  # 1: no KV cache on the device, 2: nor weights (`sleep`).
     # The target's weights' forms, for `update_weights`; one CPU device: the numpy way.
     on_cpu = self.shardings is None and jax.local_devices()[0].platform == "cpu"
     self._weights = weight_update.WeightUpdate(model, config.unroll_layers, on_cpu)
     self._draft_is_target = draft is model
+    self.images = ImageEncoder.of(model.cfg.vision, graphdef, self._target_params)  # Or None.
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -167,7 +169,8 @@ class Engine:
 
   def step_args(self, plan: StepPlan, bitmask: np.ndarray | None = None
                 ) -> tuple[StepArgs, list[int]]:
-    return self.packer.pack(plan, bitmask)
+    soft_tokens = None if self.images is None else self.images.soft_tokens
+    return self.packer.pack(plan, bitmask, soft_tokens)
 
   def run_step(self, args: StepArgs, rows: list[int], kind: StepKind = StepKind.PLAIN,
                chunk_lens: Sequence[int] = ()) -> StepFuture:
@@ -239,6 +242,8 @@ class Engine:
       self.params = (new, new if self._draft_is_target else self.params[1])
     if self.host_kv is not None:
       self.host_kv.forget_fingerprint()
+    if self.images is not None:
+      self.images.forget()
 
   def update_lora(self, lora_id: int, adapter, slot: int | None = None) -> None:
     """Adapter `lora_id`'s weights replaced by `adapter`'s: its host copy, and `slot`, the
@@ -258,6 +263,8 @@ class Engine:
       self.run_step(program.args, [], program.kind)
     if self.loras is not None:
       self.loras.warmup()
+    if self.images is not None:
+      self.images.warmup()
     if self.host_kv is not None:
       self.cache = self.host_kv.warmup(self.cache)
     jax.block_until_ready(self.state)  # An output of the last step: it has run.

@@ -164,11 +164,26 @@ def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
       num_decode_rows=args.decode_slots.shape[0])
 
 
+def _images(meta: AttentionMetadata, args):
+  """(meta with each image token's attention reaching its image's last position, and the
+  model's `images`: rows [T, D], is_image [T]); (meta, None) for a model without images."""
+  if args.image_until is None:
+    return meta, None
+  Bd = args.decode_slots.shape[0]
+  until = _cat(jnp.full(Bd, -1, jnp.int32), args.image_until)  # [T]
+  rows = _cat(jnp.zeros((Bd, args.image_rows.shape[1]), args.image_rows.dtype), args.image_rows)
+  reach = jnp.maximum(meta.positions, until[None])  # [1, T]
+  return dataclasses.replace(meta, attend_until=reach), (rows, until >= 0)
+
+
 def _forward(model, tokens, cache, meta: AttentionMetadata, attn: AttentionSpec, args,
              adapters: LoraRows | None):
   """-> (logits [B, V] at the rows that sample, cache, the kind's StepOutput fields, and None);
   in a verifying step (None, cache, {}, the last layer's output [T, D] at every row)."""
   extra = {} if adapters is None else {"lora": adapters}  # Gemma 3 takes no adapters.
+  meta, images = _images(meta, args)
+  if images is not None:
+    extra["images"] = images
   if args.prefill_targets is None and args.verify_rows is None and args.pool_weights is None:
     logits, cache = model(tokens[None], cache, meta, attn, **extra)  # [B, V]
     return logits, cache, {}, None

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxserve.batching.plan import PrefillChunk, StepKind, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine.images import image_args
 from jaxserve.engine.pooling import pooling_args
 from jaxserve.engine.sampling_state import SamplingRow, SamplingState
 from jaxserve.engine.step_shapes import StepShape, StepShapes
@@ -70,6 +71,10 @@ class StepArgs(NamedTuple):
   # logit ids (PoolingConfig.logit_ids; [0] for an embedding model, whose rows are D wide).
   pool_weights: np.ndarray | None = None
   pool_ids: np.ndarray | None = None
+  # A vision-language model's every step, else None: [Tp, D] float32, each prefill row's image
+  # soft token (zeros for text), and [Tp] int32 the last position of its image (-1: text).
+  image_rows: np.ndarray | None = None
+  image_until: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +85,14 @@ class Packer(StepShapes):
   vocab_size: int
   slot_page_tables: np.ndarray | None  # The contiguous layout's own tables, else None.
   page_groups: int = 1  # 2 with window pages: each sequence's table, then its window table.
+  image_dim: int = 0  # A vision-language model's D: every step takes image rows. 0: none.
 
-  def pack(self, plan: StepPlan, bitmask: np.ndarray | None = None) -> tuple[StepArgs, list[int]]:
+  def pack(self, plan: StepPlan, bitmask: np.ndarray | None = None,
+           soft_tokens=None) -> tuple[StepArgs, list[int]]:
     """(args, rows): rows[i] is the sequence whose token is the plan's i-th sample (its decode
     slots in order, then its prompts that end in this step). bitmask [samples, ceil(V/32)]: row i
-    the plan's i-th sample's allowed tokens (None: all free)."""
+    the plan's i-th sample's allowed tokens (None: all free). soft_tokens(image) -> [Mi, D]: the
+    encoder's (engine/images.py), for plans with images."""
     c = self.config
     chunks, decodes = list(plan.prefills), list(plan.decode_slots)
     self._check(chunks, decodes)
@@ -116,6 +124,7 @@ class Packer(StepShapes):
       args = args._replace(**pooling_args(c.pooling, chunks, args.prefill_slots.shape[0], Tp))
     if c.max_loras:
       args = args._replace(lora_slots=_lora_slots(plan, rows, Tp))
+    args = args._replace(**image_args(chunks, Tp, self.image_dim, soft_tokens))
     return args, samples
 
   def _bitmask(self, B: int, samples: list[int], bitmask: np.ndarray | None) -> np.ndarray:
@@ -181,6 +190,7 @@ class Packer(StepShapes):
       args = args._replace(**pooling_args(self.config.pooling, [], Bp, Tp))
     if self.config.max_loras:
       args = args._replace(lora_slots=np.zeros(Bd + Tp, np.int32))
+    args = args._replace(**image_args([], Tp, self.image_dim, None))
     return args._replace(bitmask=self._all_allowed(Bd + args.prefill_slots.shape[0]))
 
   def _all_allowed(self, B: int) -> np.ndarray:

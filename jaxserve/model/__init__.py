@@ -20,6 +20,11 @@ LoRA letters (model/lora.py; its einsums spell them s, r, i, o):
   Sl: adapter slots (max_loras + 1; slot 0 is the base model)    Rk: LoRA rank (max_lora_rank)
   I, O: a projection's input and output widths (D, N * H, K * H or F)
 
+Vision letters (model/siglip.py; its einsums spell them I, P, D, N, H, F, Q/K for patches as
+queries and keys):
+  Im: images    Pt: patches of an image    Dv: the vision tower's width    Nv: its heads
+  Hd: its head dim    Fv: its MLP width    Mi: soft tokens of an image (mm_tokens_per_image)
+
 Engine letters (a step packs decode rows, then prefill sequences, on one axis):
   Bd: a step's decode rows    Bp: a step's prefill sequences (B = Bd + Bp)
   Tp: a step's prefill tokens, a prefill bucket (the packed token axis: T = Bd + Tp)

@@ -1,0 +1,58 @@
+"""vLLM's multimodal prompt shape, read for the offline API: `{"prompt": text, "multi_modal_data":
+{"image": one or a list}}`, or `"prompt_token_ids"` in place of the text. An image is a PIL
+image, uint8 [H, W, 3] pixels, or an images.ImageInput made already (the serving side's, with its
+content hash). No jax.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from jaxserve.batching import images as mm
+from jaxserve.config.vision import VisionConfig
+
+
+def image_list(prompt: Mapping[str, Any]) -> list:
+  """The prompt's images, in order ([] for none); a ValueError for data of another kind."""
+  data = prompt.get("multi_modal_data") or {}
+  other = sorted(set(data) - {"image"})
+  if other:
+    raise ValueError(f"multi_modal_data {other}: only 'image' is supported")
+  images = data.get("image", [])
+  return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def to_input(image, vision: VisionConfig) -> mm.ImageInput:
+  if isinstance(image, mm.ImageInput):
+    return image
+  if not isinstance(image, np.ndarray):  # A PIL image (anything with .convert).
+    image = mm.from_pil(image)
+  return mm.image_input(image, vision)
+
+
+def read(prompt: Mapping[str, Any], vision: VisionConfig | None, model_name: str,
+         encode: Callable[[str], list[int]], token: Callable[[int], str]
+         ) -> tuple[list[int], tuple[mm.ImageSpan, ...]]:
+  """(token ids, their images placed) of one prompt dict. `encode(text)`: the tokenizer's (chat
+  template and all); `token(id)`: an id's text (the image tokens' spelling)."""
+  images = image_list(prompt)
+  if images and vision is None:
+    raise ValueError(f"model {model_name!r} is text-only: it takes no images, and the prompt has "
+                     f"{len(images)}")
+  if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+    raise ValueError("a prompt dict needs one of 'prompt' and 'prompt_token_ids'")
+  if not images:
+    return (list(prompt["prompt_token_ids"]) if "prompt" not in prompt
+            else encode(prompt["prompt"])), ()
+  inputs = [to_input(im, vision) for im in images]
+  if "prompt" in prompt:
+    text = mm.expand_text(prompt["prompt"], len(inputs), token(vision.boi_token_id),
+                          token(vision.image_token_id), token(vision.eoi_token_id),
+                          vision.mm_tokens_per_image)
+    ids = encode(text)
+  else:
+    ids = mm.expand_ids(prompt["prompt_token_ids"], len(inputs), vision)
+  return ids, mm.place_images(ids, inputs, vision)
+

@@ -1,0 +1,154 @@
+"""Gemma 3 with images (issue 50): a tiny random Gemma3ForConditionalGeneration built offline by
+transformers is the reference. Its soft tokens, the processor's pixels, and greedy tokens with
+their logprobs for prompts of one and two images, batched with text-only prompts, chunked, with
+no compile after warm-up; the prefix cache keyed by each image's content."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve.batching import images as mm
+from jaxserve.batching.runner import Runner
+from jaxserve.config import AttentionBackend, EngineConfig, SamplingParams, SchedulerConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.loading import checkpoint, weights
+from support import hf_tiny
+from support.mock_engine import MockTokenizer
+from support.tiny import count_compiles
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=64, max_model_len=64,
+                      prefill_buckets=(16, 32), compilation_cache_dir=None,
+                      attention_backend=AttentionBackend.REFERENCE)
+IDS = hf_tiny.GEMMA3_IMAGE_IDS
+BOI, IMAGE, EOI = IDS["boi_token_index"], IDS["image_token_index"], IDS["eoi_token_index"]
+N = IDS["mm_tokens_per_image"]
+NUM_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+  hf = hf_tiny.build_gemma3_vision()
+  path = tmp_path_factory.mktemp("tiny_gemma3_vision")
+  hf.save_pretrained(path)
+  return hf, path
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf):
+  cfg, params = weights.load_hf_dir(tiny_hf[1])
+  engine = Engine(checkpoint.build_model(cfg, params), ENGINE)
+  engine.warmup()
+  return engine
+
+
+def runner(engine, budget: int = 32) -> Runner:
+  return Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=budget))
+
+
+def pictures(n: int, seed: int = 0) -> list[np.ndarray]:
+  """n random uint8 [H, W, 3] images of odd sizes (the resize has work to do)."""
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, (17 + 9 * i, 40 - 5 * i, 3), dtype=np.uint8) for i in range(n)]
+
+
+def prompt(text: list[int], num_images: int) -> list[int]:
+  """Text, then one boi placeholder per image, each between text tokens."""
+  out = list(text[:3])
+  for i in range(num_images):
+    out += [BOI] + text[3 + 2 * i:5 + 2 * i]
+  return out + text[3 + 2 * num_images:]
+
+
+def reference(hf, ids: list[int], pixels: list[np.ndarray]) -> tuple[list[int], list[float]]:
+  """transformers' greedy tokens and their logprobs: generate with the image tokens typed
+  (token_type_ids 1: attended both ways within an image, as the processor marks them). The
+  logprobs are of the raw logits: min_new_tokens' processor masks the end token in `scores`."""
+  ids_t = torch.tensor([ids])
+  kwargs = dict(token_type_ids=(ids_t == IMAGE).long())
+  if pixels:
+    kwargs["pixel_values"] = torch.tensor(np.stack(pixels))
+  with torch.no_grad():
+    out = hf.generate(ids_t, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
+                      do_sample=False, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=0, **kwargs)
+  tokens = out.sequences[0, len(ids):].tolist()
+  logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
+  return tokens, logprobs
+
+
+def requests(engine, cases):
+  """Runner.generate's tuples and the references' inputs: cases of (text ids, images)."""
+  vision = engine.model_config.vision
+  out = []
+  for text, rgbs in cases:
+    inputs = [mm.image_input(rgb, vision) for rgb in rgbs]
+    ids = mm.expand_ids(prompt(text, len(rgbs)), len(rgbs), vision)
+    spans = mm.place_images(ids, inputs, vision)
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+    out.append(((ids, greedy, None, spans), [i.pixels for i in inputs]))
+  return out
+
+
+def test_soft_tokens_match_transformers(tiny_hf, engine):
+  pixels = np.random.default_rng(0).normal(size=(1, 3, 28, 28)).astype(np.float32)
+  image = mm.ImageInput(pixels[0], b"x" * 32)
+  ours = engine.images.soft_tokens(image)
+  assert np.abs(ours - hf_tiny.image_features(tiny_hf[0], pixels)[0]).max() < 1e-5
+
+
+def test_pixels_match_the_pillow_processor():
+  """Odd sizes, a grayscale and an RGBA image (converted as the processor converts them)."""
+  from PIL import Image
+
+  processor = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+  vision = dataclasses.replace(_vision(), image_size=28)
+  rng = np.random.default_rng(3)
+  shots = [Image.fromarray(rng.integers(0, 256, (31, 53, 3), dtype=np.uint8)),
+           Image.fromarray(rng.integers(0, 256, (64, 9), dtype=np.uint8), "L"),
+           Image.fromarray(rng.integers(0, 256, (20, 20, 4), dtype=np.uint8), "RGBA")]
+  for shot in shots:
+    theirs = processor(shot, return_tensors="np")["pixel_values"][0]
+    ours = mm.preprocess(mm.from_pil(shot), vision)
+    assert ours.shape == theirs.shape and np.abs(ours - theirs).max() < 1e-5
+
+
+def _vision():
+  from jaxserve.config import gemma3
+
+  return gemma3.from_hf({"text_config": hf_tiny.GEMMA3, "vision_config": hf_tiny.GEMMA3_VISION,
+                         **IDS}).vision
+
+
+def test_prompt_expansion_is_the_processors():
+  v = _vision()
+  assert mm.expand_ids([5, BOI, 6], 1, v) == [5, BOI, *[IMAGE] * N, EOI, 6]
+  text = mm.expand_text("Look: <boi> ok", 1, "<boi>", "<img>", "<eoi>", 2)
+  assert text == "Look: \n\n<boi><img><img><eoi>\n\n ok"
+  with pytest.raises(ValueError, match="placeholders"):
+    mm.expand_ids([5, BOI, 6], 2, v)
+
+
+@pytest.mark.parametrize("budget", [32, 6])
+def test_greedy_tokens_and_logprobs_match_transformers(tiny_hf, engine, checked, budget):
+  """One prompt of one image, one of two, and a text-only one, batched; zero compiles. With a
+  budget of 6 tokens a step, chunks would cut images in two: the scheduler ends a chunk before
+  an image instead (batching/chunks.py's chunk_end), so each image's tokens still see their
+  whole image, as transformers' do."""
+  rng = np.random.default_rng(4)
+  text = lambda n: [int(t) for t in rng.integers(0, 250, n)]
+  cases = [(text(9), pictures(1)), (text(11), pictures(2, seed=1)), (text(7), [])]
+  reqs = requests(engine, cases)
+  r = checked(runner(engine, budget))
+  with count_compiles() as counts:
+    outs = r.generate([q for q, _ in reqs])
+  assert counts["compile"] == 0, counts
+  for out, (q, pixels) in zip(outs, reqs):
+    tokens, logprobs = reference(tiny_hf[0], q[0], pixels)
+    assert list(out.token_ids) == tokens
+    assert np.abs(np.array([lp.logprob for lp in out.logprobs]) - logprobs).max() < 1e-3
