@@ -101,7 +101,7 @@ class LLM:
       return self.encode(prompt, chat), ()
     cfg = self.model.cfg
     return mm_prompts.read(prompt, cfg.vision, cfg.name, lambda text: self.encode(text, chat),
-                           self.tokenizer.id_to_token)
+                           lambda i: self.tokenizer.id_to_token(i))
 
   def add_lora(self, lora: LoRARequest) -> bool:
     """Reads adapter `lora` from its lora_path (a PEFT adapter folder) and makes it available;

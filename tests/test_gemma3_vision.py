@@ -152,3 +152,70 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_hf, engine, checked,
     tokens, logprobs = reference(tiny_hf[0], q[0], pixels)
     assert list(out.token_ids) == tokens
     assert np.abs(np.array([lp.logprob for lp in out.logprobs]) - logprobs).max() < 1e-3
+
+
+def test_prefix_cache_pages_are_keyed_by_the_images(tiny_hf, engine, checked):
+  """Same tokens, another image: only the page before the image is shared (4 tokens); the same
+  image again: every full page (16). The other image's tokens are transformers' own."""
+  text = [int(t) for t in np.random.default_rng(5).integers(0, 250, 14)]
+  a, b = pictures(2, seed=7)
+  r = checked(runner(engine))
+  (first,), (other,), (again,) = (r.generate([q for q, _ in requests(engine, [(text, [rgb])])])
+                                  for rgb in (a, b, a))
+  assert (first.num_cached_tokens, other.num_cached_tokens, again.num_cached_tokens) == (0, 4, 16)
+  (q, pixels), = requests(engine, [(text, [b])])
+  assert list(other.token_ids) == reference(tiny_hf[0], q[0], pixels)[0]
+  assert again.token_ids == first.token_ids
+
+
+def test_page_keys_take_image_hashes_and_salts():
+  from jaxserve.batching.page_keys import prefix_keys
+
+  ids = list(range(12))
+  spans = lambda h: (mm.ImageSpan(mm.ImageInput(np.zeros(1), h), 5, 2),)  # Page 1 only.
+  keys = lambda h, salt=None: [k for k, _ in prefix_keys(
+      ids, 4, salt, extras=mm.page_extras(spans(h), 4))]
+  x, y = keys(b"x" * 32), keys(b"y" * 32)
+  assert x[0] == y[0] and all(p != q for p, q in zip(x[1:], y[1:]))  # The keys chain.
+  assert keys(b"x" * 32) == x and keys(b"x" * 32, "tenant")[0] != x[0]
+  assert [k for k, _ in prefix_keys(ids, 4)][0] == x[0]  # Text pages keep their keys.
+
+
+def test_chunks_end_before_an_image_they_would_cut():
+  from jaxserve.batching.chunks import chunk_end
+  from jaxserve.batching.request import Request
+
+  span = mm.ImageSpan(mm.ImageInput(np.zeros(1), bytes(32)), 4, 4)  # Positions 4..7.
+  req = Request("r", tuple(range(12)), SamplingParams(), 0, 0, images=(span,))
+  req.num_prefill_tokens = 12
+  assert chunk_end(req, 0, 6, 6) == 4  # Stops before the image.
+  assert chunk_end(req, 4, 3, 6) == 4  # Waits for a step with room for all of it.
+  assert chunk_end(req, 4, 6, 6) == 10  # Whole, then text.
+  assert chunk_end(req, 5, 2, 2) == 7  # Longer than any step: cut.
+
+
+def test_offline_api_takes_vllms_multi_modal_data(engine):
+  """LLM.generate with {"prompt_token_ids", "multi_modal_data": {"image": PIL image}} gives the
+  runner's tokens for the same image; a text-only model refuses an image by name."""
+  from types import SimpleNamespace
+
+  from PIL import Image
+
+  from jaxserve.batching import mm_prompts
+  from jaxserve.llm import LLM
+
+  llm = LLM.__new__(LLM)  # The module's engine, not a second one (its compiles).
+  llm.model, llm.tokenizer = SimpleNamespace(cfg=engine.model_config), MockTokenizer()
+  llm.runner = runner(engine)
+  text, (rgb,) = [int(t) for t in np.random.default_rng(6).integers(0, 250, 8)], pictures(1)
+  greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+  (out,) = llm.generate({"prompt_token_ids": prompt(text, 1),
+                         "multi_modal_data": {"image": Image.fromarray(rgb)}}, greedy)
+  (q, _), = requests(engine, [(text, [rgb])])
+  (ref,) = llm.runner.generate([(q[0], greedy, None, q[3])])
+  assert out.token_ids == ref.token_ids and out.prompt_token_ids == tuple(q[0])
+  with pytest.raises(ValueError, match="'tiny-text' is text-only: it takes no images"):
+    mm_prompts.read({"prompt": "hi", "multi_modal_data": {"image": rgb}}, None, "tiny-text",
+                    list, str)
+  with pytest.raises(ValueError, match="only 'image'"):
+    llm.generate({"prompt_token_ids": [1], "multi_modal_data": {"video": rgb}})

@@ -45,6 +45,18 @@ class ImageSpan:
     return self.offset + self.length
 
 
+def page_extras(spans: Sequence[ImageSpan], page_size: int) -> tuple[bytes, ...]:
+  """Per KV page, the content hashes of the images whose tokens it holds (b"": none), for the
+  page keys (page_keys.py); () for a request without images."""
+  if not spans:
+    return ()
+  extras = [b""] * ((max(s.end for s in spans) - 1) // page_size + 1)
+  for s in spans:
+    for i in range(s.offset // page_size, (s.end - 1) // page_size + 1):
+      extras[i] += s.image.content_hash
+  return tuple(extras)
+
+
 def content_hash(rgb: np.ndarray) -> bytes:
   """SHA-256 of the decoded pixels and their shape: equal for the same picture in any file
   format (as vLLM hashes an image's pixels, not its bytes)."""

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from jaxserve.batching.host_pages import HostPages, PrefixHit
 from jaxserve.batching.kv_events import KVEventLog
-from jaxserve.batching.page_keys import page_hash, prefix_keys, root_key
+from jaxserve.batching.page_keys import page_extra, page_hash, prefix_keys, root_key
 
 __all__ = ["PageAllocator", "page_hash", "prefix_keys", "root_key"]
 
@@ -78,7 +78,7 @@ class PageAllocator:
     return self._ref[page]
 
   def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
-                   lora: str | None = None) -> list[PrefixHit]:
+                   lora: str | None = None, extras: Sequence[bytes] = ()) -> list[PrefixHit]:
     """The cached pages that hold a prefix of `token_ids`: device pages, or host tier hits.
 
     The page holding the last token never matches: its prefill samples the next token, and
@@ -87,7 +87,7 @@ class PageAllocator:
     if not self.enable_prefix_caching:
       return []
     hits = []
-    for key, tokens in prefix_keys(token_ids, self.page_size, cache_salt, lora):
+    for key, tokens in prefix_keys(token_ids, self.page_size, cache_salt, lora, extras):
       hit = self.find_hit(key, tokens)
       if hit is None:
         break
@@ -204,7 +204,8 @@ class PageAllocator:
     self._ref[page] += 1
 
   def cache_pages(self, table: Sequence[int], token_ids: Sequence[int], start: int, end: int,
-                  cache_salt: str | None = None, lora: str | None = None):
+                  cache_salt: str | None = None, lora: str | None = None,
+                  extras: Sequence[bytes] = ()):
     """Registers pages [start, end) of `table`, now full of the KV of `token_ids`, by hash.
 
     Pages [0, start) must be registered already (their keys chain into these). If another page
@@ -216,7 +217,7 @@ class PageAllocator:
     parent = self._hash[table[start - 1]] if start else root_key(cache_salt, lora)
     for i in range(start, end):
       tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-      parent = page_hash(parent, tokens)
+      parent = page_hash(parent, tokens, page_extra(extras, i))
       findable = self.register(table[i], parent, tokens)
       if self.events is not None:
         self.events.stored(table[i], table[i - 1] if i else None, tokens,

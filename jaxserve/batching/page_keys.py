@@ -7,7 +7,10 @@ vLLM's CVE-2025-25183).
 A request's cache salt (vLLM's `cache_salt`) is mixed into its first page's key: only requests
 with the same salt share pages, whatever their tokens. So is its LoRA adapter (`lora`, the
 adapter's LoRARequest.cache_key): KV computed under one adapter is never another's, nor the base
-model's. Imports no jax.
+model's. A page that holds an image's tokens has the image's content hash in its key too (the
+request's `extras`, one per page: images.page_extras), as vLLM's multimodal hashing does: two
+prompts of the same tokens and different images never share that page, nor (the keys chain) any
+page after it; the same image twice does. Imports no jax.
 """
 
 from __future__ import annotations
@@ -20,9 +23,16 @@ import numpy as np
 _ROOT_HASH = bytes(32)  # The parent key of a sequence's first page.
 
 
-def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
-  """SHA-256 of the parent's 32-byte key, then the ids as little-endian int32s."""
-  return hashlib.sha256(parent + np.asarray(token_ids, "<i4").tobytes()).digest()
+def page_hash(parent: bytes, token_ids: tuple[int, ...], extra: bytes = b"") -> bytes:
+  """SHA-256 of the parent's 32-byte key, then the ids as little-endian int32s, then (a page of
+  image tokens) the images' content hashes."""
+  ids = np.asarray(token_ids, "<i4").tobytes()
+  return hashlib.sha256(parent + ids + (b"images\0" + extra if extra else b"")).digest()
+
+
+def page_extra(extras: Sequence[bytes], i: int) -> bytes:
+  """Page i's extra key bytes (b"": none)."""
+  return extras[i] if i < len(extras) else b""
 
 
 def root_key(cache_salt: str | None, lora: str | None = None) -> bytes:
@@ -40,10 +50,12 @@ def _utf8(s: str) -> bytes:
 
 
 def prefix_keys(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None,
-                lora: str | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
-  """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily."""
+                lora: str | None = None, extras: Sequence[bytes] = ()
+                ) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+  """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily.
+  `extras`: each page's image hashes (images.page_extras)."""
   parent = root_key(cache_salt, lora)
   for i in range((len(token_ids) - 1) // page_size):
     tokens = tuple(token_ids[i * page_size:(i + 1) * page_size])
-    parent = page_hash(parent, tokens)
+    parent = page_hash(parent, tokens, page_extra(extras, i))
     yield parent, tokens

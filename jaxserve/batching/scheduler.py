@@ -35,13 +35,14 @@ from typing import Sequence
 
 from jaxserve.batching import speculative
 from jaxserve.batching.chunks import (
-    chunk_end,
-    own_turn,
-    prefill_kind,
-    prompt_chunk,
-    wants_prompt_logprobs,
+  chunk_end,
+  own_turn,
+  prefill_kind,
+  prompt_chunk,
+  wants_prompt_logprobs,
 )
 from jaxserve.batching.host_pages import PrefixHit
+from jaxserve.batching.images import page_extras
 from jaxserve.batching.plan import Engine, PrefillChunk, StepKind, StepPlan
 from jaxserve.batching.request import QueueFull, Request, RequestRejected, RequestStatus
 from jaxserve.batching.request_queue import RequestQueue, order_key
@@ -278,7 +279,8 @@ class Scheduler:
     lora = None if req.lora is None else req.lora.cache_key
     every = wants_prompt_logprobs(req) or (req.sampling.pooling
                                            and self._pooling.needs_every_position)
-    hits = [] if every else self.pools.match(req.all_token_ids, req.cache_salt, lora)
+    extras = page_extras(req.images, self.page_size)
+    hits = [] if every else self.pools.match(req.all_token_ids, req.cache_salt, lora, extras)
     # The reserve is headroom for other requests' decode; alone, a request may use every page.
     reserve = self.config.reserve_pages if self.running else 0
     return hits if self.pools.can_allocate(req.all_token_ids, hits, reserve) else None

@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.batching.host_pages import PrefixHit
+from jaxserve.batching.images import page_extras
 from jaxserve.batching.kv_pages import PageAllocator
 from jaxserve.batching.plan import EngineInfo
 from jaxserve.batching.request import Request
@@ -63,11 +64,11 @@ class PagePools:
   # Admission.
 
   def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
-            lora: str | None = None) -> list[PrefixHit]:
+            lora: str | None = None, extras: Sequence[bytes] = ()) -> list[PrefixHit]:
     """The cached full-pool pages a request for `token_ids` may reuse: its longest cached
     prefix, and with window pages only as much of it as the window pool still holds the window
     of (the pages the first position to compute attends to). Made once per admission."""
-    hits = self.full.match_prefix(token_ids, cache_salt, lora)
+    hits = self.full.match_prefix(token_ids, cache_salt, lora, extras)
     if self.window:
       while hits and not all(self._window_hit(hits[i]) is not None
                              for i in range(self._first_window_page(len(hits) * self.page_size),
@@ -134,7 +135,8 @@ class PagePools:
     under the same keys, so their local layers' KV is findable too."""
     start, tokens = req.num_cached_pages, req.all_token_ids
     self.full.cache_pages(req.page_table, tokens, start, num_full, req.cache_salt,
-                          None if req.lora is None else req.lora.cache_key)
+                          None if req.lora is None else req.lora.cache_key,
+                          page_extras(req.images, self.page_size))
     for i in range(start, min(num_full, len(req.window_table))):
       if req.window_table[i]:
         self.window_pool.register(req.window_table[i], self.full.key_of(req.page_table[i]),
