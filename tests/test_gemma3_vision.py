@@ -219,3 +219,13 @@ def test_offline_api_takes_vllms_multi_modal_data(engine):
                     list, str)
   with pytest.raises(ValueError, match="only 'image'"):
     llm.generate({"prompt_token_ids": [1], "multi_modal_data": {"video": rgb}})
+
+
+def test_a_text_only_engine_refuses_images_by_name():
+  """The serving side's door (Runner.new_request) names the problem before anything queues."""
+  from support.mock_engine import MockEngine
+
+  span = mm.ImageSpan(mm.ImageInput(np.zeros(1), bytes(32)), 1, 4)
+  r = Runner(MockEngine(), MockTokenizer())
+  with pytest.raises(ValueError, match="text-only: it takes no images, and the request has 1"):
+    r.new_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2), images=(span,))

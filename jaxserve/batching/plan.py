@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxserve.batching.images import ImageSpan
 from jaxserve.config import PoolingMode, SamplingParams, SpeculativeConfig
+from jaxserve.config.vision import VisionConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +178,9 @@ class EngineInfo:
   # The prefix cache's host tier: pages each pool may keep in host memory (0: none).
   num_host_pages: int = 0
   pooling: PoolingMode | None = None  # How a pooling engine pools; None: it runs no pooling.
+  # A vision-language model's image side (what images.image_input and place_images take); None:
+  # the engine takes no images.
+  vision: VisionConfig | None = None
 
   @property
   def page_groups(self) -> int:

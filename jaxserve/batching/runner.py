@@ -97,6 +97,9 @@ class Runner(RunnerControls):
     model's, placed in prompt_ids (images.place_images)."""
     self.scheduler.check(len(prompt_ids), sampling)
     self._check_lora(lora)
+    if images and self.engine.info.vision is None:
+      raise ValueError(f"this model is text-only: it takes no images, and the request has "
+                       f"{len(images)}")
     if sampling.constraint is not None and grammar is None:  # A ValueError naming the problem.
       grammar = self.constraints.grammar(sampling.constraint, sampling.allowed_token_ids)
     seq = next(self._arrivals)

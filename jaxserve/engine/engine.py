@@ -126,7 +126,7 @@ class Engine:
     on_cpu = self.shardings is None and jax.local_devices()[0].platform == "cpu"
     self._weights = weight_update.WeightUpdate(model, config.unroll_layers, on_cpu)
     self._draft_is_target = draft is model
-    self.images = ImageEncoder.of(model.cfg.vision, graphdef, self._target_params)  # Or None.
+    self.images = ImageEncoder.of(model.cfg.vision, graphdef, self._target_params, self.backend)
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -145,7 +145,8 @@ class Engine:
                       speculative=c.speculative, max_loras=c.max_loras,
                       max_cpu_loras=c.max_cpu_loras,
                       num_host_pages=0 if self.host_kv is None else self.host_kv.num_slots,
-                      pooling=None if c.pooling is None else c.pooling.mode)
+                      pooling=None if c.pooling is None else c.pooling.mode,
+                      vision=self.model_config.vision)
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
            run=None) -> StepFuture | None:

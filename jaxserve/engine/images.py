@@ -20,10 +20,12 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from jaxserve.batching.images import ImageInput
 from jaxserve.batching.plan import PrefillChunk
+from jaxserve.config import AttentionBackend
 from jaxserve.config.vision import VisionConfig
 
 # Encoded images kept on the host: enough for every image a step's chunks can be part-way
@@ -62,8 +64,14 @@ class ImageEncoder:
   """The engine's vision encoder: one compiled program, and the soft tokens of recent images."""
 
   @classmethod
-  def of(cls, vision: VisionConfig | None, graphdef, params) -> ImageEncoder | None:
-    """A vision-language model's encoder; None for a text-only model."""
+  def of(cls, vision: VisionConfig | None, graphdef, params, backend) -> ImageEncoder | None:
+    """A vision-language model's encoder; None for a text-only model. The attention kernels
+    take no attend_until: over them an image's tokens attend causally, not both ways as Gemma 3
+    was trained to (the jnp backend, the default on CPU, attends as transformers does)."""
+    if vision is not None and backend is not AttentionBackend.REFERENCE:
+      logging.warning("the %s attention backend attends causally among an image's tokens; "
+                      "Gemma 3 attends both ways there (the reference backend does)",
+                      backend.value)
     return None if vision is None else cls(graphdef, vision, params)
 
   def __init__(self, graphdef, vision: VisionConfig, params: Callable[[], object]):
