@@ -258,8 +258,9 @@ GEMMA3_4B_IT = {
     "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
                     "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                     "sliding_window": 1024},
-    "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model",
-                      "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14}}
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
 
 
 def test_gemma3_param_counts_are_the_published_ones():
@@ -342,19 +343,26 @@ def test_gemma3_text_defaults_are_transformers_own():
   assert {k: hf[k] for k in gemma3.TEXT_DEFAULTS} == gemma3.TEXT_DEFAULTS
 
 
-def test_plan_reads_a_multimodal_gemma3_config_as_its_text_model(tmp_path, capsys):
+def test_plan_reads_a_multimodal_gemma3_config_as_its_text_model_and_encoder(tmp_path, capsys):
+  """The text model is the known 4B's; the vision tower and projector add their weights:
+  4,300,079,472 parameters in all, Google's 4.3B (343,142,784 + 27 layers * 2,839,760 more MLP
+  than SigLIP's default 3072 = 419,816,304 of them the encoder's). 8,600,158,944 B of bfloat16
+  weights leave 8,579,710,240 B on 16 GiB: 7 conversations of 1,140,850,688 B (7.52), 29 of
+  291,307,520 B with window pages (29.45)."""
   path = tmp_path / "gemma-3-4b-it" / "config.json"
   path.parent.mkdir()
   path.write_text(json.dumps(GEMMA3_4B_IT))
-  assert capacity.load_model_config(str(path.parent)) == dataclasses.replace(
-      GEMMA3_4B, name="gemma-3-4b-it")
+  cfg = capacity.load_model_config(str(path.parent))
+  assert dataclasses.replace(cfg, vision=None) == dataclasses.replace(GEMMA3_4B,
+                                                                      name="gemma-3-4b-it")
+  assert cfg.num_params == 4_300_079_472
   assert plan_cli.run_plan(_args(model=str(path), memory_gib=16.0, context=8192,
                                  prefill_tokens=0, overhead_gib=0.0)) == 0
   out = capsys.readouterr().out
-  assert "conversations       8 at 8192 tokens" in out
+  assert "conversations       7 at 8192 tokens" in out
   assert "29 of 34 layers are local (1024-token window): each keeps 65 pages" in out
   assert "KV per conversation 277.81 MiB (every layer every page: 1.06 GiB)" in out  # 291,307,520 B
-  assert "conversations       32 at 8192 tokens (4.00x)" in out
+  assert "conversations       29 at 8192 tokens (4.14x)" in out
 
 
 def test_plan_of_a_model_without_local_layers_prints_no_window_lines(capsys):

@@ -229,3 +229,15 @@ def test_a_text_only_engine_refuses_images_by_name():
   r = Runner(MockEngine(), MockTokenizer())
   with pytest.raises(ValueError, match="text-only: it takes no images, and the request has 1"):
     r.new_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2), images=(span,))
+
+
+def test_plan_compile_compiles_the_encoder_for_a_tpu(engine):
+  """`plan --compile` lists the encoder after the steps (a text model's list is unchanged) and
+  compiles it for a v5e here, as Engine.warmup compiles it."""
+  from jaxserve.compiling import compile_plan, programs
+
+  cfg, config = engine.model_config, dataclasses.replace(ENGINE, attention_backend=None)
+  names = [p.name for p in programs.engine_programs(cfg, config, AttentionBackend.PALLAS_TPU)]
+  assert names[-1] == programs.ENCODE and names.count(programs.ENCODE) == 1
+  [report] = compile_plan.compile_programs("v5e", cfg, config, only=programs.ENCODE)
+  assert report["compiled"], report["error"]

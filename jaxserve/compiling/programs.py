@@ -8,6 +8,8 @@ prefill tokens x table width, and the scoring variants); `compile_programs` comp
 target (`targets.py`), `COMPILE_WORKERS` at a time, and `neediest` picks, by shape, those that
 need the most memory. compile_plan.py sizes the KV pool from them.
 
+A vision-language model's image encoder is a program too (`encoder_program`).
+
 With a host tier (`kv_offload_gib`) the page-copy programs (engine/host_kv.py) are programs too:
 each holds a batch of pages on the device on its way to or from pinned host memory, beside the
 weights and the cache, which it does not take (`resident_bytes` counts them in its need).
@@ -29,7 +31,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxserve.batching.plan import StepKind
 from jaxserve.compiling import targets
 from jaxserve.config import AttentionBackend, EngineConfig, ModelConfig, Quantization
-from jaxserve.engine import adapters, assembly, host_kv, placement, weight_update
+from jaxserve.engine import adapters, assembly, host_kv, images, placement, weight_update
 from jaxserve.engine.resolve import EngineSpec, engine_config_for
 from jaxserve.engine.step_shapes import StepShape
 from jaxserve.model import quant
@@ -107,7 +109,7 @@ def engine_programs(model: ModelConfig, config: EngineConfig, backend: Attention
                    (params, asm.cache, asm.state, abstract(p.args), stop_ids), assembly.DONATE,
                    asm.arg_shardings(p.args), asm.out_shardings(p.kind))
            for p in asm.programs()]
-  steps += update_program(graphdef, target, asm)
+  steps += update_program(graphdef, target, asm) + encoder_program(graphdef, target, asm)
   if not config.kv_offload_gib:
     return steps
   return steps + copy_programs(asm, steps[0], devices[0] if devices else jax.devices()[0])
@@ -129,6 +131,26 @@ def update_program(graphdef, params, asm: assembly.Assembly) -> list[Program]:
   fn, args, shardings, out = built
   resident = _device_bytes([asm.cache, asm.state], None if s is None else [s.cache, s.state])
   return [Program(UPDATE, None, None, fn, args, (0,), shardings, out, resident, True)]
+
+
+ENCODE = "encode image"
+
+
+def encoder_program(graphdef, params, asm: assembly.Assembly) -> list[Program]:
+  """A vision-language model's image encoder (engine/images.py: one image at its one shape),
+  the cache and decode state held beside it; none for a text-only model."""
+  vision = asm.spec.model.vision
+  if vision is None:
+    return []
+  s, draft = asm.shardings, asm.spec.draft is not None
+  S = vision.image_size
+  args = (params, jax.ShapeDtypeStruct((1, 3, S, S), jnp.float32))
+  shardings = out = None
+  if s is not None:
+    shardings, out = (s.params[0] if draft else s.params, s.replicated), s.replicated
+  resident = _device_bytes([asm.cache, asm.state], None if s is None else [s.cache, s.state])
+  return [Program(ENCODE, None, None, functools.partial(images.encode, graphdef), args,
+                  shardings=shardings, out_shardings=out, resident_bytes=resident)]
 
 
 def copy_programs(asm: assembly.Assembly, step: Program, device) -> list[Program]:
@@ -211,8 +233,8 @@ def neediest(programs: list[Program]) -> list[str]:
 
 
 def _kind_and_size(p: Program) -> tuple[tuple, Any]:
-  if p.name == UPDATE:
-    return ("update",), 0
+  if p.name in (UPDATE, ENCODE):
+    return (p.name,), 0
   if isinstance(p.shape, host_kv.CopyShape):
     return ("copy", p.shape.load, p.shape.group), p.shape.pages
   return (p.kind, p.shape.decode_rows > 0, p.shape.prefill_tokens > 0), p.shape[:2]
