@@ -173,6 +173,7 @@ class EngineInfo:
   # The prefix cache's host tier: pages each pool may keep in host memory (0: none).
   num_host_pages: int = 0
   pooling: PoolingMode | None = None  # How a pooling engine pools; None: it runs no pooling.
+  max_images: int = 0  # Images one prompt may carry (batching/images.Image); 0: text only.
 
   @property
   def page_groups(self) -> int:
