@@ -68,7 +68,10 @@ def test_the_hash_is_the_pixels_not_the_file():
     (im.bomb(5000), "5000x5000 = 25,000,000 pixels, more than this server's limit of 16,777,216 "
      "pixels an image (--max-image-pixels)"),
     (im.encode(im.pixels(), "GIF"), "image format GIF is not supported; send a PNG, JPEG or WebP"),
-    (b"not an image at all", "the data is not an image"),
+    (im.encode(im.pixels(), "BMP"), "image format BMP is not supported"),
+    (im.encode(im.pixels(), "TIFF"), "image format TIFF is not supported"),
+    (b"not an image at all", "the data is not a PNG, JPEG or WebP image (19 bytes of no format "
+     "known)"),
     (im.encode(im.pixels())[:80], "could not be decoded (image file is truncated)"),
 ])
 def test_each_bad_image_is_refused_by_name(data, want):

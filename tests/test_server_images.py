@@ -16,6 +16,7 @@ import PIL.PngImagePlugin
 import pytest
 
 from jaxserve.api.proto import jaxserve_pb2 as pb
+from jaxserve.serving.gateway import ApiError
 from jaxserve.serving.media import ImageSource, MediaLimits
 from jaxserve.serving.requests import GenerateInput, Prompt
 from support import images as im
@@ -89,6 +90,9 @@ def test_the_internal_request_shape_carries_the_decoded_images(vlm):
   np.testing.assert_array_equal(prepared.images[0].pixels, im.pixels())
   assert prepared.images[1].pixels.shape == (17, 23, 3)
   assert prepared.images[0].hash != prepared.images[1].hash
+  one_part = dataclasses.replace(inp.prompt, messages=im.chat({"type": "image"}))
+  with pytest.raises(ApiError, match="the messages have 1 image parts for 2 images"):
+    service.prepare(dataclasses.replace(inp, prompt=one_part))
 
 
 def _large_png() -> bytes:
@@ -107,7 +111,7 @@ BAD = [
      "of 4,096 pixels an image (--max-image-pixels)"),
     ([im.data_url(im.encode(im.pixels(), "GIF"), "image/gif")], "image format GIF is not "
      "supported; send a PNG, JPEG or WebP image"),
-    ([im.data_url(b"hello")], "the data is not an image"),
+    ([im.data_url(b"hello")], "the data is not a PNG, JPEG or WebP image"),
     ([SMALL] * 4, "4 images in one prompt are more than this server's limit of 3 "
      "(--limit-mm-per-prompt)"),
     ([SMALL] * 5, "5 images in one prompt are more than model 'vlm' takes (4)"),

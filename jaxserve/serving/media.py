@@ -23,7 +23,7 @@ import dataclasses
 import io
 import os
 import urllib.parse
-from typing import NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import PIL.Image
@@ -34,6 +34,12 @@ from jaxserve.serving.gateway import invalid
 
 FORMATS = ("PNG", "JPEG", "WEBP")  # Pillow's names of the formats decoded.
 _FORMAT_NAMES = "PNG, JPEG or WebP"
+# Formats a client may send by mistake, known by their first bytes, to name them in the refusal
+# without handing them to Pillow's other parsers: only the three decoders ever see a file.
+_OTHER_FORMATS = ((b"GIF8", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
+                  (b"\x00\x00\x01\x00", "ICO"), (b"<svg", "SVG"), (b"<?xml", "SVG"),
+                  (b"%PDF", "PDF"))
+_FTYP_FORMATS = {b"avif": "AVIF", b"heic": "HEIC", b"heix": "HEIC", b"mif1": "HEIF"}
 
 
 class ImageSource(NamedTuple):
@@ -73,8 +79,15 @@ class MediaLoader:
     self._root = None if limits.local_media_path is None else os.path.realpath(
         limits.local_media_path)
 
-  def load(self, sources: Sequence[ImageSource]) -> tuple[Image, ...]:
-    """Every image decoded, in order; the first problem is an INVALID_ARGUMENT naming it."""
+  def load(self, sources: Sequence[ImageSource],
+           messages: Sequence[Mapping[str, Any]] | None = None) -> tuple[Image, ...]:
+    """Every image decoded, in order; the first problem is an INVALID_ARGUMENT naming it.
+    `messages`: a chat's, whose {"type": "image"} parts must be as many as the images."""
+    num_parts = sum(isinstance(m.get("content"), list) and sum(
+        isinstance(p, Mapping) and p.get("type") == "image" for p in m["content"])
+        for m in messages or ())
+    if messages is not None and num_parts != len(sources):  # An internal caller's slip.
+      raise invalid(f"the messages have {num_parts} image parts for {len(sources)} images")
     if not sources:
       return ()
     self._check_count(len(sources))
@@ -154,7 +167,7 @@ class MediaLoader:
     images may still decode to (None: max_media_bytes)."""
     budget = self.limits.max_media_bytes if budget is None else budget
     try:
-      with PIL.Image.open(io.BytesIO(data)) as img:  # Reads the header only.
+      with PIL.Image.open(io.BytesIO(data), formats=FORMATS) as img:  # Reads the header only.
         self._check_header(img, field, budget)
         return Image.of(to_rgb(img))
     except PIL.Image.DecompressionBombError as e:  # Pillow's own cap, as it opens the header.
@@ -162,16 +175,17 @@ class MediaLoader:
                     f"server's limit is {self.limits.max_image_pixels:,} pixels an image "
                     "(--max-image-pixels)") from e
     except PIL.UnidentifiedImageError as e:
-      raise invalid(f"{field}: the data is not an image ({len(data):,} bytes that are no image "
-                    f"format known); send a {_FORMAT_NAMES} file") from e
+      other = _other_format(data)
+      if other is not None:
+        raise invalid(f"{field}: image format {other} is not supported; send a {_FORMAT_NAMES} "
+                      "image") from e
+      raise invalid(f"{field}: the data is not a {_FORMAT_NAMES} image ({len(data):,} bytes "
+                    "of no format known)") from e
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # Truncated, or corrupt.
       raise invalid(f"{field}: the {_FORMAT_NAMES} image could not be decoded ({e}); it is "
                     "corrupt or truncated") from e
 
   def _check_header(self, img: PIL.Image.Image, field: str, budget: int) -> None:
-    if img.format not in FORMATS:
-      raise invalid(f"{field}: image format {img.format} is not supported; send a "
-                    f"{_FORMAT_NAMES} image")
     width, height = img.size
     if width * height > self.limits.max_image_pixels:
       raise invalid(f"{field}: the image is {width}x{height} = {width * height:,} pixels, more "
@@ -181,6 +195,13 @@ class MediaLoader:
       raise invalid(f"{field}: the request's images decode to more than this server's limit "
                     f"of {self.limits.max_media_bytes:,} bytes (--max-media-bytes); send fewer "
                     "or smaller images")
+
+
+def _other_format(data: bytes) -> str | None:
+  """The name of a format this server does not decode, from its first bytes; None: unknown."""
+  if data[4:8] == b"ftyp":
+    return _FTYP_FORMATS.get(data[8:12])
+  return next((name for magic, name in _OTHER_FORMATS if data.startswith(magic)), None)
 
 
 def to_rgb(img: PIL.Image.Image) -> np.ndarray:

@@ -161,7 +161,7 @@ class Service:
     if "allowed_token_ids" in fields:
       fields = {**fields, "allowed_token_ids": client_fields.allowed_token_ids(
           fields["allowed_token_ids"], self.vocab_size)}
-    images = self.media.load(inp.prompt.images)  # The model's and the server's limits first.
+    images = self.media.load(inp.prompt.images, inp.prompt.messages)  # Before tokenizing.
     start = time.monotonic()
     ids = self.encode(inp.prompt, inp.truncate_prompt)
     tokenize = time.monotonic() - start
