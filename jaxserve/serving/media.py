@@ -83,9 +83,7 @@ class MediaLoader:
            messages: Sequence[Mapping[str, Any]] | None = None) -> tuple[Image, ...]:
     """Every image decoded, in order; the first problem is an INVALID_ARGUMENT naming it.
     `messages`: a chat's, whose {"type": "image"} parts must be as many as the images."""
-    num_parts = sum(isinstance(m.get("content"), list) and sum(
-        isinstance(p, Mapping) and p.get("type") == "image" for p in m["content"])
-        for m in messages or ())
+    num_parts = _num_image_parts(messages or ())
     if messages is not None and num_parts != len(sources):  # An internal caller's slip.
       raise invalid(f"the messages have {num_parts} image parts for {len(sources)} images")
     if not sources:
@@ -195,6 +193,13 @@ class MediaLoader:
       raise invalid(f"{field}: the request's images decode to more than this server's limit "
                     f"of {self.limits.max_media_bytes:,} bytes (--max-media-bytes); send fewer "
                     "or smaller images")
+
+
+def _num_image_parts(messages: Sequence[Mapping[str, Any]]) -> int:
+  """The {"type": "image"} parts of the messages' content lists (string content has none)."""
+  contents = [m.get("content") for m in messages if isinstance(m, Mapping)]
+  return sum(isinstance(p, Mapping) and p.get("type") == "image"
+             for c in contents if isinstance(c, list) for p in c)
 
 
 def _other_format(data: bytes) -> str | None:
