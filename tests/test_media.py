@@ -3,8 +3,11 @@ PNG, JPEG and WebP to the RGB pixels Pillow (and transformers' processors) make 
 each bad input and each limit by name, reads local files only under the allowed path and
 fetches nothing remote; chat content parts become the template's image parts."""
 
+import http.server
 import io
 import os
+import threading
+import time
 
 import numpy as np
 import PIL.Image
@@ -15,6 +18,7 @@ from jaxserve.api import openai_prompt
 from jaxserve.batching.images import Image
 from jaxserve.cli import serve_flags
 from jaxserve.cli.main import build_parser
+from jaxserve.serving import media_fetch
 from jaxserve.serving.gateway import ApiError, Status
 from jaxserve.serving.media import ImageSource, MediaLimits, MediaLoader
 from support import images as im
@@ -160,6 +164,65 @@ def test_the_serve_flags_set_the_limits():
   args = build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"image": 2}',
                                     "--max-image-pixels", "1000", "--max-media-bytes", "5000"])
   assert serve_flags.media_limits(args) == MediaLimits(2, 1000, 5000, None)
+  args = build_parser().parse_args(["serve", "--allowed-media-domains", "Example.com", "b.org"])
+  assert serve_flags.media_limits(args).media_domains == ("example.com", "b.org")
   assert build_parser().parse_args(["serve"]).limit_mm_per_prompt == MediaLimits().max_images
   with pytest.raises(SystemExit):
     build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"video": 1}'])
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+  """/cat.png, a PNG; /big, 100 KB; /in and /out, redirects to /cat.png on localhost (allowed)
+  and on 127.0.0.1 (not named); /slow, a byte every 0.1 s; anything else 404."""
+
+  def do_GET(self):  # pylint: disable=invalid-name
+    port = self.server.server_address[1]
+    moves = {"/in": f"http://localhost:{port}/cat.png", "/out": f"http://127.0.0.1:{port}/cat.png"}
+    if self.path in moves:
+      self.send_response(302)
+      self.send_header("Location", moves[self.path])
+      self.end_headers()
+      return
+    body = {"/cat.png": im.encode(im.pixels()), "/big": b"x" * 100_000, "/slow": b"x" * 30}
+    if self.path not in body:
+      self.send_error(404)
+      return
+    self.send_response(200)
+    self.send_header("Content-Length", str(len(body[self.path])))
+    self.end_headers()
+    for k in range(0, len(body[self.path]), 1 if self.path == "/slow" else 2**20):
+      self.wfile.write(body[self.path][k:k + (1 if self.path == "/slow" else 2**20)])
+      self.wfile.flush()
+      if self.path == "/slow":
+        time.sleep(0.1)
+
+  def log_message(self, *args):
+    pass
+
+
+@pytest.fixture(scope="module")
+def files():
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  yield f"http://localhost:{server.server_address[1]}"
+  server.shutdown()
+
+
+def test_remote_images_are_fetched_only_from_the_named_domains(files):
+  media = loader(max_media_bytes=50_000, media_domains=("localhost",))
+  for path in ("/cat.png", "/in"):  # A redirect within the named domains is followed.
+    got, = media.load([ImageSource(files + path, "img")])
+    np.testing.assert_array_equal(got.pixels, im.pixels())
+  for url, want in ((files + "/out", "redirects to 'http://127.0.0.1:"),
+                    (files + "/big", "more than this server's limit of 50,000 bytes"),
+                    (files + "/nothing", "could not be fetched: HTTP 404"),
+                    (files.replace("localhost", "127.0.0.1") + "/cat.png",
+                     "'127.0.0.1' is not one"),
+                    ("http://localhost:1/cat.png", "could not be fetched")):
+    assert want in refusal(media.load, [ImageSource(url, "img")]), url
+  assert "took more than 0.5 s" in refusal(
+      media_fetch.fetch, files + "/slow", "img", ("localhost",), 50_000, 0.5)
+  assert media_fetch.allowed("https://cdn.Example.com/x", ("example.com",))
+  assert not media_fetch.allowed("https://badexample.com/x", ("example.com",))
+  with pytest.raises(ValueError, match="lowercase host names"):
+    MediaLimits(media_domains=("https://example.com",))

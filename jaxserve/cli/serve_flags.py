@@ -53,7 +53,11 @@ def _add_media_flags(s) -> None:
                  help="a request's images decoded (3 bytes a pixel), and any one image file")
   s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                  help="vLLM's: file:// image URLs are read from under DIR (symlinks resolved); "
-                 "unset: none are. Remote http(s) URLs are always refused: nothing is fetched")
+                 "unset: none are")
+  s.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                 help="vLLM's: http(s) image URLs are fetched from these domains and their "
+                 "subdomains (on a work thread, within 10 s and --max-media-bytes; redirects "
+                 "only to them); unset: none are, nothing is fetched")
 
 
 def _mm_limit(text: str) -> int:
@@ -76,7 +80,8 @@ def media_limits(args):
   from jaxserve.serving.media import MediaLimits
   return MediaLimits(max_images=args.limit_mm_per_prompt, max_image_pixels=args.max_image_pixels,
                      max_media_bytes=args.max_media_bytes,
-                     local_media_path=args.allowed_local_media_path)
+                     local_media_path=args.allowed_local_media_path,
+                     media_domains=tuple(d.lower() for d in args.allowed_media_domains))
 
 
 def _add_kv_role_flags(s) -> None:

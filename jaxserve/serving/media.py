@@ -3,7 +3,8 @@
 A chat message's image part carries a URL: a data URL (`data:image/png;base64,...`) is decoded
 here; a `file://` URL is read only from under the server's --allowed-local-media-path (symlinks
 resolved first; a file that is missing and one outside the path get the same answer); a remote
-http(s) URL is refused: this server fetches nothing over the network. gRPC sends the file's bytes.
+http(s) URL is fetched only from the domains --allowed-media-domains names (media_fetch.py), else
+refused. gRPC sends the file's bytes.
 PNG, JPEG and WebP are decoded with Pillow and converted to RGB as transformers' processors
 convert a PIL image (transparency composited onto white), so the engine sees what the model's own
 processor would.
@@ -30,6 +31,7 @@ import PIL.Image
 
 from jaxserve.batching.images import Image
 from jaxserve.config import short
+from jaxserve.serving import media_fetch
 from jaxserve.serving.gateway import invalid
 
 FORMATS = ("PNG", "JPEG", "WEBP")  # Pillow's names of the formats decoded.
@@ -58,11 +60,15 @@ class MediaLimits:
   # --max-media-bytes: a request's images decoded (3 bytes a pixel), and any one encoded file.
   max_media_bytes: int = 128 * 2**20
   local_media_path: str | None = None  # --allowed-local-media-path: file:// URLs read under it.
+  media_domains: tuple[str, ...] = ()  # --allowed-media-domains: http(s) URLs fetched from them.
 
   def __post_init__(self):
     for field in ("max_images", "max_image_pixels", "max_media_bytes"):
       if getattr(self, field) < 0:
         raise ValueError(f"MediaLimits.{field} must be >= 0, got {getattr(self, field)}")
+    if any(not d or d != d.lower().strip(".") or "/" in d for d in self.media_domains):
+      raise ValueError("--allowed-media-domains takes lowercase host names (example.com), got "
+                       f"{list(self.media_domains)}")
     if self.local_media_path is not None and not os.path.isdir(self.local_media_path):
       raise ValueError("--allowed-local-media-path must be a directory, got "
                        f"{self.local_media_path!r}")
@@ -118,10 +124,9 @@ class MediaLoader:
       return self._data_url(url, source.field)
     if scheme == "file":
       return self._local_file(url, source.field)
-    if scheme in ("http", "https"):
-      raise invalid(f"{source.field}: remote image URLs are refused ({short(url, 80)}): this "
-                    "server fetches nothing over the network; send the image inline as a data "
-                    "URL (data:image/png;base64,...)")
+    if scheme in ("http", "https"):  # Only from the domains named (media_fetch.py).
+      return media_fetch.fetch(url, source.field, self.limits.media_domains,
+                               self.limits.max_media_bytes)
     raise invalid(f"{source.field}.url must be a data URL (data:image/png;base64,...) or a "
                   f"file:// URL under --allowed-local-media-path, got {short(url, 80)}")
 
