@@ -8,6 +8,7 @@ and over gRPC, while a stream already running goes on undisturbed."""
 import concurrent.futures
 import dataclasses
 import os
+import threading
 
 import grpc
 import numpy as np
@@ -69,9 +70,15 @@ def refused(srv, *urls: str) -> str:
   return e.value.body["message"]
 
 
-def test_an_image_chat_is_served_with_the_templates_image_parts(vlm, smol, media_dir):
+def test_an_image_chat_is_served_with_the_templates_image_parts(vlm, smol, media_dir,
+                                                               monkeypatch):
   srv, _ = vlm
+  media, threads = srv.server.service.media, []
+  load = media.load
+  monkeypatch.setattr(media, "load", lambda *a: threads.append(threading.current_thread().name)
+                      or load(*a))
   out = chat(srv, im.data_url(PNG), f"file://{media_dir}/allowed/cat.png")
+  assert len(threads) == 1 and threads[0].startswith("jaxserve-work-")  # Not the event loop.
   text = im.mm_tokenizer(smol).apply_chat_template(im.chat({"type": "image"}, {"type": "image"}))
   assert "<start_of_image><start_of_image>What is it?" in text
   assert out.usage.prompt_tokens == len(smol.encode(text, add_bos=False))
