@@ -131,6 +131,8 @@ CASES = [
     gen("grpc-unknown-chat-role", "messages[1] has role 'wizard'",
         chat=chat(("user", "Hi"), ("wizard", "x"))),
     gen("grpc-empty-chat-role", "messages[0] has role ''", chat=chat(("", "Hi"))),
+    gen("grpc-image-to-text-model", "model 'tiny' does not accept images", chat=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="Hi", images=[b"\x89PNG"])])),
     gen("grpc-prompt-over-the-context", "context window", token_ids=ids(*range(1, 126)),
         max_tokens=4),
     gen("grpc-unknown-model", "model 'gpt-4' is not served here", status=grpc.StatusCode.NOT_FOUND,
@@ -310,7 +312,10 @@ CASES = [
               "messages[0].content must be a string"),
     post_chat("chat-image-part", {**M, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-              "messages[0].content[0] must be a text part"),
+              "model 'tiny' does not accept images: it is a text-only model"),
+    post_chat("chat-audio-part", {**M, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {}}]}]}, "messages[0].content[0] must be a text "
+              "part {\"type\": \"text\", \"text\": ...} or an image part"),
     post_chat("chat-text-part-not-string", {**M, "messages": [
         {"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0]"),
     post_chat("chat-lone-surrogate", b'{"messages": [{"role": "user", "content": "\\udc80"}]}',

@@ -87,18 +87,16 @@ def requests(engine, cases):
   vision = engine.model_config.vision
   out = []
   for text, rgbs in cases:
-    inputs = [mm.image_input(rgb, vision) for rgb in rgbs]
     ids = mm.expand_ids(prompt(text, len(rgbs)), len(rgbs), vision)
-    spans = mm.place_images(ids, inputs, vision)
+    spans = mm.place_images(ids, [mm.Image.of(rgb) for rgb in rgbs], vision)
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
-    out.append(((ids, greedy, None, spans), [i.pixels for i in inputs]))
+    out.append(((ids, greedy, None, spans), [s.pixels for s in spans]))
   return out
 
 
 def test_soft_tokens_match_transformers(tiny_hf, engine):
   pixels = np.random.default_rng(0).normal(size=(1, 3, 28, 28)).astype(np.float32)
-  image = mm.ImageInput(pixels[0], b"x" * 32)
-  ours = engine.images.soft_tokens(image)
+  ours = engine.images.soft_tokens(mm.ImageSpan("x", pixels[0], 0, N))
   assert np.abs(ours - hf_tiny.image_features(tiny_hf[0], pixels)[0]).max() < 1e-5
 
 
@@ -114,7 +112,7 @@ def test_pixels_match_the_pillow_processor():
            Image.fromarray(rng.integers(0, 256, (20, 20, 4), dtype=np.uint8), "RGBA")]
   for shot in shots:
     theirs = processor(shot, return_tensors="np")["pixel_values"][0]
-    ours = mm.preprocess(mm.from_pil(shot), vision)
+    ours = mm.preprocess(mm.from_pil(shot).pixels, vision)
     assert ours.shape == theirs.shape and np.abs(ours - theirs).max() < 1e-5
 
 
@@ -172,12 +170,12 @@ def test_page_keys_take_image_hashes_and_salts():
   from jaxserve.batching.page_keys import prefix_keys
 
   ids = list(range(12))
-  spans = lambda h: (mm.ImageSpan(mm.ImageInput(np.zeros(1), h), 5, 2),)  # Page 1 only.
+  spans = lambda h: (mm.ImageSpan(h, np.zeros(1), 5, 2),)  # Page 1 only.
   keys = lambda h, salt=None: [k for k, _ in prefix_keys(
       ids, 4, salt, extras=mm.page_extras(spans(h), 4))]
-  x, y = keys(b"x" * 32), keys(b"y" * 32)
+  x, y = keys("x" * 64), keys("y" * 64)
   assert x[0] == y[0] and all(p != q for p, q in zip(x[1:], y[1:]))  # The keys chain.
-  assert keys(b"x" * 32) == x and keys(b"x" * 32, "tenant")[0] != x[0]
+  assert keys("x" * 64) == x and keys("x" * 64, "tenant")[0] != x[0]
   assert [k for k, _ in prefix_keys(ids, 4)][0] == x[0]  # Text pages keep their keys.
 
 
@@ -185,7 +183,7 @@ def test_chunks_end_before_an_image_they_would_cut():
   from jaxserve.batching.chunks import chunk_end
   from jaxserve.batching.request import Request
 
-  span = mm.ImageSpan(mm.ImageInput(np.zeros(1), bytes(32)), 4, 4)  # Positions 4..7.
+  span = mm.ImageSpan("x", np.zeros(1), 4, 4)  # Positions 4..7.
   req = Request("r", tuple(range(12)), SamplingParams(), 0, 0, images=(span,))
   req.num_prefill_tokens = 12
   assert chunk_end(req, 0, 6, 6) == 4  # Stops before the image.
@@ -225,7 +223,7 @@ def test_a_text_only_engine_refuses_images_by_name():
   """The serving side's door (Runner.new_request) names the problem before anything queues."""
   from support.mock_engine import MockEngine
 
-  span = mm.ImageSpan(mm.ImageInput(np.zeros(1), bytes(32)), 1, 4)
+  span = mm.ImageSpan("x", np.zeros(1), 1, 4)
   r = Runner(MockEngine(), MockTokenizer())
   with pytest.raises(ValueError, match="text-only: it takes no images, and the request has 1"):
     r.new_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2), images=(span,))

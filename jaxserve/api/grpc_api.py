@@ -24,6 +24,7 @@ from jaxserve.batching.request import RequestRejected
 from jaxserve.config import Constraint, SamplingParams
 from jaxserve.serving import gateway
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
+from jaxserve.serving.media import ImageSource
 from jaxserve.serving.metrics import RequestRecord
 from jaxserve.serving.requests import Chunk, FinishReason, GenerateInput, Prompt, Run
 from jaxserve.serving.service import Service
@@ -182,7 +183,10 @@ def _prepare(service: Service, lease: Lease, request: Any) -> list[Run]:
 def _tokenize(service: Service, request: Any) -> pb.TokenizeResponse:
   request = _decoded(request)
   service.check_model(request.model)
-  return pb.TokenizeResponse(token_ids=service.encode(_prompt(request)),
+  prompt = _prompt(request)
+  if prompt.images:  # How many tokens an image takes is the model's processor's to say.
+    raise gateway.invalid("Tokenize does not take images yet: send the messages' text only")
+  return pb.TokenizeResponse(token_ids=service.encode(prompt),
                              max_model_len=service.max_model_len)
 
 
@@ -193,8 +197,22 @@ def _prompt(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
   if kind == "token_ids":
     return Prompt(token_ids=request.token_ids.ids)  # Not copied: its length is checked first.
   if kind == "chat":
-    return Prompt(messages=[{"role": m.role, "content": m.content} for m in request.chat.messages])
+    return _chat_prompt(request.chat.messages)
   return Prompt()
+
+
+def _chat_prompt(messages: Any) -> Prompt:
+  """A message's images come before its text, as content parts (decoded by Service.prepare)."""
+  images, out = [], []
+  for n, m in enumerate(messages):
+    content = m.content
+    if m.images:
+      images += [ImageSource(data, f"chat.messages[{n}].images[{k}]")
+                 for k, data in enumerate(m.images)]
+      content = [*({"type": "image"} for _ in m.images),
+                 *([{"type": "text", "text": m.content}] if m.content else [])]
+    out.append({"role": m.role, "content": content})
+  return Prompt(messages=out, images=tuple(images))
 
 
 def _constraint(request: pb.GenerateRequest) -> Constraint | None:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front end (aiohttp): /v1/completions, /v1/chat/completions (both
-with `stream` true, as server-sent events, or false), /v1/models and /v1/models/{id}, vLLM's
+with `stream` true, as server-sent events, or false; chat's content text and image parts, the
+images decoded on the work pool by serving/media.py), /v1/models and /v1/models/{id}, vLLM's
 /tokenize, /detokenize and /tokenizer_info (openai_tokenize.py), a pooling model's
 /v1/embeddings, /v1/rerank and /v1/score (openai_embed.py), /health (200 while the engine
 serves, 503 otherwise; no key needed, as for a load balancer's probe), /version, and /metrics;

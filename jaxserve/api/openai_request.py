@@ -142,7 +142,7 @@ def chat_request(body: Mapping[str, Any]) -> Request:
                   f"got {short(top)}")
   max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
   tools, choice, name = openai_structured.parse_tools(body)
-  prompt = Prompt(messages=openai_prompt.messages(body), tools=tools if choice == "auto" else None)
+  prompt = openai_prompt.chat_prompt(body, tools if choice == "auto" else None)
   sampling, n = _shared_fields(body, max_field)
   if choice in ("required", "named"):
     sampling["constraint"] = _forced_calls(sampling, choice, tools, name, parallel)

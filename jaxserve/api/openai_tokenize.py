@@ -42,7 +42,9 @@ def tokenize(service: Service, body: Mapping[str, Any]) -> dict[str, Any]:
       raise invalid(f"prompt must be a string, got {short(body['prompt'])}")
     prompt = Prompt(text=openai_prompt.unicode_text(body["prompt"], "prompt"))
   else:
-    prompt = Prompt(messages=openai_prompt.messages(body))
+    prompt = openai_prompt.chat_prompt(body)
+    if prompt.images:  # How many tokens an image takes is the model's processor's to say.
+      raise invalid("/tokenize does not take image parts yet: send the messages' text only")
   # True is Hugging Face's meaning: the special tokens the tokenizer adds by default (BOS or none).
   ids = service.encode(prompt, add_special_tokens=None if flags["add_special_tokens"] else False,
                        add_generation_prompt=flags["add_generation_prompt"])

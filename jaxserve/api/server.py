@@ -227,7 +227,8 @@ class Server:
                            self.metrics, self.config.log_prompts, self._pool,
                            getattr(loaded, "read_lora", None), peer,
                            self.config.runtime_lora_roots, getattr(loaded, "pooler", None),
-                           getattr(loaded, "read_weights", None), self.config.weights_roots)
+                           getattr(loaded, "read_weights", None), self.config.weights_roots,
+                           self.config.media)
     for name, path, adapter in getattr(loaded, "lora_modules", ()):  # Read by `load` already.
       await self.service.adapters.add(name, path, adapter)
     if self._shutdown_at is not None:  # SIGTERM came while it warmed up.

@@ -1,6 +1,6 @@
 """The server's settings (api/server.py's; `jaxserve serve`'s flags): its ports, API keys, TLS,
-drain, P/D role and work pool, checked when made. The scheduler's config rides along to the
-runner it builds.
+drain, P/D role, work pool and limits on images, checked when made. The scheduler's config rides
+along to the runner it builds.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import dataclasses
 from jaxserve.api import http_site, kv_link
 from jaxserve.config import SchedulerConfig
 from jaxserve.config.kv_events import KVEventsConfig
+from jaxserve.serving.media import MediaLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ServerConfig:
   work_threads: int = 4
   work_queue: int = 1024
   http_read_timeout_s: float = http_site.READ_TIMEOUT_S  # For a request's headers, and its body.
+  media: MediaLimits = MediaLimits()  # A request's images: how many, how large, which files.
 
   def __post_init__(self):
     if (self.tls_cert is None) != (self.tls_key is None):

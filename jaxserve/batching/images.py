@@ -1,16 +1,18 @@
-"""A request's images, on the host (no jax): the pixels the vision tower takes, made as Gemma 3's
-processor makes them, where each image sits in the prompt, and its content hash.
+"""A request's image as the engine takes it: decoded pixels and a content hash; and where it sits
+in the prompt, preprocessed for the vision encoder.
 
-The serving side decodes an image to uint8 [H, W, 3] and hands it to `image_input` (in a worker
-thread: the resize is the costly part); `place_images` expands the prompt's placeholders and
-gives each image its positions. The engine encodes an image when a prefill chunk first reaches
-its tokens (engine/images.py), and the prefix cache keys the pages that hold its tokens by its
-hash (page_keys.py), so two requests share those pages only when their images are the same.
+The front ends decode what a client sent (serving/media.py: PNG, JPEG or WebP, converted to RGB);
+the engine side preprocesses `pixels` for its vision encoder, and folds `hash` into the page keys
+of the image's tokens, so that two prompts of the same text and different images never share
+cached pages while the same image twice does (as vLLM's multimodal hashing). It lives here, below
+both branches, because the offline API (llm.py) and the engine may not import serving/.
 
-Preprocessing is the Pillow processor's (transformers' Gemma3ImageProcessorPil): a bilinear
-resize to image_size x image_size in Pillow, then pixels / 255, then (x - mean) / std per
-channel, in float32. transformers' default, torchvision processor resizes with its own bilinear
-filter, whose values differ from Pillow's by up to a level or two of 255.
+`place_images` (on a worker thread: the resize is the costly part) gives each image its prompt
+positions and its pixels as the vision tower takes them (an `ImageSpan`), for
+`Runner.new_request(..., images=...)`. Preprocessing is the Pillow processor's (transformers'
+Gemma3ImageProcessorPil): a bilinear resize to image_size x image_size in Pillow, then
+pixels / 255, then (x - mean) / std per channel, in float32. transformers' default, torchvision
+processor resizes with its own bilinear filter, a level or two of 255 apart from Pillow's.
 """
 
 from __future__ import annotations
@@ -25,18 +27,47 @@ from jaxserve.config.vision import VisionConfig
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ImageInput:
-  """One image of a request, preprocessed: what the engine encodes and the cache keys by."""
+class Image:
+  """One decoded image. Compared by `hash`: the pixels are megabytes."""
 
-  pixels: np.ndarray  # [3, S, S] float32: the vision tower's input.
-  content_hash: bytes  # 32 bytes: the image's identity for the prefix cache.
+  pixels: np.ndarray  # [H, W, 3] uint8, RGB.
+  hash: str  # content_hash(pixels).
+
+  @classmethod
+  def of(cls, pixels: np.ndarray) -> Image:
+    """An Image of RGB pixels, hashed; raises ValueError unless `pixels` is [H, W, 3] uint8."""
+    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3 or not pixels.size:
+      raise ValueError(f"an image must be [H, W, 3] uint8 RGB pixels, got {pixels.dtype} "
+                       f"{list(pixels.shape)}")
+    pixels = np.ascontiguousarray(pixels)
+    pixels.flags.writeable = False  # Its hash must keep describing it.
+    return cls(pixels, content_hash(pixels))
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, Image) and other.hash == self.hash
+
+  def __hash__(self) -> int:
+    return hash(self.hash)
+
+  @property
+  def num_bytes(self) -> int:
+    return self.pixels.nbytes
+
+
+def content_hash(pixels: np.ndarray) -> str:
+  """SHA-256 of the shape and the pixels: the same picture sent as PNG or as lossless WebP hashes
+  the same, since the engine sees the same pixels. (hashlib releases the GIL over megabytes.)"""
+  h = hashlib.sha256(np.asarray(pixels.shape, np.int64).tobytes())
+  h.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+  return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ImageSpan:
   """An image placed in a prompt: its soft tokens are positions [offset, offset + length)."""
 
-  image: ImageInput
+  hash: str  # The Image's.
+  pixels: np.ndarray  # [3, S, S] float32: the vision tower's input (`preprocess`).
   offset: int
   length: int
 
@@ -53,50 +84,30 @@ def page_extras(spans: Sequence[ImageSpan], page_size: int) -> tuple[bytes, ...]
   extras = [b""] * ((max(s.end for s in spans) - 1) // page_size + 1)
   for s in spans:
     for i in range(s.offset // page_size, (s.end - 1) // page_size + 1):
-      extras[i] += s.image.content_hash
+      extras[i] += s.hash.encode()
   return tuple(extras)
-
-
-def content_hash(rgb: np.ndarray) -> bytes:
-  """SHA-256 of the decoded pixels and their shape: equal for the same picture in any file
-  format (as vLLM hashes an image's pixels, not its bytes)."""
-  rgb = np.ascontiguousarray(rgb, np.uint8)
-  shape = np.asarray(rgb.shape, "<i4").tobytes()
-  return hashlib.sha256(b"image\0" + shape + rgb.tobytes()).digest()
-
-
-def image_input(rgb: np.ndarray, vision: VisionConfig, content_hash_: bytes | None = None
-                ) -> ImageInput:
-  """rgb: uint8 [H, W, 3] (a grayscale or RGBA image converted to RGB first, as the processor's
-  do_convert_rgb does) -> the image as the engine takes it. `content_hash_`: the serving side's,
-  or None to hash the pixels here."""
-  rgb = np.asarray(rgb)
-  if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or 0 in rgb.shape:
-    raise ValueError(f"an image must be uint8 [height, width, 3], got {rgb.dtype} "
-                     f"{list(rgb.shape)}")
-  return ImageInput(preprocess(rgb, vision), content_hash_ or content_hash(rgb))
 
 
 def preprocess(rgb: np.ndarray, vision: VisionConfig) -> np.ndarray:
   """uint8 [H, W, 3] -> float32 [3, S, S]: resized, rescaled and normalized."""
-  from PIL import Image  # Only a process that takes images needs Pillow.
+  from PIL import Image as PIL  # Only a process that takes images needs Pillow.
 
   S = vision.image_size
-  resized = np.asarray(Image.fromarray(rgb).resize((S, S), Image.Resampling.BILINEAR))
+  resized = np.asarray(PIL.fromarray(rgb).resize((S, S), PIL.Resampling.BILINEAR))
   x = resized.astype(np.float32) * np.float32(1 / 255)
   x = (x - np.asarray(vision.image_mean, np.float32)) / np.asarray(vision.image_std, np.float32)
   return np.ascontiguousarray(x.transpose(2, 0, 1), np.float32)
 
 
-def from_pil(image) -> np.ndarray:
-  """A PIL image -> uint8 [H, W, 3]; transparency composited onto white, as the processor's
+def from_pil(image) -> Image:
+  """A PIL image as an Image; transparency composited onto white, as the processor's
   do_convert_rgb does (a transparent pixel is white, not its hidden colour)."""
-  from PIL import Image
+  from PIL import Image as PIL
 
   if "A" in image.getbands() or image.info.get("transparency") is not None:
     rgba = image.convert("RGBA")
-    image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-  return np.asarray(image.convert("RGB"), np.uint8)
+    image = PIL.alpha_composite(PIL.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+  return Image.of(np.asarray(image.convert("RGB"), np.uint8))
 
 
 def expand_text(prompt: str, num_images: int, boi: str, image: str, eoi: str,
@@ -128,15 +139,16 @@ def expand_ids(ids: Sequence[int], num_images: int, vision: VisionConfig) -> lis
   return out
 
 
-def place_images(ids: Sequence[int], images: Sequence[ImageInput], vision: VisionConfig
+def place_images(ids: Sequence[int], images: Sequence[Image], vision: VisionConfig
                  ) -> tuple[ImageSpan, ...]:
-  """Each image at its run of image tokens in `ids` (expanded), in order."""
-  ids = list(ids)
+  """Each image at its run of image tokens in `ids` (expanded: expand_ids, expand_text), in
+  order, preprocessed."""
+  ids, N = list(ids), vision.mm_tokens_per_image
   starts = [i for i, t in enumerate(ids) if t == vision.image_token_id
             and (i == 0 or ids[i - 1] != vision.image_token_id)]
-  N = vision.mm_tokens_per_image
   runs = [s for s in starts if ids[s:s + N] == [vision.image_token_id] * N]
   if len(runs) != len(images) or len(starts) != len(images):
     raise ValueError(f"the prompt holds {len(starts)} runs of image tokens for {len(images)} "
                      f"images, each of {N} tokens")
-  return tuple(ImageSpan(image, s, N) for image, s in zip(images, runs))
+  return tuple(ImageSpan(image.hash, preprocess(image.pixels, vision), s, N)
+               for image, s in zip(images, runs))

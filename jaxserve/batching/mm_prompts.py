@@ -1,7 +1,6 @@
 """vLLM's multimodal prompt shape, read for the offline API: `{"prompt": text, "multi_modal_data":
 {"image": one or a list}}`, or `"prompt_token_ids"` in place of the text. An image is a PIL
-image, uint8 [H, W, 3] pixels, or an images.ImageInput made already (the serving side's, with its
-content hash). No jax.
+image, uint8 [H, W, 3] RGB pixels, or an images.Image (decoded and hashed already). No jax.
 """
 
 from __future__ import annotations
@@ -24,12 +23,12 @@ def image_list(prompt: Mapping[str, Any]) -> list:
   return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
-def to_input(image, vision: VisionConfig) -> mm.ImageInput:
-  if isinstance(image, mm.ImageInput):
+def to_image(image) -> mm.Image:
+  if isinstance(image, mm.Image):
     return image
-  if not isinstance(image, np.ndarray):  # A PIL image (anything with .convert).
-    image = mm.from_pil(image)
-  return mm.image_input(image, vision)
+  if isinstance(image, np.ndarray):
+    return mm.Image.of(image)
+  return mm.from_pil(image)  # A PIL image (anything with .convert).
 
 
 def read(prompt: Mapping[str, Any], vision: VisionConfig | None, model_name: str,
@@ -46,7 +45,7 @@ def read(prompt: Mapping[str, Any], vision: VisionConfig | None, model_name: str
   if not images:
     return (list(prompt["prompt_token_ids"]) if "prompt" not in prompt
             else encode(prompt["prompt"])), ()
-  inputs = [to_input(im, vision) for im in images]
+  inputs = [to_image(im) for im in images]
   if "prompt" in prompt:
     text = mm.expand_text(prompt["prompt"], len(inputs), token(vision.boi_token_id),
                           token(vision.image_token_id), token(vision.eoi_token_id),

@@ -178,8 +178,8 @@ class EngineInfo:
   # The prefix cache's host tier: pages each pool may keep in host memory (0: none).
   num_host_pages: int = 0
   pooling: PoolingMode | None = None  # How a pooling engine pools; None: it runs no pooling.
-  # A vision-language model's image side (what images.image_input and place_images take); None:
-  # the engine takes no images.
+  max_images: int = 0  # Images one prompt may carry (batching/images.Image); 0: text only.
+  # A vision-language model's image side (what images.place_images takes); None: text only.
   vision: VisionConfig | None = None
 
   @property

@@ -134,7 +134,7 @@ def _server_config(args):
       kv_peer_api_key=args.kv_peer_api_key, kv_peer_tls_ca=args.kv_peer_tls_ca,
       kv_peer_timeout_s=args.kv_peer_timeout,
       runtime_lora_roots=tuple(args.lora_root) if args.enable_runtime_lora_updates else None,
-      weights_roots=tuple(args.weights_root))
+      weights_roots=tuple(args.weights_root), media=serve_flags.media_limits(args))
 
 
 def _api_key(args) -> str | None:

@@ -1,5 +1,5 @@
 """`jaxserve serve`'s flags: the server's own (ports, keys, TLS), the queue's, the work threads',
-and prefill/decode disaggregation's; the engine's are flags.py's. No jax."""
+prefill/decode disaggregation's, and the limits on images; the engine's are flags.py's. No jax."""
 
 from __future__ import annotations
 
@@ -38,7 +38,50 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
   flags.add_lora_flags(s)
   _add_serve_queue_flags(s)
   _add_kv_role_flags(s)
+  _add_media_flags(s)
   return s
+
+
+def _add_media_flags(s) -> None:
+  """The limits on a request's images (serving/media.py), with vLLM's names where it has them."""
+  s.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=8, metavar="JSON",
+                 help='vLLM\'s: images one prompt may carry, as {"image": N} (the model\'s own '
+                 "limit applies too; a text-only model takes none)")
+  s.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                 help="width x height of one image, read from its header before it is decoded")
+  s.add_argument("--max-media-bytes", type=int, default=128 * 2**20,
+                 help="a request's images decoded (3 bytes a pixel), and any one image file")
+  s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                 help="vLLM's: file:// image URLs are read from under DIR (symlinks resolved); "
+                 "unset: none are")
+  s.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                 help="vLLM's: http(s) image URLs are fetched from these domains and their "
+                 "subdomains (on a work thread, within 10 s and --max-media-bytes; redirects "
+                 "only to them); unset: none are, nothing is fetched")
+
+
+def _mm_limit(text: str) -> int:
+  """vLLM's '{"image": N}' (a bare N too): the image count; other modalities are not served."""
+  import json
+  try:
+    given = json.loads(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f'want {{"image": N}}, got {text!r}') from e
+  given = {"image": given} if isinstance(given, int) else given
+  if not (isinstance(given, dict) and set(given) <= {"image"}
+          and isinstance(given.get("image", 0), int) and given.get("image", 0) >= 0):
+    raise argparse.ArgumentTypeError(f'want {{"image": N}} with N >= 0 (images are the only '
+                                     f"media served), got {text!r}")
+  return given.get("image", 0)
+
+
+def media_limits(args):
+  """ServerConfig.media of the flags above."""
+  from jaxserve.serving.media import MediaLimits
+  return MediaLimits(max_images=args.limit_mm_per_prompt, max_image_pixels=args.max_image_pixels,
+                     max_media_bytes=args.max_media_bytes,
+                     local_media_path=args.allowed_local_media_path,
+                     media_domains=tuple(d.lower() for d in args.allowed_media_domains))
 
 
 def _add_kv_role_flags(s) -> None:

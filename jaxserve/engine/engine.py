@@ -146,7 +146,13 @@ class Engine:
                       max_cpu_loras=c.max_cpu_loras,
                       num_host_pages=0 if self.host_kv is None else self.host_kv.num_slots,
                       pooling=None if c.pooling is None else c.pooling.mode,
-                      vision=self.model_config.vision)
+                      max_images=self._max_images(), vision=self.model_config.vision)
+
+  def _max_images(self) -> int:
+    """Images one prompt may carry: as many as the context holds (Gemma 3 sets no limit of its
+    own); 0 for a text-only model."""
+    v = self.model_config.vision
+    return 0 if v is None else self.max_model_len // v.num_image_tokens
 
   def step(self, plan: StepPlan, bitmask: np.ndarray | None = None,
            run=None) -> StepFuture | None:

@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxserve.batching.images import ImageInput
+from jaxserve.batching.images import ImageSpan
 from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import AttentionBackend
 from jaxserve.config.vision import VisionConfig
@@ -34,9 +34,9 @@ MAX_KEPT = 32
 
 
 def image_args(chunks: Sequence[PrefillChunk], Tp: int, D: int,
-               soft_tokens: Callable[[ImageInput], np.ndarray] | None) -> dict[str, np.ndarray]:
+               soft_tokens: Callable[[ImageSpan], np.ndarray] | None) -> dict[str, np.ndarray]:
   """image_rows [Tp, D] float32 and image_until [Tp] int32 (StepArgs) for `chunks` packed from
-  row 0 of the prefill part; `soft_tokens(image)` -> [Mi, D] (None: no chunk has images). D 0
+  row 0 of the prefill part; `soft_tokens(span)` -> [Mi, D] (None: no chunk has images). D 0
   (a model without images): none, and a chunk with images is refused."""
   if not D:
     if any(ch.images for ch in chunks):
@@ -48,8 +48,8 @@ def image_args(chunks: Sequence[PrefillChunk], Tp: int, D: int,
     start, n = ch.start_pos, len(ch.token_ids)
     for span in ch.images:
       lo, hi = max(span.offset, start), min(span.end, start + n)  # Positions in this chunk.
-      rows[at + lo - start:at + hi - start] = soft_tokens(span.image)[lo - span.offset:
-                                                                      hi - span.offset]
+      rows[at + lo - start:at + hi - start] = soft_tokens(span)[lo - span.offset:
+                                                                hi - span.offset]
       until[at + lo - start:at + hi - start] = span.end - 1
     at += n
   return dict(image_rows=rows, image_until=until)
@@ -81,9 +81,9 @@ class ImageEncoder:
     self._graphdef = graphdef
     self._kept: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
 
-  def soft_tokens(self, image: ImageInput) -> np.ndarray:
+  def soft_tokens(self, image: ImageSpan) -> np.ndarray:
     """[Mi, D] float32: `image`'s, encoded now unless kept."""
-    key = image.content_hash
+    key = image.hash
     if key in self._kept:
       self._kept.move_to_end(key)
       return self._kept[key]

@@ -89,5 +89,8 @@ def _offer_tools(messages: list[Mapping[str, Any]],
   """For a template that takes no tools: offered in the system message (a new one if none)."""
   offer = tool_calls.system_prompt(tools)
   if messages[0]["role"] == "system":
-    return [{**messages[0], "content": offer + "\n\n" + messages[0]["content"]}, *messages[1:]]
+    content = messages[0]["content"]  # A string, or content parts (with an image).
+    content = offer + "\n\n" + content if isinstance(content, str) else [
+        {"type": "text", "text": offer + "\n\n"}, *content]
+    return [{**messages[0], "content": content}, *messages[1:]]
   return [{"role": "system", "content": offer}, *messages]

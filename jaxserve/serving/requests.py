@@ -11,10 +11,12 @@ import time
 from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 # FinishReason and TokenLogprobs are fields of a Chunk: the front ends take them from here.
+from jaxserve.batching.images import Image
 from jaxserve.batching.request import FinishReason, Request, TokenLogprobs
 from jaxserve.batching.stream import AsyncRunner, RequestStream
 from jaxserve.config import SamplingParams
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
+from jaxserve.serving.media import ImageSource
 from jaxserve.serving.metrics import RequestRecord
 from jaxserve.serving.work_pool import WorkPool
 
@@ -38,6 +40,9 @@ class Prompt:
   # With messages: the functions offered to the model (OpenAI's definitions), through the chat
   # template when it takes them, else in a system message (text/tool_calls.py).
   tools: Sequence[Mapping[str, Any]] | None = None
+  # The images of the messages' {"type": "image"} parts, in order, as the client sent them:
+  # decoded by Service.prepare (serving/media.py) into Prepared.images.
+  images: Sequence[ImageSource] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,7 @@ class Prepared(NamedTuple):
   tokenize_s: float  # Seconds spent tokenizing.
   chunk_tokens: int
   lora: Any = None  # The LoRARequest the prompt runs under (its `model`); None: the base model.
+  images: tuple[Image, ...] = ()  # The prompt's images, decoded, in order.
 
 
 class Run(NamedTuple):

@@ -45,6 +45,7 @@ from jaxserve.serving import client_fields, gateway
 from jaxserve.serving.adapters import Adapters
 from jaxserve.serving.constraint_gate import ConstraintGate
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
+from jaxserve.serving.media import MediaLimits, MediaLoader
 from jaxserve.serving.metrics import Metrics, RequestRecord
 from jaxserve.serving.prompt_ids import PromptEncoder
 from jaxserve.serving.requests import (
@@ -71,7 +72,7 @@ class Service:
                kv_peer: PrefillPeer | None = None,
                runtime_lora_roots: Sequence[str] | None = None, pooler: Any = None,
                read_weights: Callable[[str], Any] | None = None,
-               weights_roots: Sequence[str] = ()):
+               weights_roots: Sequence[str] = (), media: MediaLimits = MediaLimits()):
     """`read_lora(path)`: reads a LoRA adapter's folder (serving/adapters.py); None: LoRA off.
     `kv_peer`: a decode server's prefill server (the PrefillPeer port), whose `fetch` brings
     each request's prompt KV before it is queued; None: every prompt is prefilled here.
@@ -98,6 +99,7 @@ class Service:
     self.kv_peer = kv_peer
     self.pooler = pooler
     self.weights = WeightsFromDisk(runner, read_weights, weights_roots)
+    self.media = MediaLoader(media, model_name, info.max_images)
 
   def model_info(self) -> dict[str, Any]:
     """The fields of the proto's ModelInfo."""
@@ -120,7 +122,8 @@ class Service:
     the key's requests per minute (RESOURCE_EXHAUSTED). A request refused later, before its
     answer began, is refunded: it counts as no request; so is one whose client leaves before it
     reached the engine. `as_key`: the identity the front end checked itself (the P/D peer's)."""
-    self._check_accepting()
+    if self.refusing is not None:
+      raise ApiError(Status.UNAVAILABLE, self.refusing)
     key = as_key or self.gateway.authenticate(presented_key)
     acc = Accepted(self.pool, key, self.gateway.admit(key) if limited else Lease(None, key))
     self._open.add(acc)
@@ -158,6 +161,7 @@ class Service:
     if "allowed_token_ids" in fields:
       fields = {**fields, "allowed_token_ids": client_fields.allowed_token_ids(
           fields["allowed_token_ids"], self.vocab_size)}
+    images = self.media.load(inp.prompt.images, inp.prompt.messages)  # Before tokenizing.
     start = time.monotonic()
     ids = self.encode(inp.prompt, inp.truncate_prompt)
     tokenize = time.monotonic() - start
@@ -165,7 +169,7 @@ class Service:
                                              inp.truncate_prompt, inp.default_max_tokens)
     sampling = client_fields.sampling_params(fields, max_tokens, inp.logprobs)
     client_fields.check_bias_ids(sampling, self.vocab_size)
-    return Prepared(ids, sampling, tokenize, chunk_tokens, lora)
+    return Prepared(ids, sampling, tokenize, chunk_tokens, lora, images)
 
   def compile_constraint(self, key: ApiKey, sampling: SamplingParams) -> Grammar | None:
     """A constrained request's grammar, on a worker: compiled (or found in the cache) within the
@@ -277,10 +281,6 @@ class Service:
       logging.info("request %s prompt: %r", stream.request_id,
                    self.tokenizer.detokenize(stream.request.prompt_token_ids))
     return record
-
-  def _check_accepting(self) -> None:
-    if self.refusing is not None:
-      raise ApiError(Status.UNAVAILABLE, self.refusing)
 
   # Draining.
 

@@ -168,8 +168,17 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     if m.get("role") not in CHAT_ROLES:
       raise ValueError(f"messages[{n}] has role {m.get('role')!r}; want one of "
                        f"{sorted(CHAT_ROLES)}")
-    if not isinstance(m.get("content"), str):
-      raise ValueError(f"messages[{n}] ({m['role']}) has no string 'content'")
+    content = m.get("content")
+    if not (isinstance(content, str) or _are_parts(content)):
+      raise ValueError(f"messages[{n}] ({m['role']}) has no string 'content' (nor a list of "
+                       "{'type': 'text', 'text'} and {'type': 'image'} parts)")
+
+
+def _are_parts(content: Any) -> bool:
+  """Content as transformers' multimodal templates take it: text parts and image placeholders."""
+  return isinstance(content, list) and all(
+      isinstance(p, Mapping) and (p.get("type") == "image" or (
+          p.get("type") == "text" and isinstance(p.get("text"), str))) for p in content)
 
 
 def _raise_exception(message: str):

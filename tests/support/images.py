@@ -1,0 +1,59 @@
+"""Images for the media tests: encoded files, data URLs, and a tokenizer whose chat template
+renders image parts as Gemma 3's does (its official template's content loop)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import struct
+import zlib
+
+import numpy as np
+import PIL.Image
+
+# Gemma 3's content handling: a string, or parts whose images render as <start_of_image>.
+MM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def pixels(height: int = 17, width: int = 23, channels: int = 3, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, 256, (height, width, channels), np.uint8)
+
+
+def encode(arr: np.ndarray, fmt: str = "PNG", **options) -> bytes:
+  out = io.BytesIO()
+  PIL.Image.fromarray(arr).save(out, fmt, **options)
+  return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+  return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def bomb(side: int = 20_000) -> bytes:
+  """A 1x1 PNG whose header (IHDR, its CRC fixed) declares side x side pixels: 70 bytes that
+  would decode to gigabytes."""
+  png = encode(np.zeros((1, 1, 3), np.uint8))
+  ihdr = b"IHDR" + struct.pack(">II", side, side) + png[24:29]  # Width, height, then the rest.
+  return png[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + png[33:]
+
+
+def image_part(url: str) -> dict:
+  return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat(*parts: dict) -> list[dict]:
+  return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
+
+
+def mm_tokenizer(tokenizer):
+  """`tokenizer` (a jaxserve Tokenizer) with MM_TEMPLATE as its chat template."""
+  out = copy.copy(tokenizer)
+  out.chat_template = MM_TEMPLATE
+  out._compiled_template = None  # pylint: disable=protected-access
+  return out
