@@ -123,6 +123,19 @@ def _vision():
                          **IDS}).vision
 
 
+def test_config_reads_the_vision_side_and_round_trips():
+  import json
+
+  from jaxserve.config import ModelConfig, gemma3
+
+  cfg = gemma3.from_hf({"text_config": hf_tiny.GEMMA3, "vision_config": hf_tiny.GEMMA3_VISION,
+                        **IDS})
+  v = cfg.vision
+  assert (v.num_patches, v.pool, v.num_image_tokens, v.image_token_id) == (16, 2, 6, IMAGE)
+  assert cfg.final_logit_softcapping is None  # transformers' multimodal class caps nothing.
+  assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
 def test_prompt_expansion_is_the_processors():
   v = _vision()
   assert mm.expand_ids([5, BOI, 6], 1, v) == [5, BOI, *[IMAGE] * N, EOI, 6]

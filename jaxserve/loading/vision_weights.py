@@ -11,6 +11,8 @@ same.
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxserve.config import ModelConfig
 
 _TEXT_PREFIXES = ("model.language_model.model.", "language_model.model.", "model.language_model.")
@@ -51,12 +53,17 @@ def vision_params(cfg: ModelConfig, tower: dict, projector: dict) -> dict:
       "patch_w": conv.reshape(v.dim, -1).T,  # [3 * p * p, Dv]
       "patch_b": tower["embeddings.patch_embedding.bias"],
       "position": tower["embeddings.position_embedding.weight"],  # [Pt, Dv]
-      "layers": {i: _layer(tower, f"encoder.layers.{i}.", Nv, Hd) for i in range(v.num_layers)},
+      "layers": _stacked([_layer(tower, f"encoder.layers.{i}.", Nv, Hd)
+                          for i in range(v.num_layers)]),  # Each [Lv, ...].
       "post_norm_w": tower["post_layernorm.weight"],
       "post_norm_b": tower["post_layernorm.bias"],
       "soft_norm": projector["mm_soft_emb_norm.weight"],
       "project": projector["mm_input_projection_weight"],  # [Dv, D]: stored input-first.
   }
+
+
+def _stacked(layers: list[dict]) -> dict:
+  return {key: np.stack([layer[key] for layer in layers]) for key in layers[0]}
 
 
 def _layer(tower: dict, p: str, Nv: int, Hd: int) -> dict:

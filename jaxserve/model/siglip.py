@@ -82,7 +82,7 @@ class VisionTower(nnx.Module):
     self.patch_w = _param(rngs, (C, Dv), dtype, C)  # The convolution's [Dv, 3, p, p], flattened.
     self.patch_b = _param(rngs, (Dv,), dtype)
     self.position = _param(rngs, (v.num_patches, Dv), dtype, 1)
-    self.layers = nnx.List([VisionLayer(v, dtype, rngs) for _ in range(v.num_layers)])
+    self.layers = _stacked_layers(v, dtype, rngs)
     self.post_norm_w = _param(rngs, (Dv,), dtype, value=1.0)
     self.post_norm_b = _param(rngs, (Dv,), dtype)
     self.soft_norm = _param(rngs, (Dv,), dtype)  # Gemma's RMSNorm: zero-centred.
@@ -93,8 +93,8 @@ class VisionTower(nnx.Module):
     dtype = self.patch_w[...].dtype
     x = patches(pixels.astype(dtype), v.patch_size)  # [Im, Pt, 3 * p * p]
     x = x @ self.patch_w[...] + self.patch_b[...] + self.position[...]  # [Im, Pt, Dv]
-    for layer in self.layers:  # A few dozen layers at most: unrolled.
-      x = layer(x)
+    graphdef, state = nnx.split(self.layers)  # [Lv, ...]: one scan, one layer's compile.
+    x = jax.lax.scan(lambda x, one: (nnx.merge(graphdef, one)(x), None), x, state)[0]
     x = layer_norm(x, self.post_norm_w[...], self.post_norm_b[...], v.norm_eps)
     return self.soft_tokens(x)
 
@@ -108,6 +108,17 @@ class VisionTower(nnx.Module):
     x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + v.norm_eps)
     x = x * (1.0 + self.soft_norm[...].astype(jnp.float32))
     return (x.astype(self.project[...].dtype) @ self.project[...])  # [Im, Mi, D]
+
+
+def _stacked_layers(v: VisionConfig, dtype, rngs: nnx.Rngs):
+  """v.num_layers VisionLayers as one module whose parameters lead with [Lv] (as
+  llama.stacked_layers makes the text model's)."""
+  @nnx.split_rngs(splits=v.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make(rngs: nnx.Rngs):
+    return VisionLayer(v, dtype, rngs)
+
+  return make(rngs)
 
 
 def patches(pixels, p: int):
