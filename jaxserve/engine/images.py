@@ -4,11 +4,11 @@ put its soft tokens in place of the image tokens' embeddings.
 The encoder runs at Gemma 3's one image shape ([1, 3, S, S]), so warm-up compiles it once and no
 image compiles anything after. It runs when the first chunk holding an image's tokens is packed;
 its soft tokens [Mi, D] come back to the host (one wait for the device, only in a step that
-starts an image) and are kept by content hash until the image's last chunk is packed, so an
-image that chunked prefill cuts in two is encoded once. The step takes them as two arrays, never
-as static values: `image_rows` [Tp, D] (each packed prefill row's soft token, zeros for text) and
-`image_until` [Tp] (the last position of the row's image, -1 for a text row), from which the step
-makes each query's attention reach (AttentionMetadata.attend_until).
+starts an image) and the last MAX_KEPT images' are kept by content hash, so an image whose
+tokens two chunks share, or that two requests send, is encoded once. The step takes them as two
+arrays, never as static values: `image_rows` [Tp, D] (each packed prefill row's soft token,
+zeros for text) and `image_until` [Tp] (the last position of the row's image, -1 for a text
+row), from which the step makes each query's attention reach (AttentionMetadata.attend_until).
 
 Shape letters: the key in jaxserve/model/__init__.py.
 """
