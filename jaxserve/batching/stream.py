@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from jaxserve.batching import kv_handoff
 from jaxserve.batching.constrained import Constraints
+from jaxserve.batching.images import ImageSpan
 from jaxserve.batching.plan import EngineInfo, PageStore
 from jaxserve.batching.request import Request, RequestOutput
 from jaxserve.batching.runner import Runner
@@ -91,11 +92,13 @@ class AsyncRunner(Controls):
   def new_request(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                   request_id: str | None = None, priority: int = 0,
                   cache_salt: str | None = None, grammar: Grammar | None = None,
-                  lora: LoRARequest | None = None) -> Request:
+                  lora: LoRARequest | None = None,
+                  images: Sequence[ImageSpan] = ()) -> Request:
     """A request for `submit_request`, on any thread (it reads only fixed limits); raises
-    RequestRejected for one that could never run."""
+    RequestRejected for one that could never run. `images`: images.place_images' (a worker
+    thread's: it preprocesses)."""
     return self._runner.new_request(prompt_ids, sampling, request_id, priority, cache_salt,
-                                    grammar, lora)
+                                    grammar, lora, images)
 
   @property
   def page_store(self) -> PageStore | None:
