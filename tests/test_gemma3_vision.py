@@ -100,6 +100,16 @@ def test_soft_tokens_match_transformers(tiny_hf, engine):
   assert np.abs(ours - hf_tiny.image_features(tiny_hf[0], pixels)[0]).max() < 1e-5
 
 
+def test_encoder_attention_in_query_blocks_equals_it_whole(monkeypatch):
+  from jaxserve.model import siglip
+
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.normal(size=(2, 64, 2, 8)).astype(np.float32) for _ in range(3))
+  whole = np.asarray(siglip.attention(q, k, v))
+  monkeypatch.setattr(siglip, "QUERY_BLOCK", 16)
+  assert np.abs(np.asarray(siglip.attention(q, k, v)) - whole).max() < 1e-6
+
+
 def test_pixels_match_the_pillow_processor():
   """Odd sizes, a grayscale and an RGBA image (converted as the processor converts them)."""
   from PIL import Image

@@ -64,13 +64,31 @@ class VisionLayer(nnx.Module):
     q = jnp.einsum("IPD,DNH->IPNH", h, self.wq[...]) + self.bq[...]  # [Im, Pt, Nv, Hd]
     k = jnp.einsum("IPD,DNH->IPNH", h, self.wk[...]) + self.bk[...]
     v = jnp.einsum("IPD,DNH->IPNH", h, self.wv[...]) + self.bv[...]
-    scores = jnp.einsum("IQNH,IKNH->INQK", q, k, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(scores * q.shape[-1] ** -0.5, axis=-1).astype(v.dtype)  # Every patch.
-    out = jnp.einsum("INQK,IKNH->IQNH", probs, v)  # [Im, Pt, Nv, Hd]
+    out = attention(q, k, v)  # [Im, Pt, Nv, Hd]
     x = x + jnp.einsum("IPNH,NHD->IPD", out, self.wo[...]) + self.bo[...]
     h = layer_norm(x, self.norm2_w[...], self.norm2_b[...], self.eps)
     h = jax.nn.gelu(jnp.einsum("IPD,DF->IPF", h, self.w1[...]) + self.b1[...], approximate=True)
     return x + jnp.einsum("IPF,FD->IPD", h, self.w2[...]) + self.b2[...]
+
+
+# Query patches whose scores are held at once: Gemma 3's 4,096 patches in 4 blocks, so the
+# scores take [Im, Nv, 1024, Pt] (256 MiB a 16-head image), not [Im, Nv, Pt, Pt] (1 GiB).
+QUERY_BLOCK = 1024
+
+
+def attention(q, k, v):
+  """q, k, v [Im, Pt, Nv, Hd] -> [Im, Pt, Nv, Hd]: every patch attends to every patch, the
+  queries a block at a time (the softmax is each query's own: blocks change no value)."""
+  Im, Pt, Nv, Hd = q.shape
+  Qb = QUERY_BLOCK if Pt % QUERY_BLOCK == 0 else Pt
+
+  def block(qb):  # [Im, Qb, Nv, Hd]
+    scores = jnp.einsum("IQNH,IKNH->INQK", qb, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores * Hd ** -0.5, axis=-1).astype(v.dtype)
+    return jnp.einsum("INQK,IKNH->IQNH", probs, v)
+
+  blocks = q.reshape(Im, Pt // Qb, Qb, Nv, Hd).swapaxes(0, 1)  # [Pt / Qb, Im, Qb, Nv, Hd]
+  return jax.lax.map(block, blocks).swapaxes(0, 1).reshape(Im, Pt, Nv, Hd)
 
 
 class VisionTower(nnx.Module):
