@@ -101,10 +101,14 @@ def test_acceptance_estimate_and_pause_lengths():
 
 
 def test_verify_cost_auto_is_the_platforms():
-  from jaxserve.config.speculative import ACCELERATOR_VERIFY_COST, CPU_VERIFY_COST
+  """"auto" is resolved by the engine for its platform: on CPU each proposal's row adds to
+  the step, on TPU and GPU the rows are close to free; a number is kept as given."""
+  from jaxserve.config.speculative import ACCELERATOR_VERIFY_COST, CPU_VERIFY_COST_PER_PROPOSAL
   auto = SpeculativeConfig()
   assert auto.verify_cost == "auto"
-  assert auto.resolved("cpu").verify_cost == CPU_VERIFY_COST
+  for k in (1, 4, 6):
+    cpu = SpeculativeConfig(num_speculative_tokens=k).resolved("cpu")
+    assert cpu.verify_cost == pytest.approx(1 + CPU_VERIFY_COST_PER_PROPOSAL * k)
   assert auto.resolved("tpu").verify_cost == ACCELERATOR_VERIFY_COST
   assert auto.resolved("gpu").verify_cost == ACCELERATOR_VERIFY_COST
   assert SpeculativeConfig(verify_cost=3).resolved("cpu").verify_cost == 3

@@ -1,13 +1,13 @@
 """Speculative decoding's pause (speculative.py): each request measures its own acceptance and
 proposes only while a verified run pays for the step it costs.
 
-A step verifying k proposals costs `SpeculativeConfig.verify_cost` one-row decode steps (about
-2 on CPU); it yields 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens on average when each
-proposal is accepted with probability a given the ones before it. A request estimates a from
-its own runs: every accepted proposal is a success, and a run that stops at a rejected one
-adds one failure (the geometric distribution's estimate; a run accepted whole stops at no
-rejection). The counts decay over about WINDOW runs, so the estimate follows a request whose
-text turns from copying to new words and back.
+A step verifying k proposals costs `SpeculativeConfig.verify_cost` one-row decode steps
+(1 + 0.15 k on CPU); it yields 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens on
+average when each proposal is accepted with probability a given the ones before it. A
+request estimates a from its own runs: every accepted proposal is a success, and a run that
+stops at a rejected one adds one failure (the geometric distribution's estimate; a run
+accepted whole stops at no rejection). The counts decay over about WINDOW runs, so the
+estimate follows a request whose text turns from copying to new words and back.
 
 Once MIN_RUNS runs are measured, a request whose runs do not pay pauses: it decodes one token
 a step, as without speculation, for PAUSE_STEPS scheduler steps, twice that after its next

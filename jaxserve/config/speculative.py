@@ -17,11 +17,11 @@ AUTO = "auto"
 # GPU a decode step is memory-bound and the extra rows are close to free: no limit.
 CPU_DISABLE_BY_BATCH_SIZE = 4
 # verify_cost "auto": what a step verifying k proposals (k + 1 rows) costs against a one-row
-# decode step. On XLA:CPU a few rows take the GEMM path at about twice the one-row GEMV's time,
-# whatever k (measured: BENCHMARKS.md, "Speculative decoding"). On TPU and GPU a decode step is
-# memory-bound and the extra rows are close to free (not measured: no chip), so only proposals
-# that are never accepted pause there.
-CPU_VERIFY_COST = 2.0
+# decode step. On CPU each row adds about this much (the default model, one slot, the CPU
+# kernels: 1.44x at k = 4, 1.83x at k = 6; BENCHMARKS.md, "Speculative decoding"). On TPU and
+# GPU a decode step is memory-bound and the extra rows are close to free (not measured: no
+# chip), so there only proposals that are hardly ever accepted pause.
+CPU_VERIFY_COST_PER_PROPOSAL = 0.15
 ACCELERATOR_VERIFY_COST = 1.05
 
 
@@ -86,18 +86,21 @@ class SpeculativeConfig:
   @property
   def cost(self) -> float:
     """verify_cost as a number ("auto" not resolved: the CPU's, the dearest)."""
-    return CPU_VERIFY_COST if self.verify_cost == AUTO else float(self.verify_cost)
+    return self._cpu_cost() if self.verify_cost == AUTO else float(self.verify_cost)
+
+  def _cpu_cost(self) -> float:
+    return 1 + CPU_VERIFY_COST_PER_PROPOSAL * self.num_speculative_tokens
 
   def resolved(self, platform: str) -> SpeculativeConfig:
     """The "auto" settings made numbers for `platform` (jax.default_backend()'s name):
     disable_by_batch_size CPU_DISABLE_BY_BATCH_SIZE on CPU, None elsewhere; verify_cost
-    CPU_VERIFY_COST on CPU, ACCELERATOR_VERIFY_COST elsewhere."""
+    1 + CPU_VERIFY_COST_PER_PROPOSAL * k on CPU, ACCELERATOR_VERIFY_COST elsewhere."""
     cpu = platform == "cpu"
     size, cost = self.disable_by_batch_size, self.verify_cost
     if size == AUTO:
       size = CPU_DISABLE_BY_BATCH_SIZE if cpu else None
     if cost == AUTO:
-      cost = CPU_VERIFY_COST if cpu else ACCELERATOR_VERIFY_COST
+      cost = self._cpu_cost() if cpu else ACCELERATOR_VERIFY_COST
     return dataclasses.replace(self, disable_by_batch_size=size, verify_cost=cost)
 
   @classmethod

@@ -34,13 +34,15 @@ COPY_PROMPTS = [
 # Short asks whose answers copy their prompt: a list, code with a function renamed, a sentence
 # repeated (issue 46: where k = 4 ran at 0.94x the tokens/s without speculation, float mode).
 ASK_PROMPTS = [
-    "Copy this list exactly, one item a line:\nred\norange\nyellow\ngreen\nblue\nindigo\n"
-    "violet\nblack\nwhite\ngrey\nbrown\npink",
-    "Rename the function `mean` to `average` in this code and give back the whole code, nothing "
-    "else:\n```python\ndef mean(values):\n    return sum(values) / len(values)\n\n\ndef "
-    "spread(values):\n    m = mean(values)\n    return mean([(v - m) ** 2 for v in values])\n```",
-    "Repeat this sentence three times, word for word: The committee will meet on Tuesday at noon "
-    "in the main hall to review the budget for next year.",
+    "Repeat this list exactly, one item a line:\nParis\nLondon\nMadrid\nRome\nBerlin\nVienna\n"
+    "Prague\nWarsaw\nLisbon\nDublin\nOslo\nStockholm\nHelsinki\nAthens\nBudapest\nBrussels",
+    "Rename the function `mean` to `average` everywhere in this code and give back the whole "
+    "code, nothing else:\n```python\ndef mean(values):\n    \"\"\"The arithmetic mean of a list "
+    "of numbers.\"\"\"\n    return sum(values) / len(values)\n\n\ndef variance(values):\n    m = "
+    "mean(values)\n    return mean([(v - m) ** 2 for v in values])\n\n\nif __name__ == "
+    "\"__main__\":\n    print(mean([1, 2, 3]), variance([1, 2, 3]))\n```",
+    "Repeat this sentence five times, one a line: The committee will meet on Tuesday at noon in "
+    "the main hall to review the budget.",
 ]
 
 
@@ -60,8 +62,10 @@ def child(args: argparse.Namespace) -> dict:
     prompts = COPY_PROMPTS if args.workload == "copy" else ASK_PROMPTS
     prompts = prompts[:2] if args.quick else prompts
     sampling = SamplingParams(temperature=0, max_tokens=48 if args.quick else 256)
-    start = time.perf_counter()
-    outs = [llm.generate([p], sampling, chat=True)[0] for p in prompts]  # One at a time.
+    start, outs, walls = time.perf_counter(), [], []
+    for p in prompts:  # One at a time.
+      outs.append(llm.generate([p], sampling, chat=True)[0])
+      walls.append(time.perf_counter() - start - sum(walls))
   else:
     work = [json.loads(line) for line in harness.WORKLOAD.read_text().splitlines()
             if line.strip()]
@@ -69,7 +73,7 @@ def child(args: argparse.Namespace) -> dict:
     params = [SamplingParams(temperature=0, ignore_eos=True,
                              max_tokens=min(w["max_tokens"], 32) if args.quick else w["max_tokens"])
               for w in work]
-    start = time.perf_counter()
+    start, walls = time.perf_counter(), []
     outs = llm.runner.generate([(w["prompt_token_ids"], p) for w, p in zip(work, params)])
   wall = time.perf_counter() - start
   stats = llm.runner.scheduler.spec_stats
@@ -80,7 +84,9 @@ def child(args: argparse.Namespace) -> dict:
           "verified_runs": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
           "accepted_tokens": stats.num_accepted_tokens,
           "acceptance_rate": stats.acceptance_rate, "accepted_per_pos": stats.accepted_per_pos,
-          "steps": llm.runner.scheduler.num_steps}
+          "steps": llm.runner.scheduler.num_steps,
+          # A single stream's prompts one by one: (tokens, tokens/s).
+          "per_prompt": [(len(i), len(i) / w) for i, w in zip(ids, walls)]}
 
 
 def run_child(args: argparse.Namespace, workload: str, on: bool) -> dict:
@@ -98,12 +104,17 @@ def report(pairs: list[tuple[dict, dict]]) -> str:
   rounds = ", ".join(f"{off['tokens_per_s']:.1f} -> {on['tokens_per_s']:.1f} ({r:.2f}x)"
                      for (off, on), r in zip(pairs, ratios))
   off, on = pairs[0]
+  per_prompt = ", ".join(
+      f"{n} tokens {statistics.median(b[1] / a[1] for a, b in prompt):.2f}x"
+      for n, prompt in ((p[0][0][0], p) for p in zip(*[zip(f["per_prompt"], o["per_prompt"])
+                                                        for f, o in pairs])))
   identical = all(o["digest"] == off["digest"] for pair in pairs for o in pair)
   return (f"{on['workload']}: median {statistics.median(ratios):.2f}x over {len(pairs)} rounds "
           f"[{rounds}], identical output: {identical}, acceptance "
           f"{on['acceptance_rate']:.2f} ({on['accepted_tokens']}/{on['draft_tokens']}, per "
           f"position {on['accepted_per_pos']}), steps {off['steps']} -> {on['steps']} "
-          f"({on['verified_runs']} verifying)")
+          f"({on['verified_runs']} verifying)"
+          + (f"; each prompt's median: {per_prompt}" if per_prompt else ""))
 
 
 def main_speculative(argv=None) -> int:
