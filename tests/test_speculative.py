@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from jaxserve.batching.plan import StepKind
-from jaxserve.batching.request import Backoff
 from jaxserve.batching.runner import Runner
 from jaxserve.batching.speculative import propose_ngram
 from jaxserve.config import EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
@@ -92,6 +91,36 @@ def test_a_request_verifies_in_consecutive_steps_and_sits_none_out(engine, defau
   busy = [not s.plan.is_empty for s in steps]
   last = max(i for i, b in enumerate(busy) if b)
   assert all(busy[:last + 1]), busy
+
+
+def test_greedy_tokens_equal_while_proposals_pause_and_resume(engine, default_model, prompts):
+  """A verify_cost no run can pay for (k + 1 tokens at best): each request pauses after every
+  measurement and probes again after its back-off (batching/acceptance.py), with runs in
+  flight across each switch; the tokens are those of no speculation, and nothing compiles."""
+  tok = default_model[1]
+  on = SamplingParams(temperature=0, max_tokens=48)
+  want, _ = run(engine, tok, prompts[:2], dataclasses.replace(on, speculative=False))
+  runner = Runner(engine, tok)
+  runner.scheduler.speculative = dataclasses.replace(engine.info.speculative, verify_cost=K + 1)
+  verified, schedule = [], runner.scheduler.schedule
+
+  def recorded(*args, **options):
+    step = schedule(*args, **options)
+    verified.append({ch.request_id for ch in step.plan.prefills if ch.num_drafts})
+    return step
+  runner.scheduler.schedule = recorded
+  with count_compiles() as counts:
+    got = runner.generate([(p, on) for p in prompts[:2]])
+  assert tokens(got) == tokens(want)
+  assert counts == {"trace": 0, "compile": 0}
+  # Some request verified, paused (planned steps without a run), then verified again.
+  for rid in {rid for ids in verified for rid in ids}:
+    steps = [i for i, ids in enumerate(verified) if rid in ids]
+    if any(b - a > 2 for a, b in zip(steps, steps[1:])):
+      break
+  else:
+    raise AssertionError(f"no request paused and resumed: {verified}")
+  assert runner.scheduler.spec_stats.num_draft_tokens > 0
 
 
 def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(engine,
@@ -222,18 +251,6 @@ def test_propose_ngram_repeats_a_continuation_that_reaches_the_end():
   assert propose_ngram([9, 4, 4, 4], spec, 2) == [4, 4]
   # A match with k tokens after it before the end is unchanged: the tokens that followed it.
   assert propose_ngram([1, 2, 7, 8, 9, 6, 5, 1, 2], spec, 10) == [7, 8, 9, 6]
-
-
-def test_backoff_doubles_and_resets():
-  b = Backoff()
-  assert b.may_propose(0)
-  b.record(10, 0)
-  assert not b.may_propose(11) and b.may_propose(12)
-  b.record(12, 0)
-  assert not b.may_propose(15) and b.may_propose(16)
-  b.record(16, 2)
-  b.record(16, 0)
-  assert b.may_propose(18)
 
 
 def test_speculative_config_json_and_errors():

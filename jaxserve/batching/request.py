@@ -20,30 +20,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxserve.batching.acceptance import Acceptance
 from jaxserve.batching.images import ImageSpan
 from jaxserve.config import LoRARequest, SamplingParams
-
-MAX_BACKOFF_STEPS = 64  # The longest a request whose proposals fail goes without proposing.
-
-
-@dataclasses.dataclass
-class Backoff:
-  """Speculative decoding (speculative.py): one request's proposing schedule. After f failures
-  in a row (proposals of which none was accepted) it waits min(2**f, MAX_BACKOFF_STEPS) steps
-  before proposing again."""
-
-  failures: int = 0
-  resume_step: int = 0  # The scheduler step from which it may propose again.
-
-  def may_propose(self, step: int) -> bool:
-    return step >= self.resume_step
-
-  def record(self, step: int, accepted: int) -> None:
-    if accepted:
-      self.failures = 0
-      return
-    self.failures += 1
-    self.resume_step = step + min(2 ** self.failures, MAX_BACKOFF_STEPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +108,8 @@ class Request:
   runs_in_flight: list[InFlightRun] = dataclasses.field(default_factory=list)
   num_draft_tokens: int = 0  # Proposals verified, over the request's life.
   num_accepted_tokens: int = 0  # Of those, the ones the model agreed with.
-  backoff: Backoff = dataclasses.field(default_factory=Backoff)
+  # Its measured acceptance, which pauses its proposals while they do not pay.
+  acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)
   # Bumped by every preemption and abort: a token sampled under an older epoch is discarded.
   epoch: int = 0
   num_preemptions: int = 0

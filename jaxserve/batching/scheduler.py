@@ -150,7 +150,8 @@ class Scheduler:
     """A verified chunk came back, the first `num_accepted` of its proposals the model's own
     (speculative.settle rolls back the rest). `tokens`: what the runner keeps of them and the
     model's next token (fewer when a stop cut the run)."""
-    speculative.settle(req, num_accepted, self.num_steps, self.spec_stats)
+    speculative.settle(req, num_accepted, self.num_steps, self.spec_stats,
+                       self.speculative)
     self.num_decode_tokens += num_accepted
     self._take(req, tokens, finished)
 

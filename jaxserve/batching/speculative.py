@@ -10,9 +10,10 @@ if every proposal in flight were accepted. An n-gram proposal then continues a g
 sample: its proposals, if they were made for the tokens that did come, and one more token
 looked up like the proposals. A wrong guess costs only the proposals: verification keeps the
 model's own tokens at the positions that are really there (engine/verify.py). A request whose
-proposals keep being rejected stops proposing for a while (request.Backoff) and decodes every
-step, as without speculation; proposals made on a wrong guess do not count, nor a lookup that
-finds nothing (it costs the device nothing, and is tried again the next step).
+measured acceptance says its verified runs cost more than they save pauses its proposals for
+a while (acceptance.py) and decodes every step, as without speculation; proposals made on a
+wrong guess do not count, nor a lookup that finds nothing (it costs the device nothing, and
+is tried again the next step).
 Verification keeps each request's tokens exactly those of decoding one at a time, sampled ones
 included; a constrained request never speculates.
 """
@@ -71,7 +72,7 @@ def proposal(req: Request, spec: SpeculativeConfig | None, step: int, num_tokens
   """The run to verify for `req` in scheduler step `step`, or None: decode one token as usual.
   num_tokens: the most tokens it may have once its samples in flight land; budget: [prefill
   tokens, prefill sequences] left in the step."""
-  if spec is None or not can_speculate(req.sampling) or not req.backoff.may_propose(step):
+  if spec is None or not can_speculate(req.sampling) or not req.acceptance.may_propose(step):
     return None
   # Each accepted proposal and the model's next token are outputs: never past max_tokens (nor
   # the context window, which holds every request's max_tokens).
@@ -122,7 +123,8 @@ def step_speculation(spec: SpeculativeConfig | None, num_running: int, prompts_w
     spec = None  # A large batch: every request decodes (SpeculativeConfig).
   return spec, [budget, max_prefill_seqs - prompts_wait]
 
-def settle(req: Request, num_accepted: int, step: int, stats: SpecStats) -> None:
+def settle(req: Request, num_accepted: int, step: int, stats: SpecStats,
+           spec: SpeculativeConfig) -> None:
   """`req`'s oldest verified run came back, `num_accepted` of its proposals the model's own:
   the positions past those roll back (their KV is never read, and rewritten by the tokens that
   do come there), and the counts take the run."""
@@ -130,7 +132,8 @@ def settle(req: Request, num_accepted: int, step: int, stats: SpecStats) -> None
   num_drafts = len(run.drafts)
   req.num_computed_tokens -= num_drafts - num_accepted
   if holds(req, run):  # Proposals made on a wrong guess say nothing of the proposer.
-    req.backoff.record(step, num_accepted)
+    req.acceptance.record(step, num_drafts, num_accepted, spec.num_speculative_tokens,
+                          spec.cost)
   stats.record(num_drafts, num_accepted)
   req.num_draft_tokens += num_drafts
   req.num_accepted_tokens += num_accepted

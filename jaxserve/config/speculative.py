@@ -16,6 +16,13 @@ AUTO = "auto"
 # on XLA:CPU grows with its rows; measured in BENCHMARKS.md ("Speculative decoding"). On TPU and
 # GPU a decode step is memory-bound and the extra rows are close to free: no limit.
 CPU_DISABLE_BY_BATCH_SIZE = 4
+# verify_cost "auto": what a step verifying k proposals (k + 1 rows) costs against a one-row
+# decode step. On CPU each row adds about this much (the default model, one slot, the CPU
+# kernels: 1.44x at k = 4, 1.83x at k = 6; BENCHMARKS.md, "Speculative decoding"). On TPU and
+# GPU a decode step is memory-bound and the extra rows are close to free (not measured: no
+# chip), so there only proposals that are hardly ever accepted pause.
+CPU_VERIFY_COST_PER_PROPOSAL = 0.15
+ACCELERATOR_VERIFY_COST = 1.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +40,10 @@ class SpeculativeConfig:
   # cost grows with its rows (CPU), verified runs cost more than they save in a large batch.
   # None: speculate at any batch size. "auto": the engine's platform decides (`resolved`).
   disable_by_batch_size: int | str | None = AUTO
+  # A step verifying k proposals costs this many one-row decode steps (>= 1): a request stops
+  # proposing while its measured acceptance yields fewer tokens a verified run than that
+  # (batching/acceptance.py). "auto": the engine's platform decides (`resolved`).
+  verify_cost: float | str = AUTO
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -53,6 +64,11 @@ class SpeculativeConfig:
                                      or size < 1):
       raise ValueError("SpeculativeConfig.disable_by_batch_size must be an int >= 1, None or "
                        f"{AUTO!r}, got {size!r}")
+    cost = self.verify_cost
+    if cost != AUTO and (not isinstance(cost, (int, float)) or isinstance(cost, bool)
+                         or not cost >= 1):
+      raise ValueError(f"SpeculativeConfig.verify_cost must be a number >= 1 or {AUTO!r}, got "
+                       f"{cost!r}")
     if self.num_speculative_tokens > 16:
       raise ValueError("SpeculativeConfig.num_speculative_tokens must be at most 16, got "
                        f"{self.num_speculative_tokens}")
@@ -67,13 +83,25 @@ class SpeculativeConfig:
     size = self.disable_by_batch_size
     return size if isinstance(size, int) else None
 
+  @property
+  def cost(self) -> float:
+    """verify_cost as a number ("auto" not resolved: the CPU's, the dearest)."""
+    return self._cpu_cost() if self.verify_cost == AUTO else float(self.verify_cost)
+
+  def _cpu_cost(self) -> float:
+    return 1 + CPU_VERIFY_COST_PER_PROPOSAL * self.num_speculative_tokens
+
   def resolved(self, platform: str) -> SpeculativeConfig:
-    """disable_by_batch_size "auto" made a number for `platform` (jax.default_backend()'s
-    name): CPU_DISABLE_BY_BATCH_SIZE on CPU, None elsewhere."""
-    if self.disable_by_batch_size != AUTO:
-      return self
-    size = CPU_DISABLE_BY_BATCH_SIZE if platform == "cpu" else None
-    return dataclasses.replace(self, disable_by_batch_size=size)
+    """The "auto" settings made numbers for `platform` (jax.default_backend()'s name):
+    disable_by_batch_size CPU_DISABLE_BY_BATCH_SIZE on CPU, None elsewhere; verify_cost
+    1 + CPU_VERIFY_COST_PER_PROPOSAL * k on CPU, ACCELERATOR_VERIFY_COST elsewhere."""
+    cpu = platform == "cpu"
+    size, cost = self.disable_by_batch_size, self.verify_cost
+    if size == AUTO:
+      size = CPU_DISABLE_BY_BATCH_SIZE if cpu else None
+    if cost == AUTO:
+      cost = self._cpu_cost() if cpu else ACCELERATOR_VERIFY_COST
+    return dataclasses.replace(self, disable_by_batch_size=size, verify_cost=cost)
 
   @classmethod
   def from_json(cls, text: str) -> SpeculativeConfig:

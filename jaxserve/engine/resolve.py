@@ -77,8 +77,9 @@ def default_backend() -> AttentionBackend:
 def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> EngineConfig:
   """`config` with what the backend and platform decide filled in: the KV layout (the kernels
   read and write the ragged one in place; the jnp path reads every layout, token-major by
-  default), speculation's "auto" disable_by_batch_size (SpeculativeConfig.resolved). Raises
-  ValueError when the backend cannot store the config's kv_dtype (EngineConfig.check_backend)."""
+  default), speculation's "auto" disable_by_batch_size and verify_cost
+  (SpeculativeConfig.resolved). Raises ValueError when the backend cannot store the config's
+  kv_dtype (EngineConfig.check_backend)."""
   config.check_backend(backend)
   if config.speculative is not None:  # "auto" settings are the platform's.
     config = dataclasses.replace(config,

@@ -31,6 +31,20 @@ COPY_PROMPTS = [
     "every evening it returns to its den beside the old oak tree.",
 ]
 
+# Short asks whose answers copy their prompt: a list, code with a function renamed, a sentence
+# repeated (issue 46: where k = 4 ran at 0.94x the tokens/s without speculation, float mode).
+ASK_PROMPTS = [
+    "Repeat this list exactly, one item a line:\nParis\nLondon\nMadrid\nRome\nBerlin\nVienna\n"
+    "Prague\nWarsaw\nLisbon\nDublin\nOslo\nStockholm\nHelsinki\nAthens\nBudapest\nBrussels",
+    "Rename the function `mean` to `average` everywhere in this code and give back the whole "
+    "code, nothing else:\n```python\ndef mean(values):\n    \"\"\"The arithmetic mean of a list "
+    "of numbers.\"\"\"\n    return sum(values) / len(values)\n\n\ndef variance(values):\n    m = "
+    "mean(values)\n    return mean([(v - m) ** 2 for v in values])\n\n\nif __name__ == "
+    "\"__main__\":\n    print(mean([1, 2, 3]), variance([1, 2, 3]))\n```",
+    "Repeat this sentence five times, one a line: The committee will meet on Tuesday at noon in "
+    "the main hall to review the budget.",
+]
+
 
 def child(args: argparse.Namespace) -> dict:
   """One side of one workload, in this process: its tokens/s and speculation counts."""
@@ -38,17 +52,20 @@ def child(args: argparse.Namespace) -> dict:
   from jaxserve.config import EngineConfig, SamplingParams, SpeculativeConfig
 
   spec = SpeculativeConfig.from_json(args.speculative_config) if args.on else None
-  copy = args.workload == "copy"
+  copy = args.workload in ("copy", "asks")  # Single streams.
   cfg = EngineConfig(num_slots=1 if copy else args.slots, page_size=16,
                      max_model_len=args.max_model_len, num_pages=args.num_pages,
                      prefill_buckets=args.buckets, speculative=spec)
   llm = jaxserve.LLM(engine_config=cfg)
   llm.engine.warmup()
   if copy:
-    prompts = COPY_PROMPTS[:2] if args.quick else COPY_PROMPTS
+    prompts = COPY_PROMPTS if args.workload == "copy" else ASK_PROMPTS
+    prompts = prompts[:2] if args.quick else prompts
     sampling = SamplingParams(temperature=0, max_tokens=48 if args.quick else 256)
-    start = time.perf_counter()
-    outs = [llm.generate([p], sampling, chat=True)[0] for p in prompts]  # One at a time.
+    start, outs, walls = time.perf_counter(), [], []
+    for p in prompts:  # One at a time.
+      outs.append(llm.generate([p], sampling, chat=True)[0])
+      walls.append(time.perf_counter() - start - sum(walls))
   else:
     work = [json.loads(line) for line in harness.WORKLOAD.read_text().splitlines()
             if line.strip()]
@@ -56,7 +73,7 @@ def child(args: argparse.Namespace) -> dict:
     params = [SamplingParams(temperature=0, ignore_eos=True,
                              max_tokens=min(w["max_tokens"], 32) if args.quick else w["max_tokens"])
               for w in work]
-    start = time.perf_counter()
+    start, walls = time.perf_counter(), []
     outs = llm.runner.generate([(w["prompt_token_ids"], p) for w, p in zip(work, params)])
   wall = time.perf_counter() - start
   stats = llm.runner.scheduler.spec_stats
@@ -64,9 +81,12 @@ def child(args: argparse.Namespace) -> dict:
   return {"workload": args.workload, "speculative": args.on, "wall_s": wall,
           "tokens": sum(map(len, ids)), "tokens_per_s": sum(map(len, ids)) / wall,
           "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
-          "draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
+          "verified_runs": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+          "accepted_tokens": stats.num_accepted_tokens,
           "acceptance_rate": stats.acceptance_rate, "accepted_per_pos": stats.accepted_per_pos,
-          "steps": llm.runner.scheduler.num_steps}
+          "steps": llm.runner.scheduler.num_steps,
+          # A single stream's prompts one by one: (tokens, tokens/s).
+          "per_prompt": [(len(i), len(i) / w) for i, w in zip(ids, walls)]}
 
 
 def run_child(args: argparse.Namespace, workload: str, on: bool) -> dict:
@@ -84,27 +104,36 @@ def report(pairs: list[tuple[dict, dict]]) -> str:
   rounds = ", ".join(f"{off['tokens_per_s']:.1f} -> {on['tokens_per_s']:.1f} ({r:.2f}x)"
                      for (off, on), r in zip(pairs, ratios))
   off, on = pairs[0]
+  per_prompt = ", ".join(
+      f"{n} tokens {statistics.median(b[1] / a[1] for a, b in prompt):.2f}x"
+      for n, prompt in ((p[0][0][0], p) for p in zip(*[zip(f["per_prompt"], o["per_prompt"])
+                                                        for f, o in pairs])))
   identical = all(o["digest"] == off["digest"] for pair in pairs for o in pair)
   return (f"{on['workload']}: median {statistics.median(ratios):.2f}x over {len(pairs)} rounds "
           f"[{rounds}], identical output: {identical}, acceptance "
           f"{on['acceptance_rate']:.2f} ({on['accepted_tokens']}/{on['draft_tokens']}, per "
-          f"position {on['accepted_per_pos']}), steps {off['steps']} -> {on['steps']}")
+          f"position {on['accepted_per_pos']}), steps {off['steps']} -> {on['steps']} "
+          f"({on['verified_runs']} verifying)"
+          + (f"; each prompt's median: {per_prompt}" if per_prompt else ""))
 
 
 def main_speculative(argv=None) -> int:
   """Speculative decoding (n-gram prompt lookup, or a draft model) against none, each side in a
   fresh process.
 
-    python -m scripts.bench speculative                     # both workloads, k = 6, 3 rounds
+    python -m scripts.bench speculative                     # copy and peers, k = 6, 3 rounds
     python -m scripts.bench speculative --quick --rounds 1  # a few short requests: proves it runs
     python -m scripts.bench speculative --workloads copy \\
         --speculative-config '{"num_speculative_tokens": 4}'
     python -m scripts.bench speculative --draft smollm2-135m-instruct   # the draft-model method
 
-  Two workloads, both greedy on the default model:
+  Three workloads, all greedy on the default model:
   - copy: single stream, one request at a time, prompts whose answers copy spans of them (edit
     this code, repeat this list with one change, extract these fields), chat template applied.
     Speculation should pay here: issue 25's target is 2x the tokens/s, with identical output.
+  - asks: the same single stream over short asks whose answers copy their prompt (copy a
+    list, rename a function in code, repeat a sentence). Speculation must never be slower: a
+    request pauses its proposals while they do not pay (batching/acceptance.py).
   - peers: the 64-request workload of `peers` (scripts/workloads/peers_64.jsonl: word-list
     prompts, outputs that do not copy them, end-of-sequence ignored), all submitted at once to 16
     slots. Speculation should cost little here: the target is at least 0.95x.
@@ -117,7 +146,7 @@ def main_speculative(argv=None) -> int:
   proposal position.
   """
   p = harness.parser("speculative", main_speculative.__doc__)
-  p.add_argument("--workloads", default="copy,peers", help="comma-separated: copy, peers")
+  p.add_argument("--workloads", default="copy,peers", help="comma-separated: copy, asks, peers")
   # k = 6: on CPU it beat 4 on the copy stream (2.17x against 1.87x, BENCHMARKS.md).
   p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 6}')
   p.add_argument("--rounds", type=int, default=3,
