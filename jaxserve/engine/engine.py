@@ -25,6 +25,7 @@ from jaxserve.engine.host_kv import HostKV
 from jaxserve.engine.resolve import EngineSpec, default_backend, fit_to_pool, resolve
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.engine.step_future import StepFuture
+from jaxserve.model import quant
 from jaxserve.model.llama import Transformer, unstacked
 
 
@@ -46,6 +47,10 @@ def _assemble(model: Transformer, draft: Transformer | None, spec: EngineSpec):
   their layers unrolled (llama.unstacked)."""
   if spec.config.unroll_layers:
     model, draft = unstacked(model), None if draft is None else unstacked(draft)
+  # The engine's own view of the models, its products in the config's mode (a draft's too, so
+  # that every row of every step runs in it).
+  mode = spec.config.cpu_activations
+  model, draft = (None if m is None else quant.with_activations(m, mode) for m in (model, draft))
   graphdef, params = nnx.split(model)
   draft_graphdef = None
   if draft is not None:
