@@ -84,11 +84,8 @@ inline I UnpackLo8(I a, I b) { return _mm256_unpacklo_epi8(a, b); }
 inline I UnpackHi8(I a, I b) { return _mm256_unpackhi_epi8(a, b); }
 inline I UnpackLo16(I a, I b) { return _mm256_unpacklo_epi16(a, b); }
 inline I UnpackHi16(I a, I b) { return _mm256_unpackhi_epi16(a, b); }
-// t = a | b << 8 (two bytes of nibbles) -> bytes (a & 15, b & 15, a >> 4, b >> 4).
-inline I Nibbles(I t) {
-  return _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(0x0F0F)),
-                         _mm256_and_si256(_mm256_slli_epi32(t, 12), _mm256_set1_epi32(0x0F0F0000)));
-}
+inline I AndI(I a, I b) { return _mm256_and_si256(a, b); }
+inline I ShiftRight4(I a) { return _mm256_srli_epi16(a, 4); }  // Then masked: bytes' high nibbles.
 inline I Broadcast4(const void* p) { return _mm256_set1_epi32(Four(p)); }
 inline I SetBytes(int8_t b) { return _mm256_set1_epi8(b); }
 // Unsigned a times signed b, four adjacent bytes summed into each lane (no overflow: each
@@ -138,13 +135,16 @@ inline I UnpackLo8(I a, I b) { return _mm512_unpacklo_epi8(a, b); }
 inline I UnpackHi8(I a, I b) { return _mm512_unpackhi_epi8(a, b); }
 inline I UnpackLo16(I a, I b) { return _mm512_unpacklo_epi16(a, b); }
 inline I UnpackHi16(I a, I b) { return _mm512_unpackhi_epi16(a, b); }
-inline I Nibbles(I t) {
-  return _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi32(0x0F0F)),
-                         _mm512_and_si512(_mm512_slli_epi32(t, 12), _mm512_set1_epi32(0x0F0F0000)));
-}
+inline I AndI(I a, I b) { return _mm512_and_si512(a, b); }
+inline I ShiftRight4(I a) { return _mm512_srli_epi16(a, 4); }
 inline I Broadcast4(const void* p) { return _mm512_set1_epi32(Four(p)); }
 inline I SetBytes(int8_t b) { return _mm512_set1_epi8(b); }
-inline I DotUS(I acc, I a, I b) { return _mm512_dpbusd_epi32(acc, a, b); }
+// In asm, not _mm512_dpbusd_epi32: GCC 12 then copies every accumulator to another register
+// and back on each pass of the loop (two moves a product at 8 rows).
+inline I DotUS(I acc, I a, I b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
 inline I Abs8(I w) { return w; }      // Unused: VNNI takes x + 128 instead (Products).
 inline I Sign8(I x, I) { return x; }  // Unused, as Abs8.
 inline I SubI(I a, I b) { return _mm512_sub_epi32(a, b); }
