@@ -11,8 +11,9 @@
 // One body of tiles (qmatmul_tiles.inc) is compiled three times: AVX-512, AVX2 + FMA, and plain
 // C++ (a "vector" of one float); the widest the CPU has is chosen at run time by CPUID. Each
 // weight is dequantized in registers, as the jnp reference does (v * s + m, float32; for
-// one row, s * (x . v) + m * sum(x) a group at a time), and the activations stay float32: no
-// int8 x int8 (VNNI) products, which would quantize x and change the result.
+// one row, s * (x . v) + m * sum(x) a group at a time), and the activations stay float32. With
+// `int8_x` (EngineConfig.cpu_activations int8) x is quantized to int8 and the products run on
+// integers instead: qmatmul_int8.cc.
 #include <immintrin.h>
 
 #include <algorithm>

@@ -66,12 +66,24 @@ def _check(x, values, scale, minimum, nk, layer, tiled):
     raise ValueError(f"minimum must be float32 like scale {scale.shape}; got {minimum.shape}")
 
 
-def _check_int8(values, scale, nk):
+def takes_int8(values, scale, *, nk: bool = False) -> bool:
+  """Whether qmatmul runs these arrays with int8 activations: K and the weight's groups are
+  whole blocks of 32 (not Q6_K's groups of 16)."""
+  K, group = _sizes(values, scale, nk)
+  return K % BLOCK == 0 and group % BLOCK == 0
+
+
+def _sizes(values, scale, nk) -> tuple[int, int]:
+  """(K, inputs a scale covers)."""
   K = values.shape[-1] if nk else values.shape[-2] * (2 if values.dtype == jnp.uint8 else 1)
-  groups = scale.shape[-1] if nk else scale.shape[-2]
-  if K % BLOCK or (K // groups) % BLOCK:
-    raise ValueError(f"int8 activations need K ({K}) and the weight's group ({K // groups}) to "
-                     f"be multiples of {BLOCK}")
+  return K, K // (scale.shape[-1] if nk else scale.shape[-2])
+
+
+def _check_int8(values, scale, nk):
+  if not takes_int8(values, scale, nk=nk):
+    K, group = _sizes(values, scale, nk)
+    raise ValueError(f"int8 activations need K ({K}) and the weight's group ({group}) to be "
+                     f"multiples of {BLOCK}")
 
 
 BLOCK = 32  # Inputs that share one int8 activation scale (qmatmul.h's kBlock).

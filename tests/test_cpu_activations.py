@@ -183,3 +183,16 @@ def test_the_mode_needs_weights_the_kernel_reads():
   from jaxserve.model import quant
   with pytest.raises(ValueError, match="cpu-activations int8 needs quantized weights"):
     quant.with_activations(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), CpuActivations.INT8)
+
+
+def test_the_flag_sets_the_mode_and_float_stays_the_default():
+  from jaxserve.cli import flags
+  from jaxserve.cli import main as cli
+
+  parse = lambda *extra: cli.build_parser().parse_args(["serve", *extra])
+  assert flags.engine_config(parse(), "cpu").cpu_activations is CpuActivations.FLOAT
+  config = flags.engine_config(parse("--cpu-activations", "int8"), "cpu")
+  assert config.cpu_activations is CpuActivations.INT8
+  assert EngineConfig(cpu_activations="int8").cpu_activations is CpuActivations.INT8
+  with pytest.raises(ValueError, match="cpu_activations must be one of"):
+    EngineConfig(cpu_activations="int4")

@@ -246,12 +246,11 @@ def _kernel_linear(x, w: Quantized, c: int, nk: bool):
   if w.tiled and nk:  # The embedding as the head: its memory holds [D, V]'s tiles.
     flat = lambda a: a.reshape(math.prod(a.shape[-c:]), -1)
   minimum = flat(w.minimum[...]) if hasattr(w, "minimum") else None
-  scale = flat(w.scale[...])
+  values, scale, reads_nk = flat(w.values[...]), flat(w.scale[...]), nk and not w.tiled
   # Groups that are not whole blocks of 32 (Q6_K's 16) keep float products.
-  int8 = w.int8_activations and K % 32 == 0 and (K // scale.shape[-1 if nk else -2]) % 32 == 0
-  y = kernels_cpu.qmatmul(x.reshape(-1, K), flat(w.values[...]), scale, minimum,
-                          nk=nk and not w.tiled, layer=w.layer, tiled=w.tiled,
-                          int8_activations=int8)
+  int8 = w.int8_activations and kernels_cpu.qmatmul_takes_int8(values, scale, nk=reads_nk)
+  y = kernels_cpu.qmatmul(x.reshape(-1, K), values, scale, minimum, nk=reads_nk, layer=w.layer,
+                          tiled=w.tiled, int8_activations=int8)
   matrix = w.values.shape[lead:]
   rest = matrix[:-c] if nk else matrix[c:]
   return y.reshape(*batch, *rest).astype(x.dtype)
