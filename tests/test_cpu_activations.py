@@ -14,11 +14,13 @@ from flax import nnx
 
 import kernels_cpu
 from jaxserve.config import (
+  AttentionBackend,
   CpuActivations,
   EngineConfig,
   Quantization,
   SamplingParams,
   SpeculativeConfig,
+  default_attention_backend,
 )
 from jaxserve.loading import gguf_blocks
 from kernels_cpu import library
@@ -164,6 +166,7 @@ def test_the_engine_decodes_in_the_mode_with_speculation_changing_nothing():
   model, tokenizer = checkpoint.load_model(None, quantization=Quantization.GGUF)
   engine = Engine(model, ENGINE, stop_ids=tokenizer.stop_ids)
   assert engine.config.cpu_activations is CpuActivations.INT8
+  assert engine.backend is AttentionBackend.CPU  # Each row attended alone: row-independent.
   assert not model.layers.w_up.int8_activations  # The engine's own view is in the mode.
   engine.warmup()
   prompts = [(tokenizer.encode(t), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -194,5 +197,9 @@ def test_the_flag_sets_the_mode_and_float_stays_the_default():
   config = flags.engine_config(parse("--cpu-activations", "int8"), "cpu")
   assert config.cpu_activations is CpuActivations.INT8
   assert EngineConfig(cpu_activations="int8").cpu_activations is CpuActivations.INT8
+  # The mode attends with kernels_cpu's ragged kernel on CPU unless --attention says otherwise.
+  assert default_attention_backend("cpu", CpuActivations.INT8) is AttentionBackend.CPU
+  assert default_attention_backend("cpu") is AttentionBackend.REFERENCE
+  assert default_attention_backend("tpu", CpuActivations.INT8) is AttentionBackend.PALLAS
   with pytest.raises(ValueError, match="cpu_activations must be one of"):
     EngineConfig(cpu_activations="int4")

@@ -226,7 +226,7 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         kv_offload_gib=_offload_gib(args),
                         logprobs_mode=LogprobsMode(args.logprobs_mode), **lora_engine_flags(args))
   # The platform's default backend too, so a bad pair fails here, before the model loads.
-  config.check_backend(backend or default_attention_backend(platform))
+  config.check_backend(backend or default_attention_backend(platform, config.cpu_activations))
   return config
 
 

@@ -124,10 +124,20 @@ class Platform(enum.Enum):
   CUDA = "gpu"
 
 
-def default_attention_backend(platform: str) -> AttentionBackend:
-  """Plain jnp on CPU (Pallas there is interpret mode only); the kernels on TPU and GPU.
-  platform: jax.default_backend()'s name."""
-  return AttentionBackend.REFERENCE if platform == "cpu" else AttentionBackend.PALLAS
+def default_attention_backend(platform: str,
+                              activations: CpuActivations = CpuActivations.FLOAT
+                              ) -> AttentionBackend:
+  """Plain jnp on CPU (Pallas there is interpret mode only), but kernels_cpu's ragged kernel
+  with int8 activations; the kernels on TPU and GPU. platform: jax.default_backend()'s name.
+
+  Why the ragged kernel with int8 activations: jnp's attention sums a row in an order that
+  depends on how many rows the step has (a row's logits 9e-5 apart alone and in a chunk), and
+  rounding x to int8 turns those last bits into other tokens (1.07 apart, the argmax moved), so
+  a verifying chunk would change speculation's output. The kernel attends each row alone: the
+  same bits in a step of 1 row or of 32, in either mode (measured on the default model)."""
+  if platform != "cpu":
+    return AttentionBackend.PALLAS
+  return AttentionBackend.CPU if activations is CpuActivations.INT8 else AttentionBackend.REFERENCE
 
 
 # What the Pallas backend's ragged KV layout (KVLayout.RAGGED) can store.

@@ -97,7 +97,8 @@ class Engine:
                draft: Transformer | None = None):
     """`draft`: the speculative draft model, for SpeculativeConfig(method="draft")
     (engine/draft.py); its vocabulary must be the model's."""
-    self.spec = resolve(config, model, config.attention_backend or default_backend(), draft)
+    self.spec = resolve(config, model, config.attention_backend or default_backend(config),
+                         draft)
     config = self.spec.config
     self.model_config: ModelConfig = model.cfg
     self.config, self.backend = config, self.spec.backend
