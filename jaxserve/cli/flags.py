@@ -68,7 +68,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  choices=[x.value for x in CpuActivations],
                  help="what the CPU kernel multiplies quantized weights with: float (exact "
                  "float32 products) or int8 (activations quantized per 32 inputs, integer "
-                 "products: VNNI or AVX2; faster for several rows, an approximation)")
+                 "products: VNNI or AVX2; faster, an approximation; attends with --attention "
+                 "cpu unless --attention is given)")
   add_window_flag(p)
   add_parallel_flags(p)
   add_speculative_flag(p)

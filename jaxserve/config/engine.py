@@ -89,7 +89,8 @@ class CpuActivations(enum.Enum):
   int8 with a float scale a block and multiplied as integers (VNNI's vpdpbusd where CPUID shows
   it, else AVX2's vpmaddubsw): an approximation of the float model, like a quantized weight,
   measured in BENCHMARKS.md ("Quantized weights"). Every quantized matmul of every step runs in
-  the mode, and a row's result does not depend on the other rows of the step, so speculation's
+  the mode, and a row's result does not depend on the other rows of the step (the mode attends
+  with kernels_cpu's ragged kernel by default: default_attention_backend), so speculation's
   output equals the same mode's without it."""
 
   FLOAT = "float"
