@@ -29,9 +29,11 @@ class BuildFFI(build_ext):
 
 setup(
     ext_modules=[Extension(
-        "kernels_cpu._kernels", ["kernels_cpu/qmatmul.cc", "kernels_cpu/ragged.cc"],
+        "kernels_cpu._kernels", ["kernels_cpu/qmatmul.cc", "kernels_cpu/qmatmul_int8.cc",
+                                 "kernels_cpu/ragged.cc"],
         language="c++", optional=True,
-        depends=["kernels_cpu/common.h", "kernels_cpu/qmatmul_tiles.inc",
+        depends=["kernels_cpu/common.h", "kernels_cpu/qmatmul.h", "kernels_cpu/qmatmul_tiles.inc",
+                 "kernels_cpu/qmatmul_int8.inc",
                  "kernels_cpu/ragged_attend.inc"],
         # -fno-trapping-math: no program of ours traps on a float exception, and without it GCC
         # keeps a clamp's branch in ragged.cc's exp, which then does not vectorize.

@@ -15,8 +15,9 @@ namespace jaxserve_cpu {
 
 namespace ffi = xla::ffi;
 
-// The `isa` attribute's values (library.py's ISAS): auto is the widest the CPU has.
-enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+// The `isa` attribute's values (library.py's ISAS): auto is the widest the CPU has. VNNI
+// (vpdpbusd) matters only to int8 activations (qmatmul_int8.cc); the float tiles run it as AVX-512.
+enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Vnni = 4 };
 
 inline bool Supported(int64_t isa) {
   switch (isa) {
@@ -24,6 +25,7 @@ inline bool Supported(int64_t isa) {
     case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    case kAvx512Vnni: return Supported(kAvx512) && __builtin_cpu_supports("avx512vnni");
     default: return false;
   }
 }

@@ -20,8 +20,9 @@ HIDE_ENV = "JAXSERVE_CPU_KERNELS"
 # FFI target name -> the handler symbol in the library.
 TARGETS = {"jaxserve_qmatmul": "JaxserveQMatmul",
            "jaxserve_ragged_attention": "JaxserveRaggedAttention"}
-# The `isa` attribute's values (qmatmul.cc's Isa): auto is the widest the CPU has.
-ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+# The `isa` attribute's values (common.h's Isa): auto is the widest the CPU has. avx512vnni
+# differs from avx512 only for int8 activations (avx512 runs them on the AVX2 products).
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512vnni": 4}
 
 
 def isa_code(isa: str) -> int:
@@ -67,6 +68,13 @@ def supported_isas() -> list[str]:
   if "avx512f" in flags and "avx512bw" in flags:
     out.append("avx512")
   return out
+
+
+def int8_isas() -> list[str]:
+  """The int8 activation paths this CPU runs: scalar, AVX2's products (avx2; avx512 without VNNI
+  runs them too) and VNNI's (avx512vnni), which auto picks where CPUID shows it."""
+  flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+  return [*supported_isas()[:2], *(["avx512vnni"] if "avx512_vnni" in flags else [])]
 
 
 def dispatched_isa() -> str | None:

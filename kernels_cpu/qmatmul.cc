@@ -11,8 +11,9 @@
 // One body of tiles (qmatmul_tiles.inc) is compiled three times: AVX-512, AVX2 + FMA, and plain
 // C++ (a "vector" of one float); the widest the CPU has is chosen at run time by CPUID. Each
 // weight is dequantized in registers, as the jnp reference does (v * s + m, float32; for
-// one row, s * (x . v) + m * sum(x) a group at a time), and the activations stay float32: no
-// int8 x int8 (VNNI) products, which would quantize x and change the result.
+// one row, s * (x . v) + m * sum(x) a group at a time), and the activations stay float32. With
+// `int8_x` (EngineConfig.cpu_activations int8) x is quantized to int8 and the products run on
+// integers instead: qmatmul_int8.cc.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -20,37 +21,17 @@
 #include <vector>
 
 #include "common.h"
+#include "qmatmul.h"
 
 namespace ffi = xla::ffi;
-using jaxserve_cpu::kAuto, jaxserve_cpu::kScalar, jaxserve_cpu::kAvx2, jaxserve_cpu::kAvx512;
+using jaxserve_cpu::kAuto, jaxserve_cpu::kScalar, jaxserve_cpu::kAvx2, jaxserve_cpu::kAvx512,
+    jaxserve_cpu::kAvx512Vnni;
 using jaxserve_cpu::ParallelFor, jaxserve_cpu::Supported, jaxserve_cpu::Widest;
+using jaxserve_cpu::At, jaxserve_cpu::Problem, jaxserve_cpu::Task, jaxserve_cpu::kTaskColumns,
+    jaxserve_cpu::kTaskRowsNK;
 
 namespace {
 
-struct Problem {
-  const float* x;     // [M, K]
-  const int8_t* v;    // one matrix's values (int8; packed: uint8, two 4-bit values a byte)
-  const float* s;     // its scales
-  const float* m;     // its minima, or null
-  float* y;           // [M, N]
-  int64_t M, K, N, G;
-  const float* xsum;  // [M, K / G]: x's sum over each group (kn)
-  bool packed;        // kn only: row pairs (2j, 2j + 1) in the low and high nibbles of row j.
-  // kn only, where rows of values and scales lie: row r, column n at
-  // (n / kTaskColumns) * block + n % kTaskColumns + r * row. Rows as stored, [rows, N]: row = N,
-  // block = kTaskColumns. Tiled (each task's columns one contiguous run, [N / 64, rows, 64]):
-  // row = kTaskColumns, block = rows * kTaskColumns.
-  int64_t row_v, block_v, row_s, block_s;
-};
-
-// Output columns (kn) or rows of W (nk) that one task computes.
-constexpr int64_t kTaskColumns = 64;
-
-// Where row r, column n of a kn array lies (Problem's row and block strides).
-inline int64_t At(int64_t r, int64_t n, int64_t row, int64_t block) {
-  return (n / kTaskColumns) * block + n % kTaskColumns + r * row;
-}
-constexpr int64_t kTaskRowsNK = 16;
 // Rows of x a tile keeps in registers.
 constexpr int kMaxRows = 8;
 
@@ -121,8 +102,6 @@ inline void LoadU4Pair(const uint8_t* p, F& lo, F& hi) {
 }  // namespace avx512
 #pragma GCC pop_options
 
-using Task = void (*)(const Problem&, int64_t, int64_t);
-
 Task TaskFor(int64_t isa, bool nk) {
   switch (isa) {
     case kAvx512: return nk ? avx512::RowsOfW : avx512::Columns;
@@ -134,9 +113,10 @@ Task TaskFor(int64_t isa, bool nk) {
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> minimum,
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool nk,
-                   bool has_min, bool tiled, int64_t isa) {
-  if (isa == kAuto) isa = Widest();
+                   bool has_min, bool tiled, bool int8_x, int64_t isa) {
+  if (isa == kAuto) isa = int8_x && Supported(kAvx512Vnni) ? kAvx512Vnni : Widest();
   if (!Supported(isa)) return ffi::Error::InvalidArgument("this CPU lacks the asked ISA");
+  if (isa == kAvx512Vnni && !int8_x) isa = kAvx512;  // VNNI adds nothing to float products.
   auto vd = values.dimensions();
   auto sd = scale.dimensions();
   const int64_t rank = vd.size();
@@ -150,7 +130,9 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (packed && (nk || G % 2)) return ffi::Error::InvalidArgument("packed values: kn, even groups");
   if (tiled && (nk || N % kTaskColumns)) return ffi::Error::InvalidArgument("tiled: kn, N % 64");
   const int8_t* v = static_cast<const int8_t*>(values.untyped_data()) + l * (packed ? K / 2 : K) * N;
-  std::vector<float> xsum(nk ? 0 : M * groups, 0.0f);  // One-row kn tiles factor by group.
+  if (int8_x && (K % jaxserve_cpu::kBlock || G % jaxserve_cpu::kBlock))
+    return ffi::Error::InvalidArgument("int8 activations: K and G multiples of 32");
+  std::vector<float> xsum(nk || int8_x ? 0 : M * groups, 0.0f);  // One-row kn tiles factor.
   for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
     const float* xg = x.typed_data() + (i / groups) * K + (i % groups) * G;
     for (int64_t k = 0; k < G; ++k) xsum[i] += xg[k];
@@ -161,7 +143,13 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const int64_t rows_v = packed ? K / 2 : K, t = kTaskColumns;
   p.row_v = tiled ? t : N, p.block_v = tiled ? rows_v * t : t;
   p.row_s = tiled ? t : N, p.block_s = tiled ? groups * t : t;
-  const Task task = TaskFor(isa, nk);
+  jaxserve_cpu::Int8Rows xq;
+  if (int8_x) {
+    jaxserve_cpu::QuantizeRows(x.typed_data(), M, K, G, xq);
+    p.xq = xq.q.data(), p.xp = xq.p.data(), p.xu = xq.u.data();
+    p.xd = xq.d.data(), p.xgs = xq.gs.data();
+  }
+  const Task task = int8_x ? jaxserve_cpu::Int8Task(isa, nk) : TaskFor(isa, nk);
   ParallelFor(pool, N, nk ? kTaskRowsNK : kTaskColumns,
               [&](int64_t begin, int64_t end) { task(p, begin, end); });
   return ffi::Error::Success();
@@ -185,4 +173,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQMatmul, QMatmul,
                                   .Attr<bool>("nk")
                                   .Attr<bool>("has_min")
                                   .Attr<bool>("tiled")
+                                  .Attr<bool>("int8_x")
                                   .Attr<int64_t>("isa"));

@@ -19,10 +19,17 @@ from kernels_cpu import library
 
 
 def qmatmul(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
-            tiled: bool = False, isa: str = "auto"):
+            tiled: bool = False, int8_activations: bool = False, isa: str = "auto"):
   """y [M, N] float32. Raises ValueError for shapes or dtypes the kernel does not take, or when
-  the library is not built (check `library.available()` first)."""
+  the library is not built (check `library.available()` first).
+
+  `int8_activations`: each row of x is quantized in blocks of 32 inputs to int8 with a float
+  scale a block, and the products run on integers (qmatmul_int8.cc; its numpy reference is
+  reference.qmatmul_int8_reference): K and the weight's groups must be multiples of 32. A row's
+  result does not depend on the other rows of the call."""
   _check(x_MK, values, scale, minimum, nk, layer, tiled)
+  if int8_activations:
+    _check_int8(values, scale, nk)
   isa_code = library.isa_code(isa)
   N = values.shape[-2] if nk else values.shape[-1]
   call = jax.ffi.ffi_call("jaxserve_qmatmul",
@@ -31,7 +38,8 @@ def qmatmul(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
   return call(x_MK.astype(jnp.float32), values, scale,
               minimum if has_min else jnp.zeros((1,), jnp.float32),
               jnp.asarray(0 if layer is None else layer, jnp.int32),
-              nk=nk, has_min=has_min, tiled=tiled, isa=np.int64(isa_code))
+              nk=nk, has_min=has_min, tiled=tiled, int8_x=int8_activations,
+              isa=np.int64(isa_code))
 
 
 def _check(x, values, scale, minimum, nk, layer, tiled):
@@ -56,3 +64,26 @@ def _check(x, values, scale, minimum, nk, layer, tiled):
                      f"({'nk' if nk else 'kn'}: groups must divide K = {K})")
   if minimum is not None and (minimum.shape != scale.shape or minimum.dtype != jnp.float32):
     raise ValueError(f"minimum must be float32 like scale {scale.shape}; got {minimum.shape}")
+
+
+def takes_int8(values, scale, *, nk: bool = False) -> bool:
+  """Whether qmatmul runs these arrays with int8 activations: K and the weight's groups are
+  whole blocks of 32 (not Q6_K's groups of 16)."""
+  K, group = _sizes(values, scale, nk)
+  return K % BLOCK == 0 and group % BLOCK == 0
+
+
+def _sizes(values, scale, nk) -> tuple[int, int]:
+  """(K, inputs a scale covers)."""
+  K = values.shape[-1] if nk else values.shape[-2] * (2 if values.dtype == jnp.uint8 else 1)
+  return K, K // (scale.shape[-1] if nk else scale.shape[-2])
+
+
+def _check_int8(values, scale, nk):
+  if not takes_int8(values, scale, nk=nk):
+    K, group = _sizes(values, scale, nk)
+    raise ValueError(f"int8 activations need K ({K}) and the weight's group ({group}) to be "
+                     f"multiples of {BLOCK}")
+
+
+BLOCK = 32  # Inputs that share one int8 activation scale (qmatmul.h's kBlock).

@@ -65,3 +65,50 @@ def qmatmul_reference(x_MK, values, scale, minimum=None, *, nk: bool = False, la
   w = dequantized(values, scale, minimum, nk=nk)
   spec = "MK,NK->MN" if nk else "MK,KN->MN"
   return jnp.einsum(spec, x_MK.astype(jnp.float32), w, preferred_element_type=jnp.float32)
+
+
+BLOCK = 32  # Inputs sharing one int8 activation scale (qmatmul.h's kBlock).
+
+
+def quantized_rows(x_MK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """x [M, K] float32 -> (q [M, K] int8, d [M, K / 32] float32), x ~ d * q per block of 32, as
+  the kernel's int8 activation mode quantizes it (float32 steps, rounding to nearest even)."""
+  M, K = x_MK.shape
+  xb = np.asarray(x_MK, np.float32).reshape(M, K // BLOCK, BLOCK)
+  amax = np.abs(xb).max(-1)
+  d = amax / np.float32(127)
+  inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+  q = np.rint(xb * inverse[..., None]).astype(np.int8)
+  return q.reshape(M, K), d
+
+
+def qmatmul_int8_reference(x_MK, values, scale, minimum=None, *, nk: bool = False, layer=None,
+                           tiled: bool = False) -> np.ndarray:
+  """y [M, N] (float64) as qmatmul with int8_activations: x quantized by quantized_rows, each
+  block's products summed as integers, times x's block scale and the weight's group scale,
+  plus the group's minimum times sum(d * q) over the group."""
+  values, scale = np.asarray(values), np.asarray(scale)
+  minimum = None if minimum is None else np.asarray(minimum)
+  if layer is not None:
+    values, scale = values[layer], scale[layer]
+    minimum = None if minimum is None else minimum[layer]
+  if tiled:
+    values, scale, minimum = (None if a is None else np.asarray(untiled(a))
+                              for a in (values, scale, minimum))
+  if values.dtype == np.uint8:
+    values = np.asarray(unpacked(values, 0))
+  if nk:
+    values, scale = values.T, scale.T
+    minimum = None if minimum is None else minimum.T
+  q, d = quantized_rows(np.asarray(x_MK))
+  (M, K), N = q.shape, values.shape[1]
+  B = K // BLOCK
+  dots = np.einsum("MBk,BkN->MBN", q.reshape(M, B, BLOCK).astype(np.float64),
+                   values.reshape(B, BLOCK, N).astype(np.float64))  # Exact integers.
+  per_group = B // scale.shape[0]
+  s = np.repeat(scale.astype(np.float64), per_group, axis=0)  # [B, N]
+  y = np.einsum("MBN,MB,BN->MN", dots, d.astype(np.float64), s)
+  if minimum is not None:
+    sums = d.astype(np.float64) * q.reshape(M, B, BLOCK).sum(-1)  # [M, B]
+    y += sums.reshape(M, -1, per_group).sum(-1) @ minimum.astype(np.float64)
+  return y

@@ -4,6 +4,7 @@ per question (issue 24's bounds: top-1 agreement >= 98%, mean KL(float32 || quan
   python scripts/quality.py weights [--windows 32] [--tokens 64]   # --quantization int8's weights
   python scripts/quality.py kv [--windows 4 --kv-dtype int8] [--workload]   # the served KV dtypes
   python scripts/quality.py sweep --part weights|kv [--windows 4]  # every 8-bit form, stored or not
+  python scripts/quality.py sweep --part activations   # --cpu-activations int8 against float
 
 weights: the prompts are 16-token windows of this repository's README.md; the scored tokens are
 the float model's own greedy continuation of each (`continue_greedily`), fed to both models
@@ -26,7 +27,9 @@ in the ragged layout (the jnp path). KV forms other than the stored ones (int8 a
 encodes it, float8 with scale 1.0) are fake-quantized: K and V are rounded as the form would
 store them, then kept in float32 KV, so a form is measured before any kernel stores it. float8's
 calibrated scales come from the float model's K/V maxima over README text after the scored
-windows (not the scored text).
+windows (not the scored text). activations: the GGUF blocks read by kernels_cpu, with int8
+activations (`--cpu-activations int8`) against float activations and against float32, on the same
+sequences.
 """
 
 from __future__ import annotations
@@ -373,6 +376,29 @@ def run_kv(model, tokenizer, seqs, refs) -> None:
     print(json.dumps({"kv": label, **r, "s": round(time.perf_counter() - t)}), flush=True)
 
 
+# sweep, activations: the CPU kernel's int8 activation products against its float ones.
+
+def run_activations(seqs, refs) -> None:
+  """The default model's GGUF blocks as `--quantization gguf` serves them (kernels_cpu), with
+  float activations against the float32 model (`refs`), then with int8 activations
+  (`--cpu-activations int8`) against float activations and against the float32 model."""
+  from jaxserve.config import CpuActivations, Quantization
+  from jaxserve.loading import checkpoint
+  from jaxserve.model import quant
+
+  gguf, _ = checkpoint.load_model(None, quantization=Quantization.GGUF)
+  as_float = quant.with_activations(gguf, CpuActivations.FLOAT)
+  as_int8 = quant.with_activations(gguf, CpuActivations.INT8)
+  run = nnx.jit(_log_probs, static_argnums=(2,))
+  floats = [run(as_float, jnp.asarray(s), F32) for s in seqs]
+  for label, model, against in (("gguf, float activations vs float32", as_float, refs),
+                                ("gguf, int8 activations vs float activations", as_int8, floats),
+                                ("gguf, int8 activations vs float32", as_int8, refs)):
+    t = time.perf_counter()
+    r = score(model, seqs, against)
+    print(json.dumps({"activations": label, **r, "s": round(time.perf_counter() - t)}), flush=True)
+
+
 def main_sweep(args) -> None:
   model, tokenizer, seqs = sequences(args.windows, args.tokens, args.cache)
   ref_fn = nnx.jit(_log_probs, static_argnums=(2,))
@@ -384,6 +410,8 @@ def main_sweep(args) -> None:
     run_weights(model, seqs, refs)
   if args.part in ("kv", "all"):
     run_kv(model, tokenizer, seqs, refs)
+  if args.part in ("activations", "all"):
+    run_activations(seqs, refs)
 
 
 
@@ -401,7 +429,7 @@ def main(argv=None) -> None:
   kv.add_argument("--workload", action="store_true", help="peers_64's random-word prompts")
   kv.add_argument("--kv-dtype", action="append", choices=[d.label for d in QUANTIZED])
   sweep = commands.add_parser("sweep", help="int8 weight layouts and KV encodings, served or not")
-  sweep.add_argument("--part", choices=("weights", "kv", "all"), default="all")
+  sweep.add_argument("--part", choices=("weights", "kv", "activations", "all"), default="all")
   sweep.add_argument("--windows", type=int, default=32)
   sweep.add_argument("--tokens", type=int, default=64)
   sweep.add_argument("--cache", type=pathlib.Path, default=None, help="a JSON file for the ids")

@@ -10,7 +10,7 @@ import pytest
 
 import kernels_cpu
 from jaxserve.batching.plan import PrefillChunk
-from jaxserve.config import AttentionBackend, KVDtype, KVLayout, SamplingParams
+from jaxserve.config import AttentionBackend, EngineConfig, KVDtype, KVLayout, SamplingParams
 from jaxserve.config.engine import RAGGED_KV_DTYPES
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.resolve import default_backend, engine_config_for
@@ -50,7 +50,7 @@ def test_pallas_backend_matches_reference(tiny_model, backend):
 
 
 def test_backend_is_picked_from_the_platform():
-  assert default_backend() is AttentionBackend.REFERENCE  # This machine is CPU-only.
+  assert default_backend(EngineConfig()) is AttentionBackend.REFERENCE  # A CPU-only machine.
 
 
 def run_8bit_kv(model, backend, kv_dtype):

@@ -9,6 +9,7 @@ from typing import Any
 
 from jaxserve.config import (
   AttentionBackend,
+  CpuActivations,
   Dtype,
   EngineConfig,
   KVDtype,
@@ -63,6 +64,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  "(the one the token was drawn from: after penalties, logit bias, temperature, "
                  "top-k/top-p/min-p, removed tokens -inf), as logprobs or logits")
   add_quantization_flag(p)
+  p.add_argument("--cpu-activations", default=d("cpu_activations").value,
+                 choices=[x.value for x in CpuActivations],
+                 help="what the CPU kernel multiplies quantized weights with: float (exact "
+                 "float32 products) or int8 (activations quantized per 32 inputs, integer "
+                 "products: VNNI or AVX2; faster, an approximation; attends with --attention "
+                 "cpu unless --attention is given)")
   add_window_flag(p)
   add_parallel_flags(p)
   add_speculative_flag(p)
@@ -216,10 +223,11 @@ def engine_config(args: argparse.Namespace, platform: str) -> EngineConfig:
                         ep=args.ep, window_pages=args.window_pages,
                         speculative=args.speculative_config,
                         quantization=Quantization(args.quantization),
+                        cpu_activations=CpuActivations(args.cpu_activations),
                         kv_offload_gib=_offload_gib(args),
                         logprobs_mode=LogprobsMode(args.logprobs_mode), **lora_engine_flags(args))
   # The platform's default backend too, so a bad pair fails here, before the model loads.
-  config.check_backend(backend or default_attention_backend(platform))
+  config.check_backend(backend or default_attention_backend(platform, config.cpu_activations))
   return config
 
 

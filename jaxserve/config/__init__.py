@@ -10,6 +10,7 @@ from jaxserve.config.checks import is_int, json_type, short
 from jaxserve.config.constraint import Constraint, ConstraintKind
 from jaxserve.config.engine import (
                                     AttentionBackend,
+                                    CpuActivations,
                                     Dtype,
                                     EngineConfig,
                                     KVDtype,
@@ -27,8 +28,9 @@ from jaxserve.config.pooling import PoolingConfig, PoolingMode
 from jaxserve.config.sampling import LogprobsMode, SamplingParams
 from jaxserve.config.speculative import SpeculativeConfig
 
-__all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "Dtype", "EngineConfig", "KVDtype",
-           "KVLayout", "LoRARequest", "LogprobsMode", "LoraConfig", "LongRope", "ModelConfig",
+__all__ = ["AttentionBackend", "Constraint", "ConstraintKind", "CpuActivations", "Dtype",
+           "EngineConfig", "KVDtype", "KVLayout", "LoRARequest", "LogprobsMode", "LoraConfig",
+           "LongRope", "ModelConfig",
            "ModelFamily", "Platform", "PoolingConfig", "PoolingMode", "Quantization",
            "QueuePolicy", "RopeScaling",
            "SamplingParams", "SchedulerConfig", "SpeculativeConfig",

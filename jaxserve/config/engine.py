@@ -83,6 +83,20 @@ def pick_quantization(mode: Quantization, has_blocks: bool, blocks_are_faster: b
   return mode
 
 
+class CpuActivations(enum.Enum):
+  """What the CPU kernel (kernels_cpu) multiplies quantized weights with: the float activations
+  (their float32 products, the default), or the activations quantized per row in blocks of 32 to
+  int8 with a float scale a block and multiplied as integers (VNNI's vpdpbusd where CPUID shows
+  it, else AVX2's vpmaddubsw): an approximation of the float model, like a quantized weight,
+  measured in BENCHMARKS.md ("Quantized weights"). Every quantized matmul of every step runs in
+  the mode, and a row's result does not depend on the other rows of the step (the mode attends
+  with kernels_cpu's ragged kernel by default: default_attention_backend), so speculation's
+  output equals the same mode's without it."""
+
+  FLOAT = "float"
+  INT8 = "int8"
+
+
 class AttentionBackend(enum.Enum):
   REFERENCE = "reference"  # Plain jnp: gather pages, masked softmax. The fast path on CPU.
   PALLAS = "pallas"  # The kernels of kernels_pallas/ for the running platform (interpret on CPU).
@@ -111,10 +125,20 @@ class Platform(enum.Enum):
   CUDA = "gpu"
 
 
-def default_attention_backend(platform: str) -> AttentionBackend:
-  """Plain jnp on CPU (Pallas there is interpret mode only); the kernels on TPU and GPU.
-  platform: jax.default_backend()'s name."""
-  return AttentionBackend.REFERENCE if platform == "cpu" else AttentionBackend.PALLAS
+def default_attention_backend(platform: str,
+                              activations: CpuActivations = CpuActivations.FLOAT
+                              ) -> AttentionBackend:
+  """Plain jnp on CPU (Pallas there is interpret mode only), but kernels_cpu's ragged kernel
+  with int8 activations; the kernels on TPU and GPU. platform: jax.default_backend()'s name.
+
+  Why the ragged kernel with int8 activations: jnp's attention sums a row in an order that
+  depends on how many rows the step has (a row's logits 9e-5 apart alone and in a chunk), and
+  rounding x to int8 turns those last bits into other tokens (1.07 apart, the argmax moved), so
+  a verifying chunk would change speculation's output. The kernel attends each row alone: the
+  same bits in a step of 1 row or of 32, in either mode (measured on the default model)."""
+  if platform != "cpu":
+    return AttentionBackend.PALLAS
+  return AttentionBackend.CPU if activations is CpuActivations.INT8 else AttentionBackend.REFERENCE
 
 
 # What the Pallas backend's ragged KV layout (KVLayout.RAGGED) can store.
@@ -177,10 +201,13 @@ class EngineConfig:
   logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS
   # A pooling engine (--task embed|rerank): the prefill-only pooling steps are compiled too.
   pooling: PoolingConfig | None = None
+  # The CPU kernel's products with quantized weights (a name is taken too): float, or int8
+  # activations; it picks the kernel's code, so it is compiled in.
+  cpu_activations: CpuActivations = CpuActivations.FLOAT
 
   def __post_init__(self):
     for field, cls in (("quantization", Quantization), ("dtype", Dtype),
-                       ("logprobs_mode", LogprobsMode)):
+                       ("logprobs_mode", LogprobsMode), ("cpu_activations", CpuActivations)):
       self._as_enum(field, cls)
     if self.max_prefill_seqs < 1:
       raise ValueError(f"EngineConfig.max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")

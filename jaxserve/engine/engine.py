@@ -26,6 +26,7 @@ from jaxserve.engine.images import ImageEncoder
 from jaxserve.engine.resolve import EngineSpec, default_backend, fit_to_pool, resolve
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.engine.step_future import StepFuture
+from jaxserve.model import quant
 from jaxserve.model.llama import Transformer, unstacked
 
 
@@ -48,6 +49,10 @@ def _assemble(model: Transformer, draft: Transformer | None, spec: EngineSpec):
   (llama.unstacked)."""
   if spec.config.unroll_layers:
     model, draft = unstacked(model), None if draft is None else unstacked(draft)
+  # The engine's own view of the models, its products in the config's mode (a draft's too, so
+  # that every row of every step runs in it).
+  mode = spec.config.cpu_activations
+  model, draft = (None if m is None else quant.with_activations(m, mode) for m in (model, draft))
   graphdef, params = nnx.split(model)
   draft_graphdef = None
   if draft is not None:
@@ -94,7 +99,8 @@ class Engine:
                draft: Transformer | None = None):
     """`draft`: the speculative draft model, for SpeculativeConfig(method="draft")
     (engine/draft.py); its vocabulary must be the model's."""
-    self.spec = resolve(config, model, config.attention_backend or default_backend(), draft)
+    self.spec = resolve(config, model, config.attention_backend or default_backend(config),
+                         draft)
     config = self.spec.config
     self.model_config: ModelConfig = model.cfg
     self.config, self.backend = config, self.spec.backend

@@ -69,9 +69,10 @@ def resolve(config: EngineConfig, model: Transformer, backend: AttentionBackend,
   return EngineSpec(config, model.cfg, backend, draft_cfg)
 
 
-def default_backend() -> AttentionBackend:
-  """Plain jnp on CPU (Pallas there is interpret mode only); the kernels on TPU and GPU."""
-  return default_attention_backend(jax.default_backend())
+def default_backend(config: EngineConfig) -> AttentionBackend:
+  """Plain jnp on CPU (Pallas there is interpret mode only; kernels_cpu's ragged kernel with
+  int8 activations); the kernels on TPU and GPU (config.engine.default_attention_backend)."""
+  return default_attention_backend(jax.default_backend(), config.cpu_activations)
 
 
 def engine_config_for(config: EngineConfig, backend: AttentionBackend) -> EngineConfig:

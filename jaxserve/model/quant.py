@@ -27,7 +27,7 @@ from flax import nnx
 
 import kernels_cpu
 import kernels_cpu.reference
-from jaxserve.config import Quantization
+from jaxserve.config import CpuActivations, Quantization
 
 # Each quantizable weight's input axes in its float layout (without the stacked [L] axis): the
 # axes a dot reduces over, the ones GGUF's blocks run along.
@@ -82,6 +82,9 @@ class Quantized(nnx.Module):
   is the transpose)."""
 
   layer = None
+  # Whether the CPU kernel multiplies it with int8 activations (EngineConfig.cpu_activations,
+  # set by `with_activations` on the engine's own view of the model): static, compiled in.
+  int8_activations = False
 
   def __init__(self, shape, names, layout: Layout, in_axes: tuple[int, ...]):
     sshape = layout.scale_shape(tuple(shape), in_axes)
@@ -243,11 +246,30 @@ def _kernel_linear(x, w: Quantized, c: int, nk: bool):
   if w.tiled and nk:  # The embedding as the head: its memory holds [D, V]'s tiles.
     flat = lambda a: a.reshape(math.prod(a.shape[-c:]), -1)
   minimum = flat(w.minimum[...]) if hasattr(w, "minimum") else None
-  y = kernels_cpu.qmatmul(x.reshape(-1, K), flat(w.values[...]), flat(w.scale[...]), minimum,
-                          nk=nk and not w.tiled, layer=w.layer, tiled=w.tiled)
+  values, scale, reads_nk = flat(w.values[...]), flat(w.scale[...]), nk and not w.tiled
+  # Groups that are not whole blocks of 32 (Q6_K's 16) keep float products.
+  int8 = w.int8_activations and kernels_cpu.qmatmul_takes_int8(values, scale, nk=reads_nk)
+  y = kernels_cpu.qmatmul(x.reshape(-1, K), values, scale, minimum, nk=reads_nk, layer=w.layer,
+                          tiled=w.tiled, int8_activations=int8)
   matrix = w.values.shape[lead:]
   rest = matrix[:-c] if nk else matrix[c:]
   return y.reshape(*batch, *rest).astype(x.dtype)
+
+
+def with_activations(model: nnx.Module, mode: CpuActivations) -> nnx.Module:
+  """A view of `model` (its arrays shared, not copied) whose quantized weights the CPU kernel
+  multiplies in `mode` (EngineConfig.cpu_activations); `model` itself is left as it is. Raises
+  ValueError for int8 where no quantized weight is read by the kernel (no kernels_cpu, a mesh,
+  a TPU or GPU, or float weights): the mode would change nothing there."""
+  view = nnx.merge(*nnx.split(model))
+  weights = [m for _, m in nnx.iter_graph(view) if isinstance(m, Quantized)]
+  if mode is CpuActivations.INT8 and not (weights and reads_in_place()):
+    raise ValueError("--cpu-activations int8 needs quantized weights (--quantization gguf, int8 "
+                     "or auto on a quantized source) that kernels_cpu reads: one CPU device with "
+                     "the library built")
+  for w in weights:
+    w.int8_activations = mode is CpuActivations.INT8
+  return view
 
 
 def linear_heads(x_BTNH, w: nnx.Param | Quantized):

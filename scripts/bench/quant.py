@@ -91,14 +91,17 @@ def matmul_scan() -> None:
 
 
 FORMS = ("as stored", "tiled")  # kernel_forms.tiled's order, or each row of [K, N] as it lies.
+# A side of --kernel: a form, with float activations or (" int8") int8 ones.
+SIDES = (*FORMS, *(f"{f} int8" for f in FORMS))
 
 
-def kernel_scan(rows: list[int], form: str) -> dict:
+def kernel_scan(rows: list[int], side: str) -> dict:
   """kernels_cpu's matmuls alone at the default model's shapes: 30 layers of Q4_1 (packed) q/k/v,
   o, gate, up and down under one scan, their arrays `form` (random values of that type), then
   the Q8_0 tied head [49152, 576] (tiled: read as [576, 49152]'s tiles, as the engine does):
   the median of 200 runs at each M, the layers' bytes read a second, and this process's copy
-  bandwidth (decode.copy_bandwidth) to hold them against."""
+  bandwidth (decode.copy_bandwidth) to hold them against. A side ending " int8": the matmuls
+  with int8 activations (--cpu-activations int8)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -109,6 +112,7 @@ def kernel_scan(rows: list[int], form: str) -> dict:
   from .decode import copy_bandwidth
 
   L, D, F, V, G = 30, 576, 1536, 49152, 32
+  form, int8 = side.removesuffix(" int8"), side.endswith(" int8")
   rng = np.random.default_rng(0)
   as_form = tiled if form == "tiled" else (lambda a: a)
 
@@ -125,18 +129,20 @@ def kernel_scan(rows: list[int], form: str) -> dict:
     head = tuple(tiled(np.ascontiguousarray(a.T)).reshape(a.shape) for a in head)
   head = tuple(map(jnp.asarray, head))
   read_head = lambda h: (
-      kernels_cpu.qmatmul(h, *(a.reshape(a.shape[1], -1) for a in head), tiled=True)
-      if form == "tiled" else kernels_cpu.qmatmul(h, *head, nk=True))
+      kernels_cpu.qmatmul(h, *(a.reshape(a.shape[1], -1) for a in head), tiled=True,
+                          int8_activations=int8)
+      if form == "tiled" else kernels_cpu.qmatmul(h, *head, nk=True, int8_activations=int8))
 
   def layer(h, i):
-    mm = lambda x, w: kernels_cpu.qmatmul(x, *w, layer=i, tiled=form == "tiled")
+    mm = lambda x, w: kernels_cpu.qmatmul(x, *w, layer=i, tiled=form == "tiled",
+                                          int8_activations=int8)
     h = h + mm(mm(h, q) + jnp.tile(mm(h, k) + mm(h, v), 3), o)
     return h + mm(mm(h, gate) * mm(h, up), down) / 1000, None
 
   scan = jax.jit(lambda h: jax.lax.scan(layer, h, jnp.arange(L))[0])
   step = jax.jit(lambda h: read_head(scan(h)))
   layer_bytes = sum(a.nbytes for w in layers for a in w)
-  out = {"form": form, "copy_gb_s": copy_bandwidth() / 1e9, "layers_gb_s": {}, "step_ms": {}}
+  out = {"form": side, "copy_gb_s": copy_bandwidth() / 1e9, "layers_gb_s": {}, "step_ms": {}}
   for m in rows:
     x = jnp.asarray(rng.standard_normal((m, D), np.float32))
     t = float(np.median(harness.timed(lambda: scan(x).block_until_ready(), 200)))
@@ -146,19 +152,27 @@ def kernel_scan(rows: list[int], form: str) -> dict:
   return out
 
 
-def compare_forms(rows: list[int], rounds: int) -> None:
-  """kernel_scan of each form in its own fresh process, interleaved over `rounds`: medians."""
+def compare_forms(rows: list[int], rounds: int, sides=FORMS) -> None:
+  """kernel_scan of each side in its own fresh process, interleaved over `rounds`: medians; then
+  each side's step time at each M over its time at the first M, and over the first side's."""
   flags = ["--kernel", ",".join(map(str, rows)), "--kernel-form"]
-  runs = harness.interleaved(FORMS, rounds, lambda f: harness.fresh("quant", [*flags, f]))
-  print(f"{'M':>3} " + " ".join(f"{f + ' GB/s':>15} {'of copy':>8} {'step ms':>8}" for f in FORMS))
+  runs = harness.interleaved(sides, rounds, lambda f: harness.fresh("quant", [*flags, f]))
+  print(f"{'M':>3} " + " ".join(f"{f + ' GB/s':>20} {'of copy':>8} {'step ms':>8}" for f in sides))
+  step = {(f, m): np.median([r["step_ms"][m] for r in runs[f]]) for f in sides
+          for m in map(str, rows)}
   for m in map(str, rows):
     cells = []
-    for f in FORMS:
+    for f in sides:
       gb = np.median([r["layers_gb_s"][m] for r in runs[f]])
       copy = np.median([r["copy_gb_s"] for r in runs[f]])
-      cells.append(f"{gb:>15.1f} {gb / copy:>8.0%} "
-                   f"{np.median([r['step_ms'][m] for r in runs[f]]):>8.2f}")
+      cells.append(f"{gb:>20.1f} {gb / copy:>8.0%} {step[f, m]:>8.2f}")
     print(f"{m:>3} " + " ".join(cells), flush=True)
+  first = str(rows[0])
+  for f in sides:
+    print(f"{f}: step at M over M={first}: " + ", ".join(
+        f"M={m} {step[f, m] / step[f, first]:.2f}x" for m in map(str, rows)) + "; over "
+        f"{sides[0]}'s: " + ", ".join(f"M={m} {step[f, m] / step[sides[0], m]:.2f}x"
+                                      for m in map(str, rows)), flush=True)
 
 
 def main_quant(argv=None) -> None:
@@ -171,6 +185,8 @@ def main_quant(argv=None) -> None:
     python -m scripts.bench quant --matmul   # the layer scan behind `auto`'s choice
     python -m scripts.bench quant --kernel 1,4,7 [--rounds 3]   # kernels_cpu's matmuls alone,
         M rows, the layers' arrays as stored and in tiles, each form in its own process
+    python -m scripts.bench quant --kernel 1,7 --activations   # the same, tiled, with float
+        and with int8 activations (--cpu-activations)
 
   A decode step's time is the difference of two runs through the offline API that differ only in
   output length (max_tokens `steps` and 2 * `steps`, ignore_eos, 8-token prompts), divided by
@@ -186,8 +202,10 @@ def main_quant(argv=None) -> None:
   p.add_argument("--matmul", action="store_true", help="only the layer scan, in this process")
   p.add_argument("--kernel", type=lambda s: [int(x) for x in s.split(",")], default=None,
                  metavar="M,...", help="only kernels_cpu's matmuls at these rows")
-  p.add_argument("--kernel-form", choices=FORMS, default=None,
+  p.add_argument("--kernel-form", choices=SIDES, default=None,
                  help="(internal, with --kernel) measure one form here")
+  p.add_argument("--activations", action="store_true",
+                 help="with --kernel: tiled arrays, float against int8 activations")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--layers", choices=("scan", "unrolled"), default="scan",
                  help="EngineConfig.unroll_layers False (the default) or True")
@@ -199,7 +217,8 @@ def main_quant(argv=None) -> None:
     print(json.dumps(kernel_scan(args.kernel, args.kernel_form)))
     return
   if args.kernel:
-    compare_forms(args.kernel, args.rounds)
+    compare_forms(args.kernel, args.rounds,
+                  ("tiled", "tiled int8") if args.activations else FORMS)
     return
   if args.mode:
     print(json.dumps(measure(args.mode, args)))

@@ -55,7 +55,8 @@ def child(args: argparse.Namespace) -> dict:
   copy = args.workload in ("copy", "asks")  # Single streams.
   cfg = EngineConfig(num_slots=1 if copy else args.slots, page_size=16,
                      max_model_len=args.max_model_len, num_pages=args.num_pages,
-                     prefill_buckets=args.buckets, speculative=spec)
+                     prefill_buckets=args.buckets, speculative=spec,
+                     cpu_activations=args.cpu_activations)
   llm = jaxserve.LLM(engine_config=cfg)
   llm.engine.warmup()
   if copy:
@@ -93,7 +94,8 @@ def run_child(args: argparse.Namespace, workload: str, on: bool) -> dict:
   return harness.fresh("speculative", [
       "--child", "--workload", workload, "--speculative-config", args.speculative_config,
       "--slots", str(args.slots), "--max-model-len", str(args.max_model_len),
-      "--num-pages", str(args.num_pages), "--buckets", ",".join(map(str, args.buckets))]
+      "--num-pages", str(args.num_pages), "--buckets", ",".join(map(str, args.buckets)),
+      "--cpu-activations", args.cpu_activations]
       + ["--on"] * on + ["--quick"] * args.quick)
 
 
@@ -160,6 +162,9 @@ def main_speculative(argv=None) -> int:
                  help="the draft-model method with MODEL (a name or path) as the draft, k from "
                  "--speculative-config (the default model as its own draft accepts everything: "
                  "it shows the method's overhead, not a speed-up)")
+  p.add_argument("--cpu-activations", choices=("float", "int8"), default="float",
+                 help="EngineConfig.cpu_activations, both sides (int8: the outputs identical "
+                 "within the mode)")
   p.add_argument("--quick", action="store_true",
                  help="a few short requests, one prefill bucket (64), max_model_len 512")
   p.add_argument("--json", type=pathlib.Path, default=None, help="write the runs here")
