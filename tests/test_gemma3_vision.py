@@ -15,7 +15,8 @@ from jaxserve.batching.runner import Runner
 from jaxserve.config import AttentionBackend, EngineConfig, SamplingParams, SchedulerConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.loading import checkpoint, weights
-from support import hf_tiny
+from support import gemma3_vl, hf_tiny
+from support.gemma3_vl import pictures
 from support.mock_engine import MockTokenizer
 from support.tiny import count_compiles
 
@@ -51,12 +52,6 @@ def runner(engine, budget: int = 32) -> Runner:
   return Runner(engine, MockTokenizer(), SchedulerConfig(max_num_batched_tokens=budget))
 
 
-def pictures(n: int, seed: int = 0) -> list[np.ndarray]:
-  """n random uint8 [H, W, 3] images of odd sizes (the resize has work to do)."""
-  rng = np.random.default_rng(seed)
-  return [rng.integers(0, 256, (17 + 9 * i, 40 - 5 * i, 3), dtype=np.uint8) for i in range(n)]
-
-
 def prompt(text: list[int], num_images: int) -> list[int]:
   """Text, then one boi placeholder per image, each between text tokens."""
   out = list(text[:3])
@@ -66,20 +61,7 @@ def prompt(text: list[int], num_images: int) -> list[int]:
 
 
 def reference(hf, ids: list[int], pixels: list[np.ndarray]) -> tuple[list[int], list[float]]:
-  """transformers' greedy tokens and their logprobs: generate with the image tokens typed
-  (token_type_ids 1: attended both ways within an image, as the processor marks them). The
-  logprobs are of the raw logits: min_new_tokens' processor masks the end token in `scores`."""
-  ids_t = torch.tensor([ids])
-  kwargs = dict(token_type_ids=(ids_t == IMAGE).long())
-  if pixels:
-    kwargs["pixel_values"] = torch.tensor(np.stack(pixels))
-  with torch.no_grad():
-    out = hf.generate(ids_t, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
-                      do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=0, **kwargs)
-  tokens = out.sequences[0, len(ids):].tolist()
-  logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
-  return tokens, logprobs
+  return gemma3_vl.reference(hf, ids, pixels, NUM_TOKENS)
 
 
 def requests(engine, cases):

@@ -78,6 +78,16 @@ def check_stop_token_ids(ids: Any, vocab_size: int) -> None:
     check_token_ids(ids, vocab_size, "stop_token_ids")
 
 
+def checked_sampling_fields(fields: Mapping[str, Any], vocab_size: int) -> Mapping[str, Any]:
+  """The request's SamplingParams fields with their token ids checked against the vocabulary
+  (stop_token_ids, allowed_token_ids: the latter deduplicated)."""
+  check_stop_token_ids(fields.get("stop_token_ids"), vocab_size)
+  if "allowed_token_ids" in fields:
+    fields = {**fields, "allowed_token_ids": allowed_token_ids(fields["allowed_token_ids"],
+                                                               vocab_size)}
+  return fields
+
+
 def check_request_id(request_id: str) -> None:
   # It is written in the request's log lines: keep it a name, not a payload.
   if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():

@@ -9,7 +9,7 @@ Each bad prompt is an INVALID_ARGUMENT naming the problem (gateway.ApiError).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from jaxserve.serving import client_fields
 from jaxserve.serving.gateway import invalid
@@ -19,8 +19,12 @@ from jaxserve.text import tool_calls
 
 class PromptEncoder:
 
-  def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int):
+  def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+               expand_images: Callable[[str, int], str] | None = None):
+    """`expand_images(text, num_images)`: a chat's text with its images' placeholders expanded
+    (serving/vision_prompts.py), before it is tokenized; None: left as the template wrote it."""
     self.tokenizer = tokenizer
+    self.expand_images = expand_images
     self.max_model_len = max_model_len
     self.vocab_size = vocab_size
     # Longer text cannot fit the context whatever its tokens: it is refused (or cut) before the
@@ -43,6 +47,8 @@ class PromptEncoder:
         raise invalid("prompt is empty once tokenized: the tokenizer drops every character of it")
       return ids
     text = self._chat_text(prompt, add_generation_prompt)
+    if prompt.images and self.expand_images is not None:
+      text = self.expand_images(text, len(prompt.images))
     return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
 
   def _chat_text(self, prompt: Prompt, add_generation_prompt: bool) -> str:

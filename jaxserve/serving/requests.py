@@ -11,7 +11,7 @@ import time
 from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 # FinishReason and TokenLogprobs are fields of a Chunk: the front ends take them from here.
-from jaxserve.batching.images import Image
+from jaxserve.batching.images import Image, ImageSpan
 from jaxserve.batching.request import FinishReason, Request, TokenLogprobs
 from jaxserve.batching.stream import AsyncRunner, RequestStream
 from jaxserve.config import SamplingParams
@@ -89,6 +89,8 @@ class Prepared(NamedTuple):
   chunk_tokens: int
   lora: Any = None  # The LoRARequest the prompt runs under (its `model`); None: the base model.
   images: tuple[Image, ...] = ()  # The prompt's images, decoded, in order.
+  # The images placed in prompt_ids and preprocessed (a vision model's; else ()).
+  image_spans: tuple[ImageSpan, ...] = ()
 
 
 class Run(NamedTuple):

@@ -17,8 +17,8 @@ The event loop only routes: whatever costs CPU in proportion to what a client se
 work pool, whose queue is bounded (a request over it gets RESOURCE_EXHAUSTED at once). A front
 end maps `ApiError.status` to its own codes. Every error is raised before the first chunk,
 except an engine failure, a drain's cut, and a grammar-engine error after the first token.
-When the consumer stops early (a client cancels or disconnects), the
-generator's cleanup aborts the run: the engine thread drops it before its next step, and its
+When the consumer stops early (a client cancels or disconnects), the generator's cleanup aborts
+the run: the engine thread drops it before its next step, and its
 slot and pages are free again.
 """
 
@@ -57,6 +57,7 @@ from jaxserve.serving.requests import (
   Prompt,
   Run,
 )
+from jaxserve.serving.vision_prompts import VisionPrompts
 from jaxserve.serving.weights_from_disk import WeightsFromDisk
 from jaxserve.serving.work_pool import WorkPool
 from jaxserve.text.constraint import Grammar
@@ -93,7 +94,9 @@ class Service:
     self.engine_info = info = runner.engine_info
     self.vocab_size = info.vocab_size
     self.max_model_len = info.max_model_len
-    self._encoder = PromptEncoder(tokenizer, self.max_model_len, self.vocab_size)
+    self.vision = VisionPrompts(tokenizer, info.vision, disaggregated=kv_peer is not None)
+    self._encoder = PromptEncoder(tokenizer, self.max_model_len, self.vocab_size,
+                                  self.vision.expand)
     self.constraint_gate = ConstraintGate(runner.constraints)
     self.adapters = Adapters(runner, model_name, read_lora, runtime_lora_roots)
     self.kv_peer = kv_peer
@@ -156,11 +159,7 @@ class Service:
     lora = self.check_model(inp.model)
     client_fields.check_request_id(inp.request_id or "")
     chunk_tokens = client_fields.check_chunk_tokens(inp.chunk_tokens)
-    client_fields.check_stop_token_ids(inp.sampling.get("stop_token_ids"), self.vocab_size)
-    fields = inp.sampling
-    if "allowed_token_ids" in fields:
-      fields = {**fields, "allowed_token_ids": client_fields.allowed_token_ids(
-          fields["allowed_token_ids"], self.vocab_size)}
+    fields = client_fields.checked_sampling_fields(inp.sampling, self.vocab_size)
     images = self.media.load(inp.prompt.images, inp.prompt.messages)  # Before tokenizing.
     start = time.monotonic()
     ids = self.encode(inp.prompt, inp.truncate_prompt)
@@ -169,7 +168,8 @@ class Service:
                                              inp.truncate_prompt, inp.default_max_tokens)
     sampling = client_fields.sampling_params(fields, max_tokens, inp.logprobs)
     client_fields.check_bias_ids(sampling, self.vocab_size)
-    return Prepared(ids, sampling, tokenize, chunk_tokens, lora, images)
+    spans = self.vision.place(ids, images)  # Preprocessed here, on the worker.
+    return Prepared(ids, sampling, tokenize, chunk_tokens, lora, images, spans)
 
   def compile_constraint(self, key: ApiKey, sampling: SamplingParams) -> Grammar | None:
     """A constrained request's grammar, on a worker: compiled (or found in the cache) within the
@@ -199,7 +199,7 @@ class Service:
         sampling = p.sampling.for_run(seed, next(max_tokens))
         try:
           request = self.runner.new_request(p.prompt_ids, sampling, inp.request_id,
-                                            inp.priority, salt, grammar, p.lora)
+                                            inp.priority, salt, grammar, p.lora, p.image_spans)
         except (RequestRejected, ValueError) as e:  # Too big for the KV pool.
           raise gateway.invalid(str(e)) from e
         runs.append(Run(inp, request, p.tokenize_s, p.chunk_tokens))

@@ -1,0 +1,73 @@
+"""The tiny random Gemma 3 vision-language model's reference side, shared by the engine's tests
+(test_gemma3_vision) and the server's (test_server_vision): its pictures, transformers' greedy
+tokens and logprobs for a prompt with images, and a tokenizer for its 256-token vocabulary that
+spells Gemma 3's chat and image tokens, so that a server can template and tokenize its chats."""
+
+from __future__ import annotations
+
+import string
+
+import numpy as np
+
+from support import hf_tiny
+from support.images import MM_TEMPLATE
+
+IDS = hf_tiny.GEMMA3_IMAGE_IDS
+IMAGE = IDS["image_token_index"]
+
+# Gemma 3's special tokens at their ids in its real vocabulary where the tiny one has room for
+# them (the image tokens at the tiny model's ids); "user" and "model" one token each, to keep
+# prompts short; every other character one token.
+SPECIAL = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>",
+           106: "<end_of_turn>", IDS["boi_token_index"]: "<start_of_image>",
+           IMAGE: "<image_soft_token>", IDS["eoi_token_index"]: "<end_of_image>"}
+WORDS = {107: "user", 108: "model"}
+
+
+def pictures(n: int, seed: int = 0) -> list[np.ndarray]:
+  """n random uint8 [H, W, 3] images of odd sizes (the resize has work to do)."""
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, (17 + 9 * i, 40 - 5 * i, 3), dtype=np.uint8) for i in range(n)]
+
+
+def reference(hf, ids: list[int], pixels: list[np.ndarray],
+              num_tokens: int) -> tuple[list[int], list[float]]:
+  """transformers' greedy tokens and their logprobs: generate with the image tokens typed
+  (token_type_ids 1: attended both ways within an image, as the processor marks them). The
+  logprobs are of the raw logits: min_new_tokens' processor masks the end token in `scores`."""
+  import torch
+
+  ids_t = torch.tensor([ids])
+  kwargs = dict(token_type_ids=(ids_t == IMAGE).long())
+  if pixels:
+    kwargs["pixel_values"] = torch.tensor(np.stack(pixels))
+  with torch.no_grad():
+    out = hf.generate(ids_t, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                      do_sample=False, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=0, **kwargs)
+  tokens = out.sequences[0, len(ids):].tolist()
+  logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
+  return tokens, logprobs
+
+
+def write_tokenizer(path, vocab_size: int = 256) -> None:
+  """A character-level tokenizer.json and tokenizer_config.json (Gemma 3's chat template's
+  content loop: support.images.MM_TEMPLATE) for the tiny model, into its folder `path`."""
+  import json
+
+  import tokenizers
+  from tokenizers import AddedToken, decoders, models
+
+  named = {**SPECIAL, **WORDS}
+  free = iter(i for i in range(vocab_size) if i not in named)
+  vocab = {c: next(free) for c in [*string.printable[:95], "\n"]}
+  vocab.update({f"<unused{i}>": i for i in free})
+  vocab.update({t: i for i, t in named.items()})
+  tok = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))  # No merges: characters.
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL.values()])
+  tok.add_tokens([AddedToken(t, normalized=False) for t in WORDS.values()])
+  tok.save(str(path / "tokenizer.json"))
+  config = dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", add_bos_token=True,
+                chat_template=MM_TEMPLATE)
+  (path / "tokenizer_config.json").write_text(json.dumps(config))
