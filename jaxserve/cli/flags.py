@@ -64,16 +64,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                  "(the one the token was drawn from: after penalties, logit bias, temperature, "
                  "top-k/top-p/min-p, removed tokens -inf), as logprobs or logits")
   add_quantization_flag(p)
-  p.add_argument("--cpu-activations", default=d("cpu_activations").value,
+  add_cpu_activations_flag(p)
+  add_window_flag(p)
+  add_parallel_flags(p)
+  add_speculative_flag(p)
+  add_offload_flag(p)
+
+
+def add_cpu_activations_flag(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--cpu-activations", default=_default(EngineConfig, "cpu_activations").value,
                  choices=[x.value for x in CpuActivations],
                  help="what the CPU kernel multiplies quantized weights with: float (exact "
                  "float32 products) or int8 (activations quantized per 32 inputs, integer "
                  "products: VNNI or AVX2; faster, an approximation; attends with --attention "
                  "cpu unless --attention is given)")
-  add_window_flag(p)
-  add_parallel_flags(p)
-  add_speculative_flag(p)
-  add_offload_flag(p)
 
 
 def add_offload_flag(p: argparse.ArgumentParser) -> None:

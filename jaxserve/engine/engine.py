@@ -95,6 +95,8 @@ def _pure(params):
 
 
 class Engine:
+  sleep_level = 0  # 1: no KV cache on the device, 2: nor weights (`sleep`); set per engine.
+
   def __init__(self, model: Transformer, config: EngineConfig, stop_ids: Sequence[int] = (),
                draft: Transformer | None = None):
     """`draft`: the speculative draft model, for SpeculativeConfig(method="draft")
@@ -127,7 +129,6 @@ class Engine:
     # The cache and decode state are donated: each step updates them in place. Steps of each
     # kind (scoring, verifying, pooling: one more output) have their own jit.
     self._steps = {kind: self.assembly.jit(kind) for kind in StepKind}
-    self.sleep_level = 0  # 1: no KV cache on the device, 2: nor weights (`sleep`).
     # The target's weights' forms, for `update_weights`; one CPU device: the numpy way.
     on_cpu = self.shardings is None and jax.local_devices()[0].platform == "cpu"
     self._weights = weight_update.WeightUpdate(model, config.unroll_layers, on_cpu)
