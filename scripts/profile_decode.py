@@ -134,6 +134,7 @@ def _part_of_source(src: str, opcode: str) -> str:
                        ("model/kv_cache.py", "KV page gather and write (kv_cache.py)"),
                        ("model/kv_layouts.py", "KV page gather and write (kv_layouts.py)"),
                        ("model/quant.py", "quantized matmuls and dequantization (quant.py)"),
+                       ("model/quant_linear.py", "quantized matmuls and dequantization (quant.py)"),
                        ("model/llama.py", "other layer ops (llama.py: norms, rope, activations)")):
     if src.startswith(prefix):
       return part

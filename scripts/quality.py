@@ -384,11 +384,11 @@ def run_activations(seqs, refs) -> None:
   (`--cpu-activations int8`) against float activations and against the float32 model."""
   from jaxserve.config import CpuActivations, Quantization
   from jaxserve.loading import checkpoint
-  from jaxserve.model import quant
+  from jaxserve.model import quant_linear
 
   gguf, _ = checkpoint.load_model(None, quantization=Quantization.GGUF)
-  as_float = quant.with_activations(gguf, CpuActivations.FLOAT)
-  as_int8 = quant.with_activations(gguf, CpuActivations.INT8)
+  as_float = quant_linear.with_activations(gguf, CpuActivations.FLOAT)
+  as_int8 = quant_linear.with_activations(gguf, CpuActivations.INT8)
   run = nnx.jit(_log_probs, static_argnums=(2,))
   floats = [run(as_float, jnp.asarray(s), F32) for s in seqs]
   for label, model, against in (("gguf, float activations vs float32", as_float, refs),

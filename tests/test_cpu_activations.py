@@ -183,9 +183,9 @@ def test_the_engine_decodes_in_the_mode_with_speculation_changing_nothing():
 
 
 def test_the_mode_needs_weights_the_kernel_reads():
-  from jaxserve.model import quant
+  from jaxserve.model import quant_linear
   with pytest.raises(ValueError, match="cpu-activations int8 needs quantized weights"):
-    quant.with_activations(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), CpuActivations.INT8)
+    quant_linear.with_activations(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), CpuActivations.INT8)
 
 
 def test_the_flag_sets_the_mode_and_float_stays_the_default():

@@ -16,7 +16,7 @@ from flax import nnx
 
 import kernels_cpu
 from jaxserve.loading import checkpoint, gguf_blocks
-from jaxserve.model import kernel_forms, quant
+from jaxserve.model import kernel_forms, quant, quant_linear
 from kernels_cpu import library
 from kernels_cpu.reference import packed, qmatmul_reference, tiled, unpacked, untiled
 from support.gguf_random import random_blocks
@@ -207,7 +207,7 @@ def quantized(shape, blocks: gguf_blocks.Blocks, in_axes) -> quant.Quantized:
 
 @built
 def test_linear_runs_the_kernel_on_cpu_and_xla_elsewhere():
-  """quant.linear of a quantized wq [D, N, H]: the CPU program calls the kernel and gives the
+  """quant_linear.linear of a quantized wq [D, N, H]: the CPU program calls the kernel and gives the
   dequantized einsum's numbers; lowered for a TPU, the program has no CPU custom call."""
   rng = np.random.default_rng(3)
   D, N, H = 64, 4, 16
@@ -216,7 +216,7 @@ def test_linear_runs_the_kernel_on_cpu_and_xla_elsewhere():
   w = quantized((D, N, H), gguf_blocks.Blocks(t(raw.values), t(raw.scale), t(raw.minimum)),
                 (0,))
   x = jnp.asarray(rng.standard_normal((1, 3, D), dtype=np.float32))
-  f = lambda w, x: quant.linear("BTD,DNH->BTNH", x, w)
+  f = lambda w, x: quant_linear.linear("BTD,DNH->BTNH", x, w)
   want = jnp.einsum("BTD,DNH->BTNH", x, quant.dequant(w, jnp.float32))
   assert relative_error(nnx.jit(f)(w, x), want) <= TOLERANCE
   graphdef, state = nnx.split(w)
@@ -226,8 +226,8 @@ def test_linear_runs_the_kernel_on_cpu_and_xla_elsewhere():
   assert "jaxserve_qmatmul" not in tpu and "dot_general" in tpu
   # Traced for a GPU from this CPU (compiling/targets.py), the program holds no kernel branch, and
   # the scan slices its layers as XLA's path has them.
-  with quant.lowering_for("cuda"):
-    assert not quant.reads_in_place()
+  with quant_linear.lowering_for("cuda"):
+    assert not quant_linear.reads_in_place()
     traced = str(jax.make_jaxpr(lambda state, x: f(nnx.merge(graphdef, state), x))(state, x))
   assert "platform_index" not in traced and "jaxserve_qmatmul" not in traced
 
@@ -259,7 +259,7 @@ def test_packed_for_kernel_packs_4_bit_layers_only():
     w.scale[...], w.minimum[...] = jnp.asarray(up["scale"][1]), jnp.asarray(up["minimum"][1])
   assert (quant.dequant(w4, jnp.float32) == quant.dequant(w8, jnp.float32)).all()
   x = jnp.asarray(rng.standard_normal((1, 1, D), dtype=np.float32))
-  f = lambda w, x: quant.linear("BTD,DF->BTF", x, w)
+  f = lambda w, x: quant_linear.linear("BTD,DF->BTF", x, w)
   assert relative_error(nnx.jit(f)(w4, x), nnx.jit(f)(w8, x)) <= TOLERANCE
 
 
@@ -295,7 +295,7 @@ def test_layers_in_tiles_give_the_weights_numbers():
   assert (quant.dequant(ws["tiled"], jnp.float32) == quant.dequant(ws["as stored"],
                                                                     jnp.float32)).all()
   x = jnp.asarray(rng.standard_normal((1, 3, D), dtype=np.float32))
-  f = nnx.jit(lambda w, x: quant.linear("BTD,DNH->BTNH", x, w))
+  f = nnx.jit(lambda w, x: quant_linear.linear("BTD,DNH->BTNH", x, w))
   assert (f(ws["tiled"], x) == f(ws["as stored"], x)).all()
 
 
@@ -327,14 +327,14 @@ def test_the_tied_embedding_in_tiles_is_one_copy_for_lookup_and_head(type_name):
   assert (quant.dequant(ws["tiled"], jnp.float32) == quant.dequant(ws["as stored"],
                                                                     jnp.float32)).all()
   x = jnp.asarray(rng.standard_normal((1, 3, D), dtype=np.float32))
-  head = nnx.jit(lambda w, x: quant.linear("...D,VD->...V", x, w))
+  head = nnx.jit(lambda w, x: quant_linear.linear("...D,VD->...V", x, w))
   assert relative_error(head(ws["tiled"], x), head(ws["as stored"], x)) <= TOLERANCE
 
 
 def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, caplog):
   """The library hidden (as on a machine that had no compiler at install): available() is False
-  with one log line, `auto` keeps float weights, and quant.linear gives the same numbers through
-  XLA."""
+  with one log line, `auto` keeps float weights, and quant_linear.linear gives the same numbers
+  through XLA."""
   built_here = kernels_cpu.available()
   rng = np.random.default_rng(4)
   raw = blocks_of("Q8_0", 32, 64, rng)
@@ -342,7 +342,7 @@ def test_without_the_library_xla_runs_and_says_so_once(monkeypatch, tmp_path, ca
   w = quant.Quantized((64, 32), (None, None), quant.Layout(32, False), (0,))
   w.values[...], w.scale[...] = jnp.asarray(t(raw.values)), jnp.asarray(t(raw.scale))
   x = jnp.asarray(rng.standard_normal((2, 1, 64), dtype=np.float32))
-  f = lambda w, x: quant.linear("BTD,DF->BTF", x, w)
+  f = lambda w, x: quant_linear.linear("BTD,DF->BTF", x, w)
   with_kernel = nnx.jit(f)(w, x)
   try:
     with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="jaxserve"):

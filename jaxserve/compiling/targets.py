@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.experimental import topologies
 
-from jaxserve.model import quant
+from jaxserve.model import quant_linear
 from jaxserve.planning.chips import TARGETS, Platform, Target
 
 _SPECS = pathlib.Path(__file__).parent / "gpu_specs"
@@ -101,7 +101,7 @@ def lower(fn: Callable, abstract_args: Sequence[Any], device: jax.Device | None,
     device = next(iter(jax.tree.leaves(shardings[0])[0].device_set))  # Sets the platform.
     jit_options = {"out_shardings": out_shardings}
   options = dict(_COMPILER_OPTIONS[_PLATFORM_OF_DEVICE[device.platform]])
-  with quant.lowering_for(device.platform):
+  with quant_linear.lowering_for(device.platform):
     lowered = jax.jit(fn, donate_argnums=tuple(donate), keep_unused=keep_unused,
                       **jit_options).lower(*args)
   return functools.partial(lowered.compile, options)

@@ -26,7 +26,7 @@ from jaxserve.engine.images import ImageEncoder
 from jaxserve.engine.resolve import EngineSpec, default_backend, fit_to_pool, resolve
 from jaxserve.engine.step_args import StepArgs
 from jaxserve.engine.step_future import StepFuture
-from jaxserve.model import quant
+from jaxserve.model import quant_linear
 from jaxserve.model.llama import Transformer, unstacked
 
 
@@ -52,7 +52,8 @@ def _assemble(model: Transformer, draft: Transformer | None, spec: EngineSpec):
   # The engine's own view of the models, its products in the config's mode (a draft's too, so
   # that every row of every step runs in it).
   mode = spec.config.cpu_activations
-  model, draft = (None if m is None else quant.with_activations(m, mode) for m in (model, draft))
+  model, draft = (None if m is None else quant_linear.with_activations(m, mode)
+                  for m in (model, draft))
   graphdef, params = nnx.split(model)
   draft_graphdef = None
   if draft is not None:

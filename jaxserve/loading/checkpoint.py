@@ -23,7 +23,7 @@ import kernels_cpu
 from jaxserve.config import ModelConfig, Quantization, pick_quantization
 from jaxserve.engine import placement
 from jaxserve.loading import pull, quantize, weights
-from jaxserve.model import kernel_forms, quant
+from jaxserve.model import kernel_forms, quant, quant_linear
 from jaxserve.model.families import Model, model_class
 from jaxserve.text.tokenizer import Tokenizer
 
@@ -73,8 +73,8 @@ def blocks_are_faster(platform: str) -> bool:
   """Whether a step on `platform` reads quantized blocks faster than float weights: on one CPU
   with kernels_cpu built, where they run AVX2 or wider (pick_quantization says what was
   measured)."""
-  with quant.lowering_for(platform):
-    return quant.reads_in_place() and kernels_cpu.measured_faster()
+  with quant_linear.lowering_for(platform):
+    return quant_linear.reads_in_place() and kernels_cpu.measured_faster()
 
 
 def read_quantized(src, mode: Quantization, platform: str

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import attention, quant
+from jaxserve.model import attention, quant, quant_linear
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import _weight, apply_rope, rms_norm, run_layers, stacked_layers
 from jaxserve.model.siglip import VisionTower
@@ -86,9 +86,9 @@ class Gemma3Block(nnx.Module):
     window (a scalar) are this layer's."""
     cfg, eps = self.cfg, self.cfg.norm_eps
     h = norm(x, self.attn_norm[...], eps)
-    q = norm(quant.linear("BTD,DNH->BTNH", h, self.wq), self.q_norm[...], eps)
-    k = norm(quant.linear("BTD,DKH->BTKH", h, self.wk), self.k_norm[...], eps)
-    v = quant.linear("BTD,DKH->BTKH", h, self.wv)
+    q = norm(quant_linear.linear("BTD,DNH->BTNH", h, self.wq), self.q_norm[...], eps)
+    k = norm(quant_linear.linear("BTD,DKH->BTKH", h, self.wk), self.k_norm[...], eps)
+    v = quant_linear.linear("BTD,DKH->BTKH", h, self.wv)
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)
     # The attention scales scores by H ** -0.5; Gemma wants query_pre_attn_scalar ** -0.5
@@ -99,11 +99,11 @@ class Gemma3Block(nnx.Module):
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
                                   local_window=cfg.sliding_window)  # [B, T, N, H]
     out = out.astype(x.dtype)
-    x = x + norm(quant.linear("BTNH,NHD->BTD", out, self.wo), self.post_attn_norm[...], eps)
+    x = x + norm(quant_linear.linear("BTNH,NHD->BTD", out, self.wo), self.post_attn_norm[...], eps)
     h = norm(x, self.mlp_norm[...], eps)
-    gate = jax.nn.gelu(quant.linear("BTD,DF->BTF", h, self.w_gate), approximate=True)
-    up = quant.linear("BTD,DF->BTF", h, self.w_up)
-    down = quant.linear("BTF,FD->BTD", gate * up, self.w_down)
+    gate = jax.nn.gelu(quant_linear.linear("BTD,DF->BTF", h, self.w_gate), approximate=True)
+    up = quant_linear.linear("BTD,DF->BTF", h, self.w_up)
+    down = quant_linear.linear("BTF,FD->BTD", gate * up, self.w_down)
     return x + norm(down, self.post_mlp_norm[...], eps), cache
 
 
@@ -161,9 +161,9 @@ class Gemma3(nnx.Module):
     cfg = self.cfg
     x = self.normed(x)
     if cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
-      logits = quant.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
+      logits = quant_linear.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
     else:
-      logits = quant.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)
+      logits = quant_linear.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
       cap = cfg.final_logit_softcapping
       logits = cap * jnp.tanh(logits / cap)

@@ -15,7 +15,8 @@ from typing import Mapping
 import numpy as np
 
 import kernels_cpu.reference
-from jaxserve.model.quant import IN_AXES, STACKED, reads_in_place
+from jaxserve.model.quant import IN_AXES, STACKED
+from jaxserve.model.quant_linear import reads_in_place
 
 
 def packed(params: dict) -> dict:

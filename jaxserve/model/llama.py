@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import LongRope, ModelConfig
-from jaxserve.model import attention, moe, quant
+from jaxserve.model import attention, moe, quant, quant_linear
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.lora import LoraRows
 
@@ -141,15 +141,15 @@ def _layer_of(stacked: jax.Array, i: int) -> jax.Array:
 def run_layers(layers, carry, xs, body):
   """`body(layer, carry, xs_i) -> carry` over every layer (xs: arrays [L, ...], one row per layer):
   a scan over stacked layers, or a Python loop over a list of them (`unstacked`). Where the CPU
-  kernel reads quantized weights (quant.reads_in_place), the scan hands them over whole with the
-  layer's index, as a scan's own slice of them would be a copy of every layer's weights, every
-  step."""
+  kernel reads quantized weights (quant_linear.reads_in_place), the scan hands them over whole
+  with the layer's index, as a scan's own slice of them would be a copy of every layer's
+  weights, every step."""
   if isinstance(layers, nnx.List):
     for i, layer in enumerate(layers):
       carry = body(layer, carry, jax.tree.map(lambda a: a[i], xs))
     return carry
   quantized = any(isinstance(getattr(layers, n, None), quant.Quantized) for n in quant.STACKED)
-  if not (quantized and quant.reads_in_place()):
+  if not (quantized and quant_linear.reads_in_place()):
     graphdef, state = nnx.split(layers)
 
     def scan_body(carry, state_xs):
@@ -214,7 +214,7 @@ class DecoderLayer(nnx.Module):
     """x [B, T, D] -> [B, T, D], with this layer's K/V written into `cache`. `lora`: this
     layer's adapters and each token's slot (model/lora.py), whose deltas join each projection."""
     cfg = self.cfg
-    proj = lambda spec, x, w, target: _with_lora(quant.linear(spec, x, w), x, lora, target)
+    proj = lambda spec, x, w, target: _with_lora(quant_linear.linear(spec, x, w), x, lora, target)
     h = rms_norm(x, self.attn_norm[...], cfg.norm_eps)
     q = proj("BTD,DNH->BTNH", h, self.wq, "wq")
     k = proj("BTD,DKH->BTKH", h, self.wk, "wk")
@@ -231,14 +231,14 @@ class DecoderLayer(nnx.Module):
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
                                   local_window=window)  # [B, T, N, H]
     out = out.astype(x.dtype)
-    x = x + _with_lora(quant.linear_heads(out, self.wo), out, lora, "wo")
+    x = x + _with_lora(quant_linear.linear_heads(out, self.wo), out, lora, "wo")
     h = rms_norm(x, self.mlp_norm[...], cfg.norm_eps)
     return x + self._mlp(h, attn, lora), cache
 
   def _mlp(self, h_BTD, attn: attention.AttentionSpec, lora: LoraRows | None):
     cfg = self.cfg
     if not cfg.num_experts:
-      proj = lambda spec, x, w, target: _with_lora(quant.linear(spec, x, w), x, lora, target)
+      proj = lambda spec, x, w, target: _with_lora(quant_linear.linear(spec, x, w), x, lora, target)
       gate = jax.nn.silu(proj("BTD,DF->BTF", h_BTD, self.w_gate, "w_gate"))
       up = proj("BTD,DF->BTF", h_BTD, self.w_up, "w_up")
       return proj("BTF,FD->BTD", gate * up, self.w_down, "w_down")
@@ -301,5 +301,5 @@ class Transformer(nnx.Module):
     """The last layer's output [..., D] -> logits [..., V] float32."""
     x = self.normed(x)
     if self.cfg.tie_embeddings:  # One copy: the embedding [V, D] read as the head.
-      return quant.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
-    return quant.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)
+      return quant_linear.linear("...D,VD->...V", x, self.embed).astype(jnp.float32)
+    return quant_linear.linear("...D,DV->...V", x, self.lm_head).astype(jnp.float32)
