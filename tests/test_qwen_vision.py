@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve.batching import qwen_images
-from jaxserve.config import ModelConfig
-from jaxserve.config import qwen_vl
+from jaxserve.config import ModelConfig, qwen_vl
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
