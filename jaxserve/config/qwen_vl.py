@@ -28,8 +28,8 @@ SMALLEST_BUCKET = 64  # Patches; each next bucket is 4 times the last.
 @dataclasses.dataclass(frozen=True)
 class QwenVisionConfig:
   """An image's path into the text model: resized so each side is a multiple of patch_size *
-  merge_size and its area within [min_pixels, max_pixels], cut into patch_size squares (each
-  taken twice, as temporal_patch_size frames), through num_layers ViT layers (full_layers attend
+  merge_size and its area within [min_pixels, max_pixels], cut into patch_size squares (the one
+  frame repeated temporal_patch_size times), through num_layers ViT layers (full_layers attend
   over the whole image, the others within windows of window_size pixels a side), then each
   merge_size x merge_size square of patches merged into one token of out_dim. The prompt holds an
   image as vision_start, its tokens (image_token_id), then vision_end."""
