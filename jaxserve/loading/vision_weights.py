@@ -7,6 +7,10 @@ Hugging Face has spelled the parts two ways: the published checkpoints (transfor
 transformers 5 saves `model.language_model.*`, `model.vision_tower.*`,
 `model.multi_modal_projector.*`, or (as the tests' do) without the outer `model.`. All read the
 same.
+
+Qwen2.5-VL's vision tower (its merger included) is `visual.*` in the published checkpoints and in
+what transformers 5 saves (beside a text model's `model.*`), `model.visual.*` in transformers 5's
+state_dict (beside `model.language_model.*`); loading/qwen_vision_weights.py maps it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from jaxserve.config import ModelConfig
 
 _TEXT_PREFIXES = ("model.language_model.model.", "language_model.model.", "model.language_model.")
 _VISION_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.",
-                    "model.vision_tower.", "vision_tower.")
+                    "model.vision_tower.", "vision_tower.", "model.visual.", "visual.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 

@@ -24,6 +24,9 @@ Vision letters (model/siglip.py; its einsums spell them I, P, D, N, H, F, Q/K fo
 queries and keys):
   Im: images    Pt: patches of an image    Dv: the vision tower's width    Nv: its heads
   Hd: its head dim    Fv: its MLP width    Mi: soft tokens of an image (mm_tokens_per_image)
+  Qwen2.5-VL's (model/qwen_vision.py): Pb: an image's patches padded to its encoder bucket
+  Cp: a patch's values (3 * temporal_patch_size * patch_size**2)
+  Mu: patches merged into one token (merge_unit)
 
 Engine letters (a step packs decode rows, then prefill sequences, on one axis):
   Bd: a step's decode rows    Bp: a step's prefill sequences (B = Bd + Bp)
