@@ -13,36 +13,15 @@ import pytest
 
 from jaxserve.batching import qwen_images
 from jaxserve.config import ModelConfig, qwen_vl
+from support import qwen_vl as qwen_vl_tiny
+from support.qwen_vl import IDS, TEXT, VISION
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48,
-              window_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-              fullatt_block_indexes=[1])
-TEXT = dict(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                             "rope_theta": 1e6})
-IDS = dict(image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
-
-
 @pytest.fixture(scope="module")
 def tiny_hf():
-  """The tiny model, its vision weights random (norms uniform in [0.5, 1.5], matrices of std
-  1 / sqrt(fan_in), biases of std 0.1): transformers' init leaves norms at 1 and biases at 0."""
-  torch.manual_seed(0)
-  config = transformers.Qwen2_5_VLConfig(vision_config=VISION, text_config=TEXT, **IDS)
-  hf = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-  with torch.no_grad():
-    for name, p in hf.model.visual.named_parameters():
-      if "norm" in name or "ln_q" in name:
-        p.uniform_(0.5, 1.5)
-      elif p.ndim == 1:
-        p.normal_(0, 0.1)
-      else:
-        p.normal_(0, p[0].numel() ** -0.5)
-  return hf
+  return qwen_vl_tiny.build()
 
 
 def model_config(vision: qwen_vl.QwenVisionConfig) -> ModelConfig:
@@ -164,7 +143,9 @@ def test_config_reads_the_vision_side_and_round_trips():
   with pytest.raises(ValueError, match="limit of 64"):
     v.bucket(65)
   assert qwen_vl.from_hf({"vision_config": VISION}, {"min_pixels": 7}).min_pixels == 7
-  assert vision_config().buckets == (64, 256, 1024, 4096, 16384, 65536)
+  assert vision_config(max_patches=65536).buckets == (64, 256, 1024, 4096, 16384, 65536)
+  capped = qwen_vl.from_hf({"vision_config": VISION, **IDS})  # The engine's cap: 5,120 patches.
+  assert capped.max_pixels == qwen_vl.MAX_PIXELS and capped.buckets == (64, 256, 1024, 4096, 5120)
   assert qwen_vl.QwenVisionConfig.from_dict(json.loads(json.dumps(v.to_dict()))) == v
   assert qwen_vl.from_hf({"text_config": TEXT}) is None
   with pytest.raises(ValueError, match="activation 'gelu'"):

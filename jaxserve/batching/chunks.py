@@ -21,7 +21,7 @@ def prompt_chunk(req: Request, start: int, end: int) -> PrefillChunk:
       output_token_ids=tuple(req.output_token_ids) if is_last else (),
       prompt_logprob_targets=targets, window_table=tuple(req.window_table),
       lora_slot=req.lora_slot, pool_len=req.num_prompt_tokens if req.sampling.pooling else 0,
-      images=tuple(s for s in req.images if s.offset < end and s.end > start))
+      images=tuple(s for s in req.images if s.offset < end))
 
 
 def chunk_end(req: Request, start: int, budget: int, max_budget: int) -> int:

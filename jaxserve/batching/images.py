@@ -67,9 +67,12 @@ class ImageSpan:
   """An image placed in a prompt: its soft tokens are positions [offset, offset + length)."""
 
   hash: str  # The Image's.
-  pixels: np.ndarray  # [3, S, S] float32: the vision tower's input (`preprocess`).
+  # The vision tower's input: Gemma 3's [3, S, S] float32 (`preprocess`); Qwen2.5-VL's patches
+  # [P, patch_dim] float32 (qwen_images.preprocess).
+  pixels: np.ndarray
   offset: int
   length: int
+  grid: tuple[int, int, int] = (1, 0, 0)  # Qwen2.5-VL's patch grid (t, h, w); Gemma 3: unused.
 
   @property
   def end(self) -> int:

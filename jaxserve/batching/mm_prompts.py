@@ -5,12 +5,16 @@ image, uint8 [H, W, 3] RGB pixels, or an images.Image (decoded and hashed alread
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from jaxserve.batching import images as mm
+from jaxserve.batching import qwen_prompts
+from jaxserve.config.qwen_vl import QwenVisionConfig
 from jaxserve.config.vision import VisionConfig
+
+Vision = VisionConfig | QwenVisionConfig
 
 
 def image_list(prompt: Mapping[str, Any]) -> list:
@@ -31,7 +35,30 @@ def to_image(image) -> mm.Image:
   return mm.from_pil(image)  # A PIL image (anything with .convert).
 
 
-def read(prompt: Mapping[str, Any], vision: VisionConfig | None, model_name: str,
+def expand_text(text: str, images: Sequence[mm.Image], markers: Sequence[str],
+                vision: Vision) -> str:
+  """The text with each image's placeholder expanded as the model's processor does; `markers`:
+  the spellings of the boi, image and eoi tokens."""
+  if isinstance(vision, QwenVisionConfig):
+    return qwen_prompts.expand_text(text, images, *markers, vision)
+  return mm.expand_text(text, len(images), *markers, vision.mm_tokens_per_image)
+
+
+def expand_ids(ids: Sequence[int], images: Sequence[mm.Image], vision: Vision) -> list[int]:
+  if isinstance(vision, QwenVisionConfig):
+    return qwen_prompts.expand_ids(ids, images, vision)
+  return mm.expand_ids(ids, len(images), vision)
+
+
+def place_images(ids: Sequence[int], images: Sequence[mm.Image], vision: Vision
+                 ) -> tuple[mm.ImageSpan, ...]:
+  """Each image at its run of image tokens in `ids`, preprocessed for the model's encoder."""
+  if isinstance(vision, QwenVisionConfig):
+    return qwen_prompts.place_images(ids, images, vision)
+  return mm.place_images(ids, images, vision)
+
+
+def read(prompt: Mapping[str, Any], vision: Vision | None, model_name: str,
          encode: Callable[[str], list[int]], token: Callable[[int], str]
          ) -> tuple[list[int], tuple[mm.ImageSpan, ...]]:
   """(token ids, their images placed) of one prompt dict. `encode(text)`: the tokenizer's (chat
@@ -47,11 +74,10 @@ def read(prompt: Mapping[str, Any], vision: VisionConfig | None, model_name: str
             else encode(prompt["prompt"])), ()
   inputs = [to_image(im) for im in images]
   if "prompt" in prompt:
-    text = mm.expand_text(prompt["prompt"], len(inputs), token(vision.boi_token_id),
-                          token(vision.image_token_id), token(vision.eoi_token_id),
-                          vision.mm_tokens_per_image)
-    ids = encode(text)
+    markers = [token(i) for i in (vision.boi_token_id, vision.image_token_id,
+                                  vision.eoi_token_id)]
+    ids = encode(expand_text(prompt["prompt"], inputs, markers, vision))
   else:
-    ids = mm.expand_ids(prompt["prompt_token_ids"], len(inputs), vision)
-  return ids, mm.place_images(ids, inputs, vision)
+    ids = expand_ids(prompt["prompt_token_ids"], inputs, vision)
+  return ids, place_images(ids, inputs, vision)
 

@@ -59,8 +59,9 @@ class PrefillChunk:
   # this chunk's positions into the request's vector (StepFuture.pooled), mean pooling weighing
   # each 1 / pool_len; the request's vector is the sum over its chunks.
   pool_len: int = 0
-  # The request's images whose tokens this chunk holds (some or all of them): the engine puts
-  # their soft tokens in place of those tokens' embeddings (images.ImageSpan).
+  # The request's images that start before the chunk ends: the engine puts their soft tokens in
+  # place of the tokens this chunk holds (images.ImageSpan), and M-RoPE's positions after an
+  # image depend on every image before them (mrope.py).
   images: Sequence[ImageSpan] = ()
 
 

@@ -137,20 +137,26 @@ ENCODE = "encode image"
 
 
 def encoder_program(graphdef, params, asm: assembly.Assembly) -> list[Program]:
-  """A vision-language model's image encoder (engine/images.py: one image at its one shape),
-  the cache and decode state held beside it; none for a text-only model."""
+  """A vision-language model's image encoder (engine/images.py: Gemma 3's one image shape, or
+  each of Qwen2.5-VL's patch buckets), the cache and decode state held beside it; none for a
+  text-only model."""
   vision = asm.spec.model.vision
   if vision is None:
     return []
   s, draft = asm.shardings, asm.spec.draft is not None
-  S = vision.image_size
-  args = (params, jax.ShapeDtypeStruct((1, 3, S, S), jnp.float32))
-  shardings = out = None
-  if s is not None:
-    shardings, out = (s.params[0] if draft else s.params, s.replicated), s.replicated
+  shapes = images.input_shapes(vision)
   resident = _device_bytes([asm.cache, asm.state], None if s is None else [s.cache, s.state])
-  return [Program(ENCODE, None, None, functools.partial(images.encode, graphdef), args,
-                  shardings=shardings, out_shardings=out, resident_bytes=resident)]
+  programs = []
+  for inputs in shapes:
+    shardings = out = None
+    if s is not None:
+      shardings = (s.params[0] if draft else s.params, *[s.replicated] * len(inputs))
+      out = s.replicated
+    name = ENCODE if len(shapes) == 1 else f"{ENCODE} ({inputs[0].shape[0]} patches)"
+    programs.append(Program(name, None, None, functools.partial(images.encode, graphdef),
+                            (params, *inputs), shardings=shardings, out_shardings=out,
+                            resident_bytes=resident))
+  return programs
 
 
 def copy_programs(asm: assembly.Assembly, step: Program, device) -> list[Program]:

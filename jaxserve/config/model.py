@@ -7,6 +7,7 @@ import dataclasses
 import enum
 from typing import Any, Mapping
 
+from jaxserve.config.qwen_vl import QwenVisionConfig
 from jaxserve.config.vision import VisionConfig
 
 
@@ -75,8 +76,11 @@ class ModelConfig:
   experts_per_token: int = 0  # Experts each token is routed to (top-k).
   expert_hidden_dim: int = 0  # Each expert's SwiGLU hidden dim.
   norm_topk: bool = True  # Renormalise the top-k routing weights to sum to 1.
-  # A vision-language model's image side (Gemma 3 4B and up); None: text only.
-  vision: VisionConfig | None = None
+  # M-RoPE (Qwen2.5-VL): the frequencies each of a token's three positions (time, height,
+  # width) turns, summing to head_dim / 2; (): one position, plain RoPE.
+  mrope_section: tuple[int, ...] = ()
+  # A vision-language model's image side (Gemma 3 4B and up, Qwen2.5-VL); None: text only.
+  vision: VisionConfig | QwenVisionConfig | None = None
 
   def __post_init__(self):
     for field in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -98,6 +102,9 @@ class ModelConfig:
     if self.num_experts and self.expert_hidden_dim <= 0:
       raise ValueError("ModelConfig.expert_hidden_dim must be positive for a mixture of experts")
     s, half = self.rope_scaling, self.head_dim // 2
+    if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != half):
+      raise ValueError(f"ModelConfig.mrope_section {self.mrope_section} must be three sections "
+                       f"summing to head_dim / 2 = {half}")
     if isinstance(s, LongRope) and not len(s.short_factor) == len(s.long_factor) == half:
       raise ValueError(f"LongRope needs head_dim / 2 = {half} short and long "
                        f"factors, got {len(s.short_factor)} and {len(s.long_factor)}")
@@ -146,6 +153,8 @@ class ModelConfig:
         d["rope_scaling"] = RopeScaling(**s)
     d["family"] = ModelFamily(d.get("family", ModelFamily.LLAMA.value))
     d["local_layers"] = tuple(d.get("local_layers", ()))  # JSON gives a list; jit wants hashable.
+    d["mrope_section"] = tuple(d.get("mrope_section", ()))
     if d.get("vision"):
-      d["vision"] = VisionConfig.from_dict(d["vision"])
+      kind = QwenVisionConfig if "merge_size" in d["vision"] else VisionConfig
+      d["vision"] = kind.from_dict(d["vision"])
     return cls(**d)

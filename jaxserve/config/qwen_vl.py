@@ -23,6 +23,11 @@ QWEN_VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "hidden_act": "silu",
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 SMALLEST_BUCKET = 64  # Patches; each next bucket is 4 times the last.
+# The engine resizes an image to at most this many pixels (1,280 tokens), whatever the folder's
+# processor allows: transformers' own Qwen2VLImageProcessor default, where the published
+# configs' 12,845,056 would make a 65,536-patch encoder bucket (vLLM users set max_pixels for the
+# same reason). Up to it, an image's pixels equal the processor's.
+MAX_PIXELS = 1_003_520
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +86,21 @@ class QwenVisionConfig:
     out = [SMALLEST_BUCKET]
     while out[-1] < self.max_patches:
       out.append(out[-1] * 4)
-    return tuple(out)
+    last = -(-self.max_patches // self.merge_unit) * self.merge_unit  # The last: just enough.
+    return (*out[:-1], max(last, SMALLEST_BUCKET)) if len(out) > 1 else tuple(out)
+
+  @property
+  def boi_token_id(self) -> int:  # The names the Gemma 3 side gives the markers.
+    return self.vision_start_token_id
+
+  @property
+  def eoi_token_id(self) -> int:
+    return self.vision_end_token_id
+
+  @property
+  def num_image_tokens(self) -> int:
+    """The fewest prompt positions an image takes: start, its tokens at min_pixels, end."""
+    return max(1, self.min_pixels // (self.patch_size * self.merge_size) ** 2) + 2
 
   def bucket(self, num_patches: int) -> int:
     """The smallest bucket that holds num_patches; ValueError when none does."""
@@ -135,7 +154,7 @@ def from_hf(hf: Mapping[str, Any], preprocessor: Mapping[str, Any] | None = None
       merge_size=v["spatial_merge_size"], window_size=v["window_size"],
       full_layers=tuple(v["fullatt_block_indexes"]),
       min_pixels=p.get("min_pixels", size.get("shortest_edge", 3136)),
-      max_pixels=p.get("max_pixels", size.get("longest_edge", 12_845_056)),
+      max_pixels=min(p.get("max_pixels", size.get("longest_edge", MAX_PIXELS)), MAX_PIXELS),
       image_mean=tuple(p.get("image_mean", CLIP_MEAN)),
       image_std=tuple(p.get("image_std", CLIP_STD)))
 

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from jaxserve.config import gemma3
+from jaxserve.config import gemma3, qwen_vl
 from jaxserve.config.model import LongRope, ModelConfig, ModelFamily, RopeScaling
 
 # The text-only model, and the multimodal one (4B, 12B, 27B), read as its text model.
@@ -23,7 +23,8 @@ HF_FAMILIES = {
     "Qwen3MoeForCausalLM": ModelFamily.QWEN3_MOE, "MixtralForCausalLM": ModelFamily.MIXTRAL,
     "Phi3ForCausalLM": ModelFamily.PHI3,
 }
-SERVED = (*HF_FAMILIES, *GEMMA3_ARCHITECTURES)
+QWEN_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+SERVED = (*HF_FAMILIES, *GEMMA3_ARCHITECTURES, *QWEN_VL_ARCHITECTURES)
 
 
 def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
@@ -31,6 +32,8 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
   arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
   if arch in GEMMA3_ARCHITECTURES or hf.get("model_type") in ("gemma3_text", "gemma3"):
     return gemma3.from_hf(hf, name)
+  if arch in QWEN_VL_ARCHITECTURES or hf.get("model_type") == "qwen2_5_vl":
+    return _qwen_vl(hf, name)
   if arch not in HF_FAMILIES:
     raise ValueError(f"unsupported architecture {arch!r} (model_type "
                      f"{hf.get('model_type')!r}): jaxserve serves {', '.join(SERVED)}")
@@ -55,6 +58,21 @@ def from_hf(hf: Mapping[str, Any], name: str = "model") -> ModelConfig:
       **_hf_rope(hf, hf.get("max_position_embeddings", 2048)),
   )
   return dataclasses.replace(cfg, **_hf_window(hf, cfg), **_hf_experts(hf, family))
+
+
+def _qwen_vl(hf: Mapping[str, Any], name: str) -> ModelConfig:
+  """Qwen2.5-VL: a Qwen2 text model rotated by M-RoPE, and its vision side (config/qwen_vl.py).
+  Published configs give the text model's keys at the top; transformers 5 nests them under
+  `text_config`, its RoPE under `rope_parameters`."""
+  text = {**hf, **hf.get("text_config", {})}
+  rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+  if "mrope_section" not in rope:
+    raise ValueError(f"a Qwen2.5-VL config without an mrope_section in its RoPE: {rope!r}")
+  theta = text.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+  plain = {**text, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None,
+           "rope_parameters": None, "rope_theta": theta}
+  return dataclasses.replace(from_hf(plain, name), mrope_section=tuple(rope["mrope_section"]),
+                             vision=qwen_vl.from_hf(hf))
 
 
 def _hf_rope(hf: Mapping[str, Any], max_positions: int) -> dict[str, Any]:

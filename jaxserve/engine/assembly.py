@@ -137,7 +137,8 @@ def assemble(graphdef, params, spec: EngineSpec, mesh: Mesh | None = None,
   if mesh is not None:
     shardings = placement.EngineShardings.create(mesh, model, config, params, state)
   packer = Packer(config, model.vocab_size, kv_spec.slot_page_tables(config), cache.num_groups,
-                  image_dim=model.dim if model.vision is not None else 0)
+                  image_dim=model.dim if model.vision is not None else 0,
+                  merge_size=model.vision.merge_size if model.mrope_section else 0)
   # With LoRA the params a step takes are (the model's, the adapters': engine/adapters.py).
   fn = functools.partial(step, graphdef, attn=AttentionSpec(backend, mesh), draft=draft_graphdef,
                          lora=config.max_loras > 0, logprobs_mode=config.logprobs_mode)

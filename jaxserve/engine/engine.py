@@ -134,7 +134,7 @@ class Engine:
     on_cpu = self.shardings is None and jax.local_devices()[0].platform == "cpu"
     self._weights = weight_update.WeightUpdate(model, config.unroll_layers, on_cpu)
     self._draft_is_target = draft is model
-    self.images = ImageEncoder.of(model.cfg.vision, graphdef, self._target_params, self.backend)
+    self.images = ImageEncoder.of(model.cfg.vision, graphdef, self._target_params, self.spec)
     logging.info("Engine: %d slots, %d pages of %d tokens (KV cache %.1f MiB), backend %s",
                  self.num_slots, self.num_pages, self.page_size, self.cache.num_bytes / 2**20,
                  self.backend.value)
@@ -184,8 +184,9 @@ class Engine:
 
   def step_args(self, plan: StepPlan, bitmask: np.ndarray | None = None
                 ) -> tuple[StepArgs, list[int]]:
-    soft_tokens = None if self.images is None else self.images.soft_tokens
-    return self.packer.pack(plan, bitmask, soft_tokens)
+    if self.images is None:
+      return self.packer.pack(plan, bitmask)
+    return self.packer.pack(plan, bitmask, self.images.soft_tokens, self.images.rope_deltas(plan))
 
   def run_step(self, args: StepArgs, rows: list[int], kind: StepKind = StepKind.PLAIN,
                chunk_lens: Sequence[int] = ()) -> StepFuture:

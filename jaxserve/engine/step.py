@@ -156,8 +156,11 @@ def _metadata(args, live, starts, q_lens, kv_lens, tables, tokens, Z: int,
   column = jnp.minimum(positions // Z, W - 1)
   page = jnp.stack([tables[seq, g * W + column] for g in range(Pg)])  # [Pg, T]
   page = jnp.where(real[None], page, SCRATCH_PAGE)
+  rope = None  # M-RoPE's three positions (Qwen2.5-VL): the host's shifts added.
+  if args.rope_shifts is not None:
+    rope = positions[None, None, :] + args.rope_shifts.T[:, None, :]  # [3, 1, T]
   return AttentionMetadata(
-      positions=positions[None], cache_index=page * Z + positions % Z,
+      positions=positions[None], cache_index=page * Z + positions % Z, rope_positions=rope,
       page_tables=tables, kv_lens=jnp.where(live, kv_lens, jnp.minimum(kv_lens, 1)),
       cu_q_lens=cu_q_lens, sample_rows=jnp.maximum(cu_q_lens[1:] - 1, 0),
       block_rows=args.block_rows, block_seq=args.block_seq,

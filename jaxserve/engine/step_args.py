@@ -28,6 +28,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from jaxserve.batching import mrope
 from jaxserve.batching.plan import PrefillChunk, StepKind, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.images import image_args
@@ -75,6 +76,9 @@ class StepArgs(NamedTuple):
   # soft token (zeros for text), and [Tp] int32 the last position of its image (-1: text).
   image_rows: np.ndarray | None = None
   image_until: np.ndarray | None = None
+  # An M-RoPE model's every step (Qwen2.5-VL), else None: [Bd + Tp, 3] int32, each row's three
+  # rotary positions less its position (batching/mrope.py): a decode row's slot's delta.
+  rope_shifts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +90,14 @@ class Packer(StepShapes):
   slot_page_tables: np.ndarray | None  # The contiguous layout's own tables, else None.
   page_groups: int = 1  # 2 with window pages: each sequence's table, then its window table.
   image_dim: int = 0  # A vision-language model's D: every step takes image rows. 0: none.
+  merge_size: int = 0  # An M-RoPE model's (Qwen2.5-VL's) patch merge: rope shifts. 0: none.
 
-  def pack(self, plan: StepPlan, bitmask: np.ndarray | None = None,
-           soft_tokens=None) -> tuple[StepArgs, list[int]]:
+  def pack(self, plan: StepPlan, bitmask: np.ndarray | None = None, soft_tokens=None,
+           rope_deltas: np.ndarray | None = None) -> tuple[StepArgs, list[int]]:
     """(args, rows): rows[i] is the sequence whose token is the plan's i-th sample (its decode
     slots in order, then its prompts that end in this step). bitmask [samples, ceil(V/32)]: row i
     the plan's i-th sample's allowed tokens (None: all free). soft_tokens(image) -> [Mi, D]: the
-    encoder's (engine/images.py), for plans with images."""
+    encoder's (engine/images.py), for plans with images; rope_deltas its M-RoPE deltas."""
     c = self.config
     chunks, decodes = list(plan.prefills), list(plan.decode_slots)
     self._check(chunks, decodes)
@@ -124,8 +129,26 @@ class Packer(StepShapes):
       args = args._replace(**pooling_args(c.pooling, chunks, args.prefill_slots.shape[0], Tp))
     if c.max_loras:
       args = args._replace(lora_slots=_lora_slots(plan, rows, Tp))
-    args = args._replace(**image_args(chunks, Tp, self.image_dim, soft_tokens))
-    return args, samples
+    return args._replace(**image_args(chunks, Tp, self.image_dim, soft_tokens,
+                                      both_ways=not self.merge_size),
+                         **self._rope_shifts(chunks, rows, Tp, rope_deltas)), samples
+
+  def _rope_shifts(self, chunks: Sequence[PrefillChunk], decode_rows: np.ndarray, Tp: int,
+                   deltas: np.ndarray | None) -> dict[str, np.ndarray]:
+    """An M-RoPE model's rope_shifts [Bd + Tp, 3] int32 (StepArgs): the decode rows' slots'
+    deltas, then each packed prefill position's shifts; padding 0. {} for any other model."""
+    if not self.merge_size:
+      return {}
+    Bd = len(decode_rows)
+    out = np.zeros((Bd + Tp, 3), np.int32)
+    if deltas is not None:
+      out[:Bd] = deltas[decode_rows][:, None]
+    at = Bd
+    for ch in chunks:
+      n = len(ch.token_ids)
+      out[at:at + n] = mrope.shifts(ch.images, ch.start_pos, n, self.merge_size)
+      at += n
+    return {"rope_shifts": out}
 
   def _bitmask(self, B: int, samples: list[int], bitmask: np.ndarray | None) -> np.ndarray:
     """[B, ceil(V/32)]: row samples[i] is bitmask's row i (pack's), every other row all ones."""
@@ -190,7 +213,8 @@ class Packer(StepShapes):
       args = args._replace(**pooling_args(self.config.pooling, [], Bp, Tp))
     if self.config.max_loras:
       args = args._replace(lora_slots=np.zeros(Bd + Tp, np.int32))
-    args = args._replace(**image_args([], Tp, self.image_dim, None))
+    args = args._replace(**image_args([], Tp, self.image_dim, None),
+                         **self._rope_shifts([], rows, Tp, None))
     return args._replace(bitmask=self._all_allowed(Bd + args.prefill_slots.shape[0]))
 
   def _all_allowed(self, B: int) -> np.ndarray:

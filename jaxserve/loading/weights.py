@@ -15,8 +15,8 @@ import pathlib
 import numpy as np
 
 from jaxserve import gguf_metadata
-from jaxserve.config import ModelConfig, ModelFamily, readers, vision
-from jaxserve.loading import gguf_blocks, quantize, vision_weights
+from jaxserve.config import ModelConfig, ModelFamily, qwen_vl, readers, vision
+from jaxserve.loading import gguf_blocks, quantize, qwen_vision_weights, vision_weights
 
 # Gemma 3's norms beyond the Llama block's two: our name -> (GGUF name, Hugging Face name).
 GEMMA3_NORMS = {
@@ -148,7 +148,8 @@ def load_hf_dir(path) -> tuple[ModelConfig, dict]:
   cfg = readers.from_hf(hf, name=path.name)
   if cfg.vision is not None and (path / "preprocessor_config.json").exists():
     preprocessor = json.loads((path / "preprocessor_config.json").read_text())
-    cfg = dataclasses.replace(cfg, vision=vision.from_hf(hf, preprocessor))
+    reader = qwen_vl.from_hf if cfg.mrope_section else vision.from_hf
+    cfg = dataclasses.replace(cfg, vision=reader(hf, preprocessor))
   files = sorted(path.glob("*.safetensors"))
   if not files:
     raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -177,7 +178,8 @@ def hf_params(cfg: ModelConfig, named) -> dict:
     embed, norm = raw["model.embed_tokens.weight"], raw["model.norm.weight"]
     params = to_params(cfg, embed, layers, norm, head)
     if tower is not None:
-      params["vision"] = vision_weights.vision_params(cfg, tower, projector)
+      params["vision"] = (qwen_vision_weights.qwen_vision_params(cfg, tower) if cfg.mrope_section
+                          else vision_weights.vision_params(cfg, tower, projector))
   except KeyError as e:
     raise ValueError(f"Hugging Face weight {e.args[0]!r} is missing") from None
   return params

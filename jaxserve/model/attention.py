@@ -42,6 +42,9 @@ class AttentionMetadata:
   # [1, T] the last position each query sees (None: its own). An image's tokens see every token
   # of their image, as Gemma 3 attends among them both ways in prefill; the kernels ignore it.
   attend_until: jax.Array | None = None
+  # [3, 1, T] each token's three M-RoPE positions (Qwen2.5-VL; model/rope.py), None for a model
+  # with one: `positions` plus the step's rope_shifts.
+  rope_positions: jax.Array | None = None
   num_decode_rows: int = dataclasses.field(default=0, metadata=dict(static=True))  # Bd
 
   @classmethod

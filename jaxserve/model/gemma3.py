@@ -22,7 +22,8 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.model import attention, quant, quant_linear
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.llama import _weight, apply_rope, rms_norm, run_layers, stacked_layers
+from jaxserve.model.llama import _weight, rms_norm, run_layers, stacked_layers
+from jaxserve.model.rope import apply_rope
 from jaxserve.model.siglip import VisionTower
 
 NO_WINDOW = np.iinfo(np.int32).max  # A global layer's window: every position is inside it.

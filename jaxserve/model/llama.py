@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import LongRope, ModelConfig
+from jaxserve.config import ModelConfig
 from jaxserve.model import attention, moe, quant, quant_linear
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.lora import LoraRows
+from jaxserve.model.qwen_vision import QwenVisionTower
+from jaxserve.model.rope import apply_rope, rope_frequencies, rope_positions, rope_scale
 
 
 def _param(rngs: nnx.Rngs, shape, names, dtype, fan_in: int | None = None) -> nnx.Param:
@@ -43,58 +45,6 @@ def rms_norm(x, scale, eps: float):
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_frequencies(cfg: ModelConfig, meta: attention.AttentionMetadata):
-  """[H/2] inverse frequencies, with Llama-3 scaling when the config asks for it; with LongRoPE,
-  [1, T, H/2]: each token's own (_longrope)."""
-  exponents = jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim
-  s = cfg.rope_scaling
-  if isinstance(s, LongRope):
-    return _longrope(s, cfg.rope_theta ** exponents, meta)
-  inv_freq = 1.0 / (cfg.rope_theta ** exponents)
-  if s is None:
-    return inv_freq
-  # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-  wavelen = 2 * jnp.pi / inv_freq
-  low_wavelen = s.original_max_position / s.low_freq_factor
-  high_wavelen = s.original_max_position / s.high_freq_factor
-  smooth = ((s.original_max_position / wavelen - s.low_freq_factor)
-            / (s.high_freq_factor - s.low_freq_factor))
-  mid = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-  return jnp.where(wavelen < high_wavelen, inv_freq,
-                   jnp.where(wavelen > low_wavelen, inv_freq / s.factor, mid))
-
-
-def _longrope(s: LongRope, wavelengths, meta: attention.AttentionMetadata):
-  """[1, T, H/2]: a token's frequencies are the long ones when its sequence is longer than
-  s.original_max_position once this step's tokens are in (transformers picks the set by a
-  forward's largest position, for all its tokens; here each sequence of a step picks its own, so
-  a token's output does not depend on its batch). Keys cached before keep the set they had, as
-  in transformers' generate."""
-  T, B = meta.positions.shape[1], meta.kv_lens.shape[0]
-  seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens, jnp.arange(T), side="right") - 1, 0, B - 1)
-  long = (meta.kv_lens[seq] > s.original_max_position)[None, :, None]  # [1, T, 1]
-  short_freq = 1.0 / (jnp.asarray(s.short_factor, jnp.float32) * wavelengths)  # [H/2]
-  long_freq = 1.0 / (jnp.asarray(s.long_factor, jnp.float32) * wavelengths)
-  return jnp.where(long, long_freq, short_freq)
-
-
-def rope_scale(cfg: ModelConfig) -> float:
-  """What q and k are multiplied by after rotation: LongRoPE's attention factor, else 1."""
-  return cfg.rope_scaling.attention_factor if isinstance(cfg.rope_scaling, LongRope) else 1.0
-
-
-def apply_rope(x, positions, inv_freq, scale: float = 1.0):
-  """x [B, T, heads, H], positions [B, T], inv_freq [H/2] or [B, T, H/2]. Hugging Face's
-  rotate-half layout; cos and sin times `scale`, as transformers applies an attention factor."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-  sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  if scale != 1.0:
-    sin, cos = sin * scale, cos * scale
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, heads, H/2] each
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def stacked_layers(cfg: ModelConfig, make_layer, rngs: nnx.Rngs):
@@ -224,8 +174,9 @@ class DecoderLayer(nnx.Module):
     if cfg.qk_norm:  # Per head, before RoPE (Qwen3).
       q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
       k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
-    q = apply_rope(q, meta.positions, inv_freq, rope_scale(cfg))
-    k = apply_rope(k, meta.positions, inv_freq, rope_scale(cfg))
+    positions = rope_positions(cfg, meta)
+    q = apply_rope(q, positions, inv_freq, rope_scale(cfg), cfg.mrope_section)
+    k = apply_rope(k, positions, inv_freq, rope_scale(cfg), cfg.mrope_section)
     # Every layer local (Mistral) or none: the window is static, one value for all layers.
     window = cfg.sliding_window if any(cfg.local_layers) else None
     out, cache = attention.attend(q, k, v, cache, layer, meta, attn, window=window,
@@ -271,14 +222,21 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _weight("lm_head", quant_layouts, rngs, (cfg.dim, cfg.vocab_size),
                              ("embed", "vocab"), dtype, cfg.dim)
+    if cfg.vision is not None:  # Qwen2.5-VL: images in (model/qwen_vision.py).
+      self.vision = QwenVisionTower(cfg, dtype, rngs)
 
   def __call__(self, tokens, cache: KVCache, meta: attention.AttentionMetadata,
                attn: attention.AttentionSpec = attention.AttentionSpec(), last_only: bool = True,
-               hidden: bool = False, lora: LoraRows | None = None):
+               hidden: bool = False, lora: LoraRows | None = None, images=None):
     """tokens [1, T] -> logits [B, V] at each sequence's last new token (meta.sample_rows), or
     [1, T, V] at every token, or (`hidden`) the last layer's output [1, T, D] for `head`; and
-    the cache. `lora`: each token's adapter slot and the stacked adapters (model/lora.py)."""
+    the cache. `lora`: each token's adapter slot and the stacked adapters (model/lora.py).
+    `images`: (rows [T, D], is_image [T]), the encoder's soft tokens in place of the image
+    tokens' embeddings."""
     x = quant.embed(tokens, self.embed, self.final_norm[...].dtype)  # [B, T, D]
+    if images is not None:
+      rows, is_image = images
+      x = jnp.where(is_image[None, :, None], rows[None].astype(x.dtype), x)
     inv_freq = rope_frequencies(self.cfg, meta)
     def body(layer, carry, xs):
       x, cache = carry

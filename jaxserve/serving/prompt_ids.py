@@ -20,8 +20,8 @@ from jaxserve.text import tool_calls
 class PromptEncoder:
 
   def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-               expand_images: Callable[[str, int], str] | None = None):
-    """`expand_images(text, num_images)`: a chat's text with its images' placeholders expanded
+               expand_images: Callable[[str, Sequence], str] | None = None):
+    """`expand_images(text, images)`: a chat's text with its images' placeholders expanded
     (serving/vision_prompts.py), before it is tokenized; None: left as the template wrote it."""
     self.tokenizer = tokenizer
     self.expand_images = expand_images
@@ -32,8 +32,10 @@ class PromptEncoder:
     self.max_prompt_chars = max_model_len * tokenizer.max_token_chars
 
   def encode(self, prompt: Prompt, truncate: bool = False, add_special_tokens: bool | None = None,
-             add_generation_prompt: bool = True) -> list[int]:
-    """The prompt's ids; `truncate`: text too long for the context is cut to its tail first.
+             add_generation_prompt: bool = True, images: Sequence = ()) -> list[int]:
+    """The prompt's ids; `truncate`: text too long for the context is cut to its tail first;
+    `images`: the chat's decoded images (batching.images.Image), whose placeholders a
+    vision-language model's processor expands (Qwen2.5-VL's by each image's size).
     `add_special_tokens`: the BOS of text (None: the tokenizer's default; chat never: the
     template writes its own); `add_generation_prompt`: chat ends with the assistant's turn."""
     given = [x for x in (prompt.text, prompt.token_ids, prompt.messages) if x is not None]
@@ -48,7 +50,7 @@ class PromptEncoder:
       return ids
     text = self._chat_text(prompt, add_generation_prompt)
     if prompt.images and self.expand_images is not None:
-      text = self.expand_images(text, len(prompt.images))
+      text = self.expand_images(text, images)
     return self.tokenizer.encode(self._within_reach(text, truncate), add_bos=False)
 
   def _chat_text(self, prompt: Prompt, add_generation_prompt: bool) -> str:

@@ -149,9 +149,10 @@ class Service:
   # The work of one request, on a worker thread.
 
   def encode(self, prompt: Prompt, truncate: bool = False, add_special_tokens: bool | None = None,
-             add_generation_prompt: bool = True) -> list[int]:
+             add_generation_prompt: bool = True, images: Sequence = ()) -> list[int]:
     """The prompt's ids (serving/prompt_ids.py), for generation and the tokenizer routes."""
-    return self._encoder.encode(prompt, truncate, add_special_tokens, add_generation_prompt)
+    return self._encoder.encode(prompt, truncate, add_special_tokens, add_generation_prompt,
+                                images)
 
   def prepare(self, inp: GenerateInput) -> Prepared:
     """Every check of one prompt, whichever front end parsed it: the one entry point. Raises an
@@ -162,7 +163,7 @@ class Service:
     fields = client_fields.checked_sampling_fields(inp.sampling, self.vocab_size)
     images = self.media.load(inp.prompt.images, inp.prompt.messages)  # Before tokenizing.
     start = time.monotonic()
-    ids = self.encode(inp.prompt, inp.truncate_prompt)
+    ids = self.encode(inp.prompt, inp.truncate_prompt, images=images)
     tokenize = time.monotonic() - start
     ids, max_tokens = client_fields.fit_to_context(ids, inp.max_tokens, self.max_model_len,
                                              inp.truncate_prompt, inp.default_max_tokens)

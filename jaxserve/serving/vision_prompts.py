@@ -19,13 +19,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from jaxserve.batching import images as mm
-from jaxserve.config.vision import VisionConfig
+from jaxserve.batching import mm_prompts
 from jaxserve.serving.gateway import invalid
 
 
 class VisionPrompts:
 
-  def __init__(self, tokenizer: Any, vision: VisionConfig | None, disaggregated: bool = False):
+  def __init__(self, tokenizer: Any, vision: mm_prompts.Vision | None, disaggregated: bool = False):
     """`disaggregated`: this server is a P/D decode server (its prompts' KV comes from a
     prefill server), which takes no images."""
     self.vision = vision
@@ -39,12 +39,12 @@ class VisionPrompts:
           raise ValueError(f"the tokenizer spells image token {token_id} {token!r}, which does "
                            "not encode back to that one id: it is not this model's tokenizer")
 
-  def expand(self, text: str, num_images: int) -> str:
+  def expand(self, text: str, images: Sequence[mm.Image]) -> str:
     """The chat text with each image's placeholder expanded (the text as is without images)."""
-    if not num_images or self.vision is None:
+    if not images or self.vision is None:
       return text
     try:
-      return mm.expand_text(text, num_images, *self.markers, self.vision.mm_tokens_per_image)
+      return mm_prompts.expand_text(text, images, self.markers, self.vision)
     except ValueError as e:  # The template wrote placeholders of its own, or too few.
       raise invalid(f"messages: {e}") from e
 
@@ -59,7 +59,7 @@ class VisionPrompts:
                     f"its prefill server by tokens only: a prompt with images ({len(images)}) "
                     "cannot be handed off; send it to a server without --kv-peer")
     try:
-      return mm.place_images(ids, images, self.vision)
+      return mm_prompts.place_images(ids, images, self.vision)
     except ValueError as e:
       raise invalid(f"prompt: {e}; an image's tokens may not be cut (truncate_prompt) and the "
                     "text may not spell image tokens itself") from e

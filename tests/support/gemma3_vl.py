@@ -5,12 +5,10 @@ spells Gemma 3's chat and image tokens, so that a server can template and tokeni
 
 from __future__ import annotations
 
-import string
-
 import numpy as np
 
 from support import hf_tiny
-from support.images import MM_TEMPLATE
+from support.images import MM_TEMPLATE, write_char_tokenizer
 
 IDS = hf_tiny.GEMMA3_IMAGE_IDS
 IMAGE = IDS["image_token_index"]
@@ -53,21 +51,6 @@ def reference(hf, ids: list[int], pixels: list[np.ndarray],
 def write_tokenizer(path, vocab_size: int = 256) -> None:
   """A character-level tokenizer.json and tokenizer_config.json (Gemma 3's chat template's
   content loop: support.images.MM_TEMPLATE) for the tiny model, into its folder `path`."""
-  import json
-
-  import tokenizers
-  from tokenizers import AddedToken, decoders, models
-
-  named = {**SPECIAL, **WORDS}
-  free = iter(i for i in range(vocab_size) if i not in named)
-  vocab = {c: next(free) for c in [*string.printable[:95], "\n"]}
-  vocab.update({f"<unused{i}>": i for i in free})
-  vocab.update({t: i for i, t in named.items()})
-  tok = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))  # No merges: characters.
-  tok.decoder = decoders.Fuse()
-  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL.values()])
-  tok.add_tokens([AddedToken(t, normalized=False) for t in WORDS.values()])
-  tok.save(str(path / "tokenizer.json"))
-  config = dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", add_bos_token=True,
-                chat_template=MM_TEMPLATE)
-  (path / "tokenizer_config.json").write_text(json.dumps(config))
+  write_char_tokenizer(path, SPECIAL, WORDS, dict(bos_token="<bos>", eos_token="<eos>",
+                                                  pad_token="<pad>", add_bos_token=True,
+                                                  chat_template=MM_TEMPLATE), vocab_size)

@@ -57,3 +57,28 @@ def mm_tokenizer(tokenizer):
   out.chat_template = MM_TEMPLATE
   out._compiled_template = None  # pylint: disable=protected-access
   return out
+
+
+def write_char_tokenizer(path, special: dict[int, str], words: dict[int, str], config: dict,
+                         vocab_size: int = 256, unk: str = "<unk>") -> None:
+  """A character-level tokenizer.json (every printable character one token, `special` (which
+  holds `unk`) and `words` at their ids, the rest unused) and `config` as
+  tokenizer_config.json, into `path`."""
+  import json
+  import string
+
+  import tokenizers
+  from tokenizers import AddedToken, decoders, models
+
+  named = {**special, **words}
+  free = iter(i for i in range(vocab_size) if i not in named)
+  vocab = {c: next(free) for c in [*string.printable[:95], "\n"]}
+  vocab.update({f"<unused{i}>": i for i in free})
+  vocab.update({t: i for i, t in named.items()})
+  tok = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token=unk))
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                          for t in special.values()])
+  tok.add_tokens([AddedToken(t, normalized=False) for t in words.values()])
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps(config))

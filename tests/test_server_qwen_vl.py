@@ -1,0 +1,93 @@
+"""Qwen2.5-VL through a live server (issue 50's done-when): the tiny random
+Qwen2_5_VLForConditionalGeneration built offline by transformers, served with a character-level
+tokenizer that spells Qwen's chat and image tokens. The official openai client sends chats with
+one and two PNG data URLs of different sizes beside a text-only chat: the server templates each
+chat, repeats each image's placeholder as Qwen's processor does for that image's size, places and
+preprocesses the images on the work pool, and the engine's greedy tokens equal transformers'
+generate on the same ids and the Pillow processor's patches, each logprob within 1e-3, with no
+compile after warm-up."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from jaxserve.batching import qwen_prompts
+from jaxserve.batching.images import Image
+from jaxserve.config import AttentionBackend, EngineConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.loading import checkpoint, weights
+from jaxserve.text.tokenizer import Tokenizer
+from support import images as im
+from support import qwen_vl
+from support import server_harness as h
+from support.openai_http import openai_client as client
+from support.tiny import count_compiles
+
+transformers = pytest.importorskip("transformers")
+
+ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=128, max_model_len=160,
+                      prefill_buckets=(32, 128), compilation_cache_dir=None,
+                      attention_backend=AttentionBackend.REFERENCE)
+NUM_TOKENS = 6
+MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+RGBS = [np.random.default_rng(11 + i).integers(0, 256, size, dtype=np.uint8)
+        for i, size in enumerate([(40, 60, 3), (150, 200, 3)])]
+PNGS = [im.encode(rgb) for rgb in RGBS]
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+  """(transformers' model, the server, its tokenizer, the vision config)."""
+  hf = qwen_vl.build()
+  path = tmp_path_factory.mktemp("tiny_qwen_vl_served")
+  qwen_vl.save(hf, path)
+  tokenizer = Tokenizer.from_hf_dir(path)
+  cfg, params = weights.load_hf_dir(path)
+  engine = Engine(checkpoint.build_model(cfg, params), ENGINE, stop_ids=tokenizer.stop_ids)
+  engine.warmup()
+  srv = h.serve(engine, tokenizer, name="tiny-qwen-vl")
+  yield hf, srv, tokenizer, cfg.vision
+  srv.close()
+
+
+def expected(hf, tokenizer, vision, rgbs) -> tuple[int, list[int], list[float]]:
+  """The prompt's length and transformers' greedy tokens and logprobs: the chat templated, each
+  placeholder repeated for its image, tokenized; the Pillow processor's patches."""
+  text = tokenizer.apply_chat_template(im.chat(*[{"type": "image"}] * len(rgbs)))
+  images = [Image.of(rgb) for rgb in rgbs]
+  ids = tokenizer.encode(qwen_prompts.expand_text(text, images, *MARKERS, vision), add_bos=False)
+  processor = transformers.Qwen2VLImageProcessorPil(**qwen_vl.PROCESSOR)
+  patches, grids = [], []
+  for rgb in rgbs:
+    out = processor(PIL.Image.fromarray(rgb), return_tensors="np")
+    patches.append(out["pixel_values"])
+    grids.append(tuple(int(x) for x in out["image_grid_thw"][0]))
+  return len(ids), *qwen_vl.reference(hf, ids, patches, grids, NUM_TOKENS)
+
+
+def chat(srv, tokenizer, pngs: list[bytes]) -> tuple[int, list[int], list[float]]:
+  out = client(srv).chat.completions.create(
+      model="", messages=im.chat(*[im.image_part(im.data_url(p)) for p in pngs]),
+      max_tokens=NUM_TOKENS, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+  content = out.choices[0].logprobs.content
+  return (out.usage.prompt_tokens, [tokenizer.token_to_id(c.token) for c in content],
+          [c.logprob for c in content])
+
+
+def test_image_chats_equal_transformers_with_text_beside_them(vl):
+  hf, srv, tokenizer, vision = vl
+  want = [expected(hf, tokenizer, vision, rgbs) for rgbs in ([RGBS[0]], RGBS, [])]
+  with count_compiles() as counts:
+    one = chat(srv, tokenizer, PNGS[:1])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      two, text = pool.map(lambda pngs: chat(srv, tokenizer, pngs), (PNGS, []))
+  assert counts["compile"] == 0, counts
+  for got, ref in zip((one, two, text), want):
+    assert got[:2] == ref[:2]
+    assert np.abs(np.array(got[2]) - ref[2]).max() < 1e-3
+  assert want[1][0] > want[0][0] + 30  # The big image's 35 tokens.
+  h.wait_idle(srv)
