@@ -145,3 +145,40 @@ def test_prompt_expansion_is_the_processors(engine):
     mm_prompts.expand_ids([1, PAD, 2], [small, big], vision)
   with pytest.raises(ValueError, match="a run of 5"):
     mm_prompts.place_images([1, *[PAD] * 5, 2], [small], vision)
+
+
+def test_offline_api_takes_vllms_multi_modal_data(engine):
+  """LLM.generate with {"prompt_token_ids", "multi_modal_data": {"image": [PIL images]}} gives
+  the runner's tokens for the same images (placeholders repeated per image size)."""
+  from types import SimpleNamespace
+
+  from PIL import Image
+
+  from jaxserve.llm import LLM
+
+  llm = LLM.__new__(LLM)  # The module's engine, not a second one (its compiles).
+  llm.model, llm.tokenizer = SimpleNamespace(cfg=engine.model_config), MockTokenizer()
+  llm.runner = Runner(engine, MockTokenizer())
+  text, rgbs = [int(t) for t in np.random.default_rng(6).integers(0, 250, 8)], pictures(2)
+  greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+  (out,) = llm.generate({"prompt_token_ids": prompt(text, 2),
+                         "multi_modal_data": {"image": [Image.fromarray(p) for p in rgbs]}},
+                        greedy)
+  (q,) = requests(engine, [(text, rgbs)])
+  (ref,) = llm.runner.generate([(q[0], greedy, None, q[3])])
+  assert out.token_ids == ref.token_ids and out.prompt_token_ids == tuple(q[0])
+
+
+def test_plan_compile_compiles_each_encoder_bucket(engine):
+  """`plan --compile` lists one encoder program per patch bucket after the steps and compiles
+  them for a v5e here."""
+  import dataclasses
+
+  from jaxserve.compiling import compile_plan, programs
+
+  cfg, config = engine.model_config, dataclasses.replace(ENGINE, attention_backend=None)
+  names = [p.name for p in programs.engine_programs(cfg, config, AttentionBackend.PALLAS_TPU)]
+  encoders = [n for n in names if n.startswith(programs.ENCODE)]
+  assert encoders == [f"{programs.ENCODE} ({b} patches)" for b in (64, 256)] == names[-2:]
+  [report] = compile_plan.compile_programs("v5e", cfg, config, only=encoders[-1])
+  assert report["compiled"], report["error"]
