@@ -22,6 +22,8 @@
   training     update_weights' seconds per GB (float, int8), sleep(1|2) and wake_up's seconds
   embed        embeddings/s of 64 inputs of 16-512 tokens, jaxserve beside transformers on the
                same weights, each in a fresh process
+  images       the vision encoder's seconds per image, and an image chat's TTFT beside a text
+               chat's of as many tokens (Gemma 3, Qwen2.5-VL), each side in a fresh process
 
 All of them time things one way (scripts/bench/harness.py): each side of a comparison in a fresh
 process, sides interleaved over rounds, the median kept, and the machine (CPU model, cores, jax
@@ -40,7 +42,7 @@ from . import harness
 # sys.path before anything imports jaxserve.
 MODULES = {"decode": "decode", "prefill": "decode", "moe": "moe", "device": "device",
            "quant": "quant", "speculative": "speculative", "step": "step", "lora": "lora",
-           "offload": "offload", "embed": "embed",
+           "offload": "offload", "embed": "embed", "images": "images",
            "peers": "peers",
            "serving": "serving", "structured": "serving", "host": "serving",
            "training": "training"}
