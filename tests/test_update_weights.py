@@ -202,3 +202,15 @@ def test_plan_compile_compiles_the_update_program_for_a_tpu():
   assert engine_programs(TINY, int8, AttentionBackend.PALLAS_TPU)[-1].name == UPDATE
   [report] = compile_plan.compile_programs("v5e", TINY, int8, only=UPDATE)
   assert report["compiled"] and report["alias_bytes"] >= report["output_bytes"] - 1024
+
+
+def test_an_update_program_that_does_not_fit_leaves_the_serving_plan_to_the_steps():
+  """A trainer's float32 weights beside the engine's may not fit a chip that serves the model
+  (Gemma 3 4B on v5e: 21.7 GB of temp): the steps size the pool and decide the fit, the
+  update's failed report stays in the table; a step that fails still fails the plan."""
+  step = dict(name="step", compiled=True, argument_bytes=100, temp_bytes=10, output_bytes=0,
+              alias_bytes=0)
+  update = dict(name=UPDATE, compiled=False, error="RESOURCE_EXHAUSTED")
+  assert compile_plan._fits([step, update], 200)  # pylint: disable=protected-access
+  assert not compile_plan._fits([step, update], 50)  # pylint: disable=protected-access
+  assert not compile_plan._fits([{**step, "compiled": False}, update], 200)  # pylint: disable=protected-access

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxserve.compiling import targets
 from jaxserve.compiling.programs import (
   COMPILE_WORKERS,
+  UPDATE,
   abstract_weights,
   compile_programs,
   draft_model,
@@ -86,6 +87,7 @@ def _size_pool(run, target, model, config, budget, workers) -> list[tuple[int, l
   base = run(p0, neediest)
   if not _compiled(base):
     return [(p0, base)]  # Not a matter of size: the reports carry the compiler's messages.
+  base = _serving(base)
   # The lines at the cache's own bytes a page predict the pool; the neediest programs compiled
   # there (as many as compile at once) give their own slopes. A slope from a second small pool
   # missed: Qwen2.5-0.5B's mixed step holds 30 MB more temp near a full chip than at 1/8 of it.
@@ -142,7 +144,7 @@ def _confirm(run, at_p0, p0, pages, slope, budget, ceiling) -> list[tuple[int, l
     if _compiled(reports):  # Every program's line through its need here, at the steepest slope.
       slope = max([slope] + [(need_bytes(r) - at_p0[r["name"]]) / (pages - p0)
                              for r in reports if r["name"] in at_p0])
-      lines = [(need_bytes(r) - slope * (pages - p0), slope) for r in reports]
+      lines = [(need_bytes(r) - slope * (pages - p0), slope) for r in _serving(reports)]
       pages = min(pages - 1, _pool_within(lines, p0, budget, ceiling))
     else:  # Out of memory after all: halfway back to the probe that compiled.
       pages = (p0 + pages) // 2
@@ -154,12 +156,20 @@ def _pool_within(lines, p0: int, budget: int, ceiling: int) -> int:
   return max(2, min([ceiling] + [p0 + int((budget - a) // s) for a, s in lines if s > 0]))
 
 
+def _serving(reports) -> list:
+  """The reports that size the pool and decide the fit: every program but `update weights`,
+  which only LLM.update_weights runs (a trainer's float32 weights beside the engine's may not fit
+  a chip that serves the model: Gemma 3 4B on v5e); its own report still says so."""
+  return [r for r in reports if r["name"] != UPDATE or r["compiled"]]
+
+
 def _compiled(reports) -> bool:
-  return all(r["compiled"] for r in reports)
+  return all(r["compiled"] for r in _serving(reports))
 
 
 def _fits(reports, budget: int) -> bool:
-  return _compiled(reports) and max(need_bytes(r) for r in reports) <= budget
+  serving = _serving(reports)
+  return _compiled(serving) and max(need_bytes(r) for r in serving) <= budget
 
 
 def _with_pages(config: EngineConfig, pages: int) -> EngineConfig:
