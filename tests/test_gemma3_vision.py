@@ -13,10 +13,9 @@ import pytest
 from jaxserve.batching import images as mm
 from jaxserve.batching.runner import Runner
 from jaxserve.config import AttentionBackend, EngineConfig, SamplingParams, SchedulerConfig
-from jaxserve.engine.engine import Engine
-from jaxserve.loading import checkpoint, weights
 from support import gemma3_vl, hf_tiny
 from support.gemma3_vl import pictures
+from support.images import hf_engine
 from support.mock_engine import MockTokenizer
 from support.tiny import count_compiles
 
@@ -42,10 +41,7 @@ def tiny_hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_hf):
-  cfg, params = weights.load_hf_dir(tiny_hf[1])
-  engine = Engine(checkpoint.build_model(cfg, params), ENGINE)
-  engine.warmup()
-  return engine
+  return hf_engine(tiny_hf[1], ENGINE)
 
 
 def runner(engine, budget: int = 32) -> Runner:

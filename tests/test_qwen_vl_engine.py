@@ -13,18 +13,15 @@ from jaxserve.batching import images as mm
 from jaxserve.batching import mm_prompts, mrope
 from jaxserve.batching.runner import Runner
 from jaxserve.config import AttentionBackend, EngineConfig, SamplingParams, SchedulerConfig
-from jaxserve.engine.engine import Engine
-from jaxserve.loading import checkpoint, weights
 from support import qwen_vl
+from support.images import hf_engine
 from support.mock_engine import MockTokenizer
 from support.tiny import count_compiles
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=128, max_model_len=160,
-                      prefill_buckets=(32, 128), compilation_cache_dir=None,
-                      attention_backend=AttentionBackend.REFERENCE)
+ENGINE = EngineConfig(**qwen_vl.ENGINE, attention_backend=AttentionBackend.REFERENCE)
 START, PAD, END = (qwen_vl.IDS[k] for k in ("vision_start_token_id", "image_token_id",
                                             "vision_end_token_id"))
 NUM_TOKENS = 6
@@ -48,10 +45,7 @@ def tiny_hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_hf):
-  cfg, params = weights.load_hf_dir(tiny_hf[1])
-  engine = Engine(checkpoint.build_model(cfg, params), ENGINE)
-  engine.warmup()
-  return engine
+  return hf_engine(tiny_hf[1], ENGINE)
 
 
 def prompt(text: list[int], num_images: int) -> list[int]:

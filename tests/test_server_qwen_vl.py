@@ -18,8 +18,6 @@ import pytest
 from jaxserve.batching import qwen_prompts
 from jaxserve.batching.images import Image
 from jaxserve.config import AttentionBackend, EngineConfig
-from jaxserve.engine.engine import Engine
-from jaxserve.loading import checkpoint, weights
 from jaxserve.text.tokenizer import Tokenizer
 from support import images as im
 from support import qwen_vl
@@ -29,9 +27,7 @@ from support.tiny import count_compiles
 
 transformers = pytest.importorskip("transformers")
 
-ENGINE = EngineConfig(num_slots=4, page_size=4, num_pages=128, max_model_len=160,
-                      prefill_buckets=(32, 128), compilation_cache_dir=None,
-                      attention_backend=AttentionBackend.REFERENCE)
+ENGINE = EngineConfig(**qwen_vl.ENGINE, attention_backend=AttentionBackend.REFERENCE)
 NUM_TOKENS = 6
 MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 RGBS = [np.random.default_rng(11 + i).integers(0, 256, size, dtype=np.uint8)
@@ -46,11 +42,9 @@ def vl(tmp_path_factory):
   path = tmp_path_factory.mktemp("tiny_qwen_vl_served")
   qwen_vl.save(hf, path)
   tokenizer = Tokenizer.from_hf_dir(path)
-  cfg, params = weights.load_hf_dir(path)
-  engine = Engine(checkpoint.build_model(cfg, params), ENGINE, stop_ids=tokenizer.stop_ids)
-  engine.warmup()
+  engine = im.hf_engine(path, ENGINE, stop_ids=tokenizer.stop_ids)
   srv = h.serve(engine, tokenizer, name="tiny-qwen-vl")
-  yield hf, srv, tokenizer, cfg.vision
+  yield hf, srv, tokenizer, engine.model_config.vision
   srv.close()
 
 

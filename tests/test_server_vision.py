@@ -21,8 +21,6 @@ import pytest
 from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching import images as mm
 from jaxserve.config import AttentionBackend, EngineConfig
-from jaxserve.engine.engine import Engine
-from jaxserve.loading import checkpoint, weights
 from jaxserve.serving.gateway import ApiError
 from jaxserve.serving.media import ImageSource
 from jaxserve.serving.requests import GenerateInput, Prompt
@@ -55,9 +53,7 @@ def vl(tmp_path_factory):
   hf.save_pretrained(path)
   gemma3_vl.write_tokenizer(path)
   tokenizer = Tokenizer.from_hf_dir(path)
-  cfg, params = weights.load_hf_dir(path)
-  engine = Engine(checkpoint.build_model(cfg, params), ENGINE, stop_ids=tokenizer.stop_ids)
-  engine.warmup()
+  engine = im.hf_engine(path, ENGINE, stop_ids=tokenizer.stop_ids)
   srv = h.serve(engine, tokenizer, name="tiny-gemma3-vl")
   yield hf, srv, tokenizer
   srv.close()

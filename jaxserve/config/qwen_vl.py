@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from jaxserve.config.vision import hashable
+
 # transformers' Qwen2_5_VLVisionConfig() defaults, for the keys a published config may leave out.
 QWEN_VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "hidden_act": "silu",
                         "intermediate_size": 3420, "num_heads": 16, "in_channels": 3,
@@ -122,11 +124,7 @@ class QwenVisionConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> QwenVisionConfig:
-    d = dict(d)
-    for key in ("full_layers", "image_mean", "image_std"):  # JSON gives lists; jit wants hashable.
-      if key in d:
-        d[key] = tuple(d[key])
-    return cls(**d)
+    return cls(**hashable(d))
 
 
 def from_hf(hf: Mapping[str, Any], preprocessor: Mapping[str, Any] | None = None

@@ -78,11 +78,12 @@ class VisionConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> VisionConfig:
-    d = dict(d)
-    for key in ("image_mean", "image_std"):  # JSON gives lists; jit wants hashable.
-      if key in d:
-        d[key] = tuple(d[key])
-    return cls(**d)
+    return cls(**hashable(d))
+
+
+def hashable(d: Mapping[str, Any]) -> dict[str, Any]:
+  """A config dict read from JSON with its lists as tuples: jit wants a hashable config."""
+  return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
 def from_hf(hf: Mapping[str, Any], preprocessor: Mapping[str, Any] | None = None

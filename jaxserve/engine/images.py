@@ -65,6 +65,25 @@ def image_args(chunks: Sequence[PrefillChunk], Tp: int, D: int,
   return dict(image_rows=rows, image_until=until)
 
 
+def rope_args(chunks: Sequence[PrefillChunk], decode_rows: np.ndarray, Tp: int,
+              deltas: np.ndarray | None, merge_size: int) -> dict[str, np.ndarray]:
+  """An M-RoPE model's rope_shifts [Bd + Tp, 3] int32 (StepArgs): the decode rows' slots'
+  deltas (`deltas` [Bs + 1], ImageEncoder.rope_deltas), then each packed prefill position's
+  shifts (batching/mrope.py); padding 0. {} for any other model (merge_size 0)."""
+  if not merge_size:
+    return {}
+  Bd = len(decode_rows)
+  out = np.zeros((Bd + Tp, 3), np.int32)
+  if deltas is not None:
+    out[:Bd] = deltas[decode_rows][:, None]
+  at = Bd
+  for ch in chunks:
+    n = len(ch.token_ids)
+    out[at:at + n] = mrope.shifts(ch.images, ch.start_pos, n, merge_size)
+    at += n
+  return {"rope_shifts": out}
+
+
 def encode(graphdef, params, *inputs):
   """One image's encoder inputs (`inputs`) -> its soft tokens [rows, D] float32 (the model's
   vision tower: Gemma 3's [1, Mi, D], Qwen2.5-VL's a bucket's [Pb / merge_unit, D])."""

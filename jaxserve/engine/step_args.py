@@ -28,13 +28,13 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from jaxserve.batching import mrope
 from jaxserve.batching.plan import PrefillChunk, StepKind, StepPlan
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine.images import image_args
+from jaxserve.engine.images import image_args, rope_args
 from jaxserve.engine.pooling import pooling_args
 from jaxserve.engine.sampling_state import SamplingRow, SamplingState
 from jaxserve.engine.step_shapes import StepShape, StepShapes
+from jaxserve.engine.verify import verify_args
 from jaxserve.model.kv_cache import SCRATCH_PAGE
 
 
@@ -119,36 +119,19 @@ class Packer(StepShapes):
     args = StepArgs(rows, self._tables(rows, plan.page_tables, W),
                     *self._prefill(chunks, Bd, Tp, W))
     samples += [Bd + j for j, ch in enumerate(chunks) if ch.is_last and not ch.num_drafts]
-    args = args._replace(bitmask=self._bitmask(Bd + args.prefill_slots.shape[0], samples,
-                                               bitmask))
+    Bp = args.prefill_slots.shape[0]
+    args = args._replace(bitmask=self._bitmask(Bd + Bp, samples, bitmask))
     if plan.kind is StepKind.SCORING:
       args = args._replace(prefill_targets=_prompt_targets(chunks, Tp))
     if plan.kind is StepKind.VERIFYING:
-      args = args._replace(**self._verified(chunks, Bd, args.prefill_slots.shape[0]))
+      args = args._replace(**verify_args(chunks, Bd, Bp, c.speculative.num_speculative_tokens))
     if plan.kind is StepKind.POOLING:
-      args = args._replace(**pooling_args(c.pooling, chunks, args.prefill_slots.shape[0], Tp))
+      args = args._replace(**pooling_args(c.pooling, chunks, Bp, Tp))
     if c.max_loras:
       args = args._replace(lora_slots=_lora_slots(plan, rows, Tp))
     return args._replace(**image_args(chunks, Tp, self.image_dim, soft_tokens,
                                       both_ways=not self.merge_size),
-                         **self._rope_shifts(chunks, rows, Tp, rope_deltas)), samples
-
-  def _rope_shifts(self, chunks: Sequence[PrefillChunk], decode_rows: np.ndarray, Tp: int,
-                   deltas: np.ndarray | None) -> dict[str, np.ndarray]:
-    """An M-RoPE model's rope_shifts [Bd + Tp, 3] int32 (StepArgs): the decode rows' slots'
-    deltas, then each packed prefill position's shifts; padding 0. {} for any other model."""
-    if not self.merge_size:
-      return {}
-    Bd = len(decode_rows)
-    out = np.zeros((Bd + Tp, 3), np.int32)
-    if deltas is not None:
-      out[:Bd] = deltas[decode_rows][:, None]
-    at = Bd
-    for ch in chunks:
-      n = len(ch.token_ids)
-      out[at:at + n] = mrope.shifts(ch.images, ch.start_pos, n, self.merge_size)
-      at += n
-    return {"rope_shifts": out}
+                         **rope_args(chunks, rows, Tp, rope_deltas, self.merge_size)), samples
 
   def _bitmask(self, B: int, samples: list[int], bitmask: np.ndarray | None) -> np.ndarray:
     """[B, ceil(V/32)]: row samples[i] is bitmask's row i (pack's), every other row all ones."""
@@ -161,21 +144,6 @@ class Packer(StepShapes):
     mask = mask.copy()
     mask[samples] = bitmask
     return mask
-
-  def _verified(self, chunks: Sequence[PrefillChunk], Bd: int, Bp: int) -> dict[str, np.ndarray]:
-    """verify_rows and verify_drafts (StepArgs) for `chunks`, packed from row Bd."""
-    k = self.config.speculative.num_speculative_tokens
-    rows, drafts = np.full((Bp, k + 1), Bd, np.int32), np.full((Bp, k), -1, np.int32)
-    at = Bd
-    for j, ch in enumerate(chunks):
-      n, d = len(ch.token_ids), ch.num_drafts
-      if d > k:
-        raise ValueError(f"a chunk of {d} proposals: at most {k} (num_speculative_tokens)")
-      rows[j] = at + n - 1
-      rows[j, :d + 1] = at + n - 1 - d + np.arange(d + 1)
-      drafts[j, :d] = ch.token_ids[n - d:]
-      at += n
-    return dict(verify_rows=rows, verify_drafts=drafts)
 
   def _check(self, chunks: Sequence[PrefillChunk], decodes: Sequence[int]) -> None:
     """Raises ValueError for a plan that does not fit one call (the scheduler makes none)."""
@@ -207,14 +175,15 @@ class Packer(StepShapes):
     args = StepArgs(rows, np.full((Bd, W), SCRATCH_PAGE, np.int32), *self._prefill([], Bd, Tp, W),
                     prefill_targets=targets)
     if kind is StepKind.VERIFYING:
-      args = args._replace(**self._verified([], Bd, args.prefill_slots.shape[0]))
+      args = args._replace(**verify_args([], Bd, args.prefill_slots.shape[0],
+                                          self.config.speculative.num_speculative_tokens))
     if kind is StepKind.POOLING:
       Bp = args.prefill_slots.shape[0]
       args = args._replace(**pooling_args(self.config.pooling, [], Bp, Tp))
     if self.config.max_loras:
       args = args._replace(lora_slots=np.zeros(Bd + Tp, np.int32))
     args = args._replace(**image_args([], Tp, self.image_dim, None),
-                         **self._rope_shifts([], rows, Tp, None))
+                         **rope_args([], rows, Tp, None, self.merge_size))
     return args._replace(bitmask=self._all_allowed(Bd + args.prefill_slots.shape[0]))
 
   def _all_allowed(self, B: int) -> np.ndarray:

@@ -18,10 +18,13 @@ spec decode verify the same way for greedy requests (argmax equal to the proposa
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxserve.batching.plan import PrefillChunk
 from jaxserve.config import LogprobsMode
 from jaxserve.engine.sample import Sampled, sample
 from jaxserve.engine.sampling_state import SamplingState
@@ -50,7 +53,7 @@ def sample_verifying(head, hidden, rows: SamplingState, positions, kv_lens, samp
 
   On CPU a head pass costs about as much for 2 rows as for 5 (a 5-row head took ~4x a 1-row
   one, profile_decode.py --verify), so the rows that sample (a prompt's last row is its chunk's last
-  verify row, step_args.Packer._verified) share one pass with the verified positions."""
+  verify row, verify_args) share one pass with the verified positions."""
   Bd, (Bp, K1) = args.decode_slots.shape[0], args.verify_rows.shape
   drafts = args.verify_drafts  # [Bp, k]
   is_verified = live[Bd:] & (drafts[:, 0] >= 0)  # [Bp]
@@ -85,3 +88,20 @@ def _accept(sampled: Sampled, drafts, is_verified, before, pack) -> Verified:
   packed = jnp.concatenate([accepted[:, None], pack(sampled).reshape(Bp, -1)], axis=1)
   counts = jnp.take_along_axis(before, accepted[:, None, None], axis=1)[:, 0]  # [Bp, V]
   return Verified(accepted.astype(jnp.int32), next_token, is_verified, packed, counts)
+
+
+def verify_args(chunks: Sequence[PrefillChunk], Bd: int, Bp: int, k: int
+                ) -> dict[str, np.ndarray]:
+  """The host side: verify_rows [Bp, k + 1] and verify_drafts [Bp, k] (StepArgs) for `chunks`,
+  packed from row Bd; k: num_speculative_tokens."""
+  rows, drafts = np.full((Bp, k + 1), Bd, np.int32), np.full((Bp, k), -1, np.int32)
+  at = Bd
+  for j, ch in enumerate(chunks):
+    n, d = len(ch.token_ids), ch.num_drafts
+    if d > k:
+      raise ValueError(f"a chunk of {d} proposals: at most {k} (num_speculative_tokens)")
+    rows[j] = at + n - 1
+    rows[j, :d + 1] = at + n - 1 - d + np.arange(d + 1)
+    drafts[j, :d] = ch.token_ids[n - d:]
+    at += n
+  return dict(verify_rows=rows, verify_drafts=drafts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from support import hf_tiny
-from support.images import MM_TEMPLATE, write_char_tokenizer
+from support.images import MM_TEMPLATE, hf_greedy, write_char_tokenizer
 
 IDS = hf_tiny.GEMMA3_IMAGE_IDS
 IMAGE = IDS["image_token_index"]
@@ -35,17 +35,10 @@ def reference(hf, ids: list[int], pixels: list[np.ndarray],
   logprobs are of the raw logits: min_new_tokens' processor masks the end token in `scores`."""
   import torch
 
-  ids_t = torch.tensor([ids])
-  kwargs = dict(token_type_ids=(ids_t == IMAGE).long())
+  inputs = dict(token_type_ids=(torch.tensor([ids]) == IMAGE).long())
   if pixels:
-    kwargs["pixel_values"] = torch.tensor(np.stack(pixels))
-  with torch.no_grad():
-    out = hf.generate(ids_t, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                      do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=0, **kwargs)
-  tokens = out.sequences[0, len(ids):].tolist()
-  logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
-  return tokens, logprobs
+    inputs["pixel_values"] = torch.tensor(np.stack(pixels))
+  return hf_greedy(hf, ids, num_tokens, **inputs)
 
 
 def write_tokenizer(path, vocab_size: int = 256) -> None:

@@ -82,3 +82,29 @@ def write_char_tokenizer(path, special: dict[int, str], words: dict[int, str], c
   tok.add_tokens([AddedToken(t, normalized=False) for t in words.values()])
   tok.save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def hf_engine(path, config, stop_ids=()):
+  """The engine of a Hugging Face folder (a tiny vision-language model's), warmed up."""
+  from jaxserve.engine.engine import Engine
+  from jaxserve.loading import checkpoint, weights
+
+  cfg, params = weights.load_hf_dir(path)
+  engine = Engine(checkpoint.build_model(cfg, params), config, stop_ids=stop_ids)
+  engine.warmup()
+  return engine
+
+
+def hf_greedy(hf, ids: list[int], num_tokens: int, **inputs) -> tuple[list[int], list[float]]:
+  """transformers' greedy tokens after prompt `ids` and their logprobs (of the raw logits:
+  min_new_tokens' processor masks the end token in `scores`); `inputs`: the model's image
+  inputs, as torch tensors."""
+  import torch
+
+  with torch.no_grad():
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                      do_sample=False, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=0, **inputs)
+  tokens = out.sequences[0, len(ids):].tolist()
+  logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
+  return tokens, logprobs

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from support.images import write_char_tokenizer
+from support.images import hf_greedy, write_char_tokenizer
 
 VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48,
               window_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
@@ -23,6 +23,10 @@ TEXT = dict(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_lay
 IDS = dict(image_token_id=250, vision_start_token_id=251, vision_end_token_id=252)
 # At most 28 * 28 * 64 pixels: 256 patches, 64 tokens an image; encoder buckets of 64 and 256.
 PROCESSOR = {"min_pixels": 3136, "max_pixels": 28 * 28 * 64}
+# The engine shapes of test_qwen_vl_engine and test_server_qwen_vl: a run of both loads the
+# other's programs from the persistent compilation cache.
+ENGINE = dict(num_slots=4, page_size=4, num_pages=128, max_model_len=160,
+              prefill_buckets=(32, 128), compilation_cache_dir=None)
 # Qwen's chat template's content loop: an image part is start, one placeholder, end.
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -72,15 +76,8 @@ def reference(hf, ids: list[int], patches: list[np.ndarray], grids: list[tuple[i
   images are `patches` [P, patch_dim] with their `grids`."""
   import torch
 
-  ids_t = torch.tensor([ids])
-  kwargs = dict(mm_token_type_ids=(ids_t == IDS["image_token_id"]).int())
+  inputs = dict(mm_token_type_ids=(torch.tensor([ids]) == IDS["image_token_id"]).int())
   if patches:
-    kwargs["pixel_values"] = torch.tensor(np.concatenate(patches))
-    kwargs["image_grid_thw"] = torch.tensor(grids)
-  with torch.no_grad():
-    out = hf.generate(ids_t, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                      do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      pad_token_id=0, **kwargs)
-  tokens = out.sequences[0, len(ids):].tolist()
-  logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
-  return tokens, logprobs
+    inputs["pixel_values"] = torch.tensor(np.concatenate(patches))
+    inputs["image_grid_thw"] = torch.tensor(grids)
+  return hf_greedy(hf, ids, num_tokens, **inputs)
