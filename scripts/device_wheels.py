@@ -29,9 +29,7 @@ from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MACHINE_LIST = ROOT / "scripts" / "device" / "h200_packages.txt"
-# name -> version; the versions this repository's venv runs (pyproject's ranges allow them).
-CARRY = {"gguf": "0.19.0", "llguidance": "1.9.1", "grpcio-health-checking": "1.85.1",
-         "grpcio-reflection": "1.85.1", "grpcio": "1.85.3", "protobuf": "7.36.2"}
+CARRIED = ("gguf", "llguidance", "grpcio-health-checking", "grpcio-reflection", "grpcio", "protobuf")
 BUDGET_BYTES = 24 << 20  # Of the 64 MiB a device call carries: the tree and the rest fit beside.
 # llguidance 1.9.1 ships for glibc 2.31 only; the image's python 3.12.3 suggests Ubuntu 24.04
 # (glibc 2.39), which scripts/device_check.sh prints (ldd --version) before it installs anything.
@@ -50,6 +48,20 @@ def norm(name: str) -> str:
 def machine_packages(path: pathlib.Path = MACHINE_LIST) -> set[str]:
   lines = path.read_text().splitlines()
   return {norm(line.strip()) for line in lines if line.strip() and not line.startswith("#")}
+
+
+def carried_pins(pyproject: pathlib.Path = ROOT / "pyproject.toml") -> dict[str, str]:
+  """Carried name -> version: the test extra's `==` pins, so CI installs what is carried."""
+  extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["test"]
+  pins = {norm(r.name): str(r.specifier)[2:] for r in map(Requirement, extra)
+          if str(r.specifier).startswith("==")}
+  missing = [n for n in CARRIED if norm(n) not in pins]
+  if missing:
+    raise ValueError(f"pyproject's test extra pins no version of {', '.join(missing)}")
+  return {n: pins[norm(n)] for n in CARRIED}
+
+
+CARRY = carried_pins()  # name -> version
 
 
 def runtime_requirements(pyproject: pathlib.Path = ROOT / "pyproject.toml") -> list[Requirement]:

@@ -101,3 +101,14 @@ def test_the_summary_keeps_exit_codes_pytest_lines_and_json(tmp_path):
   step, = json.loads(out.stdout)["steps"]
   assert (step["rc"], step["pytest"], step["json"]) == (1, "2 passed, 1 failed in 3.1s",
                                                         [{"run": {"slots": 1}}])
+
+
+def test_ci_installs_the_carried_versions_and_the_stub_generator_it_was_made_with():
+  """A release upstream (grpcio 1.85.4, 2026-12) once turned CI red: it installed the newest
+  grpcio and grpcio-tools, not what is carried nor what generated the committed stubs."""
+  extra = device_wheels.tomllib.loads((ROOT / "pyproject.toml").read_text())
+  pins = {device_wheels.norm(r.name): str(r.specifier) for r in map(
+      device_wheels.Requirement, extra["project"]["optional-dependencies"]["test"])}
+  assert pins["grpcio-tools"].startswith("==")
+  for name, version in device_wheels.carried_pins().items():
+    assert pins[device_wheels.norm(name)] == f"=={version}"
