@@ -29,7 +29,8 @@ from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MACHINE_LIST = ROOT / "scripts" / "device" / "h200_packages.txt"
-CARRIED = ("gguf", "llguidance", "grpcio-health-checking", "grpcio-reflection", "grpcio", "protobuf")
+CARRIED = ("gguf", "llguidance", "grpcio-health-checking", "grpcio-reflection", "grpcio",
+           "protobuf")
 BUDGET_BYTES = 24 << 20  # Of the 64 MiB a device call carries: the tree and the rest fit beside.
 # llguidance 1.9.1 ships for glibc 2.31 only; the image's python 3.12.3 suggests Ubuntu 24.04
 # (glibc 2.39), which scripts/device_check.sh prints (ldd --version) before it installs anything.
