@@ -9,7 +9,9 @@
 //   attend  each (sequence, block of its new tokens, KV head) is one work item on XLA's
 //           intra-op pool: its G query heads of each token run an online softmax over the
 //           sequence's keys, kChunk at a time, read and dequantized where their page rows lie
-//           (no gather of the sequence's pages into a copy), causal and within the window.
+//           (no gather of the sequence's pages into a copy), causal (or up to each token's
+//           reach past its own position: an image's tokens see their whole image) and within
+//           the window.
 // Tokens past cu_q_lens[num_seqs] (padding) write nothing and give zeros, as the reference.
 // The attention loops are plain C++ (ragged_attend.inc), compiled for AVX-512, AVX2 + FMA and
 // SSE2 and chosen at run time by CPUID as qmatmul.cc's tiles are.
@@ -97,6 +99,7 @@ struct Problem {
   const void* pages;     // the layer's [P, Z, Cr], in the output buffer (new rows written)
   ffi::DataType dtype;   // the pages'
   const int32_t* tables; // [B, W]
+  const int32_t* reach;  // [T] keys past its own position each token sees (>= 0, in bounds)
   int64_t num_pages, page_size, lanes, width, num_kv_heads, group, head_dim;
   float sm_scale, k_scale, v_scale;
   int64_t window;        // 0: none
@@ -195,6 +198,7 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                            ffi::AnyBuffer, ffi::Buffer<ffi::S32> page_tables,
                            ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> kv_lens,
                            ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
+                           ffi::Buffer<ffi::S32> reach,
                            ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> pages,
                            int64_t num_kv_heads, float sm_scale, float k_scale, float v_scale,
                            int64_t sliding_window, int64_t isa) {
@@ -207,7 +211,7 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const int64_t row_bytes = pd[3] * ffi::ByteWidth(pages->element_type());
   char* layer_pages = static_cast<char*>(pages->untyped_data()) + layer * pd[1] * pd[2] * row_bytes;
   Problem p{q.typed_data(), out->typed_data(), layer_pages, pages->element_type(),
-            page_tables.typed_data(), pd[1], pd[2], pd[3], td[1], num_kv_heads,
+            page_tables.typed_data(), reach.typed_data(), pd[1], pd[2], pd[3], td[1], num_kv_heads,
             N / num_kv_heads, H, sm_scale, k_scale, v_scale, sliding_window};
   const int32_t* cu = cu_q_lens.typed_data();
   WriteNewRows(p, static_cast<const char*>(new_rows.untyped_data()), layer_pages, cu,
@@ -235,6 +239,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedAttention, RaggedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // reach [T]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, N, H]
                                   .Ret<ffi::AnyBuffer>()          // kv_pages, aliased
                                   .Attr<int64_t>("num_kv_heads")

@@ -62,8 +62,10 @@ def _check_pages(kv_pages, layer, layout):
 
 
 def check_args(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs, layer,
-               sliding_window) -> RaggedDims:
+               sliding_window, attend_until=None) -> RaggedDims:
   """Checks every argument of ragged_paged_attention; raises ValueError naming the bad one."""
+  if attend_until is not None:
+    _int_array(attend_until, "attend_until", (q.shape[0],))
   _check_new_tokens(q, k_new, v_new)
   num_kv_heads, head_dim = k_new.shape[1:]
   layout = ragged_layout.layout_for(num_kv_heads, head_dim, kv_pages.dtype)

@@ -11,7 +11,8 @@ grid-wide barrier. So, unlike the TPU variant, no program reads what another wri
           quantized like the pages), so the pages' new rows are never read in the call that
           writes them. int8 keys and values are scaled by 2^e per key (kv_quant.py).
 Each program loops over the sequences [seq_lo, seq_hi) that overlap its block and, for each,
-over chunks of keys from the sliding window's first (or 0) to the block's last position, with
+over chunks of keys from the sliding window's first (or 0) to the block's last position (plus
+the most any of its rows reaches past its own, attend_until), with
 an online softmax per row and rows of other sequences masked. Page rows are
 gathered from the cache viewed as [L * P * Z, Cr / H, H] (a free view: Cr % H == 0 for every
 power-of-two H): KV head h's K is lane group h, its V group K + h.
@@ -50,14 +51,17 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
                    cu_ref,  # [B + 1] int32, empty past num_seqs
                    kv_lens_ref,  # [B] int32
                    seq_lo_ref, seq_hi_ref,  # [T / Tq] int32
+                   block_reach_ref,  # [T / Tq] int32: the most any of the block's rows reaches
                    src_ref, dest_ref,  # [Tq] int32: token to store, and its cache row
                    q_ref,  # [Gp, Tq, H]
-                   new_ref,  # [T, Cr / H, H]: the step's new page rows
-                   pages_ref,  # [L * P * Z, Cr / H, H] as given (aliased to pages_out_ref)
-                   o_ref,  # [Gp, Tq, H]
-                   pages_out_ref,  # [L * P * Z, Cr / H, H]
-                   *, sm_scale: float, v_scale: float, num_kv_heads: int, scale_groups: int,
-                   page_size: int, chunk_len: int, sliding_window: int | None):
+                   *refs,  # reach_ref [Gp, Tq] int32 (with reaches), new_ref, pages_ref, o_ref,
+                   # pages_out_ref: the step's new page rows [T, Cr / H, H]; the cache
+                   # [L * P * Z, Cr / H, H] as given (aliased to pages_out_ref); [Gp, Tq, H]; the
+                   # cache written
+                   sm_scale: float, v_scale: float, num_kv_heads: int, scale_groups: int,
+                   page_size: int, chunk_len: int, sliding_window: int | None, reaches: bool):
+  reach_ref, refs = (refs[0], refs[1:]) if reaches else (None, refs)
+  new_ref, pages_ref, o_ref, pages_out_ref = refs
   block, head = pl.program_id(0), pl.program_id(1)
   last_token = new_ref.shape[0] - 1
   stored = [head, num_kv_heads + head] + [2 * num_kv_heads + g for g in range(scale_groups)]
@@ -72,6 +76,7 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
   rows = group * block_q
   q = q_ref[...].reshape(rows, head_dim)  # [R, H]
   tok = block * block_q + (jnp.arange(rows) % block_q)[:, None]  # [R, 1]
+  reach = 0 if reach_ref is None else reach_ref[...].reshape(rows, 1)  # [R, 1]
   block_start, block_end = block * block_q, (block + 1) * block_q
 
   def seq_body(seq, carry):
@@ -80,7 +85,8 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
     in_seq = (tok >= q_start) & (tok < q_end)  # [R, 1]
     q_pos = context + tok - q_start  # [R, 1]
     first_tok, last_tok = jnp.maximum(q_start, block_start), jnp.minimum(q_end, block_end)
-    kv_end = jnp.where(last_tok > first_tok, context + last_tok - q_start, 0)
+    kv_end = jnp.where(last_tok > first_tok, jnp.minimum(
+        context + last_tok - q_start + block_reach_ref[block], kv_len), 0)
     first_chunk = 0
     if sliding_window is not None:  # Chunks wholly before the first row's window are skipped.
       first_key = jnp.maximum(context + first_tok - q_start - sliding_window + 1, 0)
@@ -102,7 +108,7 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
         v = v * _exponents(load, num_kv_heads, scale_groups, num_kv_heads + head, head_dim)
       k, v = k.astype(q.dtype), v.astype(q.dtype)
       v = jnp.where(live, v, jnp.zeros_like(v))
-      mask = in_seq & (key[None, :] <= q_pos)  # [R, C]
+      mask = in_seq & (key[None, :] <= q_pos + reach)  # [R, C]
       if sliding_window is not None:
         mask &= key[None, :] > q_pos - sliding_window
       logits = common.qk_logits(q, k, sm_scale)  # [R, C]
@@ -145,10 +151,13 @@ def _store_rows(page_tables, cu_live, kv_lens, num_seqs, padded: int, page_size:
                                              "interpret"))
 def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
                            layer, *, dims, sm_scale, sliding_window, kv_scales=(1.0, 1.0),
-                           pages_per_chunk=None, block_q=None, num_warps=4, interpret=False):
-  """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages); layer: int32 scalar."""
+                           reach=None, pages_per_chunk=None, block_q=None, num_warps=4,
+                           interpret=False):
+  """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages); layer: int32 scalar; reach:
+  None or [T] int32 (ragged_reference.token_reach)."""
   check_triton_sizes(dims.page_size, dims.head_dim)
   num_tokens, _, head_dim = q.shape
+  reaches = reach is not None
   group = max(common.next_pow2(dims.group), 1)
   block_q = block_q or common.query_block(num_tokens, group, _TARGET_ROWS, max(1, 16 // group))
   if block_q != common.next_pow2(block_q) or block_q * group < 16:
@@ -172,23 +181,29 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
                              v_scale=kv_scales[1], num_kv_heads=dims.num_kv_heads,
                              scale_groups=dims.layout.scale_lanes // head_dim,
                              page_size=dims.page_size, chunk_len=chunk_len,
-                             sliding_window=sliding_window)
+                             sliding_window=sliding_window, reaches=reaches)
   whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
   q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda j, h: (h, 0, j, 0))
   token_spec = pl.BlockSpec((block_q,), lambda j, h: (j,))
-  small = (tables, cu_live, kv_lens, seq_lo, seq_hi)
+  reach = jnp.zeros(padded, jnp.int32) if reach is None else jnp.pad(
+      reach, (0, padded - num_tokens))
+  small = (tables, cu_live, kv_lens, seq_lo, seq_hi, reach.reshape(-1, block_q).max(axis=1))
+  rows = []  # Each row's reach, laid out as its queries: [Gp, T'].
+  if reaches:
+    rows = [(jnp.broadcast_to(reach, (group, padded)),
+             pl.BlockSpec((group, block_q), lambda j, h: (0, j)))]
   o_KGTH, pages = pl.pallas_call(
       kernel,
       grid=(padded // block_q, dims.num_kv_heads),
       in_specs=[*[whole(x.shape) for x in small], token_spec, token_spec, q_spec,
-                whole(new_rows.shape), whole(pages.shape)],
+                *[spec for _, spec in rows], whole(new_rows.shape), whole(pages.shape)],
       out_specs=[q_spec, whole(pages.shape)],
       out_shape=[jax.ShapeDtypeStruct((dims.num_kv_heads, group, padded, head_dim), q.dtype),
                  jax.ShapeDtypeStruct(pages.shape, pages.dtype)],
-      input_output_aliases={len(small) + 4: 1},
+      input_output_aliases={len(small) + len(rows) + 4: 1},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
       interpret=interpret,
       name="ragged_paged_attention_gpu",
-  )(*small, src, dest, q_TKGH.transpose(1, 2, 0, 3), new_rows, pages)
+  )(*small, src, dest, q_TKGH.transpose(1, 2, 0, 3), *[x for x, _ in rows], new_rows, pages)
   out = o_KGTH.transpose(2, 0, 1, 3)[:num_tokens, :, :dims.group]  # [T, K, G, H]
   return out.reshape(q.shape), pages.reshape(kv_pages.shape)

@@ -35,6 +35,16 @@ def token_positions(cu_q_lens, kv_lens, seq):
   return kv_lens[seq] - q_lens[seq] + tok - cu_q_lens[seq]
 
 
+def token_reach(attend_until, cu_q_lens, kv_lens, num_seqs, num_tokens: int):
+  """[T] int32 >= 0: how far past its own position each packed token attends, from
+  attend_until [T] (the last position each sees) kept within its own sequence's keys; 0 for
+  padding and for tokens that see only up to themselves."""
+  seq, valid = token_sequences(cu_q_lens, num_seqs, num_tokens)
+  pos = token_positions(cu_q_lens, kv_lens, seq)
+  reach = jnp.minimum(attend_until, kv_lens[seq] - 1) - pos
+  return jnp.where(valid, jnp.maximum(reach, 0), 0).astype(jnp.int32)
+
+
 def write_new_kv(rows_TC, kv_pages, page_tables, seq, pos, valid, layer):
   """Scatters each valid token's row into its page; padding tokens write nothing."""
   num_layers, num_pages, page_size, lanes = kv_pages.shape
@@ -76,10 +86,10 @@ def read_rows(rows, layout: ragged_layout.RaggedLayout, k_scale: float, v_scale:
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "k_scale", "v_scale"))
 def ragged_paged_attention_reference(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens,
                                      num_seqs, *, layer=None, sm_scale=None, sliding_window=None,
-                                     k_scale=None, v_scale=None):
+                                     k_scale=None, v_scale=None, attend_until=None):
   """See kernels_pallas.ragged_paged_attention; returns (out [T, N, H], kv_pages)."""
   dims = ragged_checks.check_args(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens,
-                                  num_seqs, layer, sliding_window)
+                                  num_seqs, layer, sliding_window, attend_until)
   k_scale, v_scale = ragged_checks.kv_scales(kv_pages.dtype, k_scale, v_scale)
   pages = kv_pages if layer is not None else kv_pages[None]
   layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
@@ -94,7 +104,9 @@ def ragged_paged_attention_reference(q, k_new, v_new, kv_pages, page_tables, cu_
   used_pages = jnp.maximum(-(-kv_lens[seq] // z), 1)  # [T]
   slot = jnp.minimum(key_pos[None, :] // z, used_pages[:, None] - 1)  # [T, S] never past the end
   gathered = pages[layer][page_tables[seq[:, None], slot], key_pos % z]  # [T, S, Cr]
-  mask = valid[:, None] & (key_pos[None, :] <= pos[:, None])  # [T, S]
+  last = pos if attend_until is None else pos + token_reach(attend_until, cu_q_lens, kv_lens,
+                                                            num_seqs, t)
+  mask = valid[:, None] & (key_pos[None, :] <= last[:, None])  # [T, S]
   if sliding_window is not None:
     mask &= key_pos[None, :] > pos[:, None] - sliding_window
   k, v = read_rows(gathered, dims.layout, k_scale, v_scale)  # [T, S, K, H] each, float32

@@ -10,8 +10,9 @@ writes the step's new K/V into the pages and every later read must see them:
             two Z-row blocks of new rows that cover it (exact: one 1 per row, f32 accumulation).
   2. attend Each block loops over the sequences [seq_lo, seq_hi) that overlap it; for each, over
             the chunks of its pages from the sliding window's first (or page 0) up to the block's
-            last position, double-buffered DMAs of whole pages (K and V in one row), an online
-            softmax per row, rows of other sequences masked.
+            last position (plus its furthest row's reach, attend_until), double-buffered DMAs
+            of whole pages (K and V in one row), an online softmax per row, rows of other
+            sequences masked.
 The cache is read and written through the output ref, aliased to the input, so the kernel works on
 the caller's one copy. 8-bit pages (kv_quant.py) are moved through bf16 in step 1 (exact) and
 dequantized in VMEM in step 2: int8 times 2^e of its key, float8 through f32. Q rows are laid
@@ -82,16 +83,18 @@ def _write_new_kv(scalars, new_hbm_ref, pages_ref, page_buf, new_buf, sem, *, pa
 
 
 def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi_ref,  # SMEM
+                   block_reach_ref,  # SMEM [T' / Tq]: the most any of the block's rows reaches
                    q_ref,  # [K, G, Tq, E] VMEM
-                   new_hbm_ref,  # [T' / Z, Z, Cr] HBM: the new rows, Z rows of zeros first
-                   _,  # kv_pages as given: aliased to pages_ref, which the kernel uses
-                   o_ref,  # [K, G, Tq, E] VMEM
-                   pages_ref,  # [L * P, Z, Cr] HBM, the output alias of the cache
-                   kv_buf,  # [2, Q, Z, Cr] VMEM
-                   sem,  # DMA [2]
-                   page_buf, new_buf, write_sem,  # [Z, Cr], [2, Z, Cr] VMEM, DMA [3]
-                   *, sm_scale: float, windows: HeadWindows, pages_per_seq: int,
-                   sliding_window: int | None, v_scale: float):
+                   *refs,  # reach_ref [R, 1] VMEM (with reaches: each row's reach), then
+                   # new_hbm_ref [T' / Z, Z, Cr] HBM: the new rows, Z rows of zeros first;
+                   # kv_pages as given, aliased to pages_ref, which the kernel uses;
+                   # o_ref [K, G, Tq, E] VMEM; pages_ref [L * P, Z, Cr] HBM, the output alias
+                   # of the cache; kv_buf [2, Q, Z, Cr] VMEM; sem DMA [2]; page_buf [Z, Cr],
+                   # new_buf [2, Z, Cr] VMEM, write_sem DMA [3]
+                   sm_scale: float, windows: HeadWindows, pages_per_seq: int,
+                   sliding_window: int | None, v_scale: float, reaches: bool):
+  reach_ref, refs = (refs[0], refs[1:]) if reaches else (None, refs)
+  new_hbm_ref, _, o_ref, pages_ref, kv_buf, sem, page_buf, new_buf, write_sem = refs
   block = pl.program_id(0)
   scalars = (meta_ref, tables_ref, cu_ref, kv_lens_ref)
 
@@ -109,6 +112,7 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
   # Packed token of each row: rows are (g, t) pairs, g major; Tq is a power of two.
   tok = block * block_q + jnp.bitwise_and(
       lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 0), block_q - 1)  # [R, C]
+  reach = 0 if reach_ref is None else reach_ref[...]  # [R, 1]
   block_start, block_end = block * block_q, (block + 1) * block_q
 
   def seq_body(seq, carry):
@@ -117,7 +121,8 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
     in_seq = (tok >= q_start) & (tok < q_end)  # [R, C]
     q_pos = context + tok - q_start  # [R, C]
     first_tok, last_tok = jnp.maximum(q_start, block_start), jnp.minimum(q_end, block_end)
-    kv_end = jnp.where(last_tok > first_tok, context + last_tok - q_start, 0)
+    kv_end = jnp.where(last_tok > first_tok, jnp.minimum(
+        context + last_tok - q_start + block_reach_ref[block], kv_lens_ref[seq]), 0)
     num_pages = pl.cdiv(kv_end, page_size)
     first_chunk = 0
     if sliding_window is not None:  # Chunks wholly before the first row's window are skipped.
@@ -136,7 +141,7 @@ def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi
     def compute(chunk, slot, carry):
       kv_pos = (first_chunk + chunk) * chunk_len + lax.broadcasted_iota(
           jnp.int32, (rows, chunk_len), 1)
-      mask = in_seq & (kv_pos <= q_pos)  # [R, C] causal, this sequence's rows only
+      mask = in_seq & (kv_pos <= q_pos + reach)  # [R, C] causal, this sequence's rows only
       if sliding_window is not None:
         mask &= kv_pos > q_pos - sliding_window
       scales = None
@@ -189,8 +194,9 @@ def _new_row_blocks(k_new, v_new, layout, page_size: int, kv_scales):
                                              "pages_per_chunk", "block_q", "interpret"))
 def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
                            layer, *, dims, sm_scale, sliding_window, kv_scales=(1.0, 1.0),
-                           pages_per_chunk=None, block_q=None, interpret=False):
-  """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages [L, P, Z, Cr]); layer: int32."""
+                           reach=None, pages_per_chunk=None, block_q=None, interpret=False):
+  """Checked arguments (ragged.py) -> (out [T, N, H], kv_pages [L, P, Z, Cr]); layer: int32;
+  reach: None or [T] int32 (ragged_reference.token_reach)."""
   num_tokens, _, head_dim = q.shape
   page_size, lanes = dims.page_size, dims.layout.lanes
   if page_size % ragged_layout.sublanes(kv_pages.dtype):
@@ -214,12 +220,22 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
   seq_lo, seq_hi = common.block_seq_ranges(cu_live, num_blocks, block_q)
   seq_hi = jnp.minimum(seq_hi, num_seqs)
   meta = jnp.stack([num_seqs, layer * dims.num_pages]).astype(jnp.int32)
-  scalars = (meta, page_tables.reshape(-1), cu_live, kv_lens, seq_lo, seq_hi)
+  reaches, rows = reach is not None, dims.group * block_q
+  reach = jnp.zeros(padded, jnp.int32) if reach is None else jnp.pad(
+      reach, (0, padded - num_tokens))
+  block_reach = reach.reshape(num_blocks, block_q).max(axis=1)
+  scalars = (meta, page_tables.reshape(-1), cu_live, kv_lens, seq_lo, seq_hi, block_reach)
+  # Each query row's reach, rows (g, t) g major as the block's queries: [T' / Tq, R, 1].
+  reach_rows = []
+  if reaches:
+    tiled = jnp.tile(reach.reshape(num_blocks, 1, block_q), (1, dims.group, 1))
+    reach_rows = [(tiled.reshape(num_blocks, rows, 1),
+                   pl.BlockSpec((None, rows, 1), lambda j, *_: (j, 0, 0)))]
   pages = kv_pages.reshape(-1, page_size, lanes)  # [L * P, Z, Cr]: a free view
   new_rows = _new_row_blocks(k_new, v_new, dims.layout, page_size, kv_scales)
   kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale * kv_scales[0], windows=windows,
                              pages_per_seq=dims.pages_per_seq, sliding_window=sliding_window,
-                             v_scale=kv_scales[1])
+                             v_scale=kv_scales[1], reaches=reaches)
   q_spec = pl.BlockSpec((dims.num_kv_heads, dims.group, block_q, q_win.shape[-1]),
                         lambda j, *_: (0, 0, j, 0))
   hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -227,7 +243,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(scalars), grid=(num_blocks,),
-          in_specs=[q_spec, hbm, hbm], out_specs=[q_spec, hbm],
+          in_specs=[q_spec, *[spec for _, spec in reach_rows], hbm, hbm],
+          out_specs=[q_spec, hbm],
           scratch_shapes=[pltpu.VMEM((2, per_chunk, page_size, lanes), kv_pages.dtype),
                           pltpu.SemaphoreType.DMA((2,)),
                           pltpu.VMEM((page_size, lanes), kv_pages.dtype),
@@ -235,10 +252,10 @@ def ragged_paged_attention(q, k_new, v_new, kv_pages, page_tables, cu_q_lens, kv
                           pltpu.SemaphoreType.DMA((3,))]),
       out_shape=[jax.ShapeDtypeStruct(q_win.shape, q.dtype),
                  jax.ShapeDtypeStruct(pages.shape, pages.dtype)],
-      input_output_aliases={len(scalars) + 2: 1},
+      input_output_aliases={len(scalars) + len(reach_rows) + 2: 1},
       compiler_params=pltpu.CompilerParams(dimension_semantics=(pltpu.ARBITRARY,)),
       interpret=interpret,
       name="ragged_paged_attention_tpu",
-  )(*scalars, q_win, new_rows, pages)
+  )(*scalars, q_win, *[x for x, _ in reach_rows], new_rows, pages)
   out = windows.unpack_outputs(o_win.transpose(2, 0, 1, 3))  # [T, K, G, H]
   return out[:num_tokens].reshape(q.shape), pages.reshape(kv_pages.shape)

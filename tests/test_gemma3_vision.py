@@ -141,14 +141,31 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_hf, engine, checked,
   whole image, as transformers' do."""
   rng = np.random.default_rng(4)
   text = lambda n: [int(t) for t in rng.integers(0, 250, n)]
-  cases = [(text(9), pictures(1)), (text(11), pictures(2, seed=1)), (text(7), [])]
-  reqs = requests(engine, cases)
-  r = checked(runner(engine, budget))
+  _equal_transformers(tiny_hf[0], checked(runner(engine, budget)), [
+      (text(9), pictures(1)), (text(11), pictures(2, seed=1)), (text(7), [])])
+
+
+@pytest.mark.parametrize("backend", [AttentionBackend.CPU, AttentionBackend.PALLAS],
+                         ids=lambda b: b.value)
+def test_the_kernels_let_an_images_tokens_see_the_whole_image(tiny_hf, checked, backend):
+  """The ragged kernels (C++ on the CPU; Pallas, interpreted here) take each query's attention
+  reach, as the jnp backend does: an image's tokens attend both ways among themselves."""
+  engine = hf_engine(tiny_hf[1], dataclasses.replace(ENGINE, page_size=8, num_pages=32,
+                                                     attention_backend=backend))
+  rng = np.random.default_rng(6)
+  text = lambda n: [int(t) for t in rng.integers(0, 250, n)]
+  _equal_transformers(tiny_hf[0], checked(runner(engine, 16)), [
+      (text(9), pictures(1, seed=2)), (text(7), [])])
+
+
+def _equal_transformers(hf, r: Runner, cases):
+  """Greedy tokens equal transformers', logprobs within 1e-3, no compile."""
+  reqs = requests(r.engine, cases)
   with count_compiles() as counts:
     outs = r.generate([q for q, _ in reqs])
   assert counts["compile"] == 0, counts
   for out, (q, pixels) in zip(outs, reqs):
-    tokens, logprobs = reference(tiny_hf[0], q[0], pixels)
+    tokens, logprobs = reference(hf, q[0], pixels)
     assert list(out.token_ids) == tokens
     assert np.abs(np.array([lp.logprob for lp in out.logprobs]) - logprobs).max() < 1e-3
 

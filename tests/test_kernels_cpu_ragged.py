@@ -61,13 +61,13 @@ def _step(config, seed: int = 0, q_dtype=jnp.float32):
   return args, kw, batch
 
 
-def _check(args, kw, batch, window, isa="auto", tol=TOLERANCE, **scales):
+def _check(args, kw, batch, window, isa="auto", tol=TOLERANCE, **extra):
   """Runs kernel and reference; asserts outputs within tol, padding rows 0, pages bit-equal,
   every page no sequence owns and the other layer untouched. Returns the largest error."""
   out, pages = kernels_cpu.ragged_paged_attention(*args, **kw, sliding_window=window, isa=isa,
-                                                  **scales)
+                                                  **extra)
   ref_out, ref_pages = ragged_reference.ragged_paged_attention_reference(
-      *args, **kw, sliding_window=window, **scales)
+      *args, **kw, sliding_window=window, **extra)  # float8's scales, or attend_until
   assert out.shape == args[0].shape and out.dtype == args[0].dtype
   assert pages.shape == args[3].shape and pages.dtype == args[3].dtype
   real = sum(q for q, _ in batch)
@@ -90,6 +90,21 @@ def _check(args, kw, batch, window, isa="auto", tol=TOLERANCE, **scales):
 def test_kernel_matches_reference(config):
   args, kw, batch = _step(config)
   _check(args, kw, batch, config[6])
+
+
+@pytest.mark.parametrize("config", [SWEEP[0], SWEEP[4], SWEEP[7]],
+                         ids=lambda c: f"{jnp.dtype(c[5]).name}-w{c[6]}-{c[7]}")
+def test_each_rows_reach(config):
+  """attend_until: spans of each prefill's new tokens (Gemma 3's images) see up to the span's
+  end, through items and chunks, as the reference (whose keys a hand-worked test pins)."""
+  args, kw, batch = _step(config)
+  until = ragged_testing.image_reach(np.random.default_rng(1), batch, args[0].shape[0])
+  _check(args, kw, batch, config[6], attend_until=until)
+  causal, _ = ragged_reference.ragged_paged_attention_reference(*args, **kw,
+                                                               sliding_window=config[6])
+  reached, _ = kernels_cpu.ragged_paged_attention(*args, **kw, sliding_window=config[6],
+                                                  attend_until=until)
+  assert np.abs(np.asarray(reached) - np.asarray(causal)).max() > 1e-3
 
 
 @pytest.mark.parametrize("isa", library.supported_isas())

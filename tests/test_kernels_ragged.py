@@ -37,7 +37,7 @@ def test_layout_counts_padded_page_rows_as_waste():
   assert layout.wasted_bytes(1, 1, 8) == 8 * 384 * 2
 
 
-def _hand_case(sliding_window):
+def _hand_case(sliding_window, attend_until=None):
   # Page size 2, one head, head_dim 2 (lanes: K 0-1, V 2-3, padding 4-127). Sequence 0's page
   # table is [3, 1]: position 0 cached in page 3; its 2 new tokens go to positions 1 and 2
   # (page 3 row 1, page 1 row 0). Sequence 1 is empty; sequence 2 is past num_seqs (ignored);
@@ -49,8 +49,8 @@ def _hand_case(sliding_window):
   q = jnp.asarray([[[1, 0]], [[1, 0]], [[5, 5]]], jnp.float32)  # [T=3, N=1, H=2]
   args = (q, k_new, v_new, jnp.asarray(pages), jnp.asarray([[3, 1], [0, 0], [2, 2]], jnp.int32),
           jnp.asarray([0, 2, 2, 3], jnp.int32), jnp.asarray([3, 0, 4], jnp.int32), jnp.int32(2))
-  return ragged_reference.ragged_paged_attention_reference(*args, sm_scale=1.0,
-                                                           sliding_window=sliding_window)
+  return ragged_reference.ragged_paged_attention_reference(
+      *args, sm_scale=1.0, sliding_window=sliding_window, attend_until=attend_until)
 
 
 def test_reference_matches_hand_worked_numbers():
@@ -69,6 +69,13 @@ def test_reference_sliding_window_hand_worked():
   out, _ = _hand_case(2)
   # Row 1 (position 2) sees positions 1, 2 only: weights 2/5, 3/5 -> [2 * 3/5, 6 * 2/5 + 2 * 3/5].
   np.testing.assert_allclose(out[:, 0], [[2, 4], [1.2, 3.6], [0, 0]], atol=1e-6)
+
+
+def test_reference_attend_until_hand_worked():
+  """Row 0 (position 1) seeing up to position 2, as an image's token sees its whole image: the
+  weights of row 1 (1/6, 2/6, 3/6), so its output too; row 1 unchanged."""
+  out, _ = _hand_case(None, attend_until=jnp.asarray([2, 2, 9], jnp.int32))
+  np.testing.assert_allclose(out[:, 0], [[2, 3], [2, 3], [0, 0]], atol=1e-6)
 
 
 def _prefill_reference(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens):
@@ -135,12 +142,15 @@ COMPILED = os.environ.get("JAXSERVE_RAGGED_COMPILED") == "1"
 VARIANTS = {"gpu": ragged_gpu} if COMPILED else {"tpu": ragged_tpu, "gpu": ragged_gpu}
 
 
-def _run_variant(variant, args, kw, sliding_window, block_q, per_chunk, kv_scales=(1.0, 1.0)):
+def _run_variant(variant, args, kw, sliding_window, block_q, per_chunk, kv_scales=(1.0, 1.0),
+                 attend_until=None):
   dims = ragged_checks.check_args(*args, kw["layer"], sliding_window)
+  reach = None if attend_until is None else ragged_reference.token_reach(
+      attend_until, args[5], args[6], args[7], args[0].shape[0])
   return VARIANTS[variant].ragged_paged_attention(
       *args, kw["layer"], dims=dims, sm_scale=ragged_checks.scale(None, dims.head_dim),
       sliding_window=sliding_window, kv_scales=kv_scales, block_q=block_q,
-      pages_per_chunk=per_chunk, interpret=not COMPILED)
+      pages_per_chunk=per_chunk, reach=reach, interpret=not COMPILED)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -170,6 +180,34 @@ def test_kernel_matches_reference(variant, config):
   unowned = np.setdiff1d(np.arange(before.shape[1]), owned)
   assert np.all(ragged_testing.is_filler(pages[:, unowned]))
   np.testing.assert_array_equal(np.asarray(pages, np.float32)[0], before[0])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("config", [SWEEP[0], SWEEP[5], SWEEP[6]],
+                         ids=lambda c: f"{jnp.dtype(c[5]).name}-w{c[6]}-{c[7]}")
+def test_kernel_takes_each_rows_reach(variant, config):
+  """attend_until (Gemma 3's image tokens seeing their whole image): spans of each prefill's new
+  tokens see up to the span's end, past blocks and chunks; the same as the reference's, which
+  (test_reference_attend_until_hand_worked) sees exactly those keys."""
+  n, k, h, z, width, dtype, window, kind, block_q, per_chunk = config
+  batch = _batches(z, width)[kind]
+  shape = ragged_testing.KernelShape(n, k, h, z, width, dtype)
+  rng = np.random.default_rng(h + z + 1)
+  num_tokens = sum(q for q, _ in batch) + 5
+  args, kw = ragged_testing.step_inputs(rng, batch, shape, num_tokens=num_tokens,
+                                        num_seqs_max=len(batch) + 2)
+  until = ragged_testing.image_reach(rng, batch, num_tokens)
+  out, pages = _run_variant(variant, args, kw, window, block_q, per_chunk, attend_until=until)
+  ref_out, ref_pages = ragged_reference.ragged_paged_attention_reference(
+      *args, **kw, sliding_window=window, attend_until=until)
+  causal, _ = ragged_reference.ragged_paged_attention_reference(*args, **kw,
+                                                               sliding_window=window)
+  real = sum(q for q, _ in batch)
+  out, ref_out = np.asarray(out, np.float32)[:real], np.asarray(ref_out, np.float32)[:real]
+  tol = 2e-5 if shape.q_dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(out, ref_out, atol=tol, rtol=tol)
+  assert np.abs(ref_out - np.asarray(causal, np.float32)[:real]).max() > 10 * tol  # It reached.
+  np.testing.assert_array_equal(np.asarray(pages, np.float32), np.asarray(ref_pages, np.float32))
 
 
 def test_cpu_platform_runs_interpreted_and_matches():

@@ -47,10 +47,11 @@ def _abstract_args(sizes, dtype, sharding=None):
   return args, layout.num_bytes(l, p, z)
 
 
-def _step(platform, sliding_window, q, k, v, pages, tables, cu, lens, num_seqs, layer):
+def _step(platform, sliding_window, q, k, v, pages, tables, cu, lens, num_seqs, layer,
+          attend_until=None):
   return kernels_pallas.ragged_paged_attention(q, k, v, pages, tables, cu, lens, num_seqs,
                                                layer=layer, sliding_window=sliding_window,
-                                               platform=platform)
+                                               attend_until=attend_until, platform=platform)
 
 
 def _tpu_device(topology: str):
@@ -93,3 +94,19 @@ def test_gpu_lowers_to_the_triton_kernel_with_the_cache_aliased(sizes, dtype):
   assert TRITON_CALL in calls
   kernel_call = next(line for line in text.splitlines() if TRITON_CALL in line)
   assert "output_operand_aliases" in kernel_call
+
+
+def test_each_rows_reach_compiles_for_tpu_and_lowers_for_gpu():
+  """attend_until (Gemma 3's images) through Mosaic for v5e, in place, and Triton for cuda."""
+  device = _tpu_device("v5e:2x2")
+  args, cache_bytes = _abstract_args(SMOLLM2, jnp.bfloat16,
+                                     jax.sharding.SingleDeviceSharding(device))
+  until = lambda sharding=None: jax.ShapeDtypeStruct((SMOLLM2[6],), jnp.int32, sharding=sharding)
+  step = jax.jit(functools.partial(_step, "tpu", 64), donate_argnums=(3,))
+  memory = step.lower(*args, until(args[0].sharding)).compile().memory_analysis()
+  assert memory.alias_size_in_bytes >= cache_bytes
+  args, _ = _abstract_args(SMOLLM2, jnp.bfloat16)
+  disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+  exported = jax.export.export(jax.jit(functools.partial(_step, "gpu", 64)), platforms=["cuda"],
+                               disabled_checks=disabled)(*args, until())
+  assert TRITON_CALL in exported.mlir_module()

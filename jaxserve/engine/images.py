@@ -22,13 +22,11 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
-from absl import logging
 from flax import nnx
 
 from jaxserve.batching import mrope, qwen_images
 from jaxserve.batching.images import ImageSpan
 from jaxserve.batching.plan import PrefillChunk, StepPlan
-from jaxserve.config import AttentionBackend
 from jaxserve.config.qwen_vl import QwenVisionConfig
 from jaxserve.config.vision import VisionConfig
 
@@ -120,14 +118,7 @@ class ImageEncoder:
 
   @classmethod
   def of(cls, vision: Vision | None, graphdef, params, spec) -> ImageEncoder | None:
-    """A vision-language model's encoder; None for a text-only model. The attention kernels
-    take no attend_until: over them an image's tokens attend causally, not both ways as Gemma 3
-    was trained to (the jnp backend, the default on CPU, attends as transformers does)."""
-    both_ways = vision is not None and not isinstance(vision, QwenVisionConfig)
-    if both_ways and spec.backend is not AttentionBackend.REFERENCE:
-      logging.warning("the %s attention backend attends causally among an image's tokens; "
-                      "Gemma 3 attends both ways there (the reference backend does)",
-                      spec.backend.value)
+    """A vision-language model's encoder; None for a text-only model."""
     return None if vision is None else cls(graphdef, vision, params, spec.config.num_slots)
 
   def __init__(self, graphdef, vision: Vision, params: Callable[[], object], num_slots: int):

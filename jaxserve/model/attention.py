@@ -40,7 +40,7 @@ class AttentionMetadata:
   block_rows: jax.Array  # [nb, Tb] packed rows of each prefill query block (T: none).
   block_seq: jax.Array  # [nb] the sequence of each block.
   # [1, T] the last position each query sees (None: its own). An image's tokens see every token
-  # of their image, as Gemma 3 attends among them both ways in prefill; the kernels ignore it.
+  # of their image, as Gemma 3 attends among them both ways in prefill (every backend).
   attend_until: jax.Array | None = None
   # [3, 1, T] each token's three M-RoPE positions (Qwen2.5-VL; model/rope.py), None for a model
   # with one: `positions` plus the step's rope_shifts.
@@ -245,9 +245,10 @@ def _attend_pallas(q, k, v, cache: KVPool, layer, meta: AttentionMetadata, platf
   # The kernel quantizes the new K/V to the pages' dtype itself (float8 at scale 1.0).
   args = (q[0], k[0], v[0], cache.k, meta.page_tables, meta.cu_q_lens, meta.kv_lens,
           jnp.int32(meta.page_tables.shape[0]))
+  until = None if meta.attend_until is None else meta.attend_until[0]
+  kw = dict(layer=layer, sliding_window=window, attend_until=until)
   if platform == "cpu-ffi":  # The same op in C++ (kernels_cpu/ragged.cc), on the CPU.
-    out, pages = kernels_cpu.ragged_paged_attention(*args, layer=layer, sliding_window=window)
+    out, pages = kernels_cpu.ragged_paged_attention(*args, **kw)
   else:
-    out, pages = kernels_pallas.ragged_paged_attention(*args, layer=layer, sliding_window=window,
-                                                       platform=platform)
+    out, pages = kernels_pallas.ragged_paged_attention(*args, **kw, platform=platform)
   return out[None], dataclasses.replace(cache, k=pages)

@@ -106,3 +106,19 @@ def owned_pages(page_tables, kv_lens, num_seqs: int, page_size: int) -> np.ndarr
   tables, lens = np.asarray(page_tables), np.asarray(kv_lens)
   return np.concatenate([tables[b, :-(-int(lens[b]) // page_size)] for b in range(num_seqs)]
                         + [np.zeros(0, np.int32)])
+
+
+def image_reach(rng: np.random.Generator, batch, num_tokens: int) -> jnp.ndarray:
+  """attend_until [T] int32 for a step of `batch` ((q_len, context) per live sequence): in each
+  sequence of 3 or more new tokens a random span of them (an image) sees up to the span's last
+  position; the other tokens their own; padding rows a large value (kept in bounds)."""
+  until = np.full(num_tokens, 10**6, np.int32)
+  at = 0
+  for q_len, context in batch:
+    until[at:at + q_len] = context + np.arange(q_len)
+    if q_len >= 3:
+      a = int(rng.integers(0, q_len - 2))
+      b = int(rng.integers(a + 2, q_len + 1))
+      until[at + a:at + b] = context + b - 1
+    at += q_len
+  return jnp.asarray(until)
