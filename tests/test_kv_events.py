@@ -1,6 +1,7 @@
 """KV-cache events (issue 27 item 2): vLLM's KVEventBatch over ZMQ, with block hashes a router
 (llm-d's indexer) computes from a prompt's tokens, replaying to the prefix cache's contents."""
 
+import hashlib
 import json
 import pathlib
 import socket
@@ -216,3 +217,46 @@ def test_a_salt_goes_into_the_first_blocks_key_and_hash():
   assert pages.match_prefix(tokens, "t") == []
   pages_of = lambda salt: {hit.page for hit in pages.match_prefix(tokens, salt)}
   assert not pages_of("s") & pages_of(None)
+
+
+def test_an_images_hash_goes_into_the_extra_keys_of_its_blocks():
+  """vLLM puts each multimodal item's identifier in the extra keys of every block holding its
+  tokens (before cache_salt): same tokens, another image, other hashes from the image's first
+  block on; the blocks before it the text's own. Also when a page comes back from the host tier."""
+  from jaxserve.batching import images as mm
+  from jaxserve.batching.kv_pages import PageAllocator
+
+  tokens = list(range(1, 14))  # Pages [1-4] [5-8] [9-12]; an image on positions 5-9.
+  extras = lambda h: mm.page_extras([mm.ImageSpan(h, None, 5, 5)], 4)
+  ops = []
+  pages = PageAllocator(10, page_size=4, host_slots=8)
+  pages.events = kv_events.KVEventLog(ops.extend)
+  tables = []
+  for h in ("a" * 64, "b" * 64):
+    tables.append(pages.allocate(tokens, reuse=False)[0])
+    pages.cache_pages(tables[-1], tokens, 0, 3, cache_salt="s", extras=extras(h))
+  root, cbor = kv_events.root_hash(""), kv_events.cbor
+  by_hand = [hashlib.sha256(cbor([root, tokens[:4], ["s"]])).digest()]
+  for i in (1, 2):
+    by_hand.append(hashlib.sha256(cbor([by_hand[-1], tokens[4 * i:4 * i + 4], ["a" * 64]]))
+                   .digest())
+  mirror = kv_events.EventMirror(4)
+  pages.events.flush()
+  first, second = mirror.events(ops)
+  assert first[1] == [kv_events.external(h) for h in by_hand]
+  assert first[1] == kv_events.prompt_hashes(tokens, 4, cache_salt="s", images=extras("a" * 64))
+  # The other image's request: its first page is the text's (not stored again, the parent).
+  assert second[2] == first[1][0] and len(second[1]) == 2 and not set(second[1]) & set(first[1])
+  assert kv_events.prompt_hashes(tokens, 4, cache_salt="s")[1] not in first[1]
+  # Saved to the host tier as their pages are evicted, then loaded back: the same hashes.
+  for table in tables:
+    pages.free(table)
+  ops.clear()
+  pages.free(pages.allocate(list(range(100, 136)), reuse=False)[0])  # Evicts every page.
+  hits = pages.match_prefix(tokens, "s", extras=extras("a" * 64))
+  assert [(hit.on_host, hit.images) for hit in hits] == [
+      (True, ()), (True, ("a" * 64,)), (True, ("a" * 64,))]
+  pages.allocate(tokens, hits=hits, cache_salt="s")
+  pages.events.flush()
+  loaded = [e for e in mirror.events(ops) if e[0] == "BlockStored" and e[-1] == "GPU"]
+  assert [h for e in loaded for h in e[1]][-3:] == first[1]

@@ -27,6 +27,7 @@ class PrefixHit:
   tokens: tuple[int, ...]
   page: int | None = None  # Its device page; None on the host.
   slot: int | None = None  # Its host tier slot; None on the device.
+  images: tuple[str, ...] = ()  # The image hashes in its key (for its KV event's extra keys).
 
   @property
   def on_host(self) -> bool:

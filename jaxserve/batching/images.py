@@ -79,15 +79,16 @@ class ImageSpan:
     return self.offset + self.length
 
 
-def page_extras(spans: Sequence[ImageSpan], page_size: int) -> tuple[bytes, ...]:
-  """Per KV page, the content hashes of the images whose tokens it holds (b"": none), for the
-  page keys (page_keys.py); () for a request without images."""
+def page_extras(spans: Sequence[ImageSpan], page_size: int) -> tuple[tuple[str, ...], ...]:
+  """Per KV page, the content hashes of the images whose tokens it holds, in order (() none),
+  for the page keys (page_keys.py) and the KV events' extra keys; () for a request without
+  images."""
   if not spans:
     return ()
-  extras = [b""] * ((max(s.end for s in spans) - 1) // page_size + 1)
+  extras: list[tuple[str, ...]] = [()] * ((max(s.end for s in spans) - 1) // page_size + 1)
   for s in spans:
     for i in range(s.offset // page_size, (s.end - 1) // page_size + 1):
-      extras[i] += s.hash.encode()
+      extras[i] += (s.hash,)
   return tuple(extras)
 
 

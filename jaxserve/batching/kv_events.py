@@ -14,7 +14,10 @@ Block hashes are vLLM's `sha256_cbor` chain, the one llm-d's indexer reproduced 
 tokens (`pkg/kvcache/kvblock/token_processor.go` from v0.3, commit 994abf2): each block's hash
 is SHA-256 of the canonical CBOR of [parent hash (32 bytes), token ids, extra keys], the first
 block's parent is SHA-256 of the CBOR of the hash seed (vLLM's PYTHONHASHSEED, llm-d's
-`hashSeed`), and extra keys are None but for a salted request's first block ([cache_salt]).
+`hashSeed`), and extra keys are None but for a block of image tokens (the content hash of each
+image it holds, as vLLM puts each multimodal item's identifier there) and a salted request's
+first block (its cache_salt, after them): a router that hashes a prompt's tokens alone never
+takes an image prompt's blocks for its text's.
 The events carry each hash's last 8 bytes as an unsigned big-endian integer, which every llm-d
 version reads (its `getHashAsUint64` takes bytes or integers the same way).
 
@@ -82,9 +85,11 @@ def root_hash(seed: str) -> bytes:
   return hashlib.sha256(cbor(seed)).digest()
 
 
-def block_hash(parent: bytes, token_ids: Sequence[int], cache_salt: str | None = None) -> bytes:
-  """One block's 32-byte hash; `cache_salt` only on a sequence's first block."""
-  extra = [cache_salt] if cache_salt else None
+def block_hash(parent: bytes, token_ids: Sequence[int], cache_salt: str | None = None,
+               images: Sequence[str] = ()) -> bytes:
+  """One block's 32-byte hash; `cache_salt` only on a sequence's first block, `images` the
+  hashes of the images whose tokens it holds."""
+  extra = [*images, *([cache_salt] if cache_salt else [])] or None
   return hashlib.sha256(cbor([parent, list(token_ids), extra])).digest()
 
 
@@ -93,21 +98,23 @@ def external(h: bytes) -> int:
   return int.from_bytes(h[24:], "big")
 
 
-def chain(root: bytes, token_ids: Sequence[int], page_size: int,
-          cache_salt: str | None = None) -> list[bytes]:
-  """The 32-byte hashes of every full block of `token_ids`, the first one's parent `root`."""
+def chain(root: bytes, token_ids: Sequence[int], page_size: int, cache_salt: str | None = None,
+          images: Sequence[Sequence[str]] = ()) -> list[bytes]:
+  """The 32-byte hashes of every full block of `token_ids`, the first one's parent `root`;
+  `images`: each block's image hashes (images.page_extras)."""
   parent, out = root, []
   for i in range(len(token_ids) // page_size):
     parent = block_hash(parent, token_ids[i * page_size:(i + 1) * page_size],
-                        cache_salt if i == 0 else None)
+                        cache_salt if i == 0 else None, images[i] if i < len(images) else ())
     out.append(parent)
   return out
 
 
 def prompt_hashes(token_ids: Sequence[int], page_size: int, seed: str = "",
-                  cache_salt: str | None = None) -> list[int]:
+                  cache_salt: str | None = None, images: Sequence[Sequence[str]] = ()
+                  ) -> list[int]:
   """The hashes of every full block of `token_ids`, as a router computes them for a prompt."""
-  return [external(h) for h in chain(root_hash(seed), token_ids, page_size, cache_salt)]
+  return [external(h) for h in chain(root_hash(seed), token_ids, page_size, cache_salt, images)]
 
 
 class KVEventLog:
@@ -119,10 +126,11 @@ class KVEventLog:
     self._ops: list[tuple] = []
 
   def stored(self, page: int, parent_page: int | None, tokens: tuple[int, ...],
-             cache_salt: str | None, findable: bool) -> None:
-    """`page` got its key, after `parent_page` (None: the sequence's first page). Only a
-    findable page is in the cache; a duplicate keeps its hash for its children's sake."""
-    self._ops.append((_STORED, page, parent_page, tokens, cache_salt, findable))
+             cache_salt: str | None, findable: bool, images: tuple[str, ...] = ()) -> None:
+    """`page` got its key, after `parent_page` (None: the sequence's first page); `images`: the
+    hashes of the images whose tokens it holds. Only a findable page is in the cache; a
+    duplicate keeps its hash for its children's sake."""
+    self._ops.append((_STORED, page, parent_page, tokens, cache_salt, findable, images))
 
   def dropped(self, page: int, evicted: bool) -> None:
     """`page` lost its key: evicted from the cache, or freed while not findable."""
@@ -165,9 +173,9 @@ class EventMirror:
     last_stored = None  # The page that ends out[-1] when that is a BlockStored.
     for op in ops:
       if op[0] == _STORED:
-        _, page, parent, tokens, salt, findable = op
+        _, page, parent, tokens, salt, findable, images = op
         parent_hash = self._root if parent is None else self._hash[parent]
-        self._hash[page] = h = block_hash(parent_hash, tokens, salt)
+        self._hash[page] = h = block_hash(parent_hash, tokens, salt, images)
         if not findable:
           continue
         if last_stored is not None and last_stored == parent:  # The chain goes on.

@@ -24,6 +24,7 @@ loads (host slot -> device page), both before the step, which may overwrite a sa
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Sequence
 
 from jaxserve.batching.host_pages import HostPages, PrefixHit
@@ -78,7 +79,8 @@ class PageAllocator:
     return self._ref[page]
 
   def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
-                   lora: str | None = None, extras: Sequence[bytes] = ()) -> list[PrefixHit]:
+                   lora: str | None = None, extras: Sequence[tuple[str, ...]] = ()
+                   ) -> list[PrefixHit]:
     """The cached pages that hold a prefix of `token_ids`: device pages, or host tier hits.
 
     The page holding the last token never matches: its prefill samples the next token, and
@@ -87,11 +89,12 @@ class PageAllocator:
     if not self.enable_prefix_caching:
       return []
     hits = []
-    for key, tokens in prefix_keys(token_ids, self.page_size, cache_salt, lora, extras):
+    for i, (key, tokens) in enumerate(prefix_keys(token_ids, self.page_size, cache_salt, lora,
+                                                  extras)):
       hit = self.find_hit(key, tokens)
       if hit is None:
         break
-      hits.append(hit)
+      hits.append(dataclasses.replace(hit, images=page_extra(extras, i)) if extras else hit)
     return hits
 
   def find(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
@@ -161,7 +164,7 @@ class PageAllocator:
     findable = self.register(page, hit.key, hit.tokens)
     if self.events is not None and publish:
       self.events.stored(page, parent, hit.tokens, cache_salt if parent is None else None,
-                         findable)
+                         findable, hit.images)
     return page
 
   def adopt(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
@@ -205,7 +208,7 @@ class PageAllocator:
 
   def cache_pages(self, table: Sequence[int], token_ids: Sequence[int], start: int, end: int,
                   cache_salt: str | None = None, lora: str | None = None,
-                  extras: Sequence[bytes] = ()):
+                  extras: Sequence[tuple[str, ...]] = ()):
     """Registers pages [start, end) of `table`, now full of the KV of `token_ids`, by hash.
 
     Pages [0, start) must be registered already (their keys chain into these). If another page
@@ -221,7 +224,7 @@ class PageAllocator:
       findable = self.register(table[i], parent, tokens)
       if self.events is not None:
         self.events.stored(table[i], table[i - 1] if i else None, tokens,
-                           None if i else cache_salt, findable)
+                           None if i else cache_salt, findable, page_extra(extras, i))
 
   def register(self, page: int, key: bytes, tokens: tuple[int, ...]) -> bool:
     """Makes held `page` findable by `key` (unless another page already is); whether it is."""

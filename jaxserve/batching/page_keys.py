@@ -23,16 +23,17 @@ import numpy as np
 _ROOT_HASH = bytes(32)  # The parent key of a sequence's first page.
 
 
-def page_hash(parent: bytes, token_ids: tuple[int, ...], extra: bytes = b"") -> bytes:
+def page_hash(parent: bytes, token_ids: tuple[int, ...], images: Sequence[str] = ()) -> bytes:
   """SHA-256 of the parent's 32-byte key, then the ids as little-endian int32s, then (a page of
   image tokens) the images' content hashes."""
   ids = np.asarray(token_ids, "<i4").tobytes()
-  return hashlib.sha256(parent + ids + (b"images\0" + extra if extra else b"")).digest()
+  extra = b"images\0" + "".join(images).encode() if images else b""
+  return hashlib.sha256(parent + ids + extra).digest()
 
 
-def page_extra(extras: Sequence[bytes], i: int) -> bytes:
-  """Page i's extra key bytes (b"": none)."""
-  return extras[i] if i < len(extras) else b""
+def page_extra(extras: Sequence[tuple[str, ...]], i: int) -> tuple[str, ...]:
+  """Page i's image hashes (images.page_extras; () none)."""
+  return extras[i] if i < len(extras) else ()
 
 
 def root_key(cache_salt: str | None, lora: str | None = None) -> bytes:
@@ -50,7 +51,7 @@ def _utf8(s: str) -> bytes:
 
 
 def prefix_keys(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None,
-                lora: str | None = None, extras: Sequence[bytes] = ()
+                lora: str | None = None, extras: Sequence[tuple[str, ...]] = ()
                 ) -> Iterator[tuple[bytes, tuple[int, ...]]]:
   """(key, tokens) of each full page of `token_ids` but the one holding the last token, lazily.
   `extras`: each page's image hashes (images.page_extras)."""

@@ -64,7 +64,7 @@ class PagePools:
   # Admission.
 
   def match(self, token_ids: Sequence[int], cache_salt: str | None = None,
-            lora: str | None = None, extras: Sequence[bytes] = ()) -> list[PrefixHit]:
+            lora: str | None = None, extras: Sequence[tuple[str, ...]] = ()) -> list[PrefixHit]:
     """The cached full-pool pages a request for `token_ids` may reuse: its longest cached
     prefix, and with window pages only as much of it as the window pool still holds the window
     of (the pages the first position to compute attends to). Made once per admission."""
