@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import grpc
 import numpy as np
 import PIL.Image
 import pytest
 
+from jaxserve.api.proto import jaxserve_pb2 as pb
 from jaxserve.batching import qwen_prompts
 from jaxserve.batching.images import Image
 from jaxserve.config import AttentionBackend, EngineConfig
@@ -22,6 +24,7 @@ from jaxserve.text.tokenizer import Tokenizer
 from support import images as im
 from support import qwen_vl
 from support import server_harness as h
+from support.openai_http import call, post
 from support.openai_http import openai_client as client
 from support.tiny import count_compiles
 
@@ -48,12 +51,17 @@ def vl(tmp_path_factory):
   srv.close()
 
 
-def expected(hf, tokenizer, vision, rgbs) -> tuple[int, list[int], list[float]]:
-  """The prompt's length and transformers' greedy tokens and logprobs: the chat templated, each
-  placeholder repeated for its image, tokenized; the Pillow processor's patches."""
+def prompt_ids(tokenizer, vision, rgbs) -> list[int]:
+  """The chat templated, each placeholder repeated for its image, tokenized."""
   text = tokenizer.apply_chat_template(im.chat(*[{"type": "image"}] * len(rgbs)))
   images = [Image.of(rgb) for rgb in rgbs]
-  ids = tokenizer.encode(qwen_prompts.expand_text(text, images, *MARKERS, vision), add_bos=False)
+  return tokenizer.encode(qwen_prompts.expand_text(text, images, *MARKERS, vision), add_bos=False)
+
+
+def expected(hf, tokenizer, vision, rgbs) -> tuple[int, list[int], list[float]]:
+  """The prompt's length and transformers' greedy tokens and logprobs on `prompt_ids`, with the
+  Pillow processor's patches."""
+  ids = prompt_ids(tokenizer, vision, rgbs)
   processor = transformers.Qwen2VLImageProcessorPil(**qwen_vl.PROCESSOR)
   patches, grids = [], []
   for rgb in rgbs:
@@ -85,3 +93,20 @@ def test_image_chats_equal_transformers_with_text_beside_them(vl):
     assert np.abs(np.array(got[2]) - ref[2]).max() < 1e-3
   assert want[1][0] > want[0][0] + 30  # The big image's 35 tokens.
   h.wait_idle(srv)
+
+
+def test_tokenize_expands_each_image_for_its_size(vl):
+  """/tokenize and gRPC Tokenize take image parts as generation does: the ids a chat of two
+  images of two sizes runs (whose outputs equal transformers' above)."""
+  _, srv, tokenizer, vision = vl
+  want = prompt_ids(tokenizer, vision, RGBS)
+  messages = im.chat(*[im.image_part(im.data_url(p)) for p in PNGS])
+  out = post(srv, {"messages": messages}, "/tokenize")
+  assert out["tokens"] == want and out["count"] == len(want)
+  msg = pb.ChatMessage(role="user", content="What is it?", images=PNGS)
+  with grpc.insecure_channel(srv.grpc_address) as channel:
+    got = h.stub(channel).Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(messages=[msg])))
+  assert list(got.token_ids) == want
+  status, err = call(srv, "/tokenize", {"messages": im.chat(im.image_part(im.data_url(b"no")))},
+                     method="POST")
+  assert status == 400 and "image" in err["error"]["message"], err

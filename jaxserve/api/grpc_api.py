@@ -183,10 +183,7 @@ def _prepare(service: Service, lease: Lease, request: Any) -> list[Run]:
 def _tokenize(service: Service, request: Any) -> pb.TokenizeResponse:
   request = _decoded(request)
   service.check_model(request.model)
-  prompt = _prompt(request)
-  if prompt.images:  # How many tokens an image takes is the model's processor's to say.
-    raise gateway.invalid("Tokenize does not take images yet: send the messages' text only")
-  return pb.TokenizeResponse(token_ids=service.encode(prompt),
+  return pb.TokenizeResponse(token_ids=service.tokenize(_prompt(request)),
                              max_model_len=service.max_model_len)
 
 

@@ -1,6 +1,7 @@
 """vLLM's tokenizer routes, as lm-eval's remote tokenizer and other clients call them.
 
-  POST /tokenize        {"prompt": str} or {"messages": [...]}, optional model,
+  POST /tokenize        {"prompt": str} or {"messages": [...]} (image parts too: each image's
+                        placeholder expanded as for generation), optional model,
                         add_special_tokens, add_generation_prompt (chat), return_token_strs
                         -> {"count", "max_model_len", "tokens", "token_strs"}
   POST /detokenize      {"tokens": [ids]} -> {"prompt": text}
@@ -43,11 +44,9 @@ def tokenize(service: Service, body: Mapping[str, Any]) -> dict[str, Any]:
     prompt = Prompt(text=openai_prompt.unicode_text(body["prompt"], "prompt"))
   else:
     prompt = openai_prompt.chat_prompt(body)
-    if prompt.images:  # How many tokens an image takes is the model's processor's to say.
-      raise invalid("/tokenize does not take image parts yet: send the messages' text only")
   # True is Hugging Face's meaning: the special tokens the tokenizer adds by default (BOS or none).
-  ids = service.encode(prompt, add_special_tokens=None if flags["add_special_tokens"] else False,
-                       add_generation_prompt=flags["add_generation_prompt"])
+  ids = service.tokenize(prompt, add_special_tokens=None if flags["add_special_tokens"] else False,
+                         add_generation_prompt=flags["add_generation_prompt"])
   strs = [service.tokenizer.id_to_token(i) for i in ids] if flags["return_token_strs"] else None
   return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids,
           "token_strs": strs}

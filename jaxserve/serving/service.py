@@ -154,6 +154,13 @@ class Service:
     return self._encoder.encode(prompt, truncate, add_special_tokens, add_generation_prompt,
                                 images)
 
+  def tokenize(self, prompt: Prompt, add_special_tokens: bool | None = None,
+               add_generation_prompt: bool = True) -> list[int]:
+    """The tokenizer routes' ids: a chat's images decoded and checked as for generation, each
+    placeholder expanded for its image (a Qwen2.5-VL image's count follows its size)."""
+    images = self.media.load(prompt.images, prompt.messages)
+    return self.encode(prompt, False, add_special_tokens, add_generation_prompt, images)
+
   def prepare(self, inp: GenerateInput) -> Prepared:
     """Every check of one prompt, whichever front end parsed it: the one entry point. Raises an
     ApiError naming the bad field (the scheduler still refuses what the KV pool cannot hold)."""
