@@ -54,10 +54,11 @@ def _ragged_kernel(tables_ref,  # [B, W] int32, the layer's pages (offset by lay
                    block_reach_ref,  # [T / Tq] int32: the most any of the block's rows reaches
                    src_ref, dest_ref,  # [Tq] int32: token to store, and its cache row
                    q_ref,  # [Gp, Tq, H]
-                   *refs,  # reach_ref [Gp, Tq] int32 (with reaches), new_ref, pages_ref, o_ref,
-                   # pages_out_ref: the step's new page rows [T, Cr / H, H]; the cache
-                   # [L * P * Z, Cr / H, H] as given (aliased to pages_out_ref); [Gp, Tq, H]; the
-                   # cache written
+                   # reach_ref [Gp, Tq] int32 (only when `reaches`: each row's reach);
+                   # new_ref [T, Cr / H, H], the step's new page rows; pages_ref
+                   # [L * P * Z, Cr / H, H] as given (aliased to pages_out_ref); o_ref
+                   # [Gp, Tq, H]; pages_out_ref [L * P * Z, Cr / H, H]
+                   *refs,
                    sm_scale: float, v_scale: float, num_kv_heads: int, scale_groups: int,
                    page_size: int, chunk_len: int, sliding_window: int | None, reaches: bool):
   reach_ref, refs = (refs[0], refs[1:]) if reaches else (None, refs)

@@ -85,12 +85,13 @@ def _write_new_kv(scalars, new_hbm_ref, pages_ref, page_buf, new_buf, sem, *, pa
 def _ragged_kernel(meta_ref, tables_ref, cu_ref, kv_lens_ref, seq_lo_ref, seq_hi_ref,  # SMEM
                    block_reach_ref,  # SMEM [T' / Tq]: the most any of the block's rows reaches
                    q_ref,  # [K, G, Tq, E] VMEM
-                   *refs,  # reach_ref [R, 1] VMEM (with reaches: each row's reach), then
+                   # reach_ref [R, 1] VMEM (only when `reaches`: each row's reach);
                    # new_hbm_ref [T' / Z, Z, Cr] HBM: the new rows, Z rows of zeros first;
-                   # kv_pages as given, aliased to pages_ref, which the kernel uses;
+                   # kv_pages as given (aliased to pages_ref, which the kernel uses);
                    # o_ref [K, G, Tq, E] VMEM; pages_ref [L * P, Z, Cr] HBM, the output alias
                    # of the cache; kv_buf [2, Q, Z, Cr] VMEM; sem DMA [2]; page_buf [Z, Cr],
                    # new_buf [2, Z, Cr] VMEM, write_sem DMA [3]
+                   *refs,
                    sm_scale: float, windows: HeadWindows, pages_per_seq: int,
                    sliding_window: int | None, v_scale: float, reaches: bool):
   reach_ref, refs = (refs[0], refs[1:]) if reaches else (None, refs)
