@@ -433,6 +433,6 @@ def test_property_stop_strings_cut_the_stream_before_the_first_stop(smol, byte_t
 def test_a_developer_message_is_a_system_one_from_either_front_end(service):
   """OpenAI's `developer` role: the service maps it, so gRPC chat gets it as HTTP does."""
   def ids(role):
-    return service.encode(Prompt(messages=[{"role": role, "content": "Be brief."},
+    return service.prompts.encode(Prompt(messages=[{"role": role, "content": "Be brief."},
                                            {"role": "user", "content": "Hi"}]))
   assert ids("developer") == ids("system") != ids("user")

@@ -71,7 +71,7 @@ def expected_text(st, model, ids) -> str:
 
 
 def chat_ids(st) -> list[int]:
-  return st.server.service.encode(Prompt(messages=CHAT))
+  return st.server.service.prompts.encode(Prompt(messages=CHAT))
 
 
 def test_models_lists_the_base_and_its_adapters(served):

@@ -73,7 +73,7 @@ def refused(srv, *urls: str) -> str:
 def test_an_image_chat_is_served_with_the_templates_image_parts(vlm, smol, media_dir,
                                                                monkeypatch):
   srv, _ = vlm
-  media, threads = srv.server.service.media, []
+  media, threads = srv.server.service.prompts.media, []
   load = media.load
   monkeypatch.setattr(media, "load", lambda *a: threads.append(threading.current_thread().name)
                       or load(*a))

@@ -25,7 +25,6 @@ from support import images as im
 from support import qwen_vl
 from support import server_harness as h
 from support.openai_http import call, post
-from support.openai_http import openai_client as client
 from support.tiny import count_compiles
 
 transformers = pytest.importorskip("transformers")
@@ -72,12 +71,7 @@ def expected(hf, tokenizer, vision, rgbs) -> tuple[int, list[int], list[float]]:
 
 
 def chat(srv, tokenizer, pngs: list[bytes]) -> tuple[int, list[int], list[float]]:
-  out = client(srv).chat.completions.create(
-      model="", messages=im.chat(*[im.image_part(im.data_url(p)) for p in pngs]),
-      max_tokens=NUM_TOKENS, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
-  content = out.choices[0].logprobs.content
-  return (out.usage.prompt_tokens, [tokenizer.token_to_id(c.token) for c in content],
-          [c.logprob for c in content])
+  return im.served_chat(srv, tokenizer, pngs, NUM_TOKENS)
 
 
 def test_image_chats_equal_transformers_with_text_beside_them(vl):

@@ -29,7 +29,6 @@ from jaxserve.text.tokenizer import Tokenizer
 from support import gemma3_vl, hf_tiny
 from support import images as im
 from support import server_harness as h
-from support.openai_http import openai_client as client
 from support.tiny import count_compiles
 
 transformers = pytest.importorskip("transformers")
@@ -72,13 +71,7 @@ def expected(hf, tokenizer, rgbs: list[np.ndarray]) -> tuple[int, list[int], lis
 
 
 def chat(srv, tokenizer, pngs: list[bytes]) -> tuple[int, list[int], list[float]]:
-  """The prompt's length, and the tokens and logprobs the server gave a chat of these images."""
-  out = client(srv).chat.completions.create(
-      model="", messages=im.chat(*[im.image_part(im.data_url(p)) for p in pngs]),
-      max_tokens=NUM_TOKENS, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
-  content = out.choices[0].logprobs.content
-  return (out.usage.prompt_tokens, [tokenizer.token_to_id(c.token) for c in content],
-          [c.logprob for c in content])
+  return im.served_chat(srv, tokenizer, pngs, NUM_TOKENS)
 
 
 def assert_same(got, want):
@@ -90,7 +83,7 @@ def test_image_chats_equal_transformers_with_text_beside_them(vl, monkeypatch):
   """One image, two images, and a text-only chat sent at once with an image chat: greedy tokens
   and logprobs as transformers', the images placed on a worker thread, and no compile."""
   hf, srv, tokenizer = vl
-  vision = srv.server.service.vision
+  vision = srv.server.service.prompts.vision
   threads, place = [], vision.place
   monkeypatch.setattr(vision, "place", lambda *a: threads.append(
       threading.current_thread().name) or place(*a))
@@ -107,7 +100,7 @@ def test_image_chats_equal_transformers_with_text_beside_them(vl, monkeypatch):
   assert len(threads) == 4 and all(t.startswith("jaxserve-work-") for t in threads), threads
   info = srv.server.service.engine_info  # The model's limit, which the server's media apply.
   assert info.max_images == ENGINE.max_model_len // info.vision.num_image_tokens == 10
-  assert srv.server.service.media._model_max == 10  # pylint: disable=protected-access
+  assert srv.server.service.prompts.media._model_max == 10  # pylint: disable=protected-access
   h.wait_idle(srv)
 
 

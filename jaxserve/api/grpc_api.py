@@ -130,7 +130,7 @@ class Servicer(jaxserve_pb2_grpc.JaxserveServicer):
     lora = service.check_model(request.model)
     salt = service.gateway.cache_salt(acc.lease.key, request.cache_salt or None)
     model = await acc.work(identity.of, lora)  # An adapter's files are read once.
-    ids = await acc.work(service.encode, Prompt(token_ids=list(request.token_ids))) \
+    ids = await acc.work(service.prompts.encode, Prompt(token_ids=list(request.token_ids))) \
         if request.token_ids else []
     try:
       pages = kv_transfer.prefill(service.runner, ids, salt, lora, request.request_id or None,
@@ -183,7 +183,7 @@ def _prepare(service: Service, lease: Lease, request: Any) -> list[Run]:
 def _tokenize(service: Service, request: Any) -> pb.TokenizeResponse:
   request = _decoded(request)
   service.check_model(request.model)
-  return pb.TokenizeResponse(token_ids=service.tokenize(_prompt(request)),
+  return pb.TokenizeResponse(token_ids=service.prompts.encode(_prompt(request)),
                              max_model_len=service.max_model_len)
 
 

@@ -7,8 +7,9 @@
   POST /detokenize      {"tokens": [ids]} -> {"prompt": text}
   GET  /tokenizer_info  the tokenizer's class, special tokens and chat template
 
-The same tokenizer, chat template and checks as generation (service.Service.encode), so the ids
-a client counts here are the ids a completion would run. Every function raises only `ApiError`.
+The same tokenizer, chat template and checks as generation (serving/prepare.py's
+PromptPreparer.encode), so the ids a client counts here are the ids a completion would run.
+Every function raises only `ApiError`.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def tokenize(service: Service, body: Mapping[str, Any]) -> dict[str, Any]:
   else:
     prompt = openai_prompt.chat_prompt(body)
   # True is Hugging Face's meaning: the special tokens the tokenizer adds by default (BOS or none).
-  ids = service.tokenize(prompt, add_special_tokens=None if flags["add_special_tokens"] else False,
-                         add_generation_prompt=flags["add_generation_prompt"])
+  ids = service.prompts.encode(
+      prompt, add_special_tokens=None if flags["add_special_tokens"] else False,
+      add_generation_prompt=flags["add_generation_prompt"])
   strs = [service.tokenizer.id_to_token(i) for i in ids] if flags["return_token_strs"] else None
   return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids,
           "token_strs": strs}

@@ -57,7 +57,7 @@ def prepare(service: Service, acc: Accepted, prompts: Sequence[Prompt],
     raise invalid(f"truncate_prompt_tokens must be an integer in [1, {service.max_model_len - 1}]"
                   f", got {truncate_prompt_tokens!r}")
   start = time.monotonic()
-  ids = [service.encode(p, truncate=truncate_prompt_tokens is not None) for p in prompts]
+  ids = [service.prompts.encode(p, truncate=truncate_prompt_tokens is not None) for p in prompts]
   if truncate_prompt_tokens is not None:
     ids = [i[-truncate_prompt_tokens:] for i in ids]
   tokenize_s = (time.monotonic() - start) / len(prompts)

@@ -5,9 +5,9 @@ One request, in the order it happens:
   Service.accept: refused while draining, its API key, its key's requests per minute: cheap
     checks on the event loop, before any work is done on it; from here the drain counts it
     -> Service.prepare_runs, on a worker (work_pool.py), once however many choices it has:
-       tokenize, template and check each prompt (prompt_ids.py), decide its max_tokens and
-       check its fields (client_fields.py), compile its constraint, price it under the key's
-       tokens per minute, build the engine requests of its n runs
+       each prompt made ready (prepare.py: its images decoded, tokenized and templated, its
+       fields checked, its max_tokens decided), its constraint compiled, priced under the key's
+       tokens per minute, the engine requests of its n runs built
     -> Service.generate, per run: AsyncRunner.submit_request (the engine thread takes it
        before its next step) -> outputs, grouped into chunks of `chunk_tokens` tokens -> a
        RequestRecord at the end (metrics, the log line, usage and timings for the client, the
@@ -41,23 +41,21 @@ from jaxserve.batching.request import (
 )
 from jaxserve.batching.stream import AsyncRunner, EngineDead, RequestStream
 from jaxserve.config import LoRARequest, SamplingParams
-from jaxserve.serving import client_fields, gateway
+from jaxserve.serving import gateway
 from jaxserve.serving.adapters import Adapters
 from jaxserve.serving.constraint_gate import ConstraintGate
 from jaxserve.serving.gateway import ApiError, ApiKey, Lease, Status
-from jaxserve.serving.media import MediaLimits, MediaLoader
+from jaxserve.serving.media import MediaLimits
 from jaxserve.serving.metrics import Metrics, RequestRecord
-from jaxserve.serving.prompt_ids import PromptEncoder
+from jaxserve.serving.prepare import PromptPreparer
 from jaxserve.serving.requests import (
   Accepted,
   Chunk,
   GenerateInput,
   PrefillPeer,
   Prepared,
-  Prompt,
   Run,
 )
-from jaxserve.serving.vision_prompts import VisionPrompts
 from jaxserve.serving.weights_from_disk import WeightsFromDisk
 from jaxserve.serving.work_pool import WorkPool
 from jaxserve.text.constraint import Grammar
@@ -94,15 +92,13 @@ class Service:
     self.engine_info = info = runner.engine_info
     self.vocab_size = info.vocab_size
     self.max_model_len = info.max_model_len
-    self.vision = VisionPrompts(tokenizer, info.vision, disaggregated=kv_peer is not None)
-    self._encoder = PromptEncoder(tokenizer, self.max_model_len, self.vocab_size,
-                                  self.vision.expand)
+    # A prompt's checks and ids (the tokenizer routes' too), its images decoded and placed.
+    self.prompts = PromptPreparer(tokenizer, info, model_name, media, kv_peer is not None)
     self.constraint_gate = ConstraintGate(runner.constraints)
     self.adapters = Adapters(runner, model_name, read_lora, runtime_lora_roots)
     self.kv_peer = kv_peer
     self.pooler = pooler
     self.weights = WeightsFromDisk(runner, read_weights, weights_roots)
-    self.media = MediaLoader(media, model_name, info.max_images)
 
   def model_info(self) -> dict[str, Any]:
     """The fields of the proto's ModelInfo."""
@@ -148,36 +144,10 @@ class Service:
 
   # The work of one request, on a worker thread.
 
-  def encode(self, prompt: Prompt, truncate: bool = False, add_special_tokens: bool | None = None,
-             add_generation_prompt: bool = True, images: Sequence = ()) -> list[int]:
-    """The prompt's ids (serving/prompt_ids.py), for generation and the tokenizer routes."""
-    return self._encoder.encode(prompt, truncate, add_special_tokens, add_generation_prompt,
-                                images)
-
-  def tokenize(self, prompt: Prompt, add_special_tokens: bool | None = None,
-               add_generation_prompt: bool = True) -> list[int]:
-    """The tokenizer routes' ids: a chat's images decoded and checked as for generation, each
-    placeholder expanded for its image (a Qwen2.5-VL image's count follows its size)."""
-    images = self.media.load(prompt.images, prompt.messages)
-    return self.encode(prompt, False, add_special_tokens, add_generation_prompt, images)
-
   def prepare(self, inp: GenerateInput) -> Prepared:
     """Every check of one prompt, whichever front end parsed it: the one entry point. Raises an
     ApiError naming the bad field (the scheduler still refuses what the KV pool cannot hold)."""
-    lora = self.check_model(inp.model)
-    client_fields.check_request_id(inp.request_id or "")
-    chunk_tokens = client_fields.check_chunk_tokens(inp.chunk_tokens)
-    fields = client_fields.checked_sampling_fields(inp.sampling, self.vocab_size)
-    images = self.media.load(inp.prompt.images, inp.prompt.messages)  # Before tokenizing.
-    start = time.monotonic()
-    ids = self.encode(inp.prompt, inp.truncate_prompt, images=images)
-    tokenize = time.monotonic() - start
-    ids, max_tokens = client_fields.fit_to_context(ids, inp.max_tokens, self.max_model_len,
-                                             inp.truncate_prompt, inp.default_max_tokens)
-    sampling = client_fields.sampling_params(fields, max_tokens, inp.logprobs)
-    client_fields.check_bias_ids(sampling, self.vocab_size)
-    spans = self.vision.place(ids, images)  # Preprocessed here, on the worker.
-    return Prepared(ids, sampling, tokenize, chunk_tokens, lora, images, spans)
+    return self.prompts.prepare(inp, self.check_model(inp.model))
 
   def compile_constraint(self, key: ApiKey, sampling: SamplingParams) -> Grammar | None:
     """A constrained request's grammar, on a worker: compiled (or found in the cache) within the

@@ -108,3 +108,17 @@ def hf_greedy(hf, ids: list[int], num_tokens: int, **inputs) -> tuple[list[int],
   tokens = out.sequences[0, len(ids):].tolist()
   logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
   return tokens, logprobs
+
+
+def served_chat(srv, tokenizer, pngs: list[bytes], num_tokens: int
+                ) -> tuple[int, list[int], list[float]]:
+  """The prompt's length, and the greedy tokens and logprobs a live server gave a chat of these
+  PNG images (data URLs, through the official openai client)."""
+  from support.openai_http import openai_client
+
+  out = openai_client(srv).chat.completions.create(
+      model="", messages=chat(*[image_part(data_url(p)) for p in pngs]), max_tokens=num_tokens,
+      temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+  content = out.choices[0].logprobs.content
+  return (out.usage.prompt_tokens, [tokenizer.token_to_id(c.token) for c in content],
+          [c.logprob for c in content])
